@@ -296,6 +296,36 @@ def load_meta(path: str):
     return args, sd, llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
 
 
+def hf_names(n_layers: int) -> dict:
+    """Hugging Face parameter name -> ours (Meta's)."""
+    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
+             "lm_head.weight": "output.weight"}
+    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+                 "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+                 "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+                 "post_attention_layernorm": "ffn_norm"}
+    for i in range(n_layers):
+        names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
+    return names
+
+
+def to_transformers(model):
+    """The same weights in transformers' LlamaForCausalLM: the peer for benchmarks and GPU parity tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    a = model.args
+    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+                      rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
+                      tie_word_embeddings=a.tie_embeddings,
+                      rope_scaling=dict(a.rope_scaling, rope_type="llama3") if a.rope_scaling else None)
+    w = model.tok_embeddings.weight
+    with torch.device(w.device):
+        hf = LlamaForCausalLM._from_config(cfg, dtype=w.dtype)
+    ours = model.state_dict()
+    hf.load_state_dict({k: ours[v] for k, v in hf_names(a.n_layers).items() if v in ours}, strict=not a.tie_embeddings)
+    return hf.eval()
+
+
 def load_hf(path: str):
     """Hugging Face directory: config.json, *.safetensors, tokenizer.json. HF already uses our rotate_half order."""
     from safetensors.torch import load_file
@@ -316,14 +346,7 @@ def load_hf(path: str):
                      rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta", 10000.0), rope_scaling=scaling,
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-                 "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-                 "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for i in range(args.n_layers):
-        names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
+    names = hf_names(args.n_layers)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
     if args.tie_embeddings:
         sd.pop("output.weight", None)
@@ -508,12 +531,14 @@ def sample(logits, temperature: float, top_p: float, generator=None):
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
 
+@torch.inference_mode()
 def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop_ids=(),
-             on_token=None, timings=None):
+             on_token=None, timings=None, process_logits=None):
     """Static batch: prefill every prompt in one ragged forward, then decode until each stops.
 
     prompts: lists of token ids. kv: any backend (prepare / attend / free). Returns the new tokens per prompt.
-    on_token(i, token) streams; timings, if a dict, gets prefill and decode seconds and token counts."""
+    on_token(i, token) streams; timings, if a dict, gets prefill and decode seconds and token counts;
+    process_logits(rows, logits) -> logits may mask or bias the next-token logits of prompts `rows`."""
     device = model.tok_embeddings.weight.device
     gen = torch.Generator(device=device).manual_seed(seed)
     seqs, out = list(range(len(prompts))), [[] for _ in prompts]
@@ -527,6 +552,8 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
     sync()
     t1 = time.perf_counter()
     for step in range(max_new_tokens):
+        if process_logits is not None:
+            logits = process_logits(active, logits)
         for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
             out[i].append(t)
             if on_token:
@@ -544,3 +571,142 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
         timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
                        decode_tokens=n_decoded)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
+    ids = []
+    for p in prompts:
+        if not p.strip():
+            raise UserError("empty prompt")
+        ids.append(tok.chat(p) if chat else tok.encode(p, bos=True))
+        if len(ids[-1]) + max_new_tokens > context:
+            raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {context} tokens")
+    return ids
+
+
+def bench(model, tok, prompt_ids, max_new_tokens: int) -> dict:
+    """Batch-1 decode speed, ours vs transformers' generate on the same weights, same prompts, same run."""
+    m01 = lesson("01_kv_cache")
+    hf, dev = to_transformers(model), model.tok_embeddings.weight.device
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    ours = {"prefill_s": 0.0, "prefill_tokens": 0, "decode_s": 0.0, "decode_tokens": 0}
+    hf_decode_s = hf_tokens = 0
+    for ids in prompt_ids:
+        for warm in (True, False):
+            t = {}
+            kv = m01.ContiguousKVCache.for_model(model, 1, len(ids) + max_new_tokens)
+            generate(model, kv, [ids], max_new_tokens, timings=t)
+            if not warm:
+                ours = {k: ours[k] + t[k] for k in ours}
+        x = torch.tensor([ids], device=dev)
+        hf_time = {}
+        for n in (1, max_new_tokens, 1, max_new_tokens):  # decode time = generate(n) - generate(1); second pair counts
+            sync()
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+            sync()
+            hf_time[n] = time.perf_counter() - t0
+        hf_decode_s += hf_time[max_new_tokens] - hf_time[1]
+        hf_tokens += max_new_tokens - 1
+    r = {"decode_tok_s": ours["decode_tokens"] / ours["decode_s"],
+         "prefill_tok_s": ours["prefill_tokens"] / ours["prefill_s"],
+         "transformers_decode_tok_s": hf_tokens / hf_decode_s}
+    r["speedup_vs_transformers"] = r["decode_tok_s"] / r["transformers_decode_tok_s"]
+    return r
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model.")
+    ap.add_argument("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
+    ap.add_argument("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+    ap.add_argument("--no-chat", action="store_true", help="raw text completion instead of the chat template")
+    ap.add_argument("--quiet", action="store_true", help="print only the completion(s)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
+    ap.add_argument("--bench", action="store_true", help="batch-1 decode speed vs transformers on the same weights")
+    ap.add_argument("--json", action="store_true", help="with --bench: one JSON object")
+    args = ap.parse_args(argv)
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        ap.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    try:
+        if not all(p.strip() for p in args.prompt):
+            raise UserError("empty prompt")
+        device = parse_device(args.device)
+        t0 = time.perf_counter()
+        model, tok = load_model(args.model, device, DTYPES[args.dtype])
+        load_s = time.perf_counter() - t0
+        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+    except UserError as e:
+        sys.exit(f"error: {e}")
+    if args.bench:
+        r = bench(model, tok, ids, args.max_new_tokens)
+        if args.json:
+            print(json.dumps(r))
+        else:
+            print(f"decode (batch 1, {args.max_new_tokens} tokens): ours {r['decode_tok_s']:.1f} tok/s, transformers "
+                  f"{r['transformers_decode_tok_s']:.1f} tok/s -> {r['speedup_vs_transformers']:.2f}x; "
+                  f"prefill {r['prefill_tok_s']:.0f} tok/s  [{device}, {args.dtype}]")
+        return
+    if not args.quiet:
+        print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}", file=sys.stderr)
+    stream = len(ids) == 1 and not args.quiet
+    printed = [b""]
+
+    def on_token(i, t):  # stream bytes, holding back an incomplete UTF-8 character
+        if t in tok.stop_ids and not args.ignore_eos:
+            return
+        printed[0] += tok.token_bytes(t) if t < tok.vocab_size else b""
+        text = printed[0].decode("utf-8", errors="ignore")
+        cut = len(text.encode())
+        if cut:
+            print(text, end="", flush=True)
+            printed[0] = printed[0][cut:]
+
+    m01 = lesson("01_kv_cache")
+    kv = m01.ContiguousKVCache.for_model(model, len(ids), max(map(len, ids)) + args.max_new_tokens)
+    timings = {}
+    out = generate(model, kv, ids, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                   () if args.ignore_eos else tok.stop_ids, on_token if stream else None, timings)
+    texts = [tok.decode([t for t in o if args.ignore_eos or t not in tok.stop_ids]) for o in out]
+    if stream:
+        print()
+    elif args.quiet:
+        print("\n".join(texts))
+    else:
+        for p, t in zip(args.prompt, texts):
+            print(f"### {p}\n{t}\n")
+    if not args.quiet:
+        pre, dec = timings["prefill_tokens"] / timings["prefill_s"], timings["decode_tokens"] / max(timings["decode_s"], 1e-9)
+        print(f"[prefill {timings['prefill_tokens']} tokens at {pre:.0f} tok/s, decode {timings['decode_tokens']} tokens "
+              f"at {dec:.1f} tok/s, batch {len(ids)}]", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
