@@ -11,10 +11,10 @@ a table `req_to_token` remembers where each of its tokens lives, and attention g
 
     slot:       0   1   2   3   4   5   6   7   8   9
     mem_state [ 1 | 1 | 0 | 1 | 2 | 0 | 0 | 1 | 0 | 1 ]
-    owner       A   A   .   B   AB  .   .   B   .   A        (slot 4: a prefix shared by A and B)
+    owner       A   A   .   B   AB  .   .   B   .   A        (slot 4: a prompt prefix shared by A and B)
 
     req_to_token  (max_requests, max_seq_len) int32           row r, column i = the slot of token i of request r
-      row of A: [0, 1, 4, 9, ...]     row of B: [4, 3, 7, ...]   (only the first seq_len columns mean anything)
+      row of A: [4, 0, 1, 9, ...]     row of B: [4, 3, 7, ...]   (only the first seq_len columns mean anything)
 
 The cumsum trick: allocating n slots is a few tensor ops on the pool's device, no Python loop over slots.
     mem_state      1 1 0 1 2 0 0 1 0 1
@@ -27,7 +27,9 @@ The cumsum trick: allocating n slots is a few tensor ops on the pool's device, n
     of n marks a run of n free slots starting at i (LightLLM's alloc_contiguous). Free = decrement the refcounts.
 
 Page size 1 means no internal fragmentation (live-token share ~100%, see the report) at the price of a gather per
-token in attention -- which is why 04 writes a Triton kernel that reads req_to_token directly.
+token in attention -- which is why 04 writes a Triton kernel that reads req_to_token directly. The price of the
+cumsum: every alloc scans the whole pool. That is nothing on a GPU and noticeable on a CPU (the report measures
+it against a Python set); SGLang's allocator instead keeps a tensor of free slot ids and slices n off its front.
 
 References: LightLLM (ModelTC/lightllm, TokenAttention, `MemoryManager.alloc / alloc_contiguous / free` and
 `mem_state`), SGLang (`ReqToTokenPool`, `token_to_kv_pool` / `TokenToKVPoolAllocator`), Kwon et al. 2023 (vLLM,
@@ -38,7 +40,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import random
 import sys
 import time
 
@@ -93,21 +94,20 @@ class TokenAllocator:
         """Drop one reference to each slot in idx (repeats allowed); slots reaching 0 are free again.
 
         Freeing a free slot (double free, never allocated) or an out-of-range index raises ValueError and changes
-        nothing: the decrement is computed out of place and only committed after one host check."""
+        nothing: every check happens in one host sync before the decrement. Cost O(n log n), not O(size)."""
         idx = self._index(idx)
         if idx.numel() == 0:
             return
-        ones = torch.ones_like(idx, dtype=torch.int32)
-        after = self.mem_state.index_add(0, idx.clamp(0, self.size - 1), -ones)  # clamp: a bad index must not crash
-        lo, hi, low_ref, n_free = torch.stack([idx.min(), idx.max(), after.min().long(),
-                                               (after == 0).sum()]).tolist()    # one host sync for all checks
+        uniq, count = torch.unique(idx, return_counts=True)              # (k,) sorted slots, times each is freed
+        left = self.mem_state[uniq.clamp(0, self.size - 1)] - count      # clamp: a bad index must not crash a kernel
+        lo, hi, low_ref, n_zero = torch.stack([uniq[0], uniq[-1], left.min().long(), (left == 0).sum()]).tolist()
         if lo < 0 or hi >= self.size:
             raise ValueError(f"free: slot index out of range [0, {self.size}): min {lo}, max {hi}")
         if low_ref < 0:
-            bad = idx[after[idx] < 0].unique()[:8].tolist()
+            bad = uniq[left < 0][:8].tolist()
             raise ValueError(f"free: slots {bad} are not allocated (double free or never allocated); nothing freed")
-        self.mem_state.copy_(after)
-        self.n_free = n_free
+        self.mem_state[uniq] = left.to(torch.int32)
+        self.n_free += n_zero
 
     def inc_ref(self, idx):
         """Share slots that are in use (prefix caching): each needs one more free() before it is reusable."""
@@ -187,32 +187,29 @@ class TokenKVCache:
 
     def prepare(self, seq_ids, n_new):
         """Allocate slots for n_new[i] tokens of seq_ids[i] (all or nothing); returns their positions (T,)."""
-        n_new = [int(n) for n in n_new]
-        starts = [self.lens.get(s, 0) for s in seq_ids]
+        n_new, starts = [int(n) for n in n_new], [self.lens.get(s, 0) for s in seq_ids]
         for s, p, n in zip(seq_ids, starts, n_new):
             if n < 0 or p + n > self.max_seq_len:
                 raise ValueError(f"request {s}: {p} + {n} tokens exceed max_seq_len={self.max_seq_len}")
+        if len(set(seq_ids)) < len(seq_ids):
+            raise ValueError(f"prepare: a request is listed twice in {seq_ids}")
         fresh = [s for s in seq_ids if s not in self.rows]
         if len(fresh) > len(self.req_pool.free_rows):
-            raise PoolExhausted(f"{len(fresh)} new requests but only {len(self.req_pool.free_rows)} free request rows")
-        slots = self.allocator.alloc(sum(n_new))                 # (T,) one cumsum for the whole batch
+            raise PoolExhausted(f"{len(fresh)} new requests, only {len(self.req_pool.free_rows)} free request rows")
+        slots = self.allocator.alloc(sum(n_new))                # (T,) one cumsum for the whole batch
         if slots is None:
             raise PoolExhausted(f"need {sum(n_new)} KV slots, only {self.allocator.available()} free")
         for s in fresh:
             self._new_request(s)
         rows = [self.rows[s] for s in seq_ids]
-        n_t = torch.tensor(n_new, device=self.device)
-        start_t = torch.tensor(starts, device=self.device)
-        first = F.pad(n_t.cumsum(0), (1, 0))[:-1]                # (B,) offset of each request's first new token
+        n_t, start_t, row_t = (torch.tensor(x, device=self.device) for x in (n_new, starts, rows))  # (B,) each
+        first = n_t.cumsum(0) - n_t                             # (B,) offset of each request's first new token
         pos = torch.arange(len(slots), device=self.device) - torch.repeat_interleave(first - start_t, n_t)  # (T,)
-        tok_rows = torch.repeat_interleave(torch.tensor(rows, device=self.device), n_t)                      # (T,)
-        self.req_to_token[tok_rows, pos] = slots.int()          # token i of request r lives in slot slots[...]
+        self.req_to_token[torch.repeat_interleave(row_t, n_t), pos] = slots.int()  # token pos of row r -> its slot
         for s, n in zip(seq_ids, n_new):
             self.lens[s] += n
-        self.batch = (rows, starts, n_new)
-        self.tok_slots = slots
-        self.batch_rows = torch.tensor(rows, device=self.device, dtype=torch.int32)                       # (B,)
-        self.batch_lens = torch.tensor([p + n for p, n in zip(starts, n_new)], device=self.device, dtype=torch.int32)
+        self.batch, self.tok_slots = (rows, starts, n_new), slots
+        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what decode_attn reads
         return pos
 
     def attend(self, layer, q, k, v):
@@ -254,3 +251,207 @@ class TokenKVCache:
         self.allocator.free(self.slots(seq_id))
         self.req_pool.free(self.rows.pop(seq_id))
         del self.lens[seq_id]
+
+
+# ----------------------------------------------------------------------------------------------
+# Measurements
+# ----------------------------------------------------------------------------------------------
+
+class PythonSetAllocator:
+    """The peer: free slots in a Python set, one interpreter step per token (the reference CacheManager's way, with
+    the O(1) set.pop instead of random.choice(list(...)) -- the fastest a set gets, so the ratios are conservative)."""
+
+    def __init__(self, size: int, device="cpu"):
+        self.free_slots, self.used, self.device = set(range(size)), set(), device
+
+    def alloc(self, n: int):
+        if n > len(self.free_slots):
+            return None
+        picked = [self.free_slots.pop() for _ in range(n)]
+        self.used.update(picked)
+        return torch.tensor(picked, device=self.device)  # the slots must reach the device for attention anyway
+
+    def free(self, idx):
+        idx = idx.tolist()
+        if not self.used.issuperset(idx):
+            raise ValueError("free of a slot that is not allocated")
+        self.used.difference_update(idx)
+        self.free_slots.update(idx)
+
+
+class BlockPeer:
+    """02's BlockManager (bookkeeping only: no slot tensor is built), blocks of 16, behind alloc(n) / free(handle)."""
+
+    def __init__(self, size: int, device="cpu"):
+        self.bm, self.n = importlib.import_module("02_paged_cache_manager").BlockManager(size // 16, 16, 0.0), 0
+
+    def alloc(self, n: int):
+        self.n += 1
+        self.bm.append(self.n, n)
+        return self.n
+
+    def free(self, seq):
+        self.bm.free(seq)
+
+
+def half_full(a, size: int, seed: int = 0):
+    """Fill the pool, then free a random half: the free slots (or blocks) end up scattered."""
+    perm = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
+    if isinstance(a, BlockPeer):
+        held = [a.alloc(16) for _ in range(size // 16)]
+        for j in perm[perm < len(held)][:len(held) // 2].tolist():
+            a.free(held[j])
+    else:
+        held = a.alloc(size)
+        a.free(held[perm[:size // 2].to(held.device)])
+
+
+def time_alloc_free(a, n: int, budget_s: float = 0.2, sync=lambda: None) -> float:
+    """Seconds per alloc(n) + free of what it returned."""
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < budget_s or calls < 3:
+        a.free(a.alloc(n))
+        calls += 1
+    sync()
+    return (time.perf_counter() - t0) / calls
+
+
+def throughput(device="cpu", size=65536, batches=(1, 64, 4096), budget_s=0.2, seed=0):
+    """alloc+free calls/s and tokens/s of the token allocator and its peers, same pool size, same run."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    peers = {"token": TokenAllocator, "python_set": PythonSetAllocator, "blocks_02": BlockPeer}
+    rows = {}
+    for n in batches:
+        rows[n] = r = {}
+        for name, cls in peers.items():
+            try:
+                a = cls(size, device)
+            except Exception:                                       # 02 missing or broken: compare without it
+                continue
+            half_full(a, size, seed)
+            time_alloc_free(a, n, 0.02, sync)                       # warm-up
+            t = time_alloc_free(a, n, budget_s, sync)
+            r[name] = {"calls_per_s": 1 / t, "tokens_per_s": n / t}
+            r[f"speedup_vs_{name}"] = r["token"]["calls_per_s"] / r[name]["calls_per_s"]
+        del r["speedup_vs_token"]
+    return rows
+
+
+def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_sizes=(16, 256)):
+    """Serve a trace through the allocator (continuous batching, FIFO, one token per running request per step) and
+    compare, every step, the live tokens with what each scheme holds for the same requests: the token pool
+    (measured: size - available()), blocks of B tokens (sum of ceil(len / B) * B) and 01's max-length rows."""
+    pool, reqs = TokenAllocator(max_batch * max_seq_len), ReqToTokenPool(max_batch, max_seq_len)
+    waiting, running = list(range(len(prompt))), {}         # request -> [row, tokens cached, tokens still to sample]
+    held = dict.fromkeys(["live", "token_pool", "max_len_01", *block_sizes], 0)
+    while waiting or running:
+        while waiting and reqs.free_rows:                   # admit: prefill caches the prompt, samples token 1
+            i = waiting.pop(0)
+            row = reqs.alloc()
+            reqs.req_to_token[row, :prompt[i]] = pool.alloc(int(prompt[i])).int()
+            running[i] = [row, int(prompt[i]), int(output[i]) - 1]
+        ids = [i for i in running if running[i][2] > 0]
+        if ids:                                             # decode: one alloc call for the whole batch
+            rows, lens = torch.tensor([running[i][:2] for i in ids]).T
+            reqs.req_to_token[rows, lens] = pool.alloc(len(ids)).int()
+        for i in ids:
+            running[i][1:] = running[i][1] + 1, running[i][2] - 1
+        L = np.array([r[1] for r in running.values()])
+        held["live"] += L.sum()
+        held["token_pool"] += pool.size - pool.available()
+        held["max_len_01"] += len(L) * max_seq_len
+        for b in block_sizes:
+            held[b] += (-(-L // b) * b).sum()
+        for i in [i for i in running if running[i][2] == 0]:  # finished: every slot and the row go back
+            row, n, _ = running.pop(i)
+            pool.free(reqs.req_to_token[row, :n])
+            reqs.free(row)
+    pool.check()
+    assert pool.available() == pool.size, "slots leaked"
+    return {("blocks_%d" % k if isinstance(k, int) else k): float(held["live"] / v) for k, v in held.items() if k != "live"}
+
+
+def measure(n_requests=200, seed=0, budget_s=0.2):
+    """Every figure of the CPU report, measured in this run."""
+    prompt, output = importlib.import_module("01_kv_cache").synthetic_trace("sharegpt", n_requests, seed)
+    live, tp = trace_live_fraction(prompt, output), throughput(budget_s=budget_s, seed=seed)
+    return {"trace": f"synthetic sharegpt trace, {n_requests} requests, 32 running", "live_fraction": live["token_pool"],
+            "live_fraction_by_scheme": live, "throughput_cpu_pool_65536": tp,
+            "alloc_free_speedup_vs_python_set": {n: r["speedup_vs_python_set"] for n, r in tp.items()}}
+
+
+def bench_decode_share(batch=32, context=512, steps=20, device="cuda"):
+    """GPU: one decode step's alloc + free vs the step itself (random-weight Llama-3.2-1B shape, bf16)."""
+    import llama3_generate as L
+    args = L.ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
+                       rope_theta=500000.0, max_seq_len=4096, rope_scaling={"factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = L.Transformer(args).to(torch.bfloat16)
+    size, seqs, sync = batch * (context + steps), list(range(batch)), torch.cuda.synchronize
+    kv = TokenKVCache.for_model(model, size, max_requests=batch, max_seq_len=context + steps)
+    tokens = torch.randint(0, args.vocab_size, (batch * context,), device=device)
+    model(tokens, kv.prepare(seqs, [context] * batch), kv, logits_at=torch.arange(batch, device=device))  # prefill
+    prep, step = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        pos = kv.prepare(seqs, [1] * batch)                  # alloc(batch) + req_to_token writes
+        sync()
+        t1 = time.perf_counter()
+        model(tokens[:batch], pos, kv)
+        sync()
+        prep.append(t1 - t0)
+        step.append(time.perf_counter() - t0)
+    spare = TokenAllocator(size, device)
+    half_full(spare, size)
+    af, step, prep = time_alloc_free(spare, batch, 0.2, sync), float(np.median(step)), float(np.median(prep))
+    return {"device": torch.cuda.get_device_name(), "batch": batch, "context": context, "decode_step_ms": step * 1e3,
+            "alloc_free_us": af * 1e6, "alloc_free_share_of_step": af / step, "prepare_share_of_step": prep / step}
+
+
+def report(r):
+    print("03 token allocator -- LightLLM's TokenAttention pool (page size 1)\n")
+    print(f"live-token share of the KV memory held, over every decode step of a {r['trace']}:")
+    for k, v in r["live_fraction_by_scheme"].items():
+        print(f"  {k:12s} {v:7.1%}")
+    for key, tp in [(k, v) for k, v in r.items() if k.startswith("throughput")]:
+        print(f"\nalloc(n) + free on a half-full, scattered pool ({key.split('_', 1)[1]}):")
+        for n, row in tp.items():
+            for name in [k for k in row if not k.startswith("speedup")]:
+                vs = "" if name == "token" else f"   token allocator = {row['speedup_vs_' + name]:.2f}x"
+                print(f"  n={n:<5d} {name:10s} {row[name]['calls_per_s']:11,.0f} calls/s "
+                      f"{row[name]['tokens_per_s']:14,.0f} tokens/s{vs}")
+    if "gpu_decode" in r:
+        d = r["gpu_decode"]
+        print(f"\n{d['device']}: decode step of a random Llama-3.2-1B (bf16, batch {d['batch']}, context "
+              f"{d['context']}) {d['decode_step_ms']:.2f} ms; alloc+free of {d['batch']} slots {d['alloc_free_us']:.0f} us"
+              f" = {d['alloc_free_share_of_step']:.2%} of it; the whole prepare() {d['prepare_share_of_step']:.2%}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="LightLLM's token-granular KV allocator: live-token share and throughput")
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--bench", action="store_true", help="GPU: throughput on CUDA, alloc+free share of a decode step")
+    ap.add_argument("--requests", type=int, default=200, help="requests in the synthetic trace (default 200)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.requests < 1:
+        ap.error("--requests must be >= 1")
+    if a.bench and not torch.cuda.is_available():
+        sys.exit("error: --bench needs a CUDA GPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops don't parallelise, and on a shared 2-core box 2 threads time erratically
+    try:
+        r = measure(a.requests, a.seed)
+        if a.bench:
+            r["throughput_cuda_pool_1M"] = throughput("cuda", size=1 << 20, seed=a.seed)
+            r["gpu_decode"] = bench_decode_share()
+    finally:
+        torch.set_num_threads(threads)
+    print(json.dumps(r)) if a.json else report(r)
+
+
+if __name__ == "__main__":
+    main()

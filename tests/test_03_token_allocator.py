@@ -1,0 +1,263 @@
+"""03: the token allocator against a brute-force Python model, and the token-pool backend against 01 and NoCache."""
+import importlib
+import json
+import random
+
+import pytest
+import torch
+
+m = importlib.import_module("03_token_allocator")
+
+
+class BruteForce:
+    """The spec in plain Python: a refcount list; alloc takes the lowest free slots, contiguous takes the first run."""
+
+    def __init__(self, size):
+        self.ref = [0] * size
+
+    def free_slots(self):
+        return [i for i, r in enumerate(self.ref) if r == 0]
+
+    def first_run(self, n):
+        run = 0
+        for i, r in enumerate(self.ref):
+            run = run + 1 if r == 0 else 0
+            if run == n:
+                return list(range(i - n + 1, i + 1))
+        return None
+
+    def alloc(self, n, contiguous=False):
+        free = self.free_slots()
+        if n > len(free):
+            return None
+        got = (contiguous and n > 0 and self.first_run(n)) or free[:n]
+        for i in got:
+            self.ref[i] = 1
+        return got
+
+
+def same_state(a, bf):
+    assert a.mem_state.tolist() == bf.ref
+    assert a.available() == bf.ref.count(0)
+    a.check()
+
+
+def test_random_ops_agree_with_brute_force():
+    rng = random.Random(1234)
+    size = 97
+    a, bf = m.TokenAllocator(size), BruteForce(size)
+    held = []  # slot lists we own one reference to
+    for step in range(1500):
+        op = rng.random()
+        if op < 0.45:
+            n, contiguous = rng.choice([0, 1, 2, 3, 7, 16, 40, 120]), rng.random() < 0.5
+            got = (a.alloc_contiguous if contiguous else a.alloc)(n)
+            want = bf.alloc(n, contiguous)
+            assert (None if got is None else got.tolist()) == want, (step, n, contiguous)
+            if want:
+                held.append(want)
+        elif op < 0.8 and held:
+            slots = held.pop(rng.randrange(len(held)))
+            part = rng.sample(slots, rng.randint(1, len(slots)))  # free a random subset, in any order
+            a.free(torch.tensor(part))
+            for i in part:
+                bf.ref[i] -= 1
+            if len(part) < len(slots):
+                held.append([i for i in slots if i not in part])
+        elif op < 0.9 and held:
+            slots = rng.choice(held)
+            a.inc_ref(torch.tensor(slots))
+            for i in slots:
+                bf.ref[i] += 1
+            held.append(list(slots))
+        else:  # an invalid free: a currently free slot, never allocated -> error, nothing changes
+            free = bf.free_slots()
+            if free and held:
+                before = a.mem_state.clone()
+                with pytest.raises(ValueError):
+                    a.free(torch.tensor(rng.choice(held) + [rng.choice(free)]))
+                assert torch.equal(a.mem_state, before)
+        same_state(a, bf)
+    for slots in held:
+        a.free(torch.tensor(slots))
+    assert a.available() == size and a.mem_state.abs().sum() == 0
+
+
+@pytest.mark.parametrize("density", [0.1, 0.5, 0.8, 0.95])
+def test_alloc_contiguous_returns_a_run_whenever_one_exists(density):
+    g = torch.Generator().manual_seed(int(density * 100))
+    for trial in range(60):
+        size = int(torch.randint(5, 300, (1,), generator=g))
+        a, bf = m.TokenAllocator(size), BruteForce(size)
+        taken = torch.nonzero(torch.rand(size, generator=g) < density)[:, 0]
+        if len(taken):
+            a.free(a.alloc(size)[torch.ones(size, dtype=torch.bool).index_fill_(0, taken, False)])  # keep `taken`
+        bf.ref = [int(i in set(taken.tolist())) for i in range(size)]
+        same_state(a, bf)
+        n = int(torch.randint(1, size + 1, (1,), generator=g))
+        got = a.alloc_contiguous(n)
+        run = bf.first_run(n)
+        if n > size - len(taken):
+            assert got is None
+        elif run is not None:
+            assert got.tolist() == list(range(got[0], got[0] + n)), "a run existed but the slots are not contiguous"
+            assert got.tolist() == run  # the first run (first fit)
+        else:
+            assert len(set(got.tolist())) == n and all(bf.ref[i] == 0 for i in got.tolist())
+
+
+def test_exhaustion_is_a_clean_refusal():
+    a = m.TokenAllocator(10)
+    x = a.alloc(7)
+    before = a.mem_state.clone()
+    assert a.alloc(4) is None and a.alloc_contiguous(4) is None
+    assert torch.equal(a.mem_state, before) and a.available() == 3
+    assert a.alloc(3) is not None and a.available() == 0
+    a.free(x)
+    assert a.alloc_contiguous(7).tolist() == list(range(7))
+
+    kv = m.TokenKVCache(1, 12, 1, 2, max_requests=2, max_seq_len=12)
+    kv.prepare([0], [8])
+    state, rows = kv.allocator.mem_state.clone(), list(kv.req_pool.free_rows)
+    with pytest.raises(m.PoolExhausted, match="KV slots"):
+        kv.prepare([0, 1], [1, 4])  # 5 slots wanted, 4 free: nothing may be taken, no row opened
+    with pytest.raises(m.PoolExhausted, match="request rows"):
+        kv.prepare([1, 2, 3], [1, 1, 1])
+    assert torch.equal(kv.allocator.mem_state, state) and kv.req_pool.free_rows == rows and 1 not in kv.rows
+    assert kv.lens == {0: 8}
+    kv.free(0)
+    kv.prepare([1], [12])
+    assert kv.allocator.available() == 0
+    with pytest.raises(ValueError, match="max_seq_len"):
+        kv.prepare([1], [1])
+
+
+def test_double_free_and_foreign_slots_are_detected():
+    a = m.TokenAllocator(16)
+    x = a.alloc(4)
+    a.free(x[:2])
+    for bad in (x[:1], x[2:] .repeat(2), torch.tensor([9]), torch.tensor([16]), torch.tensor([-1])):
+        before = a.mem_state.clone()
+        with pytest.raises(ValueError):
+            a.free(bad)
+        assert torch.equal(a.mem_state, before) and a.available() == 14
+    with pytest.raises(ValueError):
+        a.inc_ref(torch.tensor([0]))  # slot 0 was freed: sharing it would resurrect garbage
+    a.inc_ref(x[2:])
+    a.free(x[2:].repeat(2))  # two references, two frees in one call: fine
+    assert a.available() == 16
+    a.check()
+    a.mem_state[3] = -1  # corrupt it: check() must notice
+    with pytest.raises(AssertionError):
+        a.check()
+    pool = m.ReqToTokenPool(2, 4)
+    r = pool.alloc()
+    pool.free(r)
+    with pytest.raises(ValueError):
+        pool.free(r)
+
+
+def test_decode_attn_matches_float64_reference():
+    g = torch.Generator().manual_seed(7)
+    size, H, Hkv, D, B = 300, 6, 2, 16, 4
+    kp, vp = torch.randn(size, Hkv, D, generator=g), torch.randn(size, Hkv, D, generator=g)
+    q = torch.randn(B, H, D, generator=g)
+    lens = torch.tensor([1, 17, 5, 60], dtype=torch.int32)
+    r2t = torch.randint(0, size, (6, 64), generator=g, dtype=torch.int32)  # stale junk past each length too
+    rows = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
+    out = torch.full((B, H, D), float("nan"))
+    out[:] = m.torch_decode_attn(q, kp, vp, r2t, rows, lens)
+    for b in range(B):
+        idx = r2t[rows[b], :lens[b]].long()
+        k, v = kp[idx].double().repeat_interleave(H // Hkv, 1), vp[idx].double().repeat_interleave(H // Hkv, 1)
+        p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), k) / D ** 0.5, -1)
+        assert torch.allclose(out[b].double(), torch.einsum("hl,lhd->hd", p, v), atol=1e-5)
+
+
+def test_add_prefix_shares_slots_and_matches_recompute():
+    import llama3_generate as L
+    torch.manual_seed(0)
+    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                                      max_seq_len=64)).eval()
+    a_tok = torch.randint(0, 97, (20,))
+    b_tok = torch.cat([a_tok[:12], torch.randint(0, 97, (5,))])  # shares A's first 12 tokens
+    kv = m.TokenKVCache.for_model(model, 64, max_requests=4, max_seq_len=32)
+    kv.allocator.alloc(3)  # so slots are not simply 0..n-1
+    model(a_tok, kv.prepare(["A"], [20]), kv)
+    kv.add_prefix("B", kv.slots("A")[:12])
+    assert kv.allocator.available() == 64 - 3 - 20
+    pos = kv.prepare(["B"], [5])
+    assert pos.tolist() == list(range(12, 17))
+    got = model(b_tok[12:], pos, kv)
+    want = model(b_tok, torch.arange(17), L.NoCache())[12:]
+    assert torch.allclose(got, want, atol=1e-4)
+    assert kv.slots("B")[:12].tolist() == kv.slots("A")[:12].tolist()
+    kv.free("A")
+    assert kv.allocator.available() == 64 - 3 - 17  # B still holds the shared 12 + its own 5
+    kv.free("B")
+    assert kv.allocator.available() == 61
+    kv.allocator.check()
+
+
+@pytest.mark.slow
+def test_greedy_decode_matches_contiguous_cache(smollm):
+    import llama3_generate as L
+    model, tok = smollm
+    kv01 = importlib.import_module("01_kv_cache")
+    prompts = [tok.chat("What is the capital of France?"), tok.chat("Say hello.")]
+    want = L.generate(model, kv01.ContiguousKVCache.for_model(model, 2, 128), prompts, 16)
+    kv = m.TokenKVCache.for_model(model, 400, max_requests=4, max_seq_len=128)
+    hole = kv.allocator.alloc(300)
+    kv.allocator.free(hole[torch.randperm(300)[:200]])  # scattered free slots: requests cannot be contiguous
+    got = L.generate(model, kv, prompts, 16)
+    assert got == want
+    assert kv.allocator.available() == 300 and not kv.rows  # everything generate() took came back
+    kv.allocator.check()
+
+
+def test_cli_json_and_errors(capsys):
+    m.main(["--json", "--requests", "12"])
+    r = json.loads(capsys.readouterr().out)
+    assert r["live_fraction"] == 1.0
+    assert r["live_fraction_by_scheme"]["max_len_01"] < r["live_fraction_by_scheme"]["blocks_256"] < 1.0
+    assert set(r["alloc_free_speedup_vs_python_set"]) == {"1", "64", "4096"}
+    with pytest.raises(SystemExit) as e:
+        m.main(["--requests", "0"])
+    assert e.value.code != 0
+
+
+@pytest.mark.gpu
+def test_cuda_allocator_matches_cpu():
+    rng = random.Random(5)
+    cpu, gpu = m.TokenAllocator(500), m.TokenAllocator(500, "cuda")
+    held = []
+    for _ in range(300):
+        if rng.random() < 0.55 or not held:
+            n, c = rng.randint(1, 60), rng.random() < 0.5
+            x, y = (cpu.alloc_contiguous(n), gpu.alloc_contiguous(n)) if c else (cpu.alloc(n), gpu.alloc(n))
+            assert (x is None) == (y is None)
+            if x is not None:
+                assert y.is_cuda and x.tolist() == y.tolist()
+                held.append(x)
+        else:
+            x = held.pop(rng.randrange(len(held)))
+            cpu.free(x)
+            gpu.free(x.cuda())
+        assert torch.equal(cpu.mem_state, gpu.mem_state.cpu()) and cpu.available() == gpu.available()
+    with pytest.raises(ValueError):
+        gpu.free(torch.tensor([10_000], device="cuda"))  # out of range: an error, not a device assert
+    gpu.check()
+
+
+@pytest.mark.gpu
+def test_cuda_decode_matches_contiguous_cache():
+    import llama3_generate as L
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = L.Transformer(L.ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=256,
+                                          max_seq_len=128)).eval()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 17, 9)]
+    want = L.generate(model, importlib.import_module("01_kv_cache").ContiguousKVCache.for_model(model, 3, 64), prompts, 12)
+    kv = m.TokenKVCache.for_model(model, 200, max_requests=3, max_seq_len=64)
+    kv.allocator.free(kv.allocator.alloc(120)[::2])  # scattered free slots
+    assert L.generate(model, kv, prompts, 12) == want and kv.allocator.available() == 140
