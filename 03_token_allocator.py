@@ -29,7 +29,8 @@ The cumsum trick: allocating n slots is a few tensor ops on the pool's device, n
 Page size 1 means no internal fragmentation (live-token share ~100%, see the report) at the price of a gather per
 token in attention -- which is why 04 writes a Triton kernel that reads req_to_token directly. The price of the
 cumsum: every alloc scans the whole pool. That is nothing on a GPU and noticeable on a CPU (the report measures
-it against a Python set); SGLang's allocator instead keeps a tensor of free slot ids and slices n off its front.
+it against a Python set). This is LightLLM's original MemoryManager (2023); today LightLLM and SGLang keep a tensor
+of free slot ids instead and slice n off its front -- O(n), but no refcounts and no contiguous runs.
 
 References: LightLLM (ModelTC/lightllm, TokenAttention, `MemoryManager.alloc / alloc_contiguous / free` and
 `mem_state`), SGLang (`ReqToTokenPool`, `token_to_kv_pool` / `TokenToKVPoolAllocator`), Kwon et al. 2023 (vLLM,
@@ -421,7 +422,7 @@ def report(r):
         for n, row in tp.items():
             for name in [k for k in row if not k.startswith("speedup")]:
                 vs = "" if name == "token" else f"   token allocator = {row['speedup_vs_' + name]:.2f}x"
-                print(f"  n={n:<5d} {name:10s} {row[name]['calls_per_s']:11,.0f} calls/s "
+                print(f"  n={n!s:<5} {name:10s} {row[name]['calls_per_s']:11,.0f} calls/s "
                       f"{row[name]['tokens_per_s']:14,.0f} tokens/s{vs}")
     if "gpu_decode" in r:
         d = r["gpu_decode"]
