@@ -574,6 +574,299 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 
 
 # ----------------------------------------------------------------------------------------------
+# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
+    n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
+
+
+class Seq:
+    """One sample in flight. Its KV holds tokens[:kv_len]; each step feeds tokens[kv_len:] (a whole prompt after
+    admission, one token in decode, several after a jump-forward) and samples the next token from the last."""
+
+    def __init__(self, sid, prompt, params, index=None, after=None):
+        self.sid, self.prompt, self.params, self.index, self.after = sid, list(prompt), params, index, after
+        self.output, self.kv_len, self.node, self.done, self.fsm, self.text = [], 0, None, False, 0, b""
+        self.in_kv, self.admitted = False, 0  # does the backend hold a row/blocks for it; how often admitted
+
+    @property
+    def tokens(self):
+        return self.prompt + self.output
+
+
+class Engine:
+    """Requests enter `waiting`; every step admits what fits (longest cached prefix first when there is a radix
+    cache), prefills it together with one decode token of every running sequence (continuous batching), samples,
+    and retires finished sequences into the radix cache. A backend out of memory preempts the newest sequence
+    (recompute: its KV is dropped, or handed to the radix cache, and it re-enters the queue)."""
+
+    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=64, radix=True, block_size=16,
+                 max_prefill_tokens=8192, max_seq_len=None, seed=0, cuda_graphs=None):
+        a, dev = model.args, model.tok_embeddings.weight.device
+        self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
+        max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
+        if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
+            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, max(1, min(max_batch, kv_tokens // max_len)), max_len)
+            self.max_batch, self.out_of_memory = len(self.kv.free_rows), ()
+        elif backend == "paged":     # 02: blocks on demand; flash-attn when on CUDA with block_size % 256 == 0
+            m02 = lesson("02_paged_cache_manager")
+            self.kv, self.out_of_memory = m02.PagedKVCache.for_model(model, kv_tokens // block_size, block_size), (m02.OutOfBlocks,)
+        elif backend == "token":     # 03 + 04 (Triton decode attention on CUDA)
+            m03 = lesson("03_token_allocator")
+            self.kv, self.out_of_memory = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len), (m03.PoolExhausted,)
+            if dev.type == "cuda":
+                self.kv.decode_attn = lesson("04_triton_token_attn").token_decode_attention
+        else:
+            raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
+        self.radix = lesson("05_radix_scheduler").RadixCache(self.kv.allocator) if radix and backend == "token" else None
+        self.backend, self.max_len, self.device = backend, max_len, dev
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
+        self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
+                          jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0)
+        self.graphs = (CudaGraphDecoder(self) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
+                       and backend == "token" else None)
+
+    def add(self, prompt, params: SamplingParams | None = None) -> list:
+        """Queue a request; returns the sequence ids of its params.n samples."""
+        params = params or SamplingParams()
+        if not prompt or len(prompt) + params.max_new_tokens > self.max_len:
+            raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
+                            f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
+        index = None
+        if params.regex is not None:
+            if params.regex not in self.indexes:  # built once per regex and reused (it walks the whole vocabulary)
+                self.indexes[params.regex] = lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
+            index = self.indexes[params.regex]
+        first = None
+        for _ in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
+            seq = Seq(self.n_seqs, prompt, params, index, after=first if self.radix else None)
+            first, self.n_seqs = first or seq, self.n_seqs + 1
+            self.waiting.append(seq)
+        return list(range(self.n_seqs - params.n, self.n_seqs))
+
+    def run(self, on_token=None) -> dict:
+        """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
+        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output)."""
+        while self.waiting or self.running:
+            self.step(on_token)
+        return {sid: self.finished[sid] for sid in sorted(self.finished)}
+
+    # -- scheduling ---------------------------------------------------------------------------------------
+    def _admit(self):
+        ready = [s for s in self.waiting if s.after is None or s.after.kv_len >= len(s.prompt) or s.after.done]
+        if self.radix:  # longest cached prefix first: a depth-first walk of the tree (05)
+            matched = {s.sid: len(self.radix.match_prefix(s.tokens)[0]) for s in ready}
+            ready.sort(key=lambda s: -matched[s.sid])
+        new, budget = [], self.max_prefill_tokens
+        in_batch = self.radix and type(self.radix)()  # prompts admitted this step (05's in-batch prefix caching)
+        for s in ready:
+            if len(self.running) + len(new) >= self.max_batch or (new and len(s.tokens) > budget):
+                break
+            if self.radix:
+                if len(in_batch.match_prefix(s.tokens)[0]) >= matched[s.sid] + 32:
+                    continue  # shares a long uncached prefix with a sequence prefilled now: next step it hits
+                in_batch.insert(s.tokens)
+                slots, s.node = self.radix.match_prefix(s.tokens)
+                self.radix.inc_lock_ref(s.node)
+                self.kv.add_prefix(s.sid, slots)
+                s.kv_len, s.in_kv = len(slots), True
+            if not s.admitted:  # hit rate counts first admissions: cached prompt tokens / prompt tokens
+                self.stats["prompt_tokens"] += len(s.prompt)
+                self.stats["cached_tokens"] += s.kv_len
+            s.admitted += 1
+            budget -= len(s.tokens) - s.kv_len
+            new.append(s)
+        self.waiting = [s for s in self.waiting if s not in new]
+        return new
+
+    def _release(self, s, cache=True):
+        """Drop s's KV; with a radix cache, first hand the computed tokens' slots to the tree."""
+        if s.in_kv:
+            if self.radix:
+                if cache and s.kv_len:
+                    self.radix.insert(s.tokens[:s.kv_len], self.kv.slots(s.sid))
+                self.radix.dec_lock_ref(s.node)
+            self.kv.free(s.sid)
+        s.kv_len, s.node, s.in_kv = 0, None, False
+
+    def _prepare(self, batch):
+        """kv.prepare for the batch; when memory is short: evict cached prefixes, then hold back new sequences,
+        then preempt running ones, newest first."""
+        while True:
+            try:
+                positions = self.kv.prepare([s.sid for s in batch], [len(s.tokens) - s.kv_len for s in batch])
+                for s in batch:
+                    s.in_kv = True
+                self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
+                return batch, positions
+            except self.out_of_memory:
+                need = sum(len(s.tokens) - s.kv_len for s in batch)
+                if self.radix and self.radix.evict(need - self.kv.allocator.available()) > 0:
+                    continue
+                if len(batch) == 1:
+                    raise UserError(f"sequence {batch[0].sid} needs more KV memory than the whole pool holds") from None
+                victim = batch.pop()  # the newest: admitted last, or the most recently admitted running one
+                self._release(victim)
+                self.stats["preemptions"] += victim in self.running
+                self.running = [s for s in self.running if s is not victim]
+                self.waiting.insert(0, victim)
+
+    def step(self, on_token=None):
+        new = self._admit()
+        batch, positions = self._prepare(self.running + new)
+        n_new = [len(s.tokens) - s.kv_len for s in batch]
+        decode = all(n == 1 for n in n_new)
+        t0 = time.perf_counter()
+        if decode and self.graphs is not None:
+            logits = self.graphs.forward(batch, positions)
+        else:
+            tokens = torch.tensor([t for s in batch for t in s.tokens[s.kv_len:]], device=self.device)
+            last = torch.tensor(n_new, device=self.device).cumsum(0) - 1
+            logits = self.model(tokens, positions, self.kv, logits_at=last)
+        next_ids = self._sample(batch, logits)  # the host sync of the step
+        self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
+        self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
+        self.stats["steps"] += 1
+        self.running = []
+        for s, n, t in zip(batch, n_new, next_ids):
+            s.kv_len += n
+            if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - n:
+                self._share_prompt(s)
+            self._append(s, t, on_token)
+            if s.done:
+                self._finish(s)
+            elif s.in_kv:
+                self.running.append(s)
+            else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
+                self.waiting.insert(0, s)
+
+    def kv_used(self) -> int:
+        """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
+        kv = self.kv
+        if self.backend == "contiguous":
+            return len(kv.rows) * kv.max_seq_len
+        if self.backend == "paged":
+            return (kv.manager.num_blocks - kv.manager.num_free) * kv.block_size
+        return kv.allocator.size - kv.allocator.available()
+
+    def kv_capacity(self) -> int:
+        kv = self.kv
+        return {"contiguous": lambda: kv.k_cache.shape[1] * kv.max_seq_len,
+                "paged": lambda: kv.manager.num_blocks * kv.block_size, "token": lambda: kv.allocator.size}[self.backend]()
+
+    def _share_prompt(self, s):
+        """Right after prefill, put the prompt in the tree so siblings and look-alikes reuse it while s decodes."""
+        self.radix.insert(s.prompt, self.kv.slots(s.sid))
+        _, node = self.radix.match_prefix(s.prompt, compute_last=False)
+        self.radix.inc_lock_ref(node)
+        self.radix.dec_lock_ref(s.node)
+        s.node = node
+
+    def _sample(self, batch, logits):
+        if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
+            mask = torch.zeros_like(logits, dtype=torch.bool)
+            for i, s in enumerate(batch):
+                if s.index is not None:
+                    mask[i].fill_(True)
+                    mask[i, s.index.allowed(s.fsm).to(logits.device)] = False
+            logits = logits.masked_fill(mask, float("-inf"))
+        groups = {}
+        for i, s in enumerate(batch):
+            groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
+        out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
+        for (temp, top_p), rows in groups.items():
+            rows_t = torch.tensor(rows, device=logits.device)
+            out[rows_t] = sample(logits[rows_t], temp, top_p, self.gen)
+        return out.tolist()
+
+    def _append(self, s, t, on_token):
+        p, eos = s.params, t in self.tok.stop_ids
+        s.output.append(t)
+        if s.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
+            s.fsm, s.text = s.index.step(s.fsm, t), s.text + self.tok.token_bytes(t)
+            self._jump_forward(s)
+        if on_token:
+            on_token(s.sid, s.output)
+        s.done = len(s.output) >= p.max_new_tokens or (eos and (not p.ignore_eos or s.index is not None)) or (
+            s.index is not None and len(s.index.allowed(s.fsm)) == 1 and s.index.dfa.accept[s.fsm])
+
+    def _jump_forward(self, s):
+        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
+        m06 = lesson("06_jump_forward_fsm")
+        jump = s.index.jump(s.fsm)
+        jump = (s.text + jump)[len(s.text):m06.utf8_complete(s.text + jump)]
+        new = self.tok.encode((s.text + jump).decode()) if jump else []
+        if not jump or len(new) > s.params.max_new_tokens:  # no room for the jump: the model writes it token by token
+            return
+        s.fsm, s.text = s.index.dfa.walk(s.fsm, jump), s.text + jump
+        common = next((i for i, (a, b) in enumerate(zip(s.output, new)) if a != b), min(len(s.output), len(new)))
+        self.stats["jump_forward_tokens"] += len(new) - common
+        if len(s.prompt) + common < s.kv_len:  # tokens already in its KV changed: drop the KV, the radix keeps the rest
+            self._release(s)
+        s.output = new
+
+    def _finish(self, s):
+        self._release(s)
+        s.done = True
+        self.finished[s.sid] = s.output
+
+
+class CudaGraphDecoder:
+    """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
+
+    The token backend's per-step tensors (slots to write, req_to_token rows, lengths) are copied into static
+    buffers the graph was captured on; padded rows write to a scratch slot and attend over one token."""
+
+    def __init__(self, engine, buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
+        self.e, kv = engine, engine.kv
+        self.buckets = [b for b in buckets if b <= engine.max_batch] or [engine.max_batch]
+        if self.buckets[-1] < engine.max_batch:
+            self.buckets.append(engine.max_batch)
+        self.graphs, self.pad_slot = {}, int(kv.allocator.alloc(1)[0])  # scratch slot for padded rows
+        self.pad_row = kv.req_pool.alloc()
+        kv.req_to_token[self.pad_row, 0] = self.pad_slot
+        n, dev = self.buckets[-1], engine.device
+        self.tokens, self.positions = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
+        self.slots, self.rows, self.lens = (torch.zeros(n, dtype=t, device=dev) for t in (torch.long, torch.int32, torch.int32))
+        self.pool = None
+
+    def _capture(self, b):
+        kv, model = self.e.kv, self.e.model
+        kv.batch = ([self.pad_row] * b, [0] * b, [1] * b)  # attend() reads it only to pick the decode path
+        kv.tok_slots, kv.batch_rows, kv.batch_lens = self.slots[:b], self.rows[:b], self.lens[:b]
+        self.slots[:b], self.rows[:b], self.lens[:b] = self.pad_slot, self.pad_row, 1
+        for _ in range(2):  # warm up (Triton compiles) outside the capture
+            model(self.tokens[:b], self.positions[:b], kv)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = model(self.tokens[:b], self.positions[:b], kv)
+        self.pool = g.pool()
+        self.graphs[b] = (g, out)
+
+    def forward(self, batch, positions):
+        kv, n = self.e.kv, len(batch)
+        b = next(x for x in self.buckets if x >= n)
+        if b not in self.graphs:
+            self._capture(b)
+        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.e.device)
+        self.positions[:n], self.slots[:n] = positions, kv.tok_slots
+        self.rows[:n], self.lens[:n] = kv.batch_rows, kv.batch_lens
+        self.slots[n:b], self.rows[n:b], self.lens[n:b], self.positions[n:b] = self.pad_slot, self.pad_row, 1, 0
+        g, out = self.graphs[b]
+        g.replay()
+        return out[:n]
+
+
+# ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
 
@@ -644,68 +937,79 @@ def main(argv=None):
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
     ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+    ap.add_argument("--regex", help="constrain every completion to fullmatch this regex")
+    ap.add_argument("--json-schema", help="constrain every completion to JSON matching this schema file")
     ap.add_argument("--no-chat", action="store_true", help="raw text completion instead of the chat template")
+    ap.add_argument("--backend", default="token", choices=["contiguous", "paged", "token"], help="KV cache (01, 02, 03-05)")
+    ap.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: fits the batch)")
     ap.add_argument("--quiet", action="store_true", help="print only the completion(s)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--bench", action="store_true", help="batch-1 decode speed vs transformers on the same weights")
     ap.add_argument("--json", action="store_true", help="with --bench: one JSON object")
     args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        ap.error("need --max-new-tokens >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.n < 1:
+        ap.error("need --max-new-tokens >= 1, --n >= 1, --temperature >= 0 and 0 < --top-p <= 1")
     try:
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")
+        regex = args.regex
+        if args.json_schema:
+            try:
+                schema = json.load(open(args.json_schema))
+            except (OSError, ValueError) as e:
+                raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+            regex = lesson("06_jump_forward_fsm").schema_to_regex(schema)
         device = parse_device(args.device)
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
         ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
-    except UserError as e:
-        sys.exit(f"error: {e}")
-    if args.bench:
-        r = bench(model, tok, ids, args.max_new_tokens)
-        if args.json:
-            print(json.dumps(r))
-        else:
-            print(f"decode (batch 1, {args.max_new_tokens} tokens): ours {r['decode_tok_s']:.1f} tok/s, transformers "
+        if args.bench:
+            r = bench(model, tok, ids, args.max_new_tokens)
+            print(json.dumps(r) if args.json else
+                  f"decode (batch 1, {args.max_new_tokens} tokens): ours {r['decode_tok_s']:.1f} tok/s, transformers "
                   f"{r['transformers_decode_tok_s']:.1f} tok/s -> {r['speedup_vs_transformers']:.2f}x; "
                   f"prefill {r['prefill_tok_s']:.0f} tok/s  [{device}, {args.dtype}]")
-        return
+            return
+        longest = max(map(len, ids)) + args.max_new_tokens
+        kv_tokens = args.kv_tokens or longest * len(ids) * args.n
+        engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed)
+        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
+        for p in ids:
+            engine.add(p, params)
+    except (UserError, ValueError) as e:  # ValueError: 06 names what is wrong with a regex or schema
+        sys.exit(f"error: {e}")
     if not args.quiet:
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}", file=sys.stderr)
-    stream = len(ids) == 1 and not args.quiet
-    printed = [b""]
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
+              f"{args.backend} backend", file=sys.stderr)
+    text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
+    shown = [""]
 
-    def on_token(i, t):  # stream bytes, holding back an incomplete UTF-8 character
-        if t in tok.stop_ids and not args.ignore_eos:
-            return
-        printed[0] += tok.token_bytes(t) if t < tok.vocab_size else b""
-        text = printed[0].decode("utf-8", errors="ignore")
-        cut = len(text.encode())
-        if cut:
-            print(text, end="", flush=True)
-            printed[0] = printed[0][cut:]
+    def stream(sid, out):  # print what is new; hold back a trailing partial UTF-8 character
+        now = text(out)
+        if not now.endswith("\ufffd") and now.startswith(shown[0]):
+            print(now[len(shown[0]):], end="", flush=True)
+            shown[0] = now
 
-    m01 = lesson("01_kv_cache")
-    kv = m01.ContiguousKVCache.for_model(model, len(ids), max(map(len, ids)) + args.max_new_tokens)
-    timings = {}
-    out = generate(model, kv, ids, args.max_new_tokens, args.temperature, args.top_p, args.seed,
-                   () if args.ignore_eos else tok.stop_ids, on_token if stream else None, timings)
-    texts = [tok.decode([t for t in o if args.ignore_eos or t not in tok.stop_ids]) for o in out]
-    if stream:
-        print()
+    single = len(ids) * args.n == 1 and not args.quiet
+    outs = engine.run(stream if single else None)
+    if single:
+        print(text(outs[0])[len(shown[0]):])
     elif args.quiet:
-        print("\n".join(texts))
+        print("\n".join(text(o) for o in outs.values()))
     else:
-        for p, t in zip(args.prompt, texts):
-            print(f"### {p}\n{t}\n")
+        for sid, o in outs.items():
+            print(f"### {args.prompt[sid // args.n]}{f' (sample {sid % args.n + 1})' if args.n > 1 else ''}\n{text(o)}\n")
     if not args.quiet:
-        pre, dec = timings["prefill_tokens"] / timings["prefill_s"], timings["decode_tokens"] / max(timings["decode_s"], 1e-9)
-        print(f"[prefill {timings['prefill_tokens']} tokens at {pre:.0f} tok/s, decode {timings['decode_tokens']} tokens "
-              f"at {dec:.1f} tok/s, batch {len(ids)}]", file=sys.stderr)
+        st = engine.stats
+        print(f"[prefill {st['prefill_tokens']} tokens at {st['prefill_tokens'] / max(st['prefill_s'], 1e-9):.0f} tok/s, "
+              f"decode {st['decode_tokens']} tokens at {st['decode_tokens'] / max(st['decode_s'], 1e-9):.1f} tok/s, "
+              f"{len(outs)} sequences, radix hit rate {st['cached_tokens'] / max(1, st['prompt_tokens']):.0%}, "
+              f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens]", file=sys.stderr)
 
 
 if __name__ == "__main__":

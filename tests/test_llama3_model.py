@@ -16,16 +16,6 @@ TEXTS = ["Hello world", "naïve café — 東京 🤗🎉 emoji", "def f(x):\r\n
          "<|begin_of_text|><|start_header_id|>user<|end_header_id|>", "x  1  22 333", "\u00a0non-breaking\u2009thin"]
 
 
-@pytest.fixture(scope="module")
-def hf_smollm():
-    """transformers' own GGUF loader on the same file: an independent dequantisation and model."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = L.default_model_path()
-    d, f = os.path.dirname(path), os.path.basename(path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(d, gguf_file=f)
-
-
 def contiguous(model, batch, length):
     return importlib.import_module("01_kv_cache").ContiguousKVCache.for_model(model, batch, length)
 

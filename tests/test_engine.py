@@ -1,0 +1,91 @@
+"""The engine: continuous batching through every backend, radix prefix reuse, constraints, n > 1, preemption."""
+import re
+
+import pytest
+import torch
+
+import llama3_generate as L
+
+PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "What is the capital of France?"]
+
+
+def run(smollm, prompts, params=None, **kw):
+    model, tok = smollm
+    engine = L.Engine(model, tok, **kw)
+    for p in prompts:
+        engine.add(tok.chat(p) if isinstance(p, str) else p, params or L.SamplingParams(max_new_tokens=12))
+    return engine.run(), engine
+
+
+def hf_greedy(hf, prompts, n, stop_ids):
+    """transformers' batched greedy generation (left padding), each row cut after its first stop token."""
+    width = max(map(len, prompts))
+    x = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=stop_ids, pad_token_id=0)
+    rows = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+        rows.append(row[:cut])
+    return rows
+
+
+def test_backends_agree_with_each_other_and_transformers(smollm, hf_smollm):
+    model, tok = smollm
+    ref = hf_greedy(hf_smollm[0], [tok.chat(p) for p in PROMPTS], 12, tok.stop_ids)
+    for backend in ("contiguous", "paged", "token"):
+        outs, _ = run(smollm, PROMPTS, backend=backend, kv_tokens=512, max_seq_len=128)
+        assert list(outs.values()) == ref, backend
+
+
+def test_radix_cache_reuses_a_shared_prefix(smollm):
+    model, tok = smollm
+    doc = tok.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    prompts = [doc + tok.encode(q) for q in (" Who jumps?", " Who is lazy?", " What color is the fox?")]
+    with_cache, e1 = run(smollm, prompts, radix=True, kv_tokens=1024)
+    without, e0 = run(smollm, prompts, radix=False, kv_tokens=1024)
+    assert with_cache == without
+    assert e0.stats["cached_tokens"] == 0
+    assert e1.stats["cached_tokens"] >= 2 * (len(doc) - 1)  # the 2nd and 3rd prompt reuse the document
+    e1.radix.check(held=[])
+
+
+def test_constrained_requests_fullmatch(smollm):
+    pattern = r'\{"name": "[A-Z][a-z]{1,12}", "age": [1-9][0-9]?\}'
+    params = L.SamplingParams(max_new_tokens=40, regex=pattern, temperature=0.7)
+    outs, e = run(smollm, ["Make up a person as JSON.", "Describe a cat as JSON."], params, seed=3)
+    _, tok = smollm
+    for out in outs.values():
+        text = tok.decode([t for t in out if t not in tok.stop_ids])
+        assert re.fullmatch(pattern, text), text
+    assert e.stats["jump_forward_tokens"] > 0
+
+
+def test_n_samples_are_reproducible(smollm):
+    params = L.SamplingParams(max_new_tokens=10, temperature=1.0, n=3)
+    a, e = run(smollm, ["Tell me a story."], params, seed=7)
+    b, _ = run(smollm, ["Tell me a story."], params, seed=7)
+    assert a == b and len(a) == 3
+    assert len({tuple(o) for o in a.values()}) > 1  # three samples, not one repeated
+    assert e.stats["cached_tokens"] > 0  # samples 2 and 3 reuse sample 1's prompt
+
+
+@pytest.mark.parametrize("backend", ["token", "paged"])
+def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend):
+    model, tok = smollm
+    params = L.SamplingParams(max_new_tokens=16, ignore_eos=True)
+    big, _ = run(smollm, PROMPTS, params, backend=backend, kv_tokens=1024)
+    longest = max(len(tok.chat(p)) for p in PROMPTS) + 16
+    small, e = run(smollm, PROMPTS, params, backend=backend, kv_tokens=longest + 24, block_size=8)
+    assert e.stats["preemptions"] > 0
+    assert small == big
+    if backend == "token":
+        e.kv.allocator.check()
+        assert e.kv.allocator.available() + e.radix.evictable_size() == e.kv.allocator.size
+
+
+def test_request_too_large_is_refused(smollm):
+    model, tok = smollm
+    engine = L.Engine(model, tok, kv_tokens=64)
+    with pytest.raises(L.UserError):
+        engine.add(list(range(60)), L.SamplingParams(max_new_tokens=10))
