@@ -1,0 +1,149 @@
+"""01_kv_cache: (a) no cache, (b) StaticKVCache, (c) ContiguousKVCache agree on the real model; the pool accounting is
+exact (checked slot by slot against a brute-force painting); over-long requests are refused without damage."""
+import importlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+m = importlib.import_module("01_kv_cache")
+N_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def three_ways(smollm):
+    """Greedy tokens and logits of the three ways; both caches poisoned with NaN, so reading a slot that was never
+    written (past the live prefix) would turn the logits into NaN."""
+    model, tok = smollm
+    prompt = tok.chat("Name three colours.")
+    static = m.StaticKVCache(model, 128)
+    static.k.fill_(float("nan")), static.v.fill_(float("nan"))
+    contig = m.ContiguousKVCache.for_model(model, max_batch=2, max_seq_len=128)
+    contig.k_cache.fill_(float("nan")), contig.v_cache.fill_(float("nan"))
+    return model, prompt, {"a": m.greedy(model, prompt, N_NEW), "b": m.greedy(model, prompt, N_NEW, static),
+                           "c": m.generate_contiguous(model, prompt, N_NEW, kv=contig)}
+
+
+def test_no_cache_matches_one_teacher_forced_pass(three_ways):
+    """(a) against an independent reference: one forward over prompt + generated tokens gives every step's logits."""
+    import llama3_generate as L
+    model, prompt, runs = three_ways
+    tokens, logits = runs["a"]
+    assert len(tokens) == N_NEW and logits.shape == (N_NEW, model.args.vocab_size)
+    assert tokens == logits.argmax(-1).tolist()  # greedy
+    seq = torch.tensor(prompt + tokens[:-1])
+    full = model(seq, torch.arange(len(seq)), L.NoCache())[len(prompt) - 1:]  # (N_NEW, vocab)
+    torch.testing.assert_close(logits, full, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("way", ["b", "c"])
+def test_cached_generation_equals_no_cache(three_ways, way):
+    _, _, runs = three_ways
+    tokens, logits = runs[way]
+    assert tokens == runs["a"][0]
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits, runs["a"][1], atol=1e-3, rtol=1e-4)  # fp32: only summation order differs
+
+
+def test_overlong_prompt_is_refused_and_cache_stays_usable(three_ways):
+    import llama3_generate as L
+    model, prompt, runs = three_ways
+    kv = m.ContiguousKVCache.for_model(model, max_batch=2, max_seq_len=len(prompt) + 4)
+    kv.k_cache.normal_(), kv.v_cache.normal_()
+    k0, v0 = kv.k_cache.clone(), kv.v_cache.clone()
+    for prompts in ([prompt + prompt], [prompt, prompt + [1] * 5]):  # alone, and behind a request that fits
+        with pytest.raises(ValueError, match="exceed max_seq_len"):
+            L.generate(model, kv, prompts, 2)
+        assert kv.rows == {} and kv.free_rows == [0, 1] and kv.lens == [0, 0]  # no row leaked
+        assert torch.equal(kv.k_cache, k0) and torch.equal(kv.v_cache, v0)  # not one slot written
+    assert L.generate(model, kv, [prompt], 3) == [runs["a"][0][:3]]  # the same cache still works
+    kv.prepare(["x"], [len(prompt)])  # a request that grows past max_seq_len is refused without moving
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        kv.prepare(["x", "y"], [5, 1])
+    assert kv.lens[kv.rows["x"]] == len(prompt) and "y" not in kv.rows
+    with pytest.raises(ValueError, match="duplicate"):
+        kv.prepare(["x", "x"], [1, 1])
+    static = m.StaticKVCache(model, 8)
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        static.prepare([0], [9])
+    assert static.len == 0
+
+
+def test_reservation_schemes():
+    rng = np.random.default_rng(1)
+    prompt, output = rng.integers(1, 300, 500), rng.integers(1, 300, 500)
+    need = prompt + output
+    pow2 = m.reservation("pow2", prompt, output, 4096)
+    assert all(p == min(q for q in (2 ** i for i in range(13)) if q >= n) for p, n in zip(pow2, need))
+    assert (pow2 >= need).all() and (pow2 < 2 * need).all()
+    assert (m.reservation("oracle", prompt, output, 4096) == need).all()
+    assert (m.reservation("max_len", prompt, output, 600) == 600).all()
+    assert (m.reservation("pow2", prompt, output, 600) <= 600).all()
+    with pytest.raises(ValueError, match="unknown scheme"):
+        m.reservation("buddy", prompt, output, 600)
+
+
+def brute_force_paint(running, prompt, output, reserve, pool):
+    """Label every slot by walking each extent one slot at a time; detects overlaps and out-of-pool extents."""
+    label = ["external"] * pool
+    for start, size, r, g in running:
+        assert size == reserve[r] and 0 <= start and start + size <= pool
+        assert prompt[r] <= prompt[r] + g < prompt[r] + output[r] <= size
+        for i in range(size):
+            assert label[start + i] == "external", "two extents overlap"
+            label[start + i] = "live" if i < prompt[r] + g else "future" if i < prompt[r] + output[r] else "internal"
+    return label
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_accounting_adds_up_to_the_pool_on_random_traces(seed):
+    rng = np.random.default_rng(seed)
+    max_seq_len = int(rng.integers(8, 80))
+    prompt, output = m.synthetic_trace(["sharegpt", "alpaca"][seed % 2], int(rng.integers(20, 60)), seed, max_seq_len,
+                                       sigma=float(rng.uniform(0.3, 1.5)))
+    pool = int(rng.integers(max_seq_len, 6 * max_seq_len))
+    for scheme in m.SCHEMES:
+        reserve = m.reservation(scheme, prompt, output, max_seq_len)
+        n_snap = 0
+        for running, n_waiting in m.simulate(prompt, output, reserve, pool):
+            counts = m.breakdown(running, prompt, output, pool)
+            assert sum(counts.values()) == pool and min(counts.values()) >= 0
+            label = brute_force_paint(running, prompt, output, reserve, pool)
+            assert counts == {c: label.count(c) for c in m.CATEGORIES}
+            owner, cat = m.paint(running, prompt, output, pool)  # the figure's map agrees too
+            assert [m.CATEGORIES[c] for c in cat] == label
+            head = len(prompt) - n_waiting  # FCFS: the head of the queue really fits in no free run of slots
+            runs = "".join("x" if s == "external" else "." for s in label).split(".")
+            assert max(map(len, runs)) < reserve[head] and all(r < head for _, _, r, _ in running)  # nobody overtook
+            n_snap += 1
+        res = m.account(prompt, output, scheme, pool, max_seq_len) if n_snap else None
+        if res:
+            assert res["steps"] == n_snap and abs(sum(res[c] for c in m.CATEGORIES) - 1) < 1e-12
+
+
+def test_accounting_by_hand():
+    """Pool 10, oracle: A (2+2) at 0..3, B (3+2) at 4..8, C (4+1 = 5 slots) waits: 1 free slot for two steps."""
+    prompt, output = np.array([2, 3, 4]), np.array([2, 2, 1])
+    res = m.account(prompt, output, "oracle", 10, 16)
+    assert res["steps"] == 2 and res["batch"] == 2
+    assert [res[c] for c in m.CATEGORIES] == pytest.approx([(5 + 7) / 20, (4 + 2) / 20, 0, 2 / 20])
+    assert res["snapshot"] == [[0, 4, 0, 0], [4, 5, 1, 0]]
+    with pytest.raises(ValueError, match="pool has only"):
+        m.account(prompt, output, "max_len", 10, 16)
+
+
+def test_memory_report_and_cli_errors(tmp_path):
+    rep = m.memory_report(n_requests=300, pool_tokens=8192, max_seq_len=1024, plot=str(tmp_path / "pool.png"))
+    json.dumps(rep)
+    live = rep["live_fraction"]
+    assert set(live) == {"max_len", "pow2", "oracle"} and live["max_len"] < live["pow2"] < live["oracle"]
+    for res in rep["traces"].values():
+        assert res["max_len"]["batch"] == 8192 // 1024 and res["max_len"]["batch"] < res["oracle"]["batch"]
+        for r in res.values():
+            assert abs(sum(r[c] for c in m.CATEGORIES) - 1) < 1e-3
+    assert (tmp_path / "pool.png").stat().st_size > 10_000
+    for argv in (["--pool-tokens", "100"], ["--requests", "0"], ["--max-seq-len", "x"]):
+        with pytest.raises(SystemExit) as e:
+            m.main(argv)
+        assert e.value.code != 0
