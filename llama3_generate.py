@@ -75,15 +75,18 @@ class ModelArgs:
         return self.dim // self.n_heads
 
 
+def rms_norm(x, weight, eps: float):
+    xf = x.float()  # normalise in fp32 like the reference, then cast back (bf16 squares lose precision)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalise in fp32 like the reference, then cast back (bf16 squares overflow precision)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -149,7 +152,19 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
 
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+def fuse_pointwise():
+    """On a GPU, each of rms_norm, apply_rope and swiglu is a handful of tiny kernels; at batch 1 their launches
+    cost more than the weights take to read. torch.compile fuses each into one kernel (the model is unchanged)."""
+    global rms_norm, apply_rope, swiglu
+    if not hasattr(rms_norm, "_torchdynamo_orig_callable"):
+        rms_norm, apply_rope, swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, apply_rope, swiglu))
 
 
 class Block(nn.Module):
@@ -602,9 +617,10 @@ class Seq:
 
 
 class Engine:
-    """Requests enter `waiting`; every step admits what fits (longest cached prefix first when there is a radix
-    cache), prefills it together with one decode token of every running sequence (continuous batching), samples,
-    and retires finished sequences into the radix cache. A backend out of memory preempts the newest sequence
+    """Requests enter `waiting`; a step either prefills what fits of them (longest cached prefix first when there is
+    a radix cache) or, when none fits, decodes one token of every running sequence -- continuous batching with
+    vLLM's prefill-first order, which keeps every decode step a pure, CUDA-graph-able batch. Finished sequences
+    retire into the radix cache. A backend out of memory preempts the newest sequence
     (recompute: its KV is dropped, or handed to the radix cache, and it re-enters the queue)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=64, radix=True, block_size=16,
@@ -633,6 +649,8 @@ class Engine:
                           jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0)
         self.graphs = (CudaGraphDecoder(self) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
                        and backend == "token" else None)
+        if self.graphs is not None:
+            fuse_pointwise()
 
     def add(self, prompt, params: SamplingParams | None = None) -> list:
         """Queue a request; returns the sequence ids of its params.n samples."""
@@ -721,7 +739,7 @@ class Engine:
 
     def step(self, on_token=None):
         new = self._admit()
-        batch, positions = self._prepare(self.running + new)
+        batch, positions = self._prepare(new or self.running)  # prefill first (vLLM's order), else decode everyone
         n_new = [len(s.tokens) - s.kv_len for s in batch]
         decode = all(n == 1 for n in n_new)
         t0 = time.perf_counter()
@@ -735,7 +753,7 @@ class Engine:
         self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
         self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
         self.stats["steps"] += 1
-        self.running = []
+        self.running = self.running if new else []  # a prefill step leaves the running sequences as they were
         for s, n, t in zip(batch, n_new, next_ids):
             s.kv_len += n
             if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - n:
@@ -771,6 +789,8 @@ class Engine:
         s.node = node
 
     def _sample(self, batch, logits):
+        if all(s.params.temperature == 0 and s.index is None for s in batch):
+            return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
             mask = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
@@ -855,11 +875,11 @@ class CudaGraphDecoder:
     def forward(self, batch, positions):
         kv, n = self.e.kv, len(batch)
         b = next(x for x in self.buckets if x >= n)
+        step = (kv.tok_slots, kv.batch_rows, kv.batch_lens)  # this step's metadata, from kv.prepare
         if b not in self.graphs:
             self._capture(b)
         self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.e.device)
-        self.positions[:n], self.slots[:n] = positions, kv.tok_slots
-        self.rows[:n], self.lens[:n] = kv.batch_rows, kv.batch_lens
+        self.positions[:n], self.slots[:n], self.rows[:n], self.lens[:n] = positions, *step
         self.slots[n:b], self.rows[n:b], self.lens[n:b], self.positions[n:b] = self.pad_slot, self.pad_row, 1, 0
         g, out = self.graphs[b]
         g.replay()
@@ -929,6 +949,116 @@ def bench(model, tok, prompt_ids, max_new_tokens: int) -> dict:
     return r
 
 
+LLAMA_SHAPES = {  # random-weight stand-ins for the GPU benchmark (the GPU machine has no checkpoints)
+    "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
+                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
+                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
+    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
+                            rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
+}
+
+
+def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Transformer(args).to(dtype).eval()
+
+
+def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
+    """Issue 9's GPU benchmark: nano-vllm's workload (256 sequences, prompt and output lengths uniform in
+    [100, 1024], random ids, EOS ignored) on a random Llama-3.2-1B shape, and batch-1 decode on 1B and 8B shapes;
+    transformers' generate on the same weights in the same run."""
+    sync, r = torch.cuda.synchronize, {"device": torch.cuda.get_device_name()}
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync()
+    r["copy_GBps"] = 2 * 20 * x.numel() / (time.perf_counter() - t0) / 1e9  # bytes read + written
+    del x, y
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    model = random_model(LLAMA_SHAPES["llama-3.2-1b"], device)
+    weight_bytes = lambda m: sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "tok_embeddings.weight"
+                                 or m.args.tie_embeddings)
+    rng = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
+    prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
+
+    def serve(engine):
+        for p, (_, n) in zip(prompts, lens):
+            engine.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        sync()
+        t0 = time.perf_counter()
+        engine.run()
+        sync()
+        return time.perf_counter() - t0
+
+    warm = Engine(model, tok, "token", kv_tokens=n_seqs * 2048, max_batch=n_seqs)
+    for b in warm.graphs.buckets:  # capture every bucket before timing
+        warm.graphs._capture(b)
+    elapsed = serve(warm)
+    st = warm.stats
+    r["serve_1b"] = dict(seqs=n_seqs, output_tokens=sum(n for _, n in lens), seconds=elapsed,
+                         tok_s=sum(n for _, n in lens) / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
+                         decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_kv_used=st["peak_kv_used"] / warm.kv_capacity(),
+                         radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
+    del warm
+    hf = to_transformers(model)
+    batch = prompts[:hf_batch]
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+    mask = (torch.arange(width, device=device) >= torch.tensor([width - len(p) for p in batch], device=device)[:, None]).long()
+    hf_new = 256
+    with torch.inference_mode():
+        hf.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        sync()
+        t0 = time.perf_counter()
+        hf.generate(ids, attention_mask=mask, max_new_tokens=hf_new, min_new_tokens=hf_new, do_sample=False, pad_token_id=0)
+        sync()
+    r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / (time.perf_counter() - t0)
+    r["serve_speedup_vs_transformers"] = r["serve_1b"]["tok_s"] / r["transformers_1b_batch64_tok_s"]
+
+    def batch1(model, hf, name, n=256):
+        e = Engine(model, tok, "token", kv_tokens=4096, max_batch=1)
+        e.add(prompts[0][:128], SamplingParams(max_new_tokens=16, ignore_eos=True))
+        e.run()  # warm-up: captures the batch-1 graph
+        e.stats.update(decode_tokens=0, decode_s=0.0)
+        e.add(prompts[1][:128], SamplingParams(max_new_tokens=n, ignore_eos=True))
+        e.run()
+        ours = e.stats["decode_tokens"] / e.stats["decode_s"]
+        limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
+        g, _ = e.graphs.graphs[1]
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(50):  # the GPU-side floor of a step: graph replays back to back, no host work between
+            g.replay()
+        sync()
+        replay_tok_s = 50 / (time.perf_counter() - t0)
+        x = torch.tensor([prompts[1][:128]], device=device)
+        t = {}
+        with torch.inference_mode():
+            for k in (1, 33, 1, 33):
+                sync()
+                t0 = time.perf_counter()
+                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+                sync()
+                t[k] = time.perf_counter() - t0
+        r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
+                                   graph_replay_tok_s=replay_tok_s, transformers_tok_s=32 / (t[33] - t[1]))
+
+    batch1(model, hf, "1b")
+    del model, hf
+    torch.cuda.empty_cache()
+    model = random_model(LLAMA_SHAPES["llama-3-8b"], device)
+    hf = to_transformers(model)
+    batch1(model, hf, "8b")
+    return r
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model.")
     ap.add_argument("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
@@ -948,10 +1078,17 @@ def main(argv=None):
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument("--bench", action="store_true", help="batch-1 decode speed vs transformers on the same weights")
+    ap.add_argument("--bench-engine", action="store_true", help="GPU: serving benchmark on random Llama 3 shapes")
     ap.add_argument("--json", action="store_true", help="with --bench: one JSON object")
     args = ap.parse_args(argv)
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.n < 1:
         ap.error("need --max-new-tokens >= 1, --n >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    if args.bench_engine:
+        if not torch.cuda.is_available():
+            sys.exit("error: --bench-engine needs a CUDA GPU")
+        r = bench_engine()
+        print(json.dumps(r) if args.json else json.dumps(r, indent=1))
+        return
     try:
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")

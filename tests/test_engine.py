@@ -89,3 +89,31 @@ def test_request_too_large_is_refused(smollm):
     engine = L.Engine(model, tok, kv_tokens=64)
     with pytest.raises(L.UserError):
         engine.add(list(range(60)), L.SamplingParams(max_new_tokens=10))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["token", "paged", "contiguous"])
+def test_gpu_bf16_decode_matches_transformers(backend):
+    """Random Llama-3.2-1B shape in bf16 (CUDA graphs + 04's kernel for the token backend): every greedy token is
+    transformers' argmax up to bf16 noise, and the prefill logits agree."""
+    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
+    hf = L.to_transformers(model)
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 77, 300)]
+    engine = L.Engine(model, tok, backend, kv_tokens=4096, max_batch=4, max_seq_len=512, block_size=256)
+    for p in prompts:
+        engine.add(p, L.SamplingParams(max_new_tokens=8, ignore_eos=True))
+    outs = engine.run()
+    assert engine.graphs is not None or backend != "token"
+    for p, out in zip(prompts, outs.values()):
+        x = torch.tensor([p + out], device="cuda")
+        with torch.no_grad():
+            ref = hf(x).logits[0, len(p) - 1:-1].float()  # (8, vocab): the logits each new token was chosen from
+        scale = ref.std()
+        gap = ref.max(-1).values - ref[torch.arange(len(out)), torch.tensor(out, device="cuda")]
+        assert (gap <= 0.05 * scale).all(), (backend, gap / scale)
+        ours = model(x[0, :len(p)], torch.arange(len(p), device="cuda"), L.NoCache())
+        with torch.no_grad():
+            theirs = hf(x[:, :len(p)]).logits[0].float()
+        assert (ours - theirs).norm() / theirs.norm() < 2e-2
