@@ -1,0 +1,106 @@
+"""04's flash-decoding kernel vs a float64 gather + softmax reference.
+
+On CPU the kernel runs through the Triton interpreter (the module sets TRITON_INTERPRET=1 without CUDA), so
+shapes stay small; @pytest.mark.gpu tests run the compiled kernel on larger ones."""
+import importlib
+import json
+
+import pytest
+import torch
+
+m = importlib.import_module("04_triton_token_attn")
+LENS = [1, 2, 15, 16, 17, 300]  # the tile edges (BLOCK_N=64 >= 16) and a multi-tile, multi-split request
+ATOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}  # elementwise, outputs are O(1)
+
+
+def run_and_check(P, dtype, **kw):
+    """Poison the output, run the kernel, compare every element with the float64 reference."""
+    out = torch.full(P[0].shape, float("nan"), dtype=dtype, device=P[0].device)
+    res = m.token_decode_attention(*P, out=out, **kw)
+    assert res.data_ptr() == out.data_ptr() and res.dtype == dtype
+    ref = m.reference_decode_attention(*P, sm_scale=kw.get("sm_scale"))
+    assert torch.isfinite(out).all(), "kernel left unwritten (NaN) outputs"
+    torch.testing.assert_close(out.double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+    assert m.rel_err(out, ref) <= m.TOLERANCE[dtype]
+
+
+# every dtype meets every GQA ratio (1, 3, 4), both head dims and both slot layouts, with 1..4 splits
+CASES = [  # (dtype, n_q_heads, n_kv_heads, head_dim, scattered, num_splits)
+    (torch.float32, 2, 2, 64, True, None), (torch.float32, 6, 2, 128, False, 3), (torch.float32, 4, 1, 64, True, 1),
+    (torch.float16, 2, 2, 128, True, 2), (torch.float16, 3, 1, 64, True, None), (torch.float16, 8, 2, 128, False, 4),
+    (torch.bfloat16, 1, 1, 64, False, 3), (torch.bfloat16, 6, 2, 128, True, 1), (torch.bfloat16, 4, 1, 128, True, None),
+]
+
+
+@pytest.mark.parametrize("dtype,H,Hkv,D,scattered,splits", CASES,
+                         ids=[f"{str(c[0])[6:]}-gqa{c[1] // c[2]}-d{c[3]}-{'scat' if c[4] else 'contig'}-s{c[5]}"
+                              for c in CASES])
+def test_matches_reference(dtype, H, Hkv, D, scattered, splits):
+    P = m.make_problem(LENS, H, Hkv, D, dtype, scattered=scattered, seed=H * 1000 + D * 10 + (splits or 0))
+    run_and_check(P, dtype, num_splits=splits)
+
+
+def test_empty_splits_and_custom_scale():
+    """More splits than tiles: empty chunks must drop out of the merge; sm_scale is honoured."""
+    P = m.make_problem([1, 300, 70], 4, 2, 64, torch.float32, seed=5)
+    run_and_check(P, torch.float32, num_splits=9, sm_scale=0.3)
+
+
+def test_reference_is_softmax_attention():
+    """The reference itself, against a hand-written loop for one request and one head."""
+    q, k, v, r2t, rows, lens = m.make_problem([5, 3], 4, 2, 16, torch.float64, seed=2)
+    ref = m.reference_decode_attention(q, k, v, r2t, rows, lens)
+    slots = r2t[rows[1], :3].long()
+    s = torch.stack([q[1, 3] @ k[i, 1] for i in slots]) / 4.0  # query head 3 reads kv head 3 // 2 = 1
+    torch.testing.assert_close(ref[1, 3], (s.softmax(0)[:, None] * v[slots, 1]).sum(0))
+
+
+def test_choose_num_splits():
+    assert m.choose_num_splits(1, 8, 4096, 132) == 64           # batch 1: split down to 64-token chunks
+    assert m.choose_num_splits(32, 8, 1024, 132) == 1           # 256 programs already cover 132 SMs
+    assert m.choose_num_splits(8, 8, 16384, 132) == 8           # one wave of 4 programs per SM
+    for b, L in [(1, 1), (3, 300), (8, 16384), (1, 10**6), (16, 100)]:
+        s = m.choose_num_splits(b, 8, L, 132)
+        assert 1 <= s <= max(1, -(-L // m.MIN_CHUNK)) and (s == 1 or b * 8 * s <= m.RESIDENT * 132)
+
+
+def test_bad_shapes_raise():
+    q, k, v, r2t, rows, lens = m.make_problem([4], 4, 2, 64, seed=0)
+    with pytest.raises(ValueError, match="bad shapes"):
+        m.token_decode_attention(q[:, :3], k, v, r2t, rows, lens)  # 3 q heads on 2 kv heads
+    with pytest.raises(ValueError, match="need shape"):
+        m.token_decode_attention(q, k, v, r2t, rows, lens.repeat(2))
+    with pytest.raises(ValueError, match=">= 1"):
+        m.token_decode_attention(q, k, v, r2t, rows, lens * 0)
+
+
+def test_python_lists_for_rows_and_lengths():
+    """03 may hand plain lists: same answer as tensors."""
+    P = m.make_problem([3, 70], 4, 2, 64, torch.float16, seed=4)
+    ref = m.reference_decode_attention(*P)
+    out = m.token_decode_attention(*P[:4], P[4].tolist(), P[5].tolist())
+    torch.testing.assert_close(out.double(), ref, atol=ATOL[torch.float16], rtol=ATOL[torch.float16])
+
+
+def test_cli_json(capsys, monkeypatch):
+    monkeypatch.setattr(m, "CHECKS", [(4, 2, 64)])  # one head layout per dtype keeps the interpreter quick
+    m.main(["--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["max_rel_err"] < m.TOLERANCE[torch.bfloat16] and all(r["ok"] for r in report["checks"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (9, 3, 64), (8, 8, 64), (64, 4, 128)])
+def test_gpu_matches_reference(dtype, H, Hkv, D):
+    lens = LENS + [4097, 1000]
+    for scattered in (True, False):
+        P = m.make_problem(lens, H, Hkv, D, dtype, "cuda", scattered=scattered, seed=H * D)
+        for splits in (None, 1, 7, 64):
+            run_and_check(P, dtype, num_splits=splits)
+
+
+@pytest.mark.gpu
+def test_gpu_large_batch_bf16():
+    P = m.make_problem([2048] * 64 + [1, 17], 32, 8, 128, torch.bfloat16, "cuda", seed=3)
+    run_and_check(P, torch.bfloat16)
