@@ -1,0 +1,491 @@
+"""
+02_paged_cache_manager.py -- vLLM's PagedAttention: KV blocks, block tables, sharing, preemption.
+
+01 reserved max_seq_len slots per request, and most of them never held a token. PagedAttention cuts the
+KV pool into fixed-size blocks of `block_size` tokens, like OS pages: a request takes a block only when
+its last one is full, the blocks need not be contiguous, and a per-request *block table* maps logical
+blocks to physical ones. The only waste is the unfilled tail of each request's last block.
+
+    request A, 27 tokens                      one pool for all layers: k_cache, v_cache
+    logical block   0     1     2     3       (num_layers, num_blocks, block_size, n_kv_heads, head_dim)
+    block table   [ 5 ] [ 2 ] [ 7 ] [ 3 ]     physical block:  0   1   2   3   4   5   6   7
+    tokens         8/8   8/8   8/8   3/8 <-- tail waste        .   .  A,B  A   B  A,B  .   A
+    request B = fork(A) after 19 tokens: table [5, 2, 4]; blocks 5 and 2 have refcount 2 (shared
+    prompt), B's partly filled block 7 -> 4 was copied on B's first write (copy-on-write)
+
+The pieces, in the order this file defines them:
+  BlockManager   bookkeeping only: deterministic free list, block tables grown on demand, reference
+                 counts, fork (parallel sampling n > 1, beam search), copy-on-write, a watermark for
+                 admission, and `check()` -- free + used == total, every refcount == its owners.
+  paged_attention  one interface, two paths: flash-attn's `flash_attn_with_kvcache(..., block_table=)`
+                 on CUDA when block_size % 256 == 0 (FA2's paged-KV rule) and dtype is fp16/bf16, else
+                 PyTorch: gather each request's blocks through its table, then attention.
+  PagedKVCache   the backend behind llama3_generate's seam (prepare / attend / free), plus fork and
+                 swap_out / swap_in. Slot mappings are built with tensor ops, not per-token loops.
+  Scheduler      continuous batching: running out of blocks is a scheduling event -- the newest running
+                 request is preempted (recomputed later, or swapped to CPU memory), never a crash.
+
+Run: `python 02_paged_cache_manager.py [--trace alpaca] [--requests N] [--budget SLOTS] [--no-model] [--json]`.
+
+References: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention" (SOSP 2023); vLLM v0 block_manager / scheduler; nano-vllm's block_manager.py and
+scheduler.py (style); FlashAttention-2's flash_attn_with_kvcache (paged KV, page size multiple of 256).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+kv01 = importlib.import_module("01_kv_cache")
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool cannot hold what was asked; nothing was changed. A scheduler answers this by preempting."""
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BlockManager:
+    """Which physical blocks each sequence owns. Knows nothing about tensors (nano-vllm's BlockManager)."""
+
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.free_blocks = deque(range(num_blocks))  # deterministic: take from the front, freed blocks go to the back
+        self.ref_count = [0] * num_blocks
+        self.block_tables: dict = {}  # seq_id -> [physical block of logical block 0, 1, ...]
+        self.num_tokens: dict = {}    # seq_id -> tokens stored
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def _take(self) -> int:
+        block = self.free_blocks.popleft()
+        self.ref_count[block] = 1
+        return block
+
+    def _release(self, block: int):
+        if self.ref_count[block] <= 0:
+            raise RuntimeError(f"block {block} released more often than it was taken (refcount {self.ref_count[block]})")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free_blocks.append(block)
+
+    def blocks_needed(self, seq, n: int) -> int:
+        """Blocks that appending n tokens to seq takes from the free list: new blocks, plus a copy of its partly
+        filled last block if another sequence shares it (copy-on-write)."""
+        table = self.block_tables.get(seq)
+        if not table:
+            return cdiv(n, self.block_size)
+        have = self.num_tokens[seq]
+        cow = n > 0 and have % self.block_size != 0 and self.ref_count[table[-1]] > 1
+        return cdiv(have + n, self.block_size) - len(table) + cow
+
+    def can_allocate(self, n_tokens: int, taken: int = 0) -> bool:
+        """Admit a new request only if a watermark of blocks stays free, so it does not force a preemption right away."""
+        return self.num_free - taken - cdiv(n_tokens, self.block_size) >= self.watermark_blocks
+
+    def can_append(self, seqs, n_new) -> bool:
+        return sum(self.blocks_needed(s, n) for s, n in zip(seqs, n_new)) <= self.num_free
+
+    def append(self, seq, n: int) -> list:
+        """Grow seq by n tokens (a new seq_id starts a sequence). -> the (src, dst) block copies copy-on-write needs."""
+        need = self.blocks_needed(seq, n)
+        if need > self.num_free:  # checked before any change: a refusal leaves the pool as it was
+            raise OutOfBlocks(f"sequence {seq!r}: {n} more tokens need {need} blocks but only {self.num_free} are free")
+        copies, table = [], self.block_tables.setdefault(seq, [])
+        if need > cdiv(self.num_tokens.get(seq, 0) + n, self.block_size) - len(table):  # copy-on-write
+            src = table[-1]
+            self._release(src)
+            table[-1] = dst = self._take()
+            copies.append((src, dst))
+        table += [self._take() for _ in range(need - len(copies))]
+        self.num_tokens[seq] = self.num_tokens.get(seq, 0) + n
+        return copies
+
+    def prepare(self, seq_ids, n_new) -> list:
+        """Append n_new[i] tokens to seq_ids[i], all or nothing. A BlockManager is thus also a backend without tensors
+        (prepare / free) for simulating a scheduler on a trace. Returns the copy-on-write copies."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a sequence appears twice in one batch: {list(seq_ids)}")
+        if not self.can_append(seq_ids, n_new):
+            need = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, n_new))
+            raise OutOfBlocks(f"the batch needs {need} blocks but only {self.num_free} are free")
+        return [c for s, n in zip(seq_ids, n_new) for c in self.append(s, n)]
+
+    def fork(self, parent, child):
+        """child starts as parent's exact copy and shares every block (refcount + 1): parallel sampling, beam search."""
+        if parent not in self.block_tables:
+            raise KeyError(f"fork: unknown sequence {parent!r}")
+        if child in self.block_tables:
+            raise ValueError(f"fork: sequence {child!r} already exists")
+        self.block_tables[child] = list(self.block_tables[parent])
+        self.num_tokens[child] = self.num_tokens[parent]
+        for b in self.block_tables[child]:
+            self.ref_count[b] += 1
+
+    def free(self, seq):
+        if seq not in self.block_tables:
+            raise KeyError(f"free: unknown sequence {seq!r}")
+        for b in reversed(self.block_tables.pop(seq)):
+            self._release(b)
+        del self.num_tokens[seq]
+
+    def check(self) -> bool:
+        """The invariants: free + used == total, refcount == number of owning tables, tables sized to their tokens."""
+        owners = Counter(b for t in self.block_tables.values() for b in t)
+        used = sum(c > 0 for c in self.ref_count)
+        problems = [msg for bad, msg in [
+            (len(set(self.free_blocks)) != self.num_free or any(self.ref_count[b] for b in self.free_blocks),
+             "free list holds duplicates or referenced blocks"),
+            (self.num_free + used != self.num_blocks, f"free {self.num_free} + used {used} != total {self.num_blocks}"),
+            (any(self.ref_count[b] != owners.get(b, 0) for b in range(self.num_blocks)), "a block's refcount != owners"),
+            (any(len(t) != cdiv(self.num_tokens[s], self.block_size) for s, t in self.block_tables.items()),
+             "a block table does not match its token count")] if bad]
+        if problems:
+            raise AssertionError("block manager corrupted: " + "; ".join(problems))
+        return True
+
+
+@functools.cache
+def flash_attn_with_kvcache():
+    """flash-attn's paged-KV kernel, or None where flash-attn is not installed (CPU machines, CI)."""
+    try:
+        from flash_attn import flash_attn_with_kvcache as f
+        return f
+    except ImportError:
+        return None
+
+
+def flash_ok(k_cache) -> bool:
+    """FA2 reads paged KV only on CUDA, in fp16/bf16, with blocks of a multiple of 256 tokens."""
+    return (flash_attn_with_kvcache() is not None and k_cache.is_cuda and k_cache.shape[1] % 256 == 0
+            and k_cache.dtype in (torch.float16, torch.bfloat16))
+
+
+def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: str = "auto"):
+    """Attention of a flat ragged batch over one layer's paged cache (its new k, v already written).
+
+    q (T, H, D): q_lens[i] new tokens of request i, request after request: the LAST q_lens[i] of its seq_lens[i].
+    k_cache, v_cache (num_blocks, block_size, Hkv, D); block_table (batch, max_blocks) int32; seq_lens (batch,) int32.
+    path: "auto" (flash-attn where flash_ok, else PyTorch), "flash" or "torch". Returns (T, H, D)."""
+    if path == "flash" or (path == "auto" and flash_ok(k_cache)):
+        if not flash_ok(k_cache):
+            raise ValueError("flash path needs flash-attn, CUDA tensors, fp16/bf16 and block_size % 256 == 0")
+        fa = flash_attn_with_kvcache()
+        if len(set(q_lens)) == 1:  # decode (or equal chunks): one call, q (batch, n, H, D)
+            out = fa(q.view(len(q_lens), q_lens[0], *q.shape[1:]), k_cache, v_cache, cache_seqlens=seq_lens,
+                     block_table=block_table, causal=True)  # causal mask aligned bottom-right: q are the last tokens
+            return out.flatten(0, 1)
+        outs, t = [], 0  # ragged prefill: one request per call (a padded q would shift the bottom-right causal mask)
+        for i, n in enumerate(q_lens):
+            outs.append(fa(q[None, t:t + n], k_cache, v_cache, cache_seqlens=seq_lens[i:i + 1],
+                           block_table=block_table[i:i + 1], causal=True)[0])
+            t += n
+        return torch.cat(outs)
+    if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
+        K = k_cache[block_table].flatten(1, 2).transpose(1, 2)  # (batch, Hkv, max_blocks * block_size, D)
+        V = v_cache[block_table].flatten(1, 2).transpose(1, 2)
+        mask = torch.arange(K.shape[2], device=q.device) < seq_lens[:, None]  # (batch, L)
+        out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask[:, None, None], enable_gqa=True)
+        return out[:, :, 0]
+    from llama3_generate import attend_dense
+    outs, t, B = [], 0, k_cache.shape[1]
+    for i, (n, L) in enumerate(zip(q_lens, seq_lens.tolist())):  # prefill: one request at a time
+        blocks = block_table[i, :cdiv(L, B)]
+        outs.append(attend_dense(q[t:t + n], k_cache[blocks].flatten(0, 1)[:L], v_cache[blocks].flatten(0, 1)[:L]))
+        t += n
+    return torch.cat(outs)
+
+
+class PagedKVCache:
+    """The paged backend for llama3_generate's seam: prepare(seq_ids, n_new) -> positions, attend, free."""
+
+    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
+                 watermark=0.01, path="auto"):
+        self.manager = BlockManager(num_blocks, block_size, watermark)
+        shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # (n_layers, num_blocks, block_size, Hkv, D)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size, self.device, self.path = block_size, torch.device(device), path
+
+    @classmethod
+    def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw):
+        a, w = model.args, model.tok_embeddings.weight
+        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, **kw)
+
+    def prepare(self, seq_ids, n_new):
+        """Make room for n_new[i] tokens of seq_ids[i] (all or nothing: OutOfBlocks leaves the pool unchanged)."""
+        m, B = self.manager, self.block_size
+        starts = torch.tensor([m.num_tokens.get(s, 0) for s in seq_ids])
+        copies = m.prepare(seq_ids, n_new)
+        if copies:  # copy-on-write: duplicate the shared blocks, every layer at once
+            src, dst = torch.tensor(copies, device=self.device).T
+            self.k_cache[:, dst], self.v_cache[:, dst] = self.k_cache[:, src], self.v_cache[:, src]
+        q_lens = torch.tensor(list(n_new))
+        n_blocks = torch.tensor([len(m.block_tables[s]) for s in seq_ids])
+        tables = torch.zeros(len(seq_ids), int(n_blocks.max()), dtype=torch.int32)  # (batch, max_blocks), 0-padded
+        tables[torch.arange(tables.shape[1]) < n_blocks[:, None]] = torch.tensor(
+            [b for s in seq_ids for b in m.block_tables[s]], dtype=torch.int32)   # one conversion for the whole batch
+        ends = q_lens.cumsum(0)                                                  # (batch,) end row of each request
+        rows = torch.arange(int(ends[-1]) if len(ends) else 0)                   # (T,)
+        req = torch.searchsorted(ends, rows, right=True)                         # (T,) request of each new token
+        positions = starts[req] + rows - (ends - q_lens)[req]                    # (T,) position in its request
+        self.slot_mapping = (tables[req, positions // B] * B + positions % B).to(self.device)  # (T,) flat slot
+        self.block_table = tables.to(self.device)                                # (batch, max_blocks) int32
+        self.seq_lens = (starts + q_lens).to(self.device, torch.int32)           # (batch,) tokens after this step
+        self.q_lens = list(n_new)
+        return positions.to(self.device)
+
+    def attend(self, layer, q, k, v):
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
+        k_cache.flatten(0, 1)[self.slot_mapping] = k                 # write this step's k, v into their slots
+        v_cache.flatten(0, 1)[self.slot_mapping] = v
+        return paged_attention(q, k_cache, v_cache, self.block_table, self.seq_lens, self.q_lens, self.path)
+
+    def free(self, seq_id):
+        self.manager.free(seq_id)
+
+    def fork(self, parent, child):
+        self.manager.fork(parent, child)
+
+    def _blocks(self, seq_id):
+        return torch.tensor(self.manager.block_tables[seq_id], dtype=torch.long, device=self.device)
+
+    def gather(self, seq_id, layer):
+        """(tokens, Hkv, D) K and V of one sequence, in order (for tests and pictures)."""
+        blocks, n = self._blocks(seq_id), self.manager.num_tokens[seq_id]
+        return self.k_cache[layer, blocks].flatten(0, 1)[:n], self.v_cache[layer, blocks].flatten(0, 1)[:n]
+
+    def swap_out(self, seq_id):
+        """Copy a sequence's blocks to CPU memory and free them (shared blocks come back private on swap_in)."""
+        blocks = self._blocks(seq_id)
+        saved = (self.k_cache[:, blocks].cpu(), self.v_cache[:, blocks].cpu(), self.manager.num_tokens[seq_id])
+        self.free(seq_id)
+        return saved
+
+    def swap_in(self, seq_id, saved):
+        k, v, n = saved
+        self.manager.append(seq_id, n)
+        blocks = self._blocks(seq_id)
+        self.k_cache[:, blocks], self.v_cache[:, blocks] = k.to(self.device), v.to(self.device)
+
+
+@dataclass
+class Request:
+    seq_id: int
+    prompt: list
+    max_new: int
+    out: list = field(default_factory=list)
+
+    @property
+    def tokens(self):
+        return self.prompt + self.out
+
+
+class Scheduler:
+    """Continuous batching over a PagedKVCache (nano-vllm's scheduler, cut down). Each step either prefills the
+    waiting requests whose blocks fit above the watermark, or decodes every running request; when decode cannot
+    get its blocks, the newest running request is preempted: recompute (free now, prefill prompt + output so far
+    later) or swap (copy its blocks to CPU memory, copy them back when they fit)."""
+
+    def __init__(self, kv, max_running: int = 64, preempt: str = "recompute", stop_ids=()):
+        """kv: a PagedKVCache, or a bare BlockManager to simulate a trace without tensors (recompute only)."""
+        self.m = kv if isinstance(kv, BlockManager) else kv.manager
+        if preempt not in ("recompute", "swap") or (preempt == "swap" and kv is self.m):
+            raise ValueError(f"preempt must be 'recompute' or 'swap' (swap needs a PagedKVCache), not {preempt!r}")
+        self.kv, self.max_running, self.preempt, self.stop_ids = kv, max_running, preempt, set(stop_ids)
+        self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
+        self.num_preemptions, self.stats = 0, []  # stats: (running, live tokens, used blocks, anyone waiting) per decode
+
+    def schedule(self):
+        m = self.m
+        while self.swapped and m.can_allocate(self.swapped[0][1][2]) and len(self.running) < self.max_running:
+            req, saved = self.swapped.popleft()
+            self.kv.swap_in(req.seq_id, saved)
+            self.running.append(req)
+        batch, taken = [], 0
+        while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_running:
+            n = len(self.waiting[0].tokens)
+            if not m.can_allocate(n, taken):
+                break
+            taken += cdiv(n, m.block_size)
+            batch.append(self.waiting.popleft())
+        if batch:
+            self.running += batch
+            return batch, [len(r.tokens) for r in batch]
+        if not self.running:
+            n = len(self.waiting[0].tokens) if self.waiting else self.swapped[0][1][2]
+            raise OutOfBlocks(f"a request of {n} tokens cannot fit: {m.num_blocks} blocks of {m.block_size}, "
+                              f"watermark {m.watermark_blocks}")
+        while not m.can_append([r.seq_id for r in self.running], [1] * len(self.running)):
+            if len(self.running) == 1:
+                raise OutOfBlocks(f"request {self.running[0].seq_id} alone outgrows the pool of {m.num_blocks} blocks")
+            self._preempt(self.running.pop())
+        live = sum(m.num_tokens[r.seq_id] for r in self.running)
+        self.stats.append((len(self.running), live, m.num_blocks - m.num_free, bool(self.waiting or self.swapped)))
+        return list(self.running), [1] * len(self.running)
+
+    def _preempt(self, req):
+        self.num_preemptions += 1
+        if self.preempt == "swap":
+            self.swapped.append((req, self.kv.swap_out(req.seq_id)))
+        else:
+            self.kv.free(req.seq_id)
+            self.waiting.appendleft(req)
+
+    def run(self, forward):
+        """forward(batch, n_new, positions) -> next token per request. Returns the outputs in seq_id order."""
+        while self.waiting or self.running or self.swapped:
+            batch, n_new = self.schedule()
+            positions = self.kv.prepare([r.seq_id for r in batch], n_new)
+            for r, t in zip(batch, forward(batch, n_new, positions)):
+                r.out.append(t)
+                if t in self.stop_ids or len(r.out) >= r.max_new:
+                    self.running.remove(r)
+                    self.kv.free(r.seq_id)
+                    self.finished.append(r)
+        return [r.out for r in sorted(self.finished, key=lambda r: r.seq_id)]
+
+
+def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="recompute", stop_ids=(), max_running=64):
+    """Greedy decoding of prompts (lists of ids) through a paged cache of num_blocks. -> (outputs, scheduler)."""
+    kv = PagedKVCache.for_model(model, num_blocks, block_size)
+    sched = Scheduler(kv, max_running, preempt, stop_ids)
+    sched.waiting.extend(Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts))
+    device = model.tok_embeddings.weight.device
+
+    def forward(batch, n_new, positions):
+        tokens = torch.tensor([t for r, n in zip(batch, n_new) for t in r.tokens[-n:]], device=device)
+        last = torch.tensor(n_new, device=device).cumsum(0) - 1  # logits only at each request's last token
+        return model(tokens, positions, kv, logits_at=last).argmax(-1).tolist()
+    return sched.run(forward), sched
+
+
+def simulate(prompt_lens, output_lens, num_blocks, block_size=16, max_running=1024, watermark=0.01):
+    """The same scheduler on a request trace with no model and no tensors (every sampled token is 0): what the
+    block manager alone allows. Returns the scheduler, holding its statistics."""
+    sched = Scheduler(BlockManager(num_blocks, block_size, watermark), max_running)
+    sched.waiting.extend(Request(i, [0] * int(p), int(o)) for i, (p, o) in enumerate(zip(prompt_lens, output_lens)))
+    sched.run(lambda batch, n_new, positions: [0] * len(batch))
+    return sched
+
+
+def sharing_saved(prompt_lens, output_lens, width: int, beam: bool, block_size=16, seed=0) -> float:
+    """1 - blocks held with sharing / blocks of `width` unshared copies, summed over every decode step.
+
+    Parallel sampling: the prompt is prefilled once and forked into `width` samples that then diverge.
+    Beam search (our model of it): after the prompt, each step every one of the `width` new beams picks its parent
+    uniformly at random among the old beams (fork parent -> child, then the old beams are freed), so beams share
+    the prompt and a common history that coalesces a few steps back, as real beams do."""
+    rng, m = np.random.default_rng(seed), BlockManager(1 << 20, block_size, 0.0)
+    held = unshared = 0
+    for p, o in zip(prompt_lens, output_lens):
+        m.append("prompt", int(p))
+        beams = [("b", 0, i) for i in range(width)]
+        for b in beams:
+            m.fork("prompt", b)
+        m.free("prompt")
+        for step in range(int(o)):
+            if beam and step:
+                new = [("b", step, i) for i in range(width)]
+                for parent, child in zip(rng.integers(0, width, width), new):
+                    m.fork(beams[parent], child)
+                for b in beams:
+                    m.free(b)
+                beams = new
+            for b in beams:
+                m.append(b, 1 if step else 0)
+            held += m.num_blocks - m.num_free
+            unshared += width * cdiv(int(p) + step, block_size)
+        for b in beams:
+            m.free(b)
+    return 1 - held / unshared
+
+
+def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2048):
+    """Live share of the pool and running batch while requests wait, paged (block 1, 16, 256) vs 01's max-len
+    reservation measured by 01 on the same trace and budget; then the savings of sharing."""
+    prompt, output = kv01.synthetic_trace(trace, n, seed, max_seq_len)
+    ref = kv01.account(prompt, output, "max_len", budget_tokens, max_seq_len)
+    res = {"trace": trace, "requests": n, "budget_tokens": budget_tokens, "live_fraction": {}, "batch": {},
+           "preemptions": {}, "live_fraction_max_len": ref["live"], "batch_max_len": ref["batch"],
+           "attention_path": "flash-attn" if flash_attn_with_kvcache() and torch.cuda.is_available() else "pytorch"}
+    for B in (1, 16, 256):
+        sched = simulate(prompt, output, budget_tokens // B, B)
+        full = np.array([st[:3] for st in sched.stats if st[3]] or [st[:3] for st in sched.stats], dtype=float)
+        res["live_fraction"][str(B)] = float(full[:, 1].mean() / budget_tokens)  # (running, live, used) per step
+        res["batch"][str(B)] = float(full[:, 0].mean())
+        res["preemptions"][str(B)] = sched.num_preemptions
+    ap, ao = kv01.synthetic_trace("alpaca", min(n, 200), seed, max_seq_len)  # vLLM measured sharing on Alpaca
+    res["sharing_saved"] = {kind: {str(w): sharing_saved(ap, ao, w, kind == "beam") for w in (2, 4, 6)}
+                            for kind in ("parallel", "beam")}
+    return res
+
+
+def demo(max_new=16, num_blocks=20, block_size=4):
+    """The real model through a pool too small for its batch: greedy outputs vs 01's contiguous cache."""
+    import llama3_generate as L
+    model, tok = L.load_model()
+    prompts = [tok.chat(q) for q in ("Write a short poem about the sea.", "Why is the sky blue?", "Name the planets.")]
+    ref = L.generate(model, kv01.ContiguousKVCache.for_model(model, len(prompts), 256), prompts, max_new,
+                     stop_ids=tok.stop_ids)
+    res = {"num_blocks": num_blocks, "block_size": block_size, "text": tok.decode(ref[0])}
+    for preempt in ("recompute", "swap"):
+        out, sched = serve(model, prompts, max_new, num_blocks, block_size, preempt, tok.stop_ids)
+        res[preempt] = {"equal_to_contiguous": out == ref, "preemptions": sched.num_preemptions}
+    return res
+
+
+def print_report(res):
+    d = res.get("demo")
+    print(f"KV pool of {res['budget_tokens']} token slots, {res['trace']}-like trace of {res['requests']} requests, "
+          f"averaged over decode steps while requests wait:\n  {'':24s} live share of pool  running requests")
+    print(f"  {'01 max-len reservation':24s} {res['live_fraction_max_len']:18.1%}  {res['batch_max_len']:16.1f}")
+    for b in res["live_fraction"]:
+        print(f"  {'paged, block_size ' + b:24s} {res['live_fraction'][b]:18.1%}  {res['batch'][b]:16.1f}"
+              f"   ({res['preemptions'][b]} preemptions)" + ("  FA2's smallest paged block" if b == "256" else ""))
+    print(f"Memory saved by sharing blocks (Alpaca-like trace, {min(res['requests'], 200)} requests, block 16):")
+    for kind, saved in res["sharing_saved"].items():
+        print(f"  {kind:8s} " + "  ".join(f"width {w}: {x:5.1%}" for w, x in saved.items()))
+    for p in ("recompute", "swap") if d else ():
+        print(f"Real model, {d['num_blocks']} blocks of {d['block_size']} tokens, preempt={p}: {d[p]['preemptions']} "
+              f"preemptions, greedy tokens == 01's contiguous cache: {d[p]['equal_to_contiguous']}")
+    print((f"  sample: {d['text']!r}\n" if d else "") + f"Attention path here: {res['attention_path']}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
+    ap.add_argument("--trace", choices=sorted(kv01.TRACES), default="sharegpt")
+    ap.add_argument("--requests", type=int, default=1000, help="requests drawn from the synthetic trace")
+    ap.add_argument("--budget", type=int, default=32768, help="KV budget in token slots for the concurrency figure")
+    ap.add_argument("--no-model", action="store_true", help="skip the real-model preemption demo")
+    args = ap.parse_args(argv)
+    if args.requests < 1:
+        ap.error("--requests must be >= 1")
+    if args.budget < 2048 or args.budget % 2048:
+        ap.error("--budget must be a positive multiple of 2048 token slots")
+    res = measure(args.trace, args.requests, budget_tokens=args.budget)
+    if not args.no_model:
+        res["demo"] = demo()
+    if args.json:
+        print(json.dumps(res))
+        return
+    print_report(res)
+
+if __name__ == "__main__":
+    main()
