@@ -715,9 +715,11 @@ class Engine:
             self.kv.free(s.sid)
         s.kv_len, s.node, s.in_kv = 0, None, False
 
-    def _prepare(self, batch):
-        """kv.prepare for the batch; when memory is short: evict cached prefixes, then hold back new sequences,
-        then preempt running ones, newest first."""
+    def _prepare(self, new):
+        """kv.prepare for this step's batch: the new sequences (prefill first, vLLM's order), else every running one.
+        When memory is short: evict cached prefixes, then hold new sequences back, then preempt running ones,
+        newest first. Returns (batch, positions)."""
+        batch = new or self.running
         while True:
             try:
                 positions = self.kv.prepare([s.sid for s in batch], [len(s.tokens) - s.kv_len for s in batch])
@@ -729,17 +731,17 @@ class Engine:
                 need = sum(len(s.tokens) - s.kv_len for s in batch)
                 if self.radix and self.radix.evict(need - self.kv.allocator.available()) > 0:
                     continue
-                if len(batch) == 1:
+                if len(batch) == 1 and (batch is self.running or not self.running):
                     raise UserError(f"sequence {batch[0].sid} needs more KV memory than the whole pool holds") from None
                 victim = batch.pop()  # the newest: admitted last, or the most recently admitted running one
                 self._release(victim)
-                self.stats["preemptions"] += victim in self.running
-                self.running = [s for s in self.running if s is not victim]
+                self.stats["preemptions"] += batch is self.running
                 self.waiting.insert(0, victim)
+                if not batch:  # no new sequence fits next to the running ones: decode them instead
+                    batch = self.running
 
     def step(self, on_token=None):
-        new = self._admit()
-        batch, positions = self._prepare(new or self.running)  # prefill first (vLLM's order), else decode everyone
+        batch, positions = self._prepare(self._admit())
         n_new = [len(s.tokens) - s.kv_len for s in batch]
         decode = all(n == 1 for n in n_new)
         t0 = time.perf_counter()
@@ -753,7 +755,7 @@ class Engine:
         self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
         self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
         self.stats["steps"] += 1
-        self.running = self.running if new else []  # a prefill step leaves the running sequences as they were
+        self.running = [] if batch is self.running else self.running  # a prefill step leaves the running ones be
         for s, n, t in zip(batch, n_new, next_ids):
             s.kv_len += n
             if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - n:
