@@ -30,6 +30,13 @@ its path is still cached; with room for the longest path, LRU only evicts finish
 exactly once, C = sum of edge lengths (the paper's Theorem 3.1). fcfs and random jump between subtrees and recompute
 evicted prefixes; dfs-weight (SGLang) walks the tree visiting the subtree with the most waiting requests first.
 
+Details that matter (as in SGLang): a prompt goes into the tree right after its prefill, not only when the request
+finishes, so requests arriving while it decodes already hit it; a cache-aware policy holds back a request sharing
+>= 32 uncached tokens with one admitted in the same step (in-batch prefix caching: next step it is a hit); admission
+reserves every slot a request will take (prompt suffix + max_new - 1), so the running batch never runs out. Where lpm
+stays below the optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
+and a small pool evicts prefixes that concurrently running requests could not all keep.
+
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
 caching); mini-sglang for the invariant style. Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
@@ -292,9 +299,6 @@ class Scheduler:
         (self.blocked if after is not None and not after.done else self.waiting).append(r)
         return r
 
-    def _match(self, r):
-        r.prefix, r.node = self.tree.match_prefix(r.prompt)
-
     def schedule(self):
         """Algorithm 1: pick new requests for this step, lock their prefixes, open their rows (add_prefix)."""
         room = self.max_running - len(self.running)
@@ -304,13 +308,13 @@ class Scheduler:
         aware = self.policy in CACHE_AWARE
         if aware:
             for r in self.waiting:
-                self._match(r)
+                r.prefix, r.node = self.tree.match_prefix(r.prompt)
         new, batch, prefill = [], RadixCache(), 0  # batch: prompts admitted this step (in-batch prefix caching)
         for r in POLICIES[self.policy](self, self.waiting):
             if len(new) == room:
                 break
             if not aware:
-                self._match(r)
+                r.prefix, r.node = self.tree.match_prefix(r.prompt)
             extend = len(r.prompt) - len(r.prefix)
             if new and prefill + extend > self.max_prefill_tokens:
                 break
@@ -441,7 +445,7 @@ def tot_workload(rng, problems=8, branch=3, depth=3, question=256, thought=32, h
 
 
 WORKLOADS = {  # name: (builder, scaled-down default kwargs, full-size kwargs)
-    "generated-shared-prefix": (shared_prefix_workload, dict(groups=16, prefix=512, question=32, output=32), {}),
+    "generated-shared-prefix": (shared_prefix_workload, dict(groups=16, prefix=512, question=32, output=16), {}),
     "few-shot": (few_shot_workload, {}, dict(tasks=16, per_task=32, shots=2048, question=128, output=128)),
     "multi-turn-chat": (chat_workload, {}, dict(chats=128, turns=6, system=256, user=128, output=256)),
     "tree-of-thought": (tot_workload, {}, dict(problems=16, branch=4, depth=4, question=1024, thought=128)),
@@ -484,23 +488,19 @@ def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, 
 # The real model through the same scheduler
 # ----------------------------------------------------------------------------------------------
 
-def model_forward(model, kv):
-    """forward(tokens, positions, n_new) -> greedy next token of each request, running the model through kv."""
-    def forward(tokens, positions, n_new):
-        dev = positions.device
-        last = torch.tensor(n_new, device=dev).cumsum(0) - 1  # logits only at each request's last new token
-        logits = model(torch.tensor(tokens, device=dev), positions, kv, logits_at=last)
-        return logits.argmax(-1).tolist()
-    return forward
-
-
 def generate_cached(model, prompts, max_new_tokens=32, sched=None, pool_size=4096, policy="lpm", max_running=8,
                     stop_ids=()):
-    """Greedy generation of prompts through a Scheduler (new one unless given: reuse it to keep the cache)."""
+    """Greedy generation of prompts through a Scheduler over a TokenKVCache (pass sched to keep its warm cache).
+    Returns (new tokens per prompt, sched)."""
     if sched is None:
         sched = Scheduler(T.TokenKVCache.for_model(model, pool_size, max_running), policy, max_running)
+
+    def forward(tokens, positions, n_new):  # one ragged forward: prefill chunks of the new + a token per running
+        last = torch.tensor(n_new, device=positions.device).cumsum(0) - 1  # logits at each request's last token
+        logits = model(torch.tensor(tokens, device=positions.device), positions, sched.kv, logits_at=last)
+        return logits.argmax(-1).tolist()
     reqs = [sched.add(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
-    sched.run(model_forward(model, sched.kv))
+    sched.run(forward)
     return [r.output for r in reqs], sched
 
 
