@@ -560,28 +560,30 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
     tokens = torch.tensor([t for p in prompts for t in p], device=device)
-    positions = kv.prepare(seqs, [len(p) for p in prompts])
-    last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
-    logits = model(tokens, positions, kv, logits_at=last)
-    active, n_decoded = seqs, 0
-    sync()
-    t1 = time.perf_counter()
-    for step in range(max_new_tokens):
-        if process_logits is not None:
-            logits = process_logits(active, logits)
-        for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
-            out[i].append(t)
-            if on_token:
-                on_token(i, t)
-        active = [i for i in active if out[i][-1] not in stop_ids]
-        if not active or step == max_new_tokens - 1:
-            break
-        positions = kv.prepare(active, [1] * len(active))
-        logits = model(torch.tensor([out[i][-1] for i in active], device=device), positions, kv)
-        n_decoded += len(active)
-    sync()
-    for s in seqs:
-        kv.free(s)
+    positions = kv.prepare(seqs, [len(p) for p in prompts])  # all or nothing
+    try:
+        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
+        logits = model(tokens, positions, kv, logits_at=last)
+        active, n_decoded = seqs, 0
+        sync()
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            if process_logits is not None:
+                logits = process_logits(active, logits)
+            for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
+                out[i].append(t)
+                if on_token:
+                    on_token(i, t)
+            active = [i for i in active if out[i][-1] not in stop_ids]
+            if not active or step == max_new_tokens - 1:
+                break
+            positions = kv.prepare(active, [1] * len(active))
+            logits = model(torch.tensor([out[i][-1] for i in active], device=device), positions, kv)
+            n_decoded += len(active)
+        sync()
+    finally:  # free every request, also when prepare refuses one midway
+        for s in seqs:
+            kv.free(s)
     if timings is not None:
         timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
                        decode_tokens=n_decoded)
