@@ -149,10 +149,13 @@ class ContiguousKVCache:
         rows, starts, n_new = self.batch
         if all(n == 1 for n in n_new):  # decode: one query per request, batched over a length mask
             L = max(starts) + 1
-            idx = torch.tensor(rows, device=q.device)
-            K, V = k_cache[idx, :L].transpose(1, 2), v_cache[idx, :L].transpose(1, 2)  # (B, n_kv_heads, L, head_dim)
-            mask = torch.arange(L, device=q.device) <= self.tok_pos[:, None]           # (B, L)
-            out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask[:, None, None], enable_gqa=True)
+            if len(rows) == 1:  # alone: a view of its row, every column visible, no mask
+                sel, mask = slice(rows[0], rows[0] + 1), None
+            else:
+                sel = torch.tensor(rows, device=q.device)
+                mask = (torch.arange(L, device=q.device) <= self.tok_pos[:, None])[:, None, None]  # (B, 1, 1, L)
+            K, V = k_cache[sel, :L].transpose(1, 2), v_cache[sel, :L].transpose(1, 2)  # (B, n_kv_heads, L, head_dim)
+            out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask, enable_gqa=True)
             return out[:, :, 0]
         from llama3_generate import attend_dense  # prefill: one request at a time
         outs, t = [], 0
