@@ -20,7 +20,9 @@ the model `"` then `, "` -- a split it never saw in training, where `",` is one 
 prompt + output + jump string, keeps the longest common token prefix with what the model has seen, and
 recomputes the K/V of the rest in one extend pass. We re-encode output + jump after the fixed prompt ids
 (the chat template ends at a special token, so the two agree; SGLang bails out when they "fuse"). KV: 01's
-contiguous cache plus `truncate`; the engine reuses the prefix through 05's radix cache instead.
+contiguous cache plus `truncate`; the engine reuses the prefix through 05's radix cache instead. Masking
+alone drifts too: made to spell `"blood status"`, a small model picks fragments (`b`, `l`, `oo`, `d`, ...),
+emitting far more tokens than the tokenizer would for the same text; the report prints both counts.
 
     regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --tokenizer bytes, trim--> TokenIndex
     "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    table (n_states, 256) int32, -1 = dead    masks, jumps
@@ -64,21 +66,16 @@ ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)
 ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7}
 
 
-# -------- Regex -> AST. A character set is sorted, merged code-point ranges ((lo, hi), ...). ------
-
-def _norm(ranges):
-    out = []
-    for lo, hi in sorted(ranges):
-        if out and lo <= out[-1][1] + 1:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return tuple(out)
-
+# -------- Regex -> AST. A character set is a tuple of code-point ranges ((lo, hi), ...) -----------
 
 def _negate(ranges):
-    r = _norm(ranges)  # the gaps: from after each range (or 0) to before the next (or MAX_CHAR)
-    return tuple((a, b) for a, b in zip([0] + [hi + 1 for _, hi in r], [lo - 1 for lo, _ in r] + [MAX_CHAR]) if a <= b)
+    """The code points in none of the ranges, as sorted ranges."""
+    out, nxt = [], 0
+    for lo, hi in sorted(ranges):
+        if lo > nxt:
+            out.append((nxt, lo - 1))
+        nxt = max(nxt, hi + 1)
+    return tuple(out + [(nxt, MAX_CHAR)] * (nxt <= MAX_CHAR))
 
 
 class _Parser:
@@ -100,9 +97,7 @@ class _Parser:
 
     def parse(self):
         node = self.alt()
-        if self.i < len(self.p):  # only a ')' stops alt() early
-            self.error("unbalanced parenthesis")
-        return node
+        return node if self.i == len(self.p) else self.error("unbalanced parenthesis")  # only ')' stops alt()
 
     def alt(self):
         branches = [self.cat()]
@@ -153,10 +148,8 @@ class _Parser:
             elif self.peek() == "?":
                 self.error("unsupported group syntax '(?' (only (...) and (?:...))")
             node = self.alt()
-            if self.peek() != ")":
-                self.error("missing ), unterminated subpattern")
             self.i += 1
-            return node
+            return node if self.p[self.i - 1:self.i] == ")" else self.error("missing ), unterminated subpattern")
         if c in "^$":
             self.error(f"anchor {c!r} is not supported (the whole output must match anyway)", self.i - 1)
         if c == ".":
@@ -202,7 +195,7 @@ class _Parser:
                 lo = ((lo[0][0], hi[0][0]),)
             ranges += lo
         self.i += 1
-        return _negate(ranges) if negate else _norm(ranges)
+        return _negate(ranges) if negate else tuple(sorted(ranges))
 
 
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
@@ -279,13 +272,18 @@ class _NFA:
         return s, end
 
     def closure(self, states):
-        seen, todo = set(states), list(states)
-        while todo:
-            for t in self.eps[todo.pop()]:
-                if t not in seen:
-                    seen.add(t)
-                    todo.append(t)
-        return frozenset(seen)
+        return frozenset(_reach(self.eps, states))
+
+
+def _reach(adj, seeds) -> set:
+    """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live states)."""
+    seen, todo = set(seeds), list(seeds)
+    while todo:
+        for t in adj[todo.pop()]:
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
 
 
 def _determinize(nfa, start, accept):
@@ -307,28 +305,18 @@ def _determinize(nfa, start, accept):
     return np.stack(rows), np.array([accept in s for s in sets])
 
 
-def _reach(n, edges, seeds):
-    """(n,) bool: the states reachable from seeds along edges [(from, to)]."""
-    nxt, seen, todo = [[] for _ in range(n)], np.zeros(n, bool), list(seeds)
-    for a, b in edges:
-        nxt[a].append(b)
-    seen[todo] = True
-    while todo:
-        for t in nxt[todo.pop()]:
-            if not seen[t]:
-                seen[t] = True
-                todo.append(t)
-    return seen
-
-
 def _trim(table, accept):
     """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
     src, byte = np.nonzero(table >= 0)
-    pairs = np.unique(np.stack([src, table[src, byte]], 1), axis=0).tolist()
-    live = _reach(len(table), [(b, a) for a, b in pairs], np.flatnonzero(accept))  # can still accept
-    if not live[0]:
+    succ, pred = [[] for _ in table], [[] for _ in table]
+    for a, b in np.unique(np.stack([src, table[src, byte]], 1), axis=0).tolist():
+        succ[a].append(b)
+        pred[b].append(a)
+    live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
+    if 0 not in live:
         return np.full((1, 256), -1, np.int32), np.zeros(1, bool)  # the empty language
-    keep = _reach(len(table), [(a, b) for a, b in pairs if live[b]], [0])
+    keep = np.zeros(len(table), bool)
+    keep[list(_reach([[t for t in ts if t in live] for ts in succ], [0]))] = True
     new = np.full(len(table) + 1, -1, np.int32)  # new[-1] = -1 keeps dead transitions dead
     new[np.flatnonzero(keep)] = np.arange(keep.sum())
     return new[table[keep]], accept[keep]
@@ -556,7 +544,8 @@ def schema_to_regex(schema, path="$") -> str:
     if kind == "object":
         if not isinstance(schema.get("properties", {}), dict):
             fail("properties must be an object")
-        fields = [_literal(k) + ": " + schema_to_regex(v, f"{path}.{k}") for k, v in schema.get("properties", {}).items()]
+        props = schema.get("properties", {}).items()
+        fields = [_literal(k) + ": " + schema_to_regex(v, f"{path}.{k}") for k, v in props]
         return r"\{" + ", ".join(fields) + r"\}"
     if kind == "array":
         if "items" not in schema:
@@ -564,7 +553,7 @@ def schema_to_regex(schema, path="$") -> str:
         item = schema_to_regex(schema["items"], f"{path}[]")
         more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi is None else max(hi - 1, 0)}}}"
         return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
-    fail(f"unsupported schema type {kind!r} (string, integer, number, boolean, null, object, array, enum, const, anyOf)")
+    fail(f"unsupported schema type {kind!r} (string integer number boolean null object array; enum const anyOf)")
 
 
 # -------- Demo: masking only vs jump-forward, same model, same run --------------------------------
@@ -577,9 +566,10 @@ CHARACTER_REGEX = (  # SGLang's example, examples/frontend_language/usage/json_d
     r"""        "length": [0-9]{1,2}\.[0-9]{0,2}\n    \},\n    "alive": "(Alive|Deceased)",\n"""
     r"""    "patronus": "[\w\d\s]{1,16}",\n    "bogart": "[\w\d\s]{1,16}"\n\}""")
 DEMO_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24}, "house": {"enum": ["Gryffindor", "Slytherin", "Ravenclaw", "Hufflepuff"]},
-    "age": {"type": "integer"}, "wand": {"type": "object", "properties": {
-        "wood": {"type": "string", "maxLength": 16}, "core": {"type": "string", "maxLength": 16}, "length": {"type": "number"}}},
+    "name": {"type": "string", "maxLength": 24},
+    "house": {"enum": ["Gryffindor", "Slytherin", "Ravenclaw", "Hufflepuff"]}, "age": {"type": "integer"},
+    "wand": {"type": "object", "properties": {"wood": {"type": "string", "maxLength": 16},
+                                              "core": {"type": "string", "maxLength": 16}, "length": {"type": "number"}}},
     "alive": {"type": "boolean"}, "friends": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3}}}
 DEMO_PROMPT = "Please describe the character Hermione Granger from Harry Potter."
 MODES = ("masking_only", "jump_forward")
@@ -588,14 +578,17 @@ MODES = ("masking_only", "jump_forward")
 def compare(model, tok, name, pattern, prompt, max_new_tokens=256) -> dict:
     """Build the index, then decode the same prompt masking-only and with jump-forward (greedy)."""
     index, prompt_ids = TokenIndex(pattern, tok), tok.chat(prompt)
-    runs = [constrained_decode(index, tok, prompt_ids, model_logits_fn(model, len(prompt_ids) + 2 * max_new_tokens + 512),
-                               max_new_tokens, jump_forward=(mode == "jump_forward")) for mode in MODES]
+    cache_len = len(prompt_ids) + 2 * max_new_tokens + 512  # room for re-tokenized jump strings too
+    runs = [constrained_decode(index, tok, prompt_ids, model_logits_fn(model, cache_len), max_new_tokens,
+                               jump_forward=(mode == "jump_forward")) for mode in MODES]
     for r in runs:
-        r.update(completion=r["text"], matches=r["finished"] and index.dfa.fullmatch(r["text"]), output_tokens=len(r["ids"]))
+        r.update(completion=r["text"], matches=r["finished"] and index.dfa.fullmatch(r["text"]),
+                 output_tokens=len(r["ids"]), tokenizer_tokens=len(tok.encode(r["text"])))  # tokenizer: same text
     edges = index.compressed_edges()
     out = dict(name=name, regex=pattern, dfa_states=len(index.dfa.table), index_build_s=round(index.build_s, 3),
                compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())))
-    for key in ("completion", "matches", "forward_passes", "tokens_computed", "output_tokens", "jumps", "seconds"):
+    for key in ("completion", "matches", "forward_passes", "tokens_computed", "output_tokens", "tokenizer_tokens",
+                "jumps", "seconds"):
         out[key] = {mode: r[key] for mode, r in zip(MODES, runs)}
     out["forward_pass_ratio"] = runs[0]["forward_passes"] / max(1, runs[1]["forward_passes"])
     out["speedup"] = runs[0]["seconds"] / runs[1]["seconds"]
@@ -620,7 +613,8 @@ def main(argv=None):
         if args.json_schema:
             with open(args.json_schema) as f:
                 tasks.append((f"JSON schema {args.json_schema}", schema_to_regex(json.load(f))))
-        tasks = tasks or [("character profile regex (SGLang)", CHARACTER_REGEX), ("JSON schema", schema_to_regex(DEMO_SCHEMA))]
+        tasks = tasks or [("character profile regex (SGLang)", CHARACTER_REGEX),
+                          ("JSON schema", schema_to_regex(DEMO_SCHEMA))]
         for _, pattern in tasks:
             compile_regex(pattern)
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
@@ -641,9 +635,10 @@ def main(argv=None):
         for mode in MODES:
             print(f"--- {mode}:\n{r['completion'][mode]}")
         for mode in MODES:
-            print(f"  {mode:13s} forward passes {r['forward_passes'][mode]:4d}   tokens computed "
-                  f"{r['tokens_computed'][mode]:4d}   output tokens {r['output_tokens'][mode]:4d}   jumps "
-                  f"{r['jumps'][mode]:3d}   {r['seconds'][mode]:6.2f} s   matches: {r['matches'][mode]}")
+            g = {k: v[mode] for k, v in r.items() if isinstance(v, dict)}
+            print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
+                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   jumps {g['jumps']:3d}"
+                  f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
         print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
 
 
