@@ -796,12 +796,13 @@ class Engine:
         if all(s.params.temperature == 0 and s.index is None for s in batch):
             return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
-            mask = torch.zeros_like(logits, dtype=torch.bool)
+            banned = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
                 if s.index is not None:
-                    mask[i].fill_(True)
-                    mask[i, s.index.allowed(s.fsm).to(logits.device)] = False
-            logits = logits.masked_fill(mask, float("-inf"))
+                    ok = s.index.allowed(s.fsm).to(logits.device)  # (vocab,) bool
+                    banned[i] = True
+                    banned[i, :len(ok)] = ~ok
+            logits = logits.masked_fill(banned, float("-inf"))
         groups = {}
         for i, s in enumerate(batch):
             groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
@@ -819,14 +820,15 @@ class Engine:
             self._jump_forward(s)
         if on_token:
             on_token(s.sid, s.output)
-        s.done = len(s.output) >= p.max_new_tokens or (eos and (not p.ignore_eos or s.index is not None)) or (
-            s.index is not None and len(s.index.allowed(s.fsm)) == 1 and s.index.dfa.accept[s.fsm])
+        s.done = len(s.output) >= p.max_new_tokens or (eos and (not p.ignore_eos or s.index is not None))
+        if s.index is not None and not s.done:  # the regex allows nothing more: finished without asking the model
+            ok = s.index.allowed(s.fsm)
+            s.done = bool(ok[s.index.eos]) and int(ok.sum()) == 1
 
     def _jump_forward(self, s):
         """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
-        m06 = lesson("06_jump_forward_fsm")
-        jump = s.index.jump(s.fsm)
-        jump = (s.text + jump)[len(s.text):m06.utf8_complete(s.text + jump)]
+        jump = s.text + s.index.jump(s.fsm)
+        jump = jump[len(s.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
         new = self.tok.encode((s.text + jump).decode()) if jump else []
         if not jump or len(new) > s.params.max_new_tokens:  # no room for the jump: the model writes it token by token
             return
