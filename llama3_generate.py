@@ -648,7 +648,7 @@ class Engine:
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
         self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
-                          jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0)
+                          jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0, peak_live_tokens=0)
         self.graphs = (CudaGraphDecoder(self) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
                        and backend == "token" else None)
         if self.graphs is not None:
@@ -727,7 +727,10 @@ class Engine:
                 positions = self.kv.prepare([s.sid for s in batch], [len(s.tokens) - s.kv_len for s in batch])
                 for s in batch:
                     s.in_kv = True
+                live = sum(s.kv_len for s in self.running)  # tokens the running sequences hold, plus the new ones
+                live += 0 if batch is self.running else sum(len(s.tokens) for s in batch)
                 self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
+                self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], live)
                 return batch, positions
             except self.out_of_memory:
                 need = sum(len(s.tokens) - s.kv_len for s in batch)
@@ -1014,6 +1017,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
     r["serve_1b"] = dict(seqs=n_seqs, output_tokens=sum(n for _, n in lens), seconds=elapsed,
                          tok_s=sum(n for _, n in lens) / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
                          decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_kv_used=st["peak_kv_used"] / warm.kv_capacity(),
+                         peak_live_tokens=st["peak_live_tokens"] / warm.kv_capacity(),
                          radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
     del warm
     hf = to_transformers(model)
