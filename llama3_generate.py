@@ -460,6 +460,8 @@ class Tokenizer:
         Special tokens are added here as ids, never parsed out of user text."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        if self.chat_format == "plain":  # a tokenizer without a chat template: the messages' text as is
+            return self.encode("\n".join(m["content"] for m in messages))
         sp, ids = self.special, []
         if self.chat_format == "llama3":
             ids.append(sp["<|begin_of_text|>"])
@@ -526,8 +528,10 @@ def hf_tokenizer(path: str) -> Tokenizer:
     pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
     if "<|eot_id|>" in special:
         return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", ["<|eot_id|>", "<|end_of_text|>"], "llama3")
-    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or [next(iter(special))]
-    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "llama3")
+    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
+    if not stop:
+        raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
+    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "plain")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -707,11 +711,11 @@ class Engine:
         self.waiting = [s for s in self.waiting if s not in new]
         return new
 
-    def _release(self, s, cache=True):
+    def _release(self, s):
         """Drop s's KV; with a radix cache, first hand the computed tokens' slots to the tree."""
         if s.in_kv:
             if self.radix:
-                if cache and s.kv_len:
+                if s.kv_len:
                     self.radix.insert(s.tokens[:s.kv_len], self.kv.slots(s.sid))
                 self.radix.dec_lock_ref(s.node)
             self.kv.free(s.sid)

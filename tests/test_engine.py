@@ -117,3 +117,27 @@ def test_gpu_bf16_decode_matches_transformers(backend):
         with torch.no_grad():
             theirs = hf(x[:, :len(p)]).logits[0].float()
         assert (ours - theirs).norm() / theirs.norm() < 2e-2
+
+
+def test_cli_constrained_samples(smollm, tmp_path, capsys):
+    pattern = r"(yes|no), because [a-z ]{5,40}\."
+    L.main(["--quiet", "--regex", pattern, "--n", "2", "--temperature", "0.8", "--max-new-tokens", "24",
+            "Is the sky blue?"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and all(re.fullmatch(pattern, line) for line in lines), lines
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}')
+    L.main(["--quiet", "--json-schema", str(schema), "--backend", "paged", "--max-new-tokens", "16", "Is water wet?"])
+    import json
+    assert isinstance(json.loads(capsys.readouterr().out)["answer"], bool)
+
+
+def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "object", "properties": {"x": {"type": "strange"}}}')
+    for argv, msg in [(["--json-schema", str(bad)], "strange"), (["--json-schema", str(tmp_path / "none.json")], "none.json"),
+                      (["--regex", "(unclosed"], "error:"), (["--backend", "magic"], "invalid choice")]:
+        with pytest.raises(SystemExit) as e:
+            L.main(argv + ["hi"])
+        err = capsys.readouterr().err
+        assert e.value.code != 0 and msg in err + str(e.value.code) and "Traceback" not in err, (argv, err)

@@ -130,6 +130,7 @@ def test_hf_checkpoint_loads(tmp_path, tie):
     ref = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
     for s in TEXTS:
         assert tok.encode(s) == ref.encode(s), s
+    assert tok.stop_ids == [tok.special["<|endoftext|>"]] and tok.chat("hi there") == ref.encode("hi there")  # no template
 
 
 @pytest.mark.parametrize("shards", [1, 2])
