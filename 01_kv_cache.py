@@ -51,7 +51,6 @@ from collections import deque
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}  # mean prompt / output tokens of the two public traces
 SCHEMES = ("max_len", "pow2", "oracle")
@@ -147,17 +146,12 @@ class ContiguousKVCache:
         k_cache[self.tok_rows, self.tok_pos] = k  # the whole cache update: write this step's k, v at their positions
         v_cache[self.tok_rows, self.tok_pos] = v
         rows, starts, n_new = self.batch
+        from llama3_generate import attend_decode, attend_dense
         if all(n == 1 for n in n_new):  # decode: one query per request, batched over a length mask
             L = max(starts) + 1
-            if len(rows) == 1:  # alone: a view of its row, every column visible, no mask
-                sel, mask = slice(rows[0], rows[0] + 1), None
-            else:
-                sel = torch.tensor(rows, device=q.device)
-                mask = (torch.arange(L, device=q.device) <= self.tok_pos[:, None])[:, None, None]  # (B, 1, 1, L)
-            K, V = k_cache[sel, :L].transpose(1, 2), v_cache[sel, :L].transpose(1, 2)  # (B, n_kv_heads, L, head_dim)
-            out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask, enable_gqa=True)
-            return out[:, :, 0]
-        from llama3_generate import attend_dense  # prefill: one request at a time
+            sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)  # alone: a view
+            return attend_decode(q, k_cache[sel, :L], v_cache[sel, :L], self.tok_pos + 1)  # (B, L, Hkv, D) rows
+        # prefill: one request at a time
         outs, t = [], 0
         for r, p, n in zip(rows, starts, n_new):
             outs.append(attend_dense(q[t:t + n], k_cache[r, :p + n], v_cache[r, :p + n]))

@@ -42,7 +42,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 kv01 = importlib.import_module("01_kv_cache")
 
@@ -196,13 +195,10 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
                            block_table=block_table[i:i + 1], causal=True)[0])
             t += n
         return torch.cat(outs)
+    from llama3_generate import attend_decode, attend_dense
     if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
-        K = k_cache[block_table].flatten(1, 2).transpose(1, 2)  # (batch, Hkv, max_blocks * block_size, D)
-        V = v_cache[block_table].flatten(1, 2).transpose(1, 2)
-        mask = torch.arange(K.shape[2], device=q.device) < seq_lens[:, None]  # (batch, L)
-        out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask[:, None, None], enable_gqa=True)
-        return out[:, :, 0]
-    from llama3_generate import attend_dense
+        K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)  # (batch, max_blocks * B, Hkv, D)
+        return attend_decode(q, K, V, seq_lens)
     outs, t, B = [], 0, k_cache.shape[1]
     for i, (n, L) in enumerate(zip(q_lens, seq_lens.tolist())):  # prefill: one request at a time
         blocks = block_table[i, :cdiv(L, B)]

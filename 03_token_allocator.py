@@ -150,12 +150,10 @@ def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens):
 
     q (B, n_heads, head_dim) one query per request; k_pool, v_pool (size, n_kv_heads, head_dim) of one layer;
     req_rows (B,) rows of req_to_token; seq_lens (B,) tokens each request sees, the new one included."""
+    from llama3_generate import attend_decode
     L = int(seq_lens.max())
-    slots = req_to_token[req_rows.long(), :L].long()                              # (B, L) padding columns: stale
-    K, V = k_pool[slots].transpose(1, 2), v_pool[slots].transpose(1, 2)           # (B, n_kv_heads, L, head_dim)
-    mask = torch.arange(L, device=q.device) < seq_lens[:, None]                   # (B, L) hides the stale columns
-    out = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask[:, None, None], enable_gqa=True)
-    return out[:, :, 0]                                                           # (B, n_heads, head_dim)
+    slots = req_to_token[req_rows.long(), :L].long()                  # (B, L) columns past a length are stale
+    return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
 
 
 class PoolExhausted(RuntimeError):

@@ -46,7 +46,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,12 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     return freqs
 
 
+def rope_tables(args: ModelArgs):
+    """cos, sin of every position's angles, each (max_seq_len, head_dim/2) fp32 (computed in fp64)."""
+    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
+    return angles.cos().float(), angles.sin().float()
+
+
 def apply_rope(x, cos, sin):
     """x (T, heads, head_dim); cos/sin (T, head_dim/2). Rotates the pairs (i, i + head_dim/2) ("rotate_half")."""
     x1, x2 = x.float().chunk(2, dim=-1)
@@ -133,6 +139,15 @@ def attend_dense(q, k, v):
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True)  # (H, n, D)
     return out.transpose(0, 1)
+
+
+def attend_decode(q, k, v, seq_lens):
+    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last of its
+    seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b] are masked)."""
+    mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None], enable_gqa=True)  # (B, H, 1, D)
+    return out[:, :, 0]
 
 
 class Attention(nn.Module):
@@ -200,9 +215,9 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
-        self.register_buffer("rope_cos", angles.cos().float(), persistent=False)  # (max_seq_len, head_dim/2)
-        self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        cos, sin = rope_tables(args)  # (max_seq_len, head_dim/2) each
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
     def forward(self, tokens, positions, kv, logits_at=None):
@@ -373,8 +388,6 @@ def load_hf(path: str):
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
     names = hf_names(args.n_layers)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
-    if args.tie_embeddings:
-        sd.pop("output.weight", None)
     return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
 
 
@@ -402,8 +415,7 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
     model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
-    angles = torch.outer(torch.arange(args.max_seq_len, dtype=torch.float64), rope_frequencies(args))
-    model.rope_cos, model.rope_sin = angles.cos().float(), angles.sin().float()
+    model.rope_cos, model.rope_sin = rope_tables(args)  # built on "meta" above: make them for real
     return model.to(device=device, dtype=dtype).eval(), tok
 
 
@@ -940,27 +952,35 @@ def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
     return ids
 
 
+def seconds(fn, *args):
+    """Wall time of fn(*args), the GPU (if any) synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn(*args)
+    sync()
+    return time.perf_counter() - t0
+
+
+def hf_generate(hf, x, n: int, mask=None):
+    """transformers' greedy generate of exactly n new tokens after x (batch, len): the peer in every benchmark."""
+    with torch.inference_mode():
+        return hf.generate(x, attention_mask=torch.ones_like(x) if mask is None else mask, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
 def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 3) -> dict:
     """Batch-1 decode speed, ours vs transformers' generate on the same weights and prompts, timed the same way:
     time(n tokens) - time(1 token), interleaved, best of `rounds` (a busy machine slows both alike)."""
     m01, hf, dev = lesson("01_kv_cache"), to_transformers(model), model.tok_embeddings.weight.device
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def ours(ids, n):
-        generate(model, m01.ContiguousKVCache.for_model(model, 1, len(ids) + n), [ids], n)
-
-    def transformers(ids, n):
-        x = torch.tensor([ids], device=dev)
-        with torch.inference_mode():
-            hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-
-    def seconds(fn, n):
-        sync()
-        t0 = time.perf_counter()
+    def ours(n):
         for ids in prompt_ids:
-            fn(ids, n)
-        sync()
-        return time.perf_counter() - t0
+            generate(model, m01.ContiguousKVCache.for_model(model, 1, len(ids) + n), [ids], n)
+
+    def transformers(n):
+        for ids in prompt_ids:
+            hf_generate(hf, torch.tensor([ids], device=dev), n)
 
     best = {}
     for _ in range(rounds):
@@ -991,20 +1011,15 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
         return Transformer(args).to(dtype).eval()
 
 
-def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
+def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     """Issue 9's GPU benchmark: nano-vllm's workload (256 sequences, prompt and output lengths uniform in
     [100, 1024], random ids, EOS ignored) on a random Llama-3.2-1B shape, and batch-1 decode on 1B and 8B shapes;
     transformers' generate on the same weights in the same run."""
-    sync, r = torch.cuda.synchronize, {"device": torch.cuda.get_device_name()}
+    r = {"device": torch.cuda.get_device_name()}
     x = torch.empty(2**30, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     y.copy_(x)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    sync()
-    r["copy_GBps"] = 2 * 20 * x.numel() / (time.perf_counter() - t0) / 1e9  # bytes read + written
+    r["copy_GBps"] = 2 * 20 * x.numel() / seconds(lambda: [y.copy_(x) for _ in range(20)]) / 1e9  # read + written
     del x, y
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     model = random_model(LLAMA_SHAPES["llama-3.2-1b"], device)
@@ -1014,19 +1029,12 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
     lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
     prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
 
-    def serve(engine):
-        for p, (_, n) in zip(prompts, lens):
-            engine.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-        sync()
-        t0 = time.perf_counter()
-        engine.run()
-        sync()
-        return time.perf_counter() - t0
-
     warm = Engine(model, tok, "token", kv_tokens=n_seqs * 2048, max_batch=n_seqs)
     for b in warm.graphs.buckets:  # capture every bucket before timing
         warm.graphs._capture(b)
-    elapsed = serve(warm)
+    for p, (_, n) in zip(prompts, lens):
+        warm.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    elapsed = seconds(warm.run)
     st = warm.stats
     r["serve_1b"] = dict(seqs=n_seqs, output_tokens=sum(n for _, n in lens), seconds=elapsed,
                          tok_s=sum(n for _, n in lens) / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
@@ -1040,13 +1048,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
     mask = (torch.arange(width, device=device) >= torch.tensor([width - len(p) for p in batch], device=device)[:, None]).long()
     hf_new = 256
-    with torch.inference_mode():
-        hf.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, min_new_tokens=4, do_sample=False)
-        sync()
-        t0 = time.perf_counter()
-        hf.generate(ids, attention_mask=mask, max_new_tokens=hf_new, min_new_tokens=hf_new, do_sample=False, pad_token_id=0)
-        sync()
-    r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / (time.perf_counter() - t0)
+    hf_generate(hf, ids[:2, -16:], 4, mask[:2, -16:])  # warm-up
+    r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / seconds(hf_generate, hf, ids, hf_new, mask)
     r["serve_speedup_vs_transformers"] = r["serve_1b"]["tok_s"] / r["transformers_1b_batch64_tok_s"]
 
     def batch1(model, hf, name, n=256):
@@ -1058,22 +1061,10 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64, out_json=None) -> dict:
         e.run()
         ours = e.stats["decode_tokens"] / e.stats["decode_s"]
         limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
-        g, _ = e.graphs.graphs[1]
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(50):  # the GPU-side floor of a step: graph replays back to back, no host work between
-            g.replay()
-        sync()
-        replay_tok_s = 50 / (time.perf_counter() - t0)
+        g, _ = e.graphs.graphs[1]  # the GPU-side floor of a step: replays back to back, no host work between
+        replay_tok_s = 50 / seconds(lambda: [g.replay() for _ in range(50)])
         x = torch.tensor([prompts[1][:128]], device=device)
-        t = {}
-        with torch.inference_mode():
-            for k in (1, 33, 1, 33):
-                sync()
-                t0 = time.perf_counter()
-                hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=k, min_new_tokens=k, do_sample=False)
-                sync()
-                t[k] = time.perf_counter() - t0
+        t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
                                    graph_replay_tok_s=replay_tok_s, transformers_tok_s=32 / (t[33] - t[1]))
 
