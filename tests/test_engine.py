@@ -91,21 +91,83 @@ def test_request_too_large_is_refused(smollm):
         engine.add(list(range(60)), L.SamplingParams(max_new_tokens=10))
 
 
+def tiny_model(seed=0, **kw):
+    """A random 2-layer Llama (GQA 4:2, fp32) big enough to have several programs per kernel, small enough for
+    the Triton interpreter."""
+    torch.manual_seed(seed)
+    args = L.ModelArgs(**{**dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128,
+                                 max_seq_len=128, rope_theta=10000.0), **kw})
+    model = L.Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def test_fused_decode_matches_the_model():
+    """fused_decode (six kernels per layer, interpreted on a CPU) == model(...) through the token backend: the
+    same logits and the same K/V written to the new slot (pools poisoned with NaN elsewhere)."""
+    model = tiny_model(seed=int(torch.randint(0, 1000, ())))
+    m03 = L.lesson("03_token_allocator")
+    kvs = [m03.TokenKVCache.for_model(model, 64, 2, 64) for _ in range(2)]
+    prompt = torch.randint(0, 256, (int(torch.randint(2, 20, ())),))
+    for kv in kvs:
+        kv.k_pool.fill_(float("nan")), kv.v_pool.fill_(float("nan"))
+        model(prompt, kv.prepare([0], [len(prompt)]), kv)
+    token = prompt[-1:]
+    for _ in range(2):
+        ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
+        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
+        assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
+        token = ref.argmax(-1)
+    for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
+        assert torch.allclose(a, b, atol=1e-5, equal_nan=True)
+
+
+def test_multi_step_decoding_matches_one_step():
+    """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU) write the same tokens as one step at a
+    time, stop at the same EOS (the rest of that k is wasted, its slots freed), and leak no KV slot. Batch 1 also
+    runs fused_decode."""
+    model = tiny_model()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 17)]
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+
+    def run(prompts, max_new, **kw):
+        e = L.Engine(model, tok, "token", kv_tokens=256, max_batch=4, **kw)
+        for p, n in zip(prompts, max_new):
+            e.add(p, L.SamplingParams(max_new_tokens=n))
+        outs = list(e.run().values())
+        e.radix.evict(e.kv.allocator.size)
+        e.kv.allocator.check()
+        assert e.kv.allocator.available() == e.kv.allocator.size - (e.graphs is not None)  # the pad slot
+        return outs, e
+
+    plain, _ = run(prompts, (12, 20, 7), cuda_graphs=False)
+    tok.stop_ids = [plain[1][5]]  # an EOS mid-way through the second sequence
+    plain, _ = run(prompts, (12, 20, 7), cuda_graphs=False)
+    multi, e = run(prompts, (12, 20, 7), cuda_graphs=True, fused=False)
+    assert multi == plain and len(plain[1]) <= 6
+    assert e.stats["decode_tokens"] == sum(map(len, plain)) - len(plain)
+    one, _ = run(prompts[:1], (5,), cuda_graphs=False)
+    fused, e = run(prompts[:1], (5,), cuda_graphs=True, multi_step=3)
+    assert fused == one and e.graphs.fused
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["token", "paged", "contiguous"])
-def test_gpu_bf16_decode_matches_transformers(backend):
-    """Random Llama-3.2-1B shape in bf16 (CUDA graphs + 04's kernel for the token backend): every greedy token is
-    transformers' argmax up to bf16 noise, and the prefill logits agree."""
+@pytest.mark.parametrize("backend,max_batch", [("token", 4), ("token", 1), ("paged", 4), ("contiguous", 4)])
+def test_gpu_bf16_decode_matches_transformers(backend, max_batch):
+    """Random Llama-3.2-1B shape in bf16 (token backend: CUDA graphs, 04's kernel, multi-step; at batch 1
+    fused_decode): every greedy token is transformers' argmax up to bf16 noise, and the prefill logits agree."""
     model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
     hf = L.to_transformers(model)
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 77, 300)]
-    engine = L.Engine(model, tok, backend, kv_tokens=4096, max_batch=4, max_seq_len=512, block_size=256)
+    engine = L.Engine(model, tok, backend, kv_tokens=4096, max_batch=max_batch, max_seq_len=512, block_size=256)
     for p in prompts:
         engine.add(p, L.SamplingParams(max_new_tokens=8, ignore_eos=True))
     outs = engine.run()
     assert engine.graphs is not None or backend != "token"
+    assert max_batch > 1 or engine.graphs.fused
     for p, out in zip(prompts, outs.values()):
         x = torch.tensor([p + out], device="cuda")
         with torch.no_grad():
@@ -117,6 +179,27 @@ def test_gpu_bf16_decode_matches_transformers(backend):
         with torch.no_grad():
             theirs = hf(x[:, :len(p)]).logits[0].float()
         assert (ours - theirs).norm() / theirs.norm() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fused_decode_matches_the_model():
+    """bf16, random Llama-3.2-1B shape: fused_decode's logits and K/V against the plain model's, step by step."""
+    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
+    m03, m04 = L.lesson("03_token_allocator"), L.lesson("04_triton_token_attn")
+    kvs = [m03.TokenKVCache.for_model(model, 1024, 2, 1024) for _ in range(2)]
+    prompt = torch.randint(0, 128000, (int(torch.randint(50, 500, ())),), device="cuda")
+    for kv in kvs:
+        kv.decode_attn = m04.token_decode_attention
+        model(prompt, kv.prepare([0], [len(prompt)]), kv)
+    token = prompt[-1:]
+    for _ in range(4):
+        ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
+        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
+        assert (out - ref).norm() / ref.norm() < 2e-2
+        slot = kvs[1].tok_slots
+        for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
+            assert (a[:, slot] - b[:, slot]).float().norm() / a[:, slot].float().norm() < 2e-2
+        token = ref.argmax(-1)
 
 
 def test_cli_constrained_samples(smollm, tmp_path, capsys):
