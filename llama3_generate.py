@@ -659,7 +659,7 @@ class Engine:
     (recompute: its KV is dropped, or handed to the radix cache, and it re-enters the queue)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=64, radix=True, block_size=16,
-                 max_prefill_tokens=8192, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=8):
+                 max_prefill_tokens=8192, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16):
         a, dev = model.args, model.tok_embeddings.weight.device
         self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
@@ -937,21 +937,34 @@ class Engine:
 
 @triton.jit
 def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn)."""
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn).
+    PDL (Hopper's programmatic dependent launch): let the next kernel's programs start as ours retire, and load
+    our first weight tile -- which no earlier kernel writes -- before waiting for the kernel that wrote X."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    w = tl.load(W + rows[:, None] * K + cols[None, :])                    # (BLOCK_N, BLOCK_K) this tile,
+    w3 = tl.load(W3 + rows[:, None] * K + cols[None, :]) if GLU else w    # the next one loads during its math
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(X + cols).to(tl.float32)
+        nxt = k0 + BLOCK_K + cols[None, :] + 0 * rows[:, None]
+        w_next = tl.load(W + rows[:, None] * K + nxt, mask=nxt < K)
+        x = tl.load(X + k0 + cols).to(tl.float32)
         if NORM:
             ss += x * x
-            x *= tl.load(G + cols).to(tl.float32)
-        acc += tl.load(W + rows[:, None] * K + cols[None, :]).to(tl.float32) * x[None, :]
+            x *= tl.load(G + k0 + cols).to(tl.float32)
+        acc += w.to(tl.float32) * x[None, :]
         if GLU:
-            acc3 += tl.load(W3 + rows[:, None] * K + cols[None, :]).to(tl.float32) * x[None, :]
+            w3_next = tl.load(W3 + rows[:, None] * K + nxt, mask=nxt < K)
+            acc3 += w3.to(tl.float32) * x[None, :]
+            w3 = w3_next
+        w = w_next
     scale = tl.rsqrt(tl.sum(ss, 0) / K + eps) if NORM else 1.0
     y = tl.sum(acc, 1) * scale
     if GLU:
@@ -963,21 +976,20 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 @triton.jit
 def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_K: tl.constexpr):
+              HALF: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Program p computes rows r and r + HALF of one q, k or v head (r = its pair's first row in [wq; wk; wv]),
     the pair that RoPE rotates together, so the rotation and the KV write need no second kernel."""
     p = tl.program_id(0)
     r = (p // HALF) * 2 * HALF + p % HALF
-    slot = tl.load(SLOT).to(tl.int64)
     if r < q_rows:
         w = WQ + r * K
-        dst = Q + r
     elif r < q_rows + kv_rows:
         w = WK + (r - q_rows) * K
-        dst = KP + slot * kv_rows + (r - q_rows)
     else:
         w = WV + (r - q_rows - kv_rows) * K
-        dst = VP + slot * kv_rows + (r - q_rows - kv_rows)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     acc1 = tl.zeros([BLOCK_K], tl.float32)
     acc2 = tl.zeros([BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
@@ -990,12 +1002,49 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
         acc2 += tl.load(w + HALF * K + cols).to(tl.float32) * x
     scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     y1, y2 = tl.sum(acc1, 0) * scale, tl.sum(acc2, 0) * scale
-    pos = tl.load(POS)
+    pos, slot = tl.load(POS), tl.load(SLOT).to(tl.int64)
     rotate = r < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + p % HALF), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + p % HALF), 0.0)
+    if r < q_rows:
+        dst = Q + r
+    elif r < q_rows + kv_rows:
+        dst = KP + slot * kv_rows + (r - q_rows)
+    else:
+        dst = VP + slot * kv_rows + (r - q_rows - kv_rows)
     tl.store(dst, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _argmax(X, PART, V, CHUNKS, BLOCK: tl.constexpr, FINISH: tl.constexpr):
+    """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
+    index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
+    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us)."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    if FINISH:
+        keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
+        best = tl.max(tl.where(offs < CHUNKS, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
+        tl.store(X + b, V - (best & 0xFFFFFFFF))
+    else:
+        x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf"))
+        m = tl.max(x, 0)
+        i = tl.min(tl.where(x == m, offs, V), 0)
+        bits = m.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (V - i)
+        tl.store(PART + b * CHUNKS + c, key)
+
+
+def argmax(logits, out):
+    """out (B,) int64 = logits (B, V) fp32 .argmax(-1), through _argmax."""
+    B, V = logits.shape
+    block = 4096
+    chunks = triton.cdiv(V, block)
+    part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
+    _argmax[(B, chunks)](logits, part, V, chunks, BLOCK=block, FINISH=False)
+    _argmax[(B, 1)](out, part, V, chunks, BLOCK=triton.next_power_of_2(chunks), FINISH=True)
+    return out
 
 
 def _block_k(k: int) -> int:
@@ -1007,15 +1056,20 @@ def fused_decode_ok(model) -> bool:
     return all(_block_k(n) for n in (a.dim, a.hidden_dim)) and a.head_dim % 2 == 0
 
 
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, rows_per_program=1):
+def _pdl(device) -> bool:
+    return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, rows_per_program=1, block_k=1024):
     """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place)."""
     N, K = w.shape
-    if INTERPRET:  # the interpreter pays per program: few, wide ones
-        rows_per_program = math.gcd(N, 128)
+    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
+    pdl = _pdl(x.device)
     _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
                                     residual if residual is not None else out, out, K, eps, NORM=norm is not None,
                                     GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=_block_k(K), num_warps=4)
+                                    BLOCK_K=math.gcd(block_k, _block_k(K)), PDL=pdl, num_warps=4,
+                                    **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -1029,18 +1083,20 @@ def fused_decode(model, kv, tokens, positions):
     att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
     half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    pdl = _pdl(h.device)
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
         _qkv_rope[((q_rows + 2 * kv_rows) // 2,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
             positions, kv.tok_slots, q, kv.k_pool[i], kv.v_pool[i], a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_K=_block_k(a.dim), num_warps=4)
+            HALF=half, BLOCK_K=_block_k(a.dim), PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
         attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att)
         gemv(att.view(-1), at.wo.weight, h, residual=h, rows_per_program=2)
         gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps)
         gemv(act, ff.w2.weight, h, residual=h)
     logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps)[None]
+    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, rows_per_program=4,
+                block_k=512)[None]
 
 
 
@@ -1077,7 +1133,7 @@ class CudaGraphDecoder:
             kv.tok_slots, kv.batch_rows, kv.batch_lens = self.slots[:b], self.rows[:b], self.lens[:b]
             tokens, positions = self.tokens[:b], self.positions[:b]
             out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
-            tokens.copy_(out.argmax(-1))  # the greedy next tokens: the next replay's input
+            argmax(out, tokens)  # the greedy next tokens: the next replay's input
             return out
         if self.e.device.type != "cuda":
             self.graphs[b] = run

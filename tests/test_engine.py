@@ -123,6 +123,15 @@ def test_fused_decode_matches_the_model():
         assert torch.allclose(a, b, atol=1e-5, equal_nan=True)
 
 
+def test_argmax_kernel_matches_torch():
+    """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included."""
+    for B, V in ((1, 300), (3, int(torch.randint(4097, 20000, ()))), (2, 7)):
+        x = torch.randn(B, V) * 5 - 30 * torch.rand(B, 1)
+        x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie
+        out = torch.full((B,), -1)
+        assert L.argmax(x, out).tolist() == x.argmax(-1).tolist()
+
+
 def test_multi_step_decoding_matches_one_step():
     """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU) write the same tokens as one step at a
     time, stop at the same EOS (the rest of that k is wasted, its slots freed), and leak no KV slot. Batch 1 also
@@ -196,6 +205,7 @@ def test_gpu_fused_decode_matches_the_model():
         ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
         out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
         assert (out - ref).norm() / ref.norm() < 2e-2
+        assert L.argmax(out, torch.empty(1, dtype=torch.long, device="cuda")).item() == out.argmax().item()
         slot = kvs[1].tok_slots
         for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
             assert (a[:, slot] - b[:, slot]).float().norm() / a[:, slot].float().norm() < 2e-2
