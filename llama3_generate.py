@@ -1056,19 +1056,23 @@ def fused_decode_ok(model) -> bool:
     return all(_block_k(n) for n in (a.dim, a.hidden_dim)) and a.head_dim % 2 == 0
 
 
+# (rows per program, BLOCK_K, num_warps) per call site, tuned on an H200 (1B shape); pdl: programmatic dependent launch
+FUSED_CONFIG = dict(qkv=(2, 1024, 1), o=(2, 1024, 4), w13=(1, 1024, 4), w2=(1, 1024, 4), head=(4, 512, 4), pdl=True)
+
+
 def _pdl(device) -> bool:
-    return not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+    return FUSED_CONFIG["pdl"] and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, rows_per_program=1, block_k=1024):
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4)):
     """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place)."""
-    N, K = w.shape
+    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
     rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
     pdl = _pdl(x.device)
     _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
                                     residual if residual is not None else out, out, K, eps, NORM=norm is not None,
                                     GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, _block_k(K)), PDL=pdl, num_warps=4,
+                                    BLOCK_K=math.gcd(block_k, _block_k(K)), PDL=pdl, num_warps=num_warps,
                                     **({"launch_pdl": True} if pdl else {}))
     return out
 
@@ -1083,20 +1087,19 @@ def fused_decode(model, kv, tokens, positions):
     att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
     half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    pdl = _pdl(h.device)
+    pdl, cfg = _pdl(h.device), FUSED_CONFIG
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
         _qkv_rope[((q_rows + 2 * kv_rows) // 2,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
             positions, kv.tok_slots, q, kv.k_pool[i], kv.v_pool[i], a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_K=_block_k(a.dim), PDL=pdl, num_warps=1, **({"launch_pdl": True} if pdl else {}))
+            HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], _block_k(a.dim)), PDL=pdl, num_warps=cfg["qkv"][2], **({"launch_pdl": True} if pdl else {}))
         attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att)
-        gemv(att.view(-1), at.wo.weight, h, residual=h, rows_per_program=2)
-        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps)
-        gemv(act, ff.w2.weight, h, residual=h)
+        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"])
+        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"])
+        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"])
     logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, rows_per_program=4,
-                block_k=512)[None]
+    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"])[None]
 
 
 
