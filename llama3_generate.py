@@ -29,7 +29,8 @@ Bottom half: `generate` (a static batch through any backend: what the lessons' p
        '------ preempted (backend out of memory: recompute, radix keeps the prefix) ---'   05's radix tree <-'
     KV backend: 01 contiguous | 02 paged (flash-attn on CUDA) | 03 token pool + 04 Triton decode kernel
     sampling: temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
-    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops
+    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops;
+         batch 1 in six Triton kernels per layer (`fused_decode`); greedy batches k steps per host sync
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
@@ -937,34 +938,21 @@ class Engine:
 
 @triton.jit
 def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn).
-    PDL (Hopper's programmatic dependent launch): let the next kernel's programs start as ours retire, and load
-    our first weight tile -- which no earlier kernel writes -- before waiting for the kernel that wrote X."""
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn)."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    w = tl.load(W + rows[:, None] * K + cols[None, :])                    # (BLOCK_N, BLOCK_K) this tile,
-    w3 = tl.load(W3 + rows[:, None] * K + cols[None, :]) if GLU else w    # the next one loads during its math
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        nxt = k0 + BLOCK_K + cols[None, :] + 0 * rows[:, None]
-        w_next = tl.load(W + rows[:, None] * K + nxt, mask=nxt < K)
-        x = tl.load(X + k0 + cols).to(tl.float32)
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(X + cols).to(tl.float32)
         if NORM:
             ss += x * x
-            x *= tl.load(G + k0 + cols).to(tl.float32)
-        acc += w.to(tl.float32) * x[None, :]
+            x *= tl.load(G + cols).to(tl.float32)
+        acc += tl.load(W + rows[:, None] * K + cols[None, :]).to(tl.float32) * x[None, :]
         if GLU:
-            w3_next = tl.load(W3 + rows[:, None] * K + nxt, mask=nxt < K)
-            acc3 += w3.to(tl.float32) * x[None, :]
-            w3 = w3_next
-        w = w_next
+            acc3 += tl.load(W3 + rows[:, None] * K + cols[None, :]).to(tl.float32) * x[None, :]
     scale = tl.rsqrt(tl.sum(ss, 0) / K + eps) if NORM else 1.0
     y = tl.sum(acc, 1) * scale
     if GLU:
@@ -976,7 +964,7 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 @triton.jit
 def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+              HALF: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p computes rows r and r + HALF of one q, k or v head (r = its pair's first row in [wq; wk; wv]),
     the pair that RoPE rotates together, so the rotation and the KV write need no second kernel."""
     p = tl.program_id(0)
@@ -987,9 +975,6 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
         w = WK + (r - q_rows) * K
     else:
         w = WV + (r - q_rows - kv_rows) * K
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
     acc1 = tl.zeros([BLOCK_K], tl.float32)
     acc2 = tl.zeros([BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
@@ -1056,24 +1041,19 @@ def fused_decode_ok(model) -> bool:
     return all(_block_k(n) for n in (a.dim, a.hidden_dim)) and a.head_dim % 2 == 0
 
 
-# (rows per program, BLOCK_K, num_warps) per call site, tuned on an H200 (1B shape); pdl: programmatic dependent launch
-FUSED_CONFIG = dict(qkv=(2, 1024, 1), o=(2, 1024, 4), w13=(1, 1024, 4), w2=(1, 1024, 4), head=(4, 512, 4), pdl=True)
-
-
-def _pdl(device) -> bool:
-    return FUSED_CONFIG["pdl"] and not INTERPRET and torch.cuda.get_device_capability(device)[0] >= 9
+# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
+FUSED_CONFIG = dict(qkv=(2, 1024, 1),  # qkv: always the 2 rows of a RoPE pair
+                     o=(2, 1024, 4), w13=(1, 1024, 4), w2=(1, 1024, 4), head=(4, 512, 4))
 
 
 def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4)):
     """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place)."""
     (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
     rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
-    pdl = _pdl(x.device)
     _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
                                     residual if residual is not None else out, out, K, eps, NORM=norm is not None,
                                     GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, _block_k(K)), PDL=pdl, num_warps=num_warps,
-                                    **({"launch_pdl": True} if pdl else {}))
+                                    BLOCK_K=math.gcd(block_k, _block_k(K)), num_warps=num_warps)
     return out
 
 
@@ -1087,13 +1067,13 @@ def fused_decode(model, kv, tokens, positions):
     att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
     half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    pdl, cfg = _pdl(h.device), FUSED_CONFIG
+    cfg = FUSED_CONFIG
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
         _qkv_rope[((q_rows + 2 * kv_rows) // 2,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
             positions, kv.tok_slots, q, kv.k_pool[i], kv.v_pool[i], a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], _block_k(a.dim)), PDL=pdl, num_warps=cfg["qkv"][2], **({"launch_pdl": True} if pdl else {}))
+            HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], _block_k(a.dim)), num_warps=cfg["qkv"][2])
         attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"])
         gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"])
