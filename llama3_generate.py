@@ -798,18 +798,30 @@ class Engine:
         self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
         self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
         self.stats["steps"] += 1
+        self._advance(batch, n_new, [[t] for t in next_ids], on_token)
+
+    def _advance(self, batch, n_new, new_ids, on_token) -> int:
+        """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
+        fed the one before). Append them until the sequence is done, then retire it, keep it running or requeue
+        it. Returns how many tokens were appended."""
         self.running = [] if batch is self.running else self.running  # a prefill step leaves the running ones be
-        for s, n, t in zip(batch, n_new, next_ids):
-            s.kv_len += n
-            if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - n:
-                self._share_prompt(s)
-            self._append(s, t, on_token)
+        appended = 0
+        for s, n, ids in zip(batch, n_new, new_ids):
+            for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
+                s.kv_len += fed
+                if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - fed:
+                    self._share_prompt(s)
+                self._append(s, t, on_token)
+                appended += 1
+                if s.done:
+                    break
             if s.done:
                 self._finish(s)
             elif s.in_kv:
                 self.running.append(s)
             else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
                 self.waiting.insert(0, s)
+        return appended
 
     def _multi_step(self, t0, on_token) -> bool:
         """Greedy, unconstrained running batch with graphs: k decode steps for one kv.prepare and one host sync
@@ -828,18 +840,7 @@ class Engine:
         self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
         self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], sum(s.kv_len + k for s in batch))
         out = self.graphs.steps(batch, positions, k)
-        self.running = []
-        for s, ids in zip(batch, out):
-            for t in ids:
-                s.kv_len += 1
-                self._append(s, t, on_token)
-                self.stats["decode_tokens"] += 1
-                if s.done:
-                    break
-            if s.done:
-                self._finish(s)
-            else:
-                self.running.append(s)
+        self.stats["decode_tokens"] += self._advance(batch, [1] * len(batch), out, on_token)
         self.stats["decode_s"] += time.perf_counter() - t0
         self.stats["steps"] += k
         return True
@@ -969,12 +970,16 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
     the pair that RoPE rotates together, so the rotation and the KV write need no second kernel."""
     p = tl.program_id(0)
     r = (p // HALF) * 2 * HALF + p % HALF
+    slot = tl.load(SLOT).to(tl.int64)
     if r < q_rows:
         w = WQ + r * K
+        dst = Q + r
     elif r < q_rows + kv_rows:
         w = WK + (r - q_rows) * K
+        dst = KP + slot * kv_rows + (r - q_rows)
     else:
         w = WV + (r - q_rows - kv_rows) * K
+        dst = VP + slot * kv_rows + (r - q_rows - kv_rows)
     acc1 = tl.zeros([BLOCK_K], tl.float32)
     acc2 = tl.zeros([BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
@@ -987,16 +992,10 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
         acc2 += tl.load(w + HALF * K + cols).to(tl.float32) * x
     scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     y1, y2 = tl.sum(acc1, 0) * scale, tl.sum(acc2, 0) * scale
-    pos, slot = tl.load(POS), tl.load(SLOT).to(tl.int64)
+    pos = tl.load(POS)
     rotate = r < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + p % HALF), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + p % HALF), 0.0)
-    if r < q_rows:
-        dst = Q + r
-    elif r < q_rows + kv_rows:
-        dst = KP + slot * kv_rows + (r - q_rows)
-    else:
-        dst = VP + slot * kv_rows + (r - q_rows - kv_rows)
     tl.store(dst, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
     tl.store(dst + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
 
