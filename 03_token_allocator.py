@@ -68,7 +68,7 @@ class TokenAllocator:
         return torch.as_tensor(idx, device=self.device).long().reshape(-1)
 
     def _take(self, idx):
-        self.mem_state[idx] = 1
+        self.mem_state.index_fill_(0, idx, 1)  # not mem_state[idx] = 1: that copies the 1 to the GPU, a host sync
         self.n_free -= idx.numel()
         return idx
 
@@ -203,10 +203,12 @@ class TokenKVCache:
         for s in fresh:
             self._new_request(s)
         rows = [self.rows[s] for s in seq_ids]
-        n_t, start_t, row_t = (torch.tensor(x, device=self.device) for x in (n_new, starts, rows))  # (B,) each
+        # (B,) each; non_blocking: CUDA stages a pageable copy at once, without waiting for queued GPU work
+        n_t, start_t, row_t = torch.tensor([n_new, starts, rows]).to(self.device, non_blocking=True)
         first = n_t.cumsum(0) - n_t                             # (B,) offset of each request's first new token
-        pos = torch.arange(len(slots), device=self.device) - torch.repeat_interleave(first - start_t, n_t)  # (T,)
-        self.req_to_token[torch.repeat_interleave(row_t, n_t), pos] = slots.int()  # token pos of row r -> its slot
+        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=len(slots))  # (T,); the size spares a sync
+        pos = torch.arange(len(slots), device=self.device) - per_token(first - start_t)  # (T,)
+        self.req_to_token[per_token(row_t), pos] = slots.int()  # token pos of row r -> its slot
         for s, n in zip(seq_ids, n_new):
             self.lens[s] += n
         self.batch, self.tok_slots = (rows, starts, n_new), slots

@@ -26,6 +26,9 @@ The split count comes from batch size and length (`choose_num_splits`): none whi
 already covers the SMs (then stage 1 writes the answer and stage 2 is skipped), else one wave of about
 4 resident programs per SM, never chunks under 64 tokens. Launch order puts kv heads fastest, so the
 programs running side by side read the 8 neighbouring 256-byte pieces of each slot's 2 KB K row.
+A CUDA graph fixes the split count for the longest context it may see; at a short one, the splits past
+the last token return at once and stage 2 merges only those that hold tokens (H200, batch 1, 200 tokens,
+64 splits: 5.6 us for both launches, was 6.2 us when empty splits wrote an empty partial).
 
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernel in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
@@ -88,6 +91,8 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     row = tl.load(ROWS + b).to(tl.int64)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned chunks: one ragged tile
     start = split * chunk
+    if start >= seq_len:  # an empty split (a short request): stage 2 counts only the splits that hold tokens
+        return
     end = tl.minimum(start + chunk, seq_len)
     offs_h, offs_d, offs_n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     heads = b * H + kvh * GROUP + offs_h  # (batch, head) rows of this kv head's query group; >= GROUP: padding
@@ -114,25 +119,26 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # an empty split (short request) writes 0 with lse -inf
+    out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer
         tl.store(OUT + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None])
     else:  # MID = partial outputs (batch, H, num_splits, HEAD_DIM), then their lse (batch, H, num_splits)
         mid = heads * num_splits + split
         tl.store(MID + mid[:, None] * HEAD_DIM + offs_d[None, :], out, mask=hmask[:, None])
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(MID + tl.num_programs(2) * H * num_splits * HEAD_DIM + mid, lse, mask=hmask)
+        tl.store(MID + tl.num_programs(2) * H * num_splits * HEAD_DIM + mid, m_i + tl.log2(l_i), mask=hmask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _stage2(MID, OUT, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
     h, b = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
-    smask = offs_s < num_splits
+    seq_len = tl.load(LENS + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as stage 1: the splits that hold tokens
+    smask = offs_s < tl.cdiv(seq_len, chunk)
     mid = (b * tl.num_programs(0) + h) * num_splits + offs_s  # (BLOCK_S,)
     lse = tl.load(MID + tl.num_programs(1) * tl.num_programs(0) * num_splits * HEAD_DIM + mid, mask=smask,
                   other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty, so the max is finite
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 always holds tokens, so the max is finite
     o = tl.load(MID + mid[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None], other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)
     tl.store(OUT + (b * tl.num_programs(0) + h) * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty))
@@ -206,8 +212,8 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
         DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits > 1:
-        _stage2[(H, B)](mid, out, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
-                        num_warps=4 if num_splits <= 64 else 8)
+        _stage2[(H, B)](mid, out, seq_lens, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
+                        BLOCK_N=cfg["block_n"], num_warps=4 if num_splits <= 64 else 8)
     return out
 
 

@@ -48,6 +48,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -685,7 +686,8 @@ class Engine:
                           jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0, peak_live_tokens=0)
         self.graphs = (CudaGraphDecoder(self, fused=fused) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
                        and backend == "token" else None)
-        self.multi_step = multi_step  # greedy decode steps per host round trip (with graphs)
+        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
+        self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise()
 
@@ -782,6 +784,9 @@ class Engine:
 
     def step(self, on_token=None):
         t0 = time.perf_counter()
+        if self.inflight and self.waiting:  # admission may change the batch: land the tokens in flight first
+            self._read(self.inflight, on_token)
+            self.inflight = None
         new = self._admit()
         if not new and self._multi_step(t0, on_token):
             return
@@ -825,25 +830,43 @@ class Engine:
 
     def _multi_step(self, t0, on_token) -> bool:
         """Greedy, unconstrained running batch with graphs: k decode steps for one kv.prepare and one host sync
-        (CudaGraphDecoder.steps), k at most the fewest tokens any sequence still may write. A sequence that stops
-        early (EOS) wastes the rest of its k steps; its extra slots are freed with it. False: take the 1-step path."""
-        batch = self.running
-        if self.graphs is None or not batch or any(s.params.temperature or s.index is not None for s in batch):
-            return False
-        k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) for s in batch])
-        if k < 2:
-            return False
-        try:
-            positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch))
-        except self.out_of_memory:
-            return False  # the 1-step path evicts or preempts
-        self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
-        self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], sum(s.kv_len + k for s in batch))
-        out = self.graphs.steps(batch, positions, k)
-        self.stats["decode_tokens"] += self._advance(batch, [1] * len(batch), out, on_token)
+        (CudaGraphDecoder.steps), k at most the fewest tokens any sequence still may write. While nothing waits
+        to be admitted, the next k steps are queued before the host reads the last k, so the GPU never waits
+        for the host. A sequence that stops early (EOS) wastes the rest of its steps; its extra slots are freed
+        with it. False: nothing to do here, take the 1-step path."""
+        batch, prev = self.running, self.inflight
+        self.inflight = None
+        if prev and [s.sid for s in prev.batch] != [s.sid for s in batch]:  # someone finished: restart from the host
+            self._read(prev, on_token)
+            batch, prev = self.running, None
+        chunk, ahead = None, prev.k if prev else 0
+        if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
+            k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
+            try:
+                positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 else None
+            except self.out_of_memory:
+                positions = None  # the 1-step path evicts or preempts
+            if positions is not None:
+                self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
+                self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"],
+                                                     sum(s.kv_len + ahead + k for s in batch))
+                chunk = self.graphs.steps(batch, positions, k, resume=prev is not None)
+        if prev:
+            self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
+        if chunk and (self.waiting or not self.running):
+            self._read(chunk, on_token)
+        else:
+            self.inflight = chunk
         self.stats["decode_s"] += time.perf_counter() - t0
-        self.stats["steps"] += k
-        return True
+        return bool(prev or chunk)
+
+    def _read(self, chunk, on_token):
+        """Append a multi-step chunk's tokens to its sequences still running."""
+        ids = self.graphs.read(chunk)
+        live = [(s, t) for s, t in zip(chunk.batch, ids) if not s.done]
+        self.running = [s for s, _ in live]
+        self.stats["decode_tokens"] += self._advance(self.running, [1] * len(live), [t for _, t in live], on_token)
+        self.stats["steps"] += chunk.k
 
     def kv_used(self) -> int:
         """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
@@ -964,13 +987,15 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 
 @triton.jit
-def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, kv_rows,
+def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
               HALF: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program p computes rows r and r + HALF of one q, k or v head (r = its pair's first row in [wq; wk; wv]),
-    the pair that RoPE rotates together, so the rotation and the KV write need no second kernel."""
+    the pair that RoPE rotates together, so the rotation and the KV write need no second kernel. The slot to
+    write is req_to_token[row, pos], read here: multi-step graphs advance pos on the device."""
     p = tl.program_id(0)
     r = (p // HALF) * 2 * HALF + p % HALF
-    slot = tl.load(SLOT).to(tl.int64)
+    pos = tl.load(POS)
+    slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
     if r < q_rows:
         w = WQ + r * K
         dst = Q + r
@@ -992,7 +1017,6 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
         acc2 += tl.load(w + HALF * K + cols).to(tl.float32) * x
     scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
     y1, y2 = tl.sum(acc1, 0) * scale, tl.sum(acc2, 0) * scale
-    pos = tl.load(POS)
     rotate = r < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + p % HALF), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + p % HALF), 0.0)
@@ -1001,16 +1025,25 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, SLOT, Q, KP, VP, K, eps, q_rows, 
 
 
 @triton.jit
-def _argmax(X, PART, V, CHUNKS, BLOCK: tl.constexpr, FINISH: tl.constexpr):
+def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
+            ADVANCE: tl.constexpr, HK: tl.constexpr):
     """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
     index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
-    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us)."""
+    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
+    ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
     b, c = tl.program_id(0), tl.program_id(1)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     if FINISH:
         keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
         best = tl.max(tl.where(offs < CHUNKS, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
-        tl.store(X + b, V - (best & 0xFFFFFFFF))
+        token = V - (best & 0xFFFFFFFF)
+        tl.store(X + b, token)
+        if ADVANCE:
+            pos = tl.load(POS + b)
+            tl.store(HIST + b * HK + pos % HK, token)
+            live = (tl.load(ROWS + b) != pad_row).to(pos.dtype)  # padding rows stay on their scratch slot
+            tl.store(POS + b, pos + live)
+            tl.store(LENS + b, tl.load(LENS + b) + live.to(tl.int32))
     else:
         x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf"))
         m = tl.max(x, 0)
@@ -1020,29 +1053,29 @@ def _argmax(X, PART, V, CHUNKS, BLOCK: tl.constexpr, FINISH: tl.constexpr):
         tl.store(PART + b * CHUNKS + c, key)
 
 
-def argmax(logits, out):
-    """out (B,) int64 = logits (B, V) fp32 .argmax(-1), through _argmax."""
+def argmax(logits, out, advance=None):
+    """out (B,) int64 = logits (B, V) fp32 .argmax(-1), through _argmax. advance = (positions (B,) int64, lens (B,)
+    int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
     B, V = logits.shape
     block = 4096
     chunks = triton.cdiv(V, block)
     part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
-    _argmax[(B, chunks)](logits, part, V, chunks, BLOCK=block, FINISH=False)
-    _argmax[(B, 1)](out, part, V, chunks, BLOCK=triton.next_power_of_2(chunks), FINISH=True)
+    _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, BLOCK=block, FINISH=False,
+                         ADVANCE=False, HK=1)
+    pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
+    _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
+                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1])
     return out
-
-
-def _block_k(k: int) -> int:
-    return next((b for b in (1024, 512, 256, 128, 64, 32, 16) if k % b == 0), 0)
 
 
 def fused_decode_ok(model) -> bool:
     a = model.args
-    return all(_block_k(n) for n in (a.dim, a.hidden_dim)) and a.head_dim % 2 == 0
+    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
 
 
 # (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
 FUSED_CONFIG = dict(qkv=(2, 1024, 1),  # qkv: always the 2 rows of a RoPE pair
-                     o=(2, 1024, 4), w13=(1, 1024, 4), w2=(1, 1024, 4), head=(4, 512, 4))
+                     o=(2, 1024, 4), w13=(1, 1024, 4), w2=(2, 1024, 4), head=(4, 512, 4))
 
 
 def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4)):
@@ -1052,14 +1085,15 @@ def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024,
     _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
                                     residual if residual is not None else out, out, K, eps, NORM=norm is not None,
                                     GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, _block_k(K)), num_warps=num_warps)
+                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps)
     return out
 
 
 def fused_decode(model, kv, tokens, positions):
     """One decode step of one sequence through the token backend (03's pool, 04's attention) in six kernels per
-    layer: the same function as model(tokens, positions, kv) at batch 1. kv.tok_slots, batch_rows, batch_lens
-    hold the step's slot, request row and length (CudaGraphDecoder's static buffers). Returns fp32 logits (1, vocab)."""
+    layer: the same function as model(tokens, positions, kv) at batch 1. kv.batch_rows, batch_lens hold the step's
+    request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
+    logits (1, vocab)."""
     a, attn = model.args, lesson("04_triton_token_attn").token_decode_attention
     h = model.tok_embeddings(tokens)[0]                         # (dim,) the residual stream, updated in place
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
@@ -1071,8 +1105,9 @@ def fused_decode(model, kv, tokens, positions):
         at, ff = layer.attention, layer.feed_forward
         _qkv_rope[((q_rows + 2 * kv_rows) // 2,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.tok_slots, q, kv.k_pool[i], kv.v_pool[i], a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], _block_k(a.dim)), num_warps=cfg["qkv"][2])
+            positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
+            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
+            num_warps=cfg["qkv"][2])
         attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"])
         gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"])
@@ -1085,11 +1120,14 @@ def fused_decode(model, kv, tokens, positions):
 class CudaGraphDecoder:
     """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
 
-    The token backend's per-step tensors (slots to write, req_to_token rows, lengths) are copied into static
-    buffers the graph was captured on; padded rows write to a scratch slot and attend over one token. Batch 1
-    runs `fused_decode`. Every graph ends by writing its argmax into its own token buffer, so `steps` can
-    replay it k times in a row with nothing from the host between (greedy multi-step decoding). On a CPU (tests)
-    the same buffers and steps run eagerly."""
+    A step's inputs live in static buffers the graph was captured on: last tokens, positions, req_to_token rows
+    and lengths (the slots to write are read from req_to_token on the device). Padded rows write to a scratch
+    slot and attend over one token. Batch 1 runs `fused_decode`. Every graph ends by writing its argmax into the
+    token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can replay it k times in
+    a row with nothing from the host between (greedy multi-step decoding), and the next k steps can be queued
+    before the host has read these. On a CPU (tests) the same buffers and steps run eagerly."""
+
+    HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
     def __init__(self, engine, buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256), fused=True):
         self.e, kv = engine, engine.kv
@@ -1099,23 +1137,28 @@ class CudaGraphDecoder:
         self.fused = fused and fused_decode_ok(engine.model)
         self.graphs, self.pad_slot = {}, int(kv.allocator.alloc(1)[0])  # scratch slot for padded rows
         self.pad_row = kv.req_pool.alloc()
-        kv.req_to_token[self.pad_row, 0] = self.pad_slot
+        kv.req_to_token[self.pad_row] = self.pad_slot  # any position of the padding row is the scratch slot
         n, dev = self.buckets[-1], engine.device
-        self.tokens, self.positions = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(2))
-        self.slots, self.rows, self.lens = (torch.zeros(n, dtype=t, device=dev) for t in (torch.long, torch.int32, torch.int32))
+        self.tokens, self.positions, self.slots, self.rows = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(4))
+        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
+        cuda = dev.type == "cuda"  # pinned: a copy to the host that does not wait for the GPU; two chunks in flight
+        self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
         self.pool = None
 
     def _capture(self, b):
         kv, model = self.e.kv, self.e.model
-        self.slots[:b], self.rows[:b], self.lens[:b] = self.pad_slot, self.pad_row, 1
+        self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused = b == 1 and self.fused
 
         def run():
             kv.batch = ([self.pad_row] * b, [0] * b, [1] * b)  # attend() reads it only to pick the decode path
             kv.tok_slots, kv.batch_rows, kv.batch_lens = self.slots[:b], self.rows[:b], self.lens[:b]
             tokens, positions = self.tokens[:b], self.positions[:b]
+            if not fused:  # the slots this step writes (fused_decode reads its own)
+                self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
             out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
-            argmax(out, tokens)  # the greedy next tokens: the next replay's input
+            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row))
             return out
         if self.e.device.type != "cuda":
             self.graphs[b] = run
@@ -1129,36 +1172,52 @@ class CudaGraphDecoder:
         self.pool = g.pool()
         self.graphs[b] = lambda: (g.replay(), out)[1]
 
-    def _load(self, batch, positions, slots, rows, lens):
-        """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
-        n = len(batch)
+    def _graph(self, n):
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b)
+        return self.graphs[b], b
+
+    def _load(self, batch, positions, rows, lens):
+        """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
+        n = len(batch)
+        replay, b = self._graph(n)
         self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.e.device)
-        self.positions[:n], self.slots[:n], self.rows[:n], self.lens[:n] = positions, slots, rows, lens
-        self.slots[n:b], self.rows[n:b], self.lens[n:b], self.positions[n:b] = self.pad_slot, self.pad_row, 1, 0
-        return self.graphs[b]
+        self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
+        self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
+        return replay
 
     def forward(self, batch, positions):
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
-        kv = self.e.kv  # (read before _load: a first capture points kv's step tensors at the static buffers)
-        return self._load(batch, positions, kv.tok_slots, kv.batch_rows, kv.batch_lens)()[:len(batch)]
+        kv = self.e.kv
+        return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)]
 
-    def steps(self, batch, positions, k: int):
-        """k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling): the
-        host queues k replays, each reading the previous one's argmax, and syncs once. Returns (n, k) token ids."""
+    def steps(self, batch, positions, k: int, resume=False):
+        """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
+        k replays, each reading the previous one's argmax. resume: the buffers already hold where the last
+        `steps` of this same batch left off (its tokens need not have reached the host). Returns a chunk for
+        `read`; nothing here waits for the GPU."""
         kv, n = self.e.kv, len(batch)
-        pos, slots = positions.view(n, k).T, kv.tok_slots.view(n, k).T  # (k, n) step j's position and slot
-        lens = kv.batch_lens[None] - torch.arange(k - 1, -1, -1, dtype=torch.int32, device=self.e.device)[:, None]
-        replay = self._load(batch, pos[0], slots[0], kv.batch_rows, lens[0])
-        out = torch.empty(k, n, dtype=torch.long, device=self.e.device)  # (k, n)
-        for j in range(k):
-            if j:
-                self.positions[:n], self.slots[:n], self.lens[:n] = pos[j], slots[j], lens[j]
+        replay = self._graph(n)[0] if resume else self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows,
+                                                             kv.batch_lens - (k - 1))
+        for _ in range(k):
             replay()
-            out[j] = self.tokens[:n]
-        return out.T.tolist()
+        first = [kv.lens[s.sid] - k for s in batch]  # each sequence's first position in this chunk
+        cuda = self.e.device.type == "cuda"
+        self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
+        hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=cuda)
+        done = torch.cuda.Event() if cuda else None
+        if done:
+            done.record()
+        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, done=done)
+
+    @staticmethod
+    def read(chunk):
+        """Wait for a chunk's k steps; returns (n, k) token ids."""
+        if chunk.done:
+            chunk.done.synchronize()
+        h = chunk.hist.tolist()
+        return [[row[(p + j) % CudaGraphDecoder.HK] for j in range(chunk.k)] for row, p in zip(h, chunk.first)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1302,8 +1361,9 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
             return (n - 1) / (t[n] - t[1]), e
         ours, e = decode_tok_s()
         limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
-        replay = e.graphs.graphs[1]  # the GPU-side floor of a step: replays back to back, no host work between
-        replay_tok_s = 50 / seconds(lambda: [replay() for _ in range(50)])
+        g = e.graphs  # the GPU-side floor of a step: replays back to back, no host work between, on the padding
+        g.rows[0], g.positions[0], g.lens[0] = g.pad_row, 128, 129  # row (which stays put) at a 129-token context
+        replay_tok_s = 50 / seconds(lambda: [g.graphs[1]() for _ in range(50)])
         x = torch.tensor([prompts[1][:128]], device=device)
         t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,

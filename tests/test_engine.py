@@ -132,11 +132,13 @@ def test_argmax_kernel_matches_torch():
         assert L.argmax(x, out).tolist() == x.argmax(-1).tolist()
 
 
-def test_multi_step_decoding_matches_one_step():
-    """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU) write the same tokens as one step at a
-    time, stop at the same EOS (the rest of that k is wasted, its slots freed), and leak no KV slot. Batch 1 also
-    runs fused_decode."""
+def test_multi_step_decoding_matches_one_step(monkeypatch):
+    """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU; the next k queued before the last k
+    are read) write the same tokens as one step at a time, stop at the same EOS (the rest of that k is wasted, its
+    slots freed), and leak no KV slot. Batch 1 also runs fused_decode."""
     model = tiny_model()
+    resumed, steps = [], L.CudaGraphDecoder.steps
+    monkeypatch.setattr(L.CudaGraphDecoder, "steps", lambda self, *a, resume=False: (resumed.append(resume), steps(self, *a, resume=resume))[1])
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 17)]
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
@@ -145,6 +147,7 @@ def test_multi_step_decoding_matches_one_step():
         for p, n in zip(prompts, max_new):
             e.add(p, L.SamplingParams(max_new_tokens=n))
         outs = list(e.run().values())
+        assert e.inflight is None
         e.radix.evict(e.kv.allocator.size)
         e.kv.allocator.check()
         assert e.kv.allocator.available() == e.kv.allocator.size - (e.graphs is not None)  # the pad slot
@@ -153,8 +156,8 @@ def test_multi_step_decoding_matches_one_step():
     plain, _ = run(prompts, (12, 20, 7), cuda_graphs=False)
     tok.stop_ids = [plain[1][5]]  # an EOS mid-way through the second sequence
     plain, _ = run(prompts, (12, 20, 7), cuda_graphs=False)
-    multi, e = run(prompts, (12, 20, 7), cuda_graphs=True, fused=False)
-    assert multi == plain and len(plain[1]) <= 6
+    multi, e = run(prompts, (12, 20, 7), cuda_graphs=True, fused=False, multi_step=4)
+    assert multi == plain and len(plain[1]) <= 6 and any(resumed) and not all(resumed)
     assert e.stats["decode_tokens"] == sum(map(len, plain)) - len(plain)
     one, _ = run(prompts[:1], (5,), cuda_graphs=False)
     fused, e = run(prompts[:1], (5,), cuda_graphs=True, multi_step=3)
