@@ -81,6 +81,12 @@ import triton.language as tl  # noqa: E402
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split, tile-aligned (one ragged tile); splits from cdiv(seq_len, chunk) on hold none."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
 def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -89,7 +95,7 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
     seq_len = tl.load(LENS + b)
     row = tl.load(ROWS + b).to(tl.int64)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # tile-aligned chunks: one ragged tile
+    chunk = _chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     if start >= seq_len:  # an empty split (a short request): stage 2 counts only the splits that hold tokens
         return
@@ -133,8 +139,7 @@ def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.cons
     h, b = tl.program_id(0), tl.program_id(1)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     seq_len = tl.load(LENS + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as stage 1: the splits that hold tokens
-    smask = offs_s < tl.cdiv(seq_len, chunk)
+    smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))  # the splits that hold tokens
     mid = (b * tl.num_programs(0) + h) * num_splits + offs_s  # (BLOCK_S,)
     lse = tl.load(MID + tl.num_programs(1) * tl.num_programs(0) * num_splits * HEAD_DIM + mid, mask=smask,
                   other=float("-inf"))

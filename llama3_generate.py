@@ -836,7 +836,7 @@ class Engine:
         with it. False: nothing to do here, take the 1-step path."""
         batch, prev = self.running, self.inflight
         self.inflight = None
-        if prev and [s.sid for s in prev.batch] != [s.sid for s in batch]:  # someone finished: restart from the host
+        if prev and prev.batch != batch:  # someone finished: restart from the host
             self._read(prev, on_token)
             batch, prev = self.running, None
         chunk, ahead = None, prev.k if prev else 0
@@ -1142,8 +1142,8 @@ class CudaGraphDecoder:
         self.tokens, self.positions, self.slots, self.rows = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(4))
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
-        cuda = dev.type == "cuda"  # pinned: a copy to the host that does not wait for the GPU; two chunks in flight
-        self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self.cuda = dev.type == "cuda"  # pinned: a copy to the host that does not wait for the GPU; two chunks in flight
+        self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.pool = None
 
     def _capture(self, b):
@@ -1160,7 +1160,7 @@ class CudaGraphDecoder:
             out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
             argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row))
             return out
-        if self.e.device.type != "cuda":
+        if not self.cuda:
             self.graphs[b] = run
             return
         for _ in range(2):  # warm up (Triton compiles) outside the capture
@@ -1203,10 +1203,9 @@ class CudaGraphDecoder:
         for _ in range(k):
             replay()
         first = [kv.lens[s.sid] - k for s in batch]  # each sequence's first position in this chunk
-        cuda = self.e.device.type == "cuda"
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
-        hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=cuda)
-        done = torch.cuda.Event() if cuda else None
+        hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
+        done = torch.cuda.Event() if self.cuda else None
         if done:
             done.record()
         return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, done=done)
