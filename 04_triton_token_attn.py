@@ -79,6 +79,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+GDC = tl.constexpr(not INTERPRET)  # grid dependency control (PDL) exists only in compiled kernels
 
 
 @triton.jit
@@ -90,8 +91,11 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
 def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # head fastest: neighbours share slots
+    if PDL and GDC:  # programmatic dependent launch (see fused_decode): start the next kernel, then
+        tl.extra.cuda.gdc_launch_dependents()       # wait for the last one (and its writes)
+        tl.extra.cuda.gdc_wait()
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
     seq_len = tl.load(LENS + b)
     row = tl.load(ROWS + b).to(tl.int64)
@@ -135,8 +139,12 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr):
+def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
+            PDL: tl.constexpr = False):
     h, b = tl.program_id(0), tl.program_id(1)
+    if PDL and GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     seq_len = tl.load(LENS + b)
     smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))  # the splits that hold tokens
@@ -152,6 +160,11 @@ def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.cons
 @functools.lru_cache(maxsize=None)
 def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132  # CPU: an H200
+
+
+def pdl_kw(pdl: bool) -> dict:
+    """Launch options for programmatic dependent launch: the kernel's PDL flag and the launch attribute."""
+    return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
 RESIDENT, MIN_CHUNK = 4, 64  # split-kernel programs an SM holds at once (smem-bound), shortest chunk worth a program
@@ -170,7 +183,7 @@ SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # chunks like big 
 
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
-                           out=None, **config):
+                           out=None, pdl=False, **config):
     """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]].
 
     q (batch, n_q_heads, head_dim); k_pool, v_pool (num_slots, n_kv_heads, head_dim) of one layer, each slot's
@@ -178,7 +191,8 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     (tensors on q's device avoid copies), every seq_len >= 1. Returns (batch, n_q_heads, head_dim) in q's
     dtype, written into `out` if given. num_splits=None picks one from batch and length: the longest seq_len
     when seq_lens are on the CPU (or a list), else req_to_token's width (reading a device tensor would sync).
-    `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG (block_n, num_warps, num_stages)."""
+    `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG (block_n, num_warps, num_stages). pdl: launch with
+    programmatic dependent launch (GPU; the engine's fused batch-1 decode)."""
     B, H, D = q.shape
     Hkv = k_pool.shape[1]
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
@@ -215,10 +229,10 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
         k_pool.stride(0), v_pool.stride(0), r2t.stride(0),
         GROUP=H // Hkv, BLOCK_H=max(16, triton.next_power_of_2(H // Hkv)), HEAD_DIM=D, BLOCK_N=cfg["block_n"],
         DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kw(pdl))
     if num_splits > 1:
         _stage2[(H, B)](mid, out, seq_lens, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
-                        BLOCK_N=cfg["block_n"], num_warps=4 if num_splits <= 64 else 8)
+                        BLOCK_N=cfg["block_n"], num_warps=4 if num_splits <= 64 else 8, **pdl_kw(pdl))
     return out
 
 

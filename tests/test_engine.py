@@ -103,9 +103,13 @@ def tiny_model(seed=0, **kw):
     return model
 
 
-def test_fused_decode_matches_the_model():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_decode_matches_the_model(pdl, monkeypatch):
     """fused_decode (six kernels per layer, interpreted on a CPU) == model(...) through the token backend: the
-    same logits and the same K/V written to the new slot (pools poisoned with NaN elsewhere)."""
+    same logits and the same K/V written to the new slot (pools poisoned with NaN elsewhere). pdl: the GPU's
+    kernel variants (first weight tile loaded before the wait; the interpreter has no launch control). 16-wide
+    tiles, so every GEMV loops over several."""
+    monkeypatch.setattr(L, "FUSED_CONFIG", {k: (rows, 16, warps) for k, (rows, _, warps) in L.FUSED_CONFIG.items()})
     model = tiny_model(seed=int(torch.randint(0, 1000, ())))
     m03 = L.lesson("03_token_allocator")
     kvs = [m03.TokenKVCache.for_model(model, 64, 2, 64) for _ in range(2)]
@@ -116,7 +120,7 @@ def test_fused_decode_matches_the_model():
     token = prompt[-1:]
     for _ in range(2):
         ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
-        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
+        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]), pdl=pdl)
         assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
         token = ref.argmax(-1)
     for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
