@@ -1032,7 +1032,7 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
     write is req_to_token[row, pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
     p = tl.program_id(0)
     r = (p // HALF) * 2 * HALF + p % HALF
-    if r < q_rows:
+    if r < q_rows:  # the weight row now (it is read before the PDL wait), its destination after (slot is not)
         w = WQ + r * K
     elif r < q_rows + kv_rows:
         w = WK + (r - q_rows) * K
@@ -1139,7 +1139,7 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     """One decode step of one sequence through the token backend (03's pool, 04's attention) in six kernels per
     layer: the same function as model(tokens, positions, kv) at batch 1. kv.batch_rows, batch_lens hold the step's
     request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
-    logits (1, vocab)."""
+    logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see above); None = on a GPU."""
     a, attn = model.args, lesson("04_triton_token_attn").token_decode_attention
     h = model.tok_embeddings(tokens)[0]                         # (dim,) the residual stream, updated in place
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
