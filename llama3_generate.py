@@ -1016,68 +1016,71 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 
 @triton.jit
-def _qkv_tile(acc1, acc2, ss, w1, w2, X, G, cols):
-    """One BLOCK_K-wide step of _qkv_rope: rows r and r + HALF times xn, and x's sum of squares."""
-    x = tl.load(X + cols).to(tl.float32)
-    ss += x * x
-    x *= tl.load(G + cols).to(tl.float32)
-    return acc1 + w1.to(tl.float32) * x, acc2 + w2.to(tl.float32) * x, ss
-
-
-@triton.jit
 def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p computes rows r and r + HALF of one q, k or v head (r = its pair's first row in [wq; wk; wv]),
-    the pair that RoPE rotates together, so the rotation and the KV write need no second kernel. The slot to
-    write is req_to_token[row, pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
-    p = tl.program_id(0)
-    r = (p // HALF) * 2 * HALF + p % HALF
-    if r < q_rows:  # the weight row now (it is read before the PDL wait), its destination after (slot is not)
-        w = WQ + r * K
-    elif r < q_rows + kv_rows:
-        w = WK + (r - q_rows) * K
+              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs RoPE rotates
+    together -- so the rotation and the KV write need no second kernel. The slot to write is req_to_token[row,
+    pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
+    first = tl.program_id(0) * BLOCK_P                  # the program's first pair; BLOCK_P divides HALF
+    head = (first // HALF) * 2 * HALF                   # its head's first row in [wq; wk; wv]
+    j = first % HALF + tl.arange(0, BLOCK_P)            # (BLOCK_P,) pairs within the head
+    if head < q_rows:
+        w, dst = WQ + head * K, Q + head
+    elif head < q_rows + kv_rows:
+        w, dst = WK + (head - q_rows) * K, KP + (head - q_rows)
     else:
-        w = WV + (r - q_rows - kv_rows) * K
+        w, dst = WV + (head - q_rows - kv_rows) * K, VP + (head - q_rows - kv_rows)
     cols = tl.arange(0, BLOCK_K)
-    acc1 = tl.zeros([BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_K], tl.float32)
+    w += j[:, None].to(tl.int64) * K + cols[None, :]  # (BLOCK_P, BLOCK_K) tiles of rows j; + HALF * K: rows j + HALF
+    acc1 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
     ss = tl.zeros([BLOCK_K], tl.float32)
     start: tl.constexpr = BLOCK_K if PDL else 0
     if PDL:
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
-        w1, w2 = tl.load(w + cols), tl.load(w + HALF * K + cols)
+        w1, w2 = tl.load(w), tl.load(w + HALF * K)
         if GDC:
             tl.extra.cuda.gdc_wait()
-        acc1, acc2, ss = _qkv_tile(acc1, acc2, ss, w1, w2, X, G, cols)
-    for k0 in range(start, K, BLOCK_K):
-        acc1, acc2, ss = _qkv_tile(acc1, acc2, ss, tl.load(w + k0 + cols), tl.load(w + HALF * K + k0 + cols),
-                                   X + k0, G + k0, cols)
-    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-    y1, y2 = tl.sum(acc1, 0) * scale, tl.sum(acc2, 0) * scale
-    pos = tl.load(POS)
+    pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
     slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
-    if r < q_rows:
-        dst = Q + r
-    elif r < q_rows + kv_rows:
-        dst = KP + slot * kv_rows + (r - q_rows)
-    else:
-        dst = VP + slot * kv_rows + (r - q_rows - kv_rows)
-    rotate = r < q_rows + kv_rows  # v is not rotated
-    cos = tl.where(rotate, tl.load(COS + pos * HALF + p % HALF), 1.0)
-    sin = tl.where(rotate, tl.load(SIN + pos * HALF + p % HALF), 0.0)
-    tl.store(dst, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
-    tl.store(dst + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
+    rotate = head < q_rows + kv_rows  # v is not rotated
+    cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
+    sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)
+    if PDL:
+        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, w1, w2, X, G, cols, True, True)
+    for k0 in range(start, K, BLOCK_K):
+        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, tl.load(w + k0), tl.load(w + HALF * K + k0), X + k0, G + k0, cols,
+                                    True, True)
+    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    y1, y2 = tl.sum(acc1, 1) * scale, tl.sum(acc2, 1) * scale
+    if head >= q_rows:  # k and v go to the pool slot
+        dst += slot * kv_rows
+    tl.store(dst + j, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
+    tl.store(dst + j + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """OUT = E[TOK[0]]: the embedding lookup as a PDL link (torch's kernel would break the chain)."""
+    if PDL and GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
 
 
 @triton.jit
 def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
-            ADVANCE: tl.constexpr, HK: tl.constexpr):
+            ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
     """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
     index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
     FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
     ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
     b, c = tl.program_id(0), tl.program_id(1)
+    if PDL and GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     offs = c * BLOCK + tl.arange(0, BLOCK)
     if FINISH:
         keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
@@ -1099,7 +1102,7 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
         tl.store(PART + b * CHUNKS + c, key)
 
 
-def argmax(logits, out, advance=None):
+def argmax(logits, out, advance=None, pdl=False):
     """out (B,) int64 = logits (B, V) fp32 .argmax(-1), through _argmax. advance = (positions (B,) int64, lens (B,)
     int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
     B, V = logits.shape
@@ -1107,10 +1110,10 @@ def argmax(logits, out, advance=None):
     chunks = triton.cdiv(V, block)
     part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
     _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, BLOCK=block, FINISH=False,
-                         ADVANCE=False, HK=1)
+                         ADVANCE=False, HK=1, **pdl_kw(pdl))
     pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
     _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
-                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1])
+                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
     return out
 
 
@@ -1120,8 +1123,8 @@ def fused_decode_ok(model) -> bool:
 
 
 # (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
-FUSED_CONFIG = dict(qkv=(2, 1024, 1),  # qkv: always the 2 rows of a RoPE pair
-                     o=(2, 1024, 4), w13=(1, 1024, 4), w2=(2, 1024, 4), head=(4, 512, 4))
+FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
+                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
 
 
 def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
@@ -1141,18 +1144,21 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
     logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see above); None = on a GPU."""
     a, attn = model.args, lesson("04_triton_token_attn").token_decode_attention
-    h = model.tok_embeddings(tokens)[0]                         # (dim,) the residual stream, updated in place
+    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
+    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
+    block = math.gcd(a.dim, 256)
+    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
     half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    cfg, pdl = FUSED_CONFIG, h.is_cuda if pdl is None else pdl
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
-        _qkv_rope[((q_rows + 2 * kv_rows) // 2,)](
+        pairs = math.gcd(half, cfg["qkv"][0])
+        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
             positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
-            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
+            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
             num_warps=cfg["qkv"][2], **pdl_kw(pdl))
         attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
@@ -1194,7 +1200,7 @@ class CudaGraphDecoder:
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.pool = None
 
-    def _capture(self, b):
+    def _capture(self, b, k=1):
         kv, model = self.e.kv, self.e.model
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused = b == 1 and self.fused
@@ -1206,19 +1212,23 @@ class CudaGraphDecoder:
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
             out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
-            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row))
+            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row), pdl=fused and self.cuda)
             return out
+        key = b if k == 1 else (b, k)
+        if b == 1 and k == 1 and self.e.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
+            self._capture(1, self.e.multi_step)          # graph launches, PDL links the steps (H200: -4 us a step)
         if not self.cuda:
-            self.graphs[b] = run
+            self.graphs[key] = lambda: [run() for _ in range(k)][-1]
             return
         for _ in range(2):  # warm up (Triton compiles) outside the capture
             run()
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            out = run()
+            for _ in range(k):
+                out = run()
         self.pool = g.pool()
-        self.graphs[b] = lambda: (g.replay(), out)[1]
+        self.graphs[key] = lambda: (g.replay(), out)[1]
 
     def _graph(self, n):
         b = next(x for x in self.buckets if x >= n)
@@ -1248,8 +1258,11 @@ class CudaGraphDecoder:
         kv, n = self.e.kv, len(batch)
         replay = self._graph(n)[0] if resume else self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows,
                                                              kv.batch_lens - (k - 1))
-        for _ in range(k):
-            replay()
+        if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
+            self.graphs[n, k]()
+        else:
+            for _ in range(k):
+                replay()
         first = [kv.lens[s.sid] - k for s in batch]  # each sequence's first position in this chunk
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
@@ -1410,7 +1423,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
         limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
         g = e.graphs  # the GPU-side floor of a step: replays back to back, no host work between, on the padding
         g.rows[0], g.positions[0], g.lens[0] = g.pad_row, 128, 129  # row (which stays put) at a 129-token context
-        replay_tok_s = 50 / seconds(lambda: [g.graphs[1]() for _ in range(50)])
+        k = e.multi_step  # replays of batch 1's k-step graph
+        replay_tok_s = 4 * k / seconds(lambda: [g.graphs[1, k]() for _ in range(4)])
         x = torch.tensor([prompts[1][:128]], device=device)
         t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
