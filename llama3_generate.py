@@ -949,9 +949,10 @@ class Engine:
 # One token's decode step reads every weight once and does 2 FLOPs per weight: a chain of matrix-vector
 # products, bound by memory bandwidth. The plain model spends ~20 kernels per layer on it (three GEMVs for
 # q, k, v; norms, RoPE, KV scatter and residual adds apart), and cuBLAS's GEMVs on the 1B shape's small
-# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-2 per program,
+# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-4 per program,
 # thousands of programs) and everything elementwise rides along in the same pass:
 #
+#   _embed      h = tok_embeddings[token]
 #   _qkv_rope   xn = rms_norm(h)  ->  q, k, v rows  ->  RoPE on q, k  ->  q to a buffer, k, v into the pool slot
 #   04's kernel attention over req_to_token (two launches when it splits the context)
 #   _gemv       h += wo @ attn                     (residual add in the epilogue)
@@ -963,9 +964,12 @@ class Engine:
 # Each kernel is a small wave with a ramp and a tail, so the boundaries between them cost. On a GPU every launch
 # uses programmatic dependent launch (PDL): a kernel lets the next one start at once (gdc_launch_dependents);
 # the next loads its first weight tile (weights never depend on the previous kernel) and only then waits for
-# it (gdc_wait). H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without (three runs). Tried and
-# slower there: a persistent one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost
-# ~1.65 us and the phases streamed no faster than separate kernels), and L2 bulk prefetches instead of loads.
+# it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
+# H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
+# _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
+# 811-813 us. Tried and slower there: a persistent one-launch-per-layer kernel with grid barriers (981 us at
+# best: each barrier cost ~1.65 us and the phases streamed no faster than separate kernels), L2 bulk prefetches
+# instead of loads, and loading the residual or the slot before the loop in the 1-D kernels (+9 to +18 us).
 
 pdl_kw, GDC = lesson("04_triton_token_attn").pdl_kw, lesson("04_triton_token_attn").GDC  # see fused_decode
 
@@ -1178,8 +1182,9 @@ class CudaGraphDecoder:
     and lengths (the slots to write are read from req_to_token on the device). Padded rows write to a scratch
     slot and attend over one token. Batch 1 runs `fused_decode`. Every graph ends by writing its argmax into the
     token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can replay it k times in
-    a row with nothing from the host between (greedy multi-step decoding), and the next k steps can be queued
-    before the host has read these. On a CPU (tests) the same buffers and steps run eagerly."""
+    a row with nothing from the host between (greedy multi-step decoding; batch 1 also holds its k steps as one
+    graph), and the next k steps can be queued before the host has read these. On a CPU (tests) the same buffers
+    and steps run eagerly."""
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 

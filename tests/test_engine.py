@@ -163,9 +163,10 @@ def test_multi_step_decoding_matches_one_step(monkeypatch):
     multi, e = run(prompts, (12, 20, 7), cuda_graphs=True, fused=False, multi_step=4)
     assert multi == plain and len(plain[1]) <= 6 and any(resumed) and not all(resumed)
     assert e.stats["decode_tokens"] == sum(map(len, plain)) - len(plain)
-    one, _ = run(prompts[:1], (5,), cuda_graphs=False)
-    fused, e = run(prompts[:1], (5,), cuda_graphs=True, multi_step=3)
-    assert fused == one and e.graphs.fused
+    tok.stop_ids = []
+    one, _ = run(prompts[:1], (8,), cuda_graphs=False)
+    fused, e = run(prompts[:1], (8,), cuda_graphs=True, multi_step=3)
+    assert fused == one and e.graphs.fused and (1, 3) in e.graphs.graphs  # batch 1's 3 steps as one graph
 
 
 @pytest.mark.gpu
