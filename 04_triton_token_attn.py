@@ -79,7 +79,21 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-GDC = tl.constexpr(not INTERPRET)  # grid dependency control (PDL) exists only in compiled kernels
+GDC = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def pdl_launch_next(PDL: tl.constexpr):
+    """Programmatic dependent launch (PDL): the next kernel in the stream may start launching now."""
+    if PDL and GDC:  # grid dependency control exists only in compiled kernels
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """PDL: wait until the previous kernel has finished and its writes are visible."""
+    if PDL and GDC:
+        tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
@@ -93,9 +107,8 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
             DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # head fastest: neighbours share slots
-    if PDL and GDC:  # programmatic dependent launch (see fused_decode): start the next kernel, then
-        tl.extra.cuda.gdc_launch_dependents()       # wait for the last one (and its writes)
-        tl.extra.cuda.gdc_wait()
+    pdl_launch_next(PDL)  # programmatic dependent launch (see fused_decode): start the next kernel, then
+    pdl_wait(PDL)         # wait for the last one (and its writes)
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
     seq_len = tl.load(LENS + b)
     row = tl.load(ROWS + b).to(tl.int64)
@@ -142,9 +155,8 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
 def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,
             PDL: tl.constexpr = False):
     h, b = tl.program_id(0), tl.program_id(1)
-    if PDL and GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
     seq_len = tl.load(LENS + b)
     smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))  # the splits that hold tokens

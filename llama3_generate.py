@@ -971,7 +971,8 @@ class Engine:
 # best: each barrier cost ~1.65 us and the phases streamed no faster than separate kernels), L2 bulk prefetches
 # instead of loads, and loading the residual or the slot before the loop in the 1-D kernels (+9 to +18 us).
 
-pdl_kw, GDC = lesson("04_triton_token_attn").pdl_kw, lesson("04_triton_token_attn").GDC  # see fused_decode
+pdl_kw, pdl_launch_next, pdl_wait = (getattr(lesson("04_triton_token_attn"), n)  # see fused_decode
+                                     for n in ("pdl_kw", "pdl_launch_next", "pdl_wait"))
 
 
 @triton.jit
@@ -999,12 +1000,10 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
     ss = tl.zeros([BLOCK_K], tl.float32)
     start: tl.constexpr = BLOCK_K if PDL else 0
     if PDL:  # the next kernel may start launching; weights do not depend on this one's inputs, x does
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_launch_next(PDL)
         w = tl.load(W + rows[:, None] * K + cols[None, :])
         w3 = tl.load(W3 + rows[:, None] * K + cols[None, :]) if GLU else w
-        if GDC:
-            tl.extra.cuda.gdc_wait()  # the previous kernel has finished and its writes are visible
+        pdl_wait(PDL)  # the previous kernel has finished and its writes are visible
         acc, acc3, ss = _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM, GLU)
     for k0 in range(start, K, BLOCK_K):
         w = tl.load(W + rows[:, None] * K + (k0 + cols)[None, :])
@@ -1041,11 +1040,9 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
     ss = tl.zeros([BLOCK_K], tl.float32)
     start: tl.constexpr = BLOCK_K if PDL else 0
     if PDL:
-        if GDC:
-            tl.extra.cuda.gdc_launch_dependents()
+        pdl_launch_next(PDL)
         w1, w2 = tl.load(w), tl.load(w + HALF * K)
-        if GDC:
-            tl.extra.cuda.gdc_wait()
+        pdl_wait(PDL)
     pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
     slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
     rotate = head < q_rows + kv_rows  # v is not rotated
@@ -1067,9 +1064,8 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
 @triton.jit
 def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """OUT = E[TOK[0]]: the embedding lookup as a PDL link (torch's kernel would break the chain)."""
-    if PDL and GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
 
@@ -1082,9 +1078,8 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
     FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
     ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
     b, c = tl.program_id(0), tl.program_id(1)
-    if PDL and GDC:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     if FINISH:
         keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
@@ -1156,9 +1151,9 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
     act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
     half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
-        pairs = math.gcd(half, cfg["qkv"][0])
         _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
             positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
@@ -1217,7 +1212,8 @@ class CudaGraphDecoder:
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
             out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
-            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row), pdl=fused and self.cuda)
+            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
+                   pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
         if b == 1 and k == 1 and self.e.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
