@@ -102,16 +102,30 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
+@triton.jit
+def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """One K/V tile into the running (max, sum, output) of the online softmax."""
+    if DOT_F32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_H, BLOCK_N) in log2 units
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
 def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
             DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # head fastest: neighbours share slots
-    pdl_launch_next(PDL)  # programmatic dependent launch (see fused_decode): start the next kernel, then
-    pdl_wait(PDL)         # wait for the last one (and its writes)
+    pdl_launch_next(PDL)  # programmatic dependent launch (see token_decode_attention): start the next kernel
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
-    seq_len = tl.load(LENS + b)
-    row = tl.load(ROWS + b).to(tl.int64)
+    seq_len = tl.load(LENS + b, cache_modifier=".cg")  # .cg (L2, the coherent level): PDL reads these early
+    row = tl.load(ROWS + b, cache_modifier=".cg").to(tl.int64)
     chunk = _chunk(seq_len, num_splits, BLOCK_N)
     start = split * chunk
     if start >= seq_len:  # an empty split (a short request): stage 2 counts only the splits that hold tokens
@@ -120,28 +134,35 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     offs_h, offs_d, offs_n = tl.arange(0, BLOCK_H), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     heads = b * H + kvh * GROUP + offs_h  # (batch, head) rows of this kv head's query group; >= GROUP: padding
     hmask = offs_h < GROUP
-    q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
-    if DOT_F32:
-        q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_H], tl.float32)                 # running sum of exp2
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)       # (BLOCK_H, HEAD_DIM) unnormalised output
-    for n0 in range(start, end, BLOCK_N):
+    n = start + offs_n
+    nmask = n < end
+    if PDL:  # the first tile before the wait: all but the newest token, which the kernel we wait for writes
+        slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=".cg").to(tl.int64)
+        old = (nmask & (n < seq_len - 1))[:, None]
+        k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=old, other=0.0,
+                    cache_modifier=".cg")
+        v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=old, other=0.0,
+                    cache_modifier=".cg")
+    pdl_wait(PDL)  # the previous kernel has finished and its writes (q, the newest K/V) are visible
+    q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    if PDL:
+        new = (n == seq_len - 1)[:, None]
+        last = tl.load(R2T + row * s_r2t + seq_len - 1).to(tl.int64)
+        k = tl.where(new, tl.load(K + last * s_ks + kvh * HEAD_DIM + offs_d)[None, :], k)
+        v = tl.where(new, tl.load(V + last * s_vs + kvh * HEAD_DIM + offs_d)[None, :], v)
+        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    for n0 in range(start + BLOCK_N if PDL else start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
         slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0).to(tl.int64)  # (BLOCK_N,) pool slots
         k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=nmask[:, None], other=0.0)
         v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        if DOT_F32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_H, BLOCK_N) in log2 units
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer
         tl.store(OUT + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None])
@@ -156,10 +177,10 @@ def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.cons
             PDL: tl.constexpr = False):
     h, b = tl.program_id(0), tl.program_id(1)
     pdl_launch_next(PDL)
-    pdl_wait(PDL)
     offs_s, offs_d = tl.arange(0, BLOCK_S), tl.arange(0, HEAD_DIM)
-    seq_len = tl.load(LENS + b)
+    seq_len = tl.load(LENS + b, cache_modifier=".cg")  # under PDL before the wait, as in stage 1
     smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))  # the splits that hold tokens
+    pdl_wait(PDL)
     mid = (b * tl.num_programs(0) + h) * num_splits + offs_s  # (BLOCK_S,)
     lse = tl.load(MID + tl.num_programs(1) * tl.num_programs(0) * num_splits * HEAD_DIM + mid, mask=smask,
                   other=float("-inf"))
@@ -204,7 +225,10 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     dtype, written into `out` if given. num_splits=None picks one from batch and length: the longest seq_len
     when seq_lens are on the CPU (or a list), else req_to_token's width (reading a device tensor would sync).
     `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG (block_n, num_warps, num_stages). pdl: launch with
-    programmatic dependent launch (GPU; the engine's fused batch-1 decode)."""
+    programmatic dependent launch (GPU; the engine's fused batch-1 decode): each kernel lets the next one start,
+    which loads what it can before it waits for ours. Stage 1 reads lengths, slots and the first tile's K/V before
+    its wait, all but the newest token; so the kernel launched before it (which writes q and that token) must
+    start the next kernel only after its own wait, when everything before it is done."""
     B, H, D = q.shape
     Hkv = k_pool.shape[1]
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)

@@ -1040,9 +1040,9 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
     ss = tl.zeros([BLOCK_K], tl.float32)
     start: tl.constexpr = BLOCK_K if PDL else 0
     if PDL:
-        pdl_launch_next(PDL)
         w1, w2 = tl.load(w), tl.load(w + HALF * K)
         pdl_wait(PDL)
+        pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
     pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
     slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
     rotate = head < q_rows + kv_rows  # v is not rotated

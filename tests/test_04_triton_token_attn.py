@@ -46,6 +46,14 @@ def test_empty_splits_and_custom_scale():
     run_and_check(P, torch.float32, num_splits=9, sm_scale=0.3)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_pdl_variant(splits):
+    """pdl=True: stage 1 loads its first tile before the wait without the newest token, then patches that token
+    in (the interpreter has no launch control, so this checks the arithmetic): one or several tiles per split."""
+    P = m.make_problem(LENS, 6, 2, 64, torch.float32, seed=int(torch.randint(0, 10**6, ())))
+    run_and_check(P, torch.float32, num_splits=splits, pdl=True)
+
+
 def test_reference_is_softmax_attention():
     """The reference itself, against a hand-written loop for one request and one head."""
     q, k, v, r2t, rows, lens = m.make_problem([5, 3], 4, 2, 16, torch.float64, seed=2)
