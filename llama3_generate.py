@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import glob
 import importlib
 import importlib.util
@@ -843,7 +844,8 @@ class Engine:
         if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
-                positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 else None
+                with self.graphs.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
+                    positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 else None
             except self.out_of_memory:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
@@ -1198,6 +1200,7 @@ class CudaGraphDecoder:
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
         self.cuda = dev.type == "cuda"  # pinned: a copy to the host that does not wait for the GPU; two chunks in flight
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
         self.pool = None
 
     def _capture(self, b, k=1):
@@ -1259,6 +1262,9 @@ class CudaGraphDecoder:
         kv, n = self.e.kv, len(batch)
         replay = self._graph(n)[0] if resume else self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows,
                                                              kv.batch_lens - (k - 1))
+        queued = torch.cuda.Event() if self.cuda else None  # for `beside`: the GPU work queued before this chunk
+        if queued:
+            queued.record()
         if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
             self.graphs[n, k]()
         else:
@@ -1270,7 +1276,22 @@ class CudaGraphDecoder:
         done = torch.cuda.Event() if self.cuda else None
         if done:
             done.record()
-        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, done=done)
+        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=done)
+
+    @contextlib.contextmanager
+    def beside(self, chunk):
+        """GPU work queued inside (the next chunk's kv.prepare) runs on a side stream that starts where `chunk`
+        started, so beside chunk's steps instead of after them; the main stream (the next graph) waits for it.
+        What it allocates is read only there: graphs read req_to_token and their own buffers."""
+        if not (self.cuda and chunk):
+            yield
+            return
+        self.side.wait_event(chunk.queued)
+        try:
+            with torch.cuda.stream(self.side):
+                yield
+        finally:
+            torch.cuda.current_stream().wait_stream(self.side)
 
     @staticmethod
     def read(chunk):
