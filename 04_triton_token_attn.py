@@ -28,7 +28,9 @@ already covers the SMs (then stage 1 writes the answer and stage 2 is skipped), 
 programs running side by side read the 8 neighbouring 256-byte pieces of each slot's 2 KB K row.
 A CUDA graph fixes the split count for the longest context it may see; at a short one, the splits past
 the last token return at once and stage 2 merges only those that hold tokens (H200, batch 1, 200 tokens,
-64 splits: 5.6 us for both launches, was 6.2 us when empty splits wrote an empty partial).
+64 splits: 5.6 us for both launches, was 6.2 us when empty splits wrote an empty partial). With pdl (the
+engine's batch-1 decode), stage 1 reads lengths, slots and its first K/V tile before waiting for the kernel
+that writes q and the newest token, so that read overlaps that kernel (see token_decode_attention).
 
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernel in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.

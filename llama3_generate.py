@@ -969,7 +969,9 @@ class Engine:
 # it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
 # H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
 # _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
-# 811-813 us. Tried and slower there: a persistent one-launch-per-layer kernel with grid barriers (981 us at
+# 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
+# (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
+# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent one-launch-per-layer kernel with grid barriers (981 us at
 # best: each barrier cost ~1.65 us and the phases streamed no faster than separate kernels), L2 bulk prefetches
 # instead of loads, and loading the residual or the slot before the loop in the 1-D kernels (+9 to +18 us).
 
