@@ -105,6 +105,19 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+    """K and V rows (BLOCK_N, HEAD_DIM) of kv head kvh for tokens n of req_to_token row `row`, read where kvmask;
+    CACHE: the loads' cache modifier."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)  # (BLOCK_N,)
+    k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
+                cache_modifier=CACHE)
+    v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
+                cache_modifier=CACHE)
+    return k, v
+
+
+@triton.jit
 def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """One K/V tile into the running (max, sum, output) of the online softmax."""
     if DOT_F32:
@@ -142,12 +155,8 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     n = start + offs_n
     nmask = n < end
     if PDL:  # the first tile before the wait: all but the newest token, which the kernel we wait for writes
-        slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=".cg").to(tl.int64)
-        old = (nmask & (n < seq_len - 1))[:, None]
-        k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=old, other=0.0,
-                    cache_modifier=".cg")
-        v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=old, other=0.0,
-                    cache_modifier=".cg")
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask & (n < seq_len - 1), s_ks, s_vs, kvh, HEAD_DIM,
+                        ".cg")
     pdl_wait(PDL)  # the previous kernel has finished and its writes (q, the newest K/V) are visible
     q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
     if DOT_F32:
@@ -161,9 +170,7 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     for n0 in range(start + BLOCK_N if PDL else start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
-        slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0).to(tl.int64)  # (BLOCK_N,) pool slots
-        k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
         m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer

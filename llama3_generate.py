@@ -971,9 +971,10 @@ class Engine:
 # _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
 # 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
 # (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
-# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent one-launch-per-layer kernel with grid barriers (981 us at
-# best: each barrier cost ~1.65 us and the phases streamed no faster than separate kernels), L2 bulk prefetches
-# instead of loads, and loading the residual or the slot before the loop in the 1-D kernels (+9 to +18 us).
+# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent
+# one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost ~1.65 us and the phases
+# streamed no faster than separate kernels), L2 bulk prefetches instead of loads, and loading the residual or
+# the slot before the loop in the 1-D kernels (+9 to +18 us).
 
 pdl_kw, pdl_launch_next, pdl_wait = (getattr(lesson("04_triton_token_attn"), n)  # see fused_decode
                                      for n in ("pdl_kw", "pdl_launch_next", "pdl_wait"))
@@ -1264,9 +1265,7 @@ class CudaGraphDecoder:
         kv, n = self.e.kv, len(batch)
         replay = self._graph(n)[0] if resume else self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows,
                                                              kv.batch_lens - (k - 1))
-        queued = torch.cuda.Event() if self.cuda else None  # for `beside`: the GPU work queued before this chunk
-        if queued:
-            queued.record()
+        queued = self._event()  # for `beside`: the GPU work queued before this chunk
         if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
             self.graphs[n, k]()
         else:
@@ -1275,10 +1274,14 @@ class CudaGraphDecoder:
         first = [kv.lens[s.sid] - k for s in batch]  # each sequence's first position in this chunk
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
-        done = torch.cuda.Event() if self.cuda else None
-        if done:
-            done.record()
-        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=done)
+        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
+
+    def _event(self):
+        """A CUDA event recorded now on the current stream (None on a CPU)."""
+        e = torch.cuda.Event() if self.cuda else None
+        if e:
+            e.record()
+        return e
 
     @contextlib.contextmanager
     def beside(self, chunk):
