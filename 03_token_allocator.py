@@ -204,7 +204,7 @@ class TokenKVCache:
             self._new_request(s)
         rows = [self.rows[s] for s in seq_ids]
         # (B,) each; non_blocking: CUDA stages a pageable copy at once, without waiting for queued GPU work
-        n_t, start_t, row_t = torch.tensor([n_new, starts, rows]).to(self.device, non_blocking=True)
+        n_t, start_t, row_t = torch.tensor([n_new, starts, rows], dtype=torch.long).to(self.device, non_blocking=True)
         first = n_t.cumsum(0) - n_t                             # (B,) offset of each request's first new token
         per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=len(slots))  # (T,); the size spares a sync
         pos = torch.arange(len(slots), device=self.device) - per_token(first - start_t)  # (T,)

@@ -835,11 +835,11 @@ class Engine:
         to be admitted, the next k steps are queued before the host reads the last k, so the GPU never waits
         for the host. A sequence that stops early (EOS) wastes the rest of its steps; its extra slots are freed
         with it. False: nothing to do here, take the 1-step path."""
-        batch, prev = self.running, self.inflight
+        batch, prev, landed = self.running, self.inflight, False
         self.inflight = None
         if prev and prev.batch != batch:  # someone finished: restart from the host
             self._read(prev, on_token)
-            batch, prev = self.running, None
+            batch, prev, landed = self.running, None, True  # landed: this step did work, even if nothing runs now
         chunk, ahead = None, prev.k if prev else 0
         if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
@@ -860,7 +860,7 @@ class Engine:
         else:
             self.inflight = chunk
         self.stats["decode_s"] += time.perf_counter() - t0
-        return bool(prev or chunk)
+        return bool(landed or prev or chunk)
 
     def _read(self, chunk, on_token):
         """Append a multi-step chunk's tokens to its sequences still running."""

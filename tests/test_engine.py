@@ -169,6 +169,36 @@ def test_multi_step_decoding_matches_one_step(monkeypatch):
     assert fused == one and e.graphs.fused and (1, 3) in e.graphs.graphs  # batch 1's 3 steps as one graph
 
 
+def test_multi_step_random_workloads_match_one_step():
+    """Random batches through the multi-step path (graphs run eagerly on a CPU): sequences stop at an EOS met
+    mid-chunk and at random lengths, so chunks in flight land after their batch changed -- and the run must end
+    when the last chunk is read (the GPU crash of two prompts: an empty step prepared after the last one
+    finished). Same tokens as one step at a time, no slot leaked."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+
+    def run(prompts, max_new, **kw):
+        e = L.Engine(model, tok, "token", kv_tokens=512, max_batch=4, fused=False, **kw)
+        for p, n in zip(prompts, max_new):
+            e.add(p, L.SamplingParams(max_new_tokens=n))
+        outs = list(e.run().values())
+        e.radix.evict(e.kv.allocator.size)
+        assert e.kv.allocator.available() == e.kv.allocator.size - (e.graphs is not None)  # graphs hold a pad slot
+        return outs
+
+    for _ in range(25):
+        prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(1, 5))]
+        max_new = rand(1, 30, len(prompts))
+        tok.stop_ids = []
+        free = run(prompts, max_new, cuda_graphs=False)
+        longest = max(range(len(free)), key=lambda i: len(free[i]))
+        tok.stop_ids = [free[longest][rand(0, len(free[longest]))]]  # an EOS somewhere in the longest output
+        one = run(prompts, max_new, cuda_graphs=False)
+        assert run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6)) == one, (prompts, max_new, tok.stop_ids)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,max_batch", [("token", 4), ("token", 1), ("paged", 4), ("contiguous", 4)])
 def test_gpu_bf16_decode_matches_transformers(backend, max_batch):
