@@ -683,14 +683,37 @@ class Engine:
         self.backend, self.max_len, self.device = backend, max_len, dev
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
-        self.stats = dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
-                          jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0, peak_live_tokens=0)
+        self.stats = self.new_stats()
         self.graphs = (CudaGraphDecoder(self, fused=fused) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
                        and backend == "token" else None)
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise()
+
+    @staticmethod
+    def new_stats() -> dict:
+        return dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
+                    jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0, peak_live_tokens=0)
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
+        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
+        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
+        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
+                self.graphs._graph(b)
+        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
+        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        self.run()
+        if self.radix:
+            self.radix.evict(self.kv.allocator.size)
+        self.finished, self.n_seqs, self.stats = {}, 0, self.new_stats()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
 
     def add(self, prompt, params: SamplingParams | None = None) -> list:
         """Queue a request; returns the sequence ids of its params.n samples."""
@@ -1348,37 +1371,91 @@ def seconds(fn, *args):
     return time.perf_counter() - t0
 
 
-def hf_generate(hf, x, n: int, mask=None):
+def hf_generate(hf, x, n: int, mask=None, **kw):
     """transformers' greedy generate of exactly n new tokens after x (batch, len): the peer in every benchmark."""
     with torch.inference_mode():
         return hf.generate(x, attention_mask=torch.ones_like(x) if mask is None else mask, max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
+                           min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
 
 
-def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 3) -> dict:
-    """Batch-1 decode speed, ours vs transformers' generate on the same weights and prompts, timed the same way:
-    time(n tokens) - time(1 token), interleaved, best of `rounds` (a busy machine slows both alike)."""
-    m01, hf, dev = lesson("01_kv_cache"), to_transformers(model), model.tok_embeddings.weight.device
+def copy_bandwidth(device) -> float:
+    """GB/s of a large device-to-device copy, bytes read plus written: the most a weight-bound decode step gets."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    return 2 * 20 * x.numel() / seconds(lambda: [y.copy_(x) for _ in range(20)]) / 1e9
 
-    def ours(n):
-        for ids in prompt_ids:
-            generate(model, m01.ContiguousKVCache.for_model(model, 1, len(ids) + n), [ids], n)
 
-    def transformers(n):
-        for ids in prompt_ids:
-            hf_generate(hf, torch.tensor([ids], device=dev), n)
+def weight_bytes(model) -> int:
+    """Bytes one batch-1 decode step must read: every weight (the embedding table only where it is also the head)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n != "tok_embeddings.weight" or model.args.tie_embeddings)
 
-    best = {}
+
+def engine_decode_tok_s(model, tok, prompt, n: int, rounds: int = 2, **kw):
+    """Batch-1 decode as the command line runs it (the engine: on a GPU CUDA graphs, fused decode and multi-step;
+    warmed up first): wall time of whole requests of n new tokens minus 1 new token, so prefill cancels; best
+    of `rounds`. Returns (tok/s, prefill tok/s of the 1-token requests, the engine)."""
+    e = Engine(model, tok, "token", kv_tokens=len(prompt) + n + 16, max_batch=1, radix=False, **kw)
+    e.warm_up()
+    run = lambda k: (e.add(prompt, SamplingParams(max_new_tokens=k, ignore_eos=True)), e.run())
+    t1, tn = math.inf, math.inf
     for _ in range(rounds):
-        for fn in (ours, transformers):
-            first, full = seconds(fn, 1), seconds(fn, max_new_tokens)
-            old = best.get(fn.__name__, (math.inf, math.inf))
-            best[fn.__name__] = (min(old[0], first), min(old[1], full - first))
-    tokens = len(prompt_ids) * (max_new_tokens - 1)
-    r = {"decode_tok_s": tokens / best["ours"][1], "transformers_decode_tok_s": tokens / best["transformers"][1],
-         "prefill_tok_s": sum(map(len, prompt_ids)) / best["ours"][0]}
-    r["speedup_vs_transformers"] = r["decode_tok_s"] / r["transformers_decode_tok_s"]
+        t1, tn = min(t1, seconds(run, 1)), min(tn, seconds(run, n))
+    return (n - 1) / (tn - t1), len(prompt) / t1, e
+
+
+def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 2, log=lambda msg: None) -> dict:
+    """Batch-1 decode of the loaded model: what the command line runs (the engine) against transformers' generate
+    on the same weights (eager; on a GPU also its static cache, compiled), each timed as n tokens minus 1 token,
+    best of `rounds`, per prompt. On a GPU each figure also as a share of the weight-read limit (copy bandwidth /
+    the bytes of weights a step reads)."""
+    dev, n = model.tok_embeddings.weight.device, max_new_tokens
+    hf = to_transformers(model)
+    r = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "new_tokens": n,
+         "prompts": len(prompt_ids)}
+    ours = prefill = 0.0
+    for i, ids in enumerate(prompt_ids):
+        log(f"bench: engine, prompt {i + 1}/{len(prompt_ids)} (warm-up, then {rounds} rounds)")
+        tok_s, pre_s, _ = engine_decode_tok_s(model, tok, ids, n, rounds)
+        ours, prefill = ours + (n - 1) / tok_s, prefill + len(ids) / pre_s  # seconds, summed over prompts
+    r["decode_tok_s"], r["prefill_tok_s"] = len(prompt_ids) * (n - 1) / ours, sum(map(len, prompt_ids)) / prefill
+    peers = {"transformers": {}}
+    if dev.type == "cuda":
+        peers["transformers_static_compiled"] = {"cache_implementation": "static"}  # generate compiles its forward
+    for name, kw in peers.items():
+        total = 0.0
+        for i, ids in enumerate(prompt_ids):
+            log(f"bench: {name}, prompt {i + 1}/{len(prompt_ids)}")
+            x = torch.tensor([ids], device=dev)
+            gen = lambda k: hf_generate(hf, x, k, **kw)
+            gen(2)  # warm-up (compiles, for the static cache)
+            t = [(seconds(gen, 1), seconds(gen, n)) for _ in range(rounds)]
+            total += min(tn for _, tn in t) - min(t1 for t1, _ in t)
+        r[f"{name}_decode_tok_s"] = len(prompt_ids) * (n - 1) / total
+        r[f"speedup_vs_{name}"] = r["decode_tok_s"] / r[f"{name}_decode_tok_s"]
+    if dev.type == "cuda":
+        r["copy_GBps"] = copy_bandwidth(dev)
+        r["weight_read_limit_tok_s"] = r["copy_GBps"] * 1e9 / weight_bytes(model)
+        for name in ["decode"] + [f"{p}_decode" for p in peers]:
+            r[f"{name}_share_of_limit"] = r[f"{name}_tok_s"] / r["weight_read_limit_tok_s"]
     return r
+
+
+def bench_report(r: dict, dtype: str) -> str:
+    limit = r.get("weight_read_limit_tok_s")
+    share = lambda name: f" ({r[name + '_share_of_limit']:.0%} of the weight-read limit)" if limit else ""
+    lines = [f"batch-1 decode, {r['new_tokens']} new tokens, {r['prompts']} prompt(s), {r['device']}, {dtype}:",
+             f"  ours (the engine, as the CLI runs it)    {r['decode_tok_s']:8.1f} tok/s{share('decode')}"]
+    for peer, label in (("transformers", "transformers generate, eager"),
+                        ("transformers_static_compiled", "transformers, static cache, compiled")):
+        if f"{peer}_decode_tok_s" in r:
+            lines.append(f"  {label:<39} {r[peer + '_decode_tok_s']:8.1f} tok/s{share(peer + '_decode')}"
+                         f"  -> ours {r['speedup_vs_' + peer]:.2f}x")
+    if limit:
+        lines.append(f"  weight-read limit {limit:,.0f} tok/s (copy bandwidth {r['copy_GBps']:,.0f} GB/s)")
+    lines.append(f"  prefill (ours) {r['prefill_tok_s']:,.0f} tok/s")
+    return "\n".join(lines)
 
 
 LLAMA_SHAPES = {  # random-weight stand-ins for the GPU benchmark (the GPU machine has no checkpoints)
@@ -1401,16 +1478,9 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     """Issue 9's GPU benchmark: nano-vllm's workload (256 sequences, prompt and output lengths uniform in
     [100, 1024], random ids, EOS ignored) on a random Llama-3.2-1B shape, and batch-1 decode on 1B and 8B shapes;
     transformers' generate on the same weights in the same run."""
-    r = {"device": torch.cuda.get_device_name()}
-    x = torch.empty(2**30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    y.copy_(x)
-    r["copy_GBps"] = 2 * 20 * x.numel() / seconds(lambda: [y.copy_(x) for _ in range(20)]) / 1e9  # read + written
-    del x, y
+    r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     model = random_model(LLAMA_SHAPES["llama-3.2-1b"], device)
-    weight_bytes = lambda m: sum(p.numel() * p.element_size() for n, p in m.named_parameters() if n != "tok_embeddings.weight"
-                                 or m.args.tie_embeddings)
     rng = torch.Generator().manual_seed(0)
     lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
     prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
@@ -1439,13 +1509,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     r["serve_speedup_vs_transformers"] = r["serve_1b"]["tok_s"] / r["transformers_1b_batch64_tok_s"]
 
     def batch1(model, hf, name, n=256):
-        """Wall time of whole requests (128-token prompt, cached after the first), n tokens minus 1 token."""
-        def decode_tok_s(**kw):
-            e = Engine(model, tok, "token", kv_tokens=4096, max_batch=1, **kw)
-            run = lambda k: (e.add(prompts[1][:128], SamplingParams(max_new_tokens=k, ignore_eos=True)), e.run())
-            run(16)  # warm-up: captures the batch-1 graph
-            t = {k: seconds(run, k) for k in (1, n, 1, n)}  # the second pair counts
-            return (n - 1) / (t[n] - t[1]), e
+        """Wall time of whole requests (128-token prompt), n tokens minus 1 token."""
+        decode_tok_s = lambda **kw: engine_decode_tok_s(model, tok, prompts[1][:128], n, **kw)[0::2]
         ours, e = decode_tok_s()
         limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
         g = e.graphs  # the GPU-side floor of a step: replays back to back, no host work between, on the padding
@@ -1482,6 +1547,13 @@ def main(argv=None):
     ap.add_argument("--no-chat", action="store_true", help="raw text completion instead of the chat template")
     ap.add_argument("--backend", default="token", choices=["contiguous", "paged", "token"], help="KV cache (01, 02, 03-05)")
     ap.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: fits the batch)")
+    ap.add_argument("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple "
+                    "of 256 runs flash-attn's paged kernel when flash-attn is installed)")
+    ap.add_argument("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
+    ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
+    ap.add_argument("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the "
+                    "six fused kernels per layer")
+    ap.add_argument("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one)")
     ap.add_argument("--quiet", action="store_true", help="print only the completion(s)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -1513,15 +1585,14 @@ def main(argv=None):
         load_s = time.perf_counter() - t0
         ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
         if args.bench:
-            r = bench(model, tok, ids, args.max_new_tokens)
-            print(json.dumps(r) if args.json else
-                  f"decode (batch 1, {args.max_new_tokens} tokens): ours {r['decode_tok_s']:.1f} tok/s, transformers "
-                  f"{r['transformers_decode_tok_s']:.1f} tok/s -> {r['speedup_vs_transformers']:.2f}x; "
-                  f"prefill {r['prefill_tok_s']:.0f} tok/s  [{device}, {args.dtype}]")
+            r = bench(model, tok, ids, args.max_new_tokens, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+            print(json.dumps(r) if args.json else bench_report(r, args.dtype))
             return
         longest = max(map(len, ids)) + args.max_new_tokens
         kv_tokens = args.kv_tokens or longest * len(ids) * args.n
-        engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed)
+        engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
+                        block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
+                        fused=not args.no_fused, multi_step=args.multi_step)
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:
             engine.add(p, params)
@@ -1531,6 +1602,11 @@ def main(argv=None):
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
               f"{args.backend} backend", file=sys.stderr)
+    if device.type == "cuda":  # Triton compilation and CUDA graph capture, apart from the serving figures
+        warm_s = engine.warm_up(len(ids) * args.n)
+        if not args.quiet:
+            print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]",
+                  file=sys.stderr)
     text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
     shown = [""]
 
@@ -1540,9 +1616,12 @@ def main(argv=None):
             print(now[len(shown[0]):], end="", flush=True)
             shown[0] = now
 
-    single = len(ids) * args.n == 1 and not args.quiet
+    single = len(ids) * args.n == 1 and not args.quiet and not args.json
     outs = engine.run(stream if single else None)
-    if single:
+    if args.json:
+        for sid, o in outs.items():
+            print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o}))
+    elif single:
         print(text(outs[0])[len(shown[0]):])
     elif args.quiet:
         print("\n".join(text(o) for o in outs.values()))
@@ -1551,8 +1630,9 @@ def main(argv=None):
             print(f"### {args.prompt[sid // args.n]}{f' (sample {sid % args.n + 1})' if args.n > 1 else ''}\n{text(o)}\n")
     if not args.quiet:
         st = engine.stats
-        print(f"[prefill {st['prefill_tokens']} tokens at {st['prefill_tokens'] / max(st['prefill_s'], 1e-9):.0f} tok/s, "
-              f"decode {st['decode_tokens']} tokens at {st['decode_tokens'] / max(st['decode_s'], 1e-9):.1f} tok/s, "
+        rate = lambda phase: (f"{st[phase + '_tokens']} tokens in {st[phase + '_s']:.3f} s "
+                              f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
+        print(f"[prefill {rate('prefill')}, decode {rate('decode')}, "
               f"{len(outs)} sequences, radix hit rate {st['cached_tokens'] / max(1, st['prompt_tokens']):.0%}, "
               f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens]", file=sys.stderr)
 

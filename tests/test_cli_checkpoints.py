@@ -1,0 +1,315 @@
+"""The command line as a user runs it: `python llama3_generate.py ...` as a subprocess, on checkpoints written here
+in all three formats (GGUF through the `gguf` writer, a Hugging Face safetensors directory, a Meta directory) from
+the same random weights, in two Llama shapes: SmolLM2's attention (9 query / 3 KV heads, head dim 64, tied
+embeddings) and a GQA-4 one with head dim 128. Greedy fp32 tokens must equal transformers' greedy `generate` on
+the same weights; bf16 tokens must be transformers' argmax up to bf16 noise.
+
+On CUDA (`pytest -m gpu`) every backend, dtype and engine path runs: multi-step and one-step decode, fused and
+unfused batch-1 decode, CUDA graphs and eager, preemption, radix hits, --n, --regex, --json-schema, streaming.
+On a CPU a few cases run the same way (each format, two prompts)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import llama3_generate as L
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_NEW = 24
+PROMPTS = ["Hi", "Name a color.", "What is the capital of France?", "def f(x):\n    return x * 2",
+           "Write three words about the sea, then stop.", "torch.cat([a, b], dim=0) joins tensors along a dimension.",
+           "Explain the KV cache in one sentence: why does a decode step not recompute the keys of earlier tokens?"]
+SHAPES = {  # hidden_dim = Meta's formula for dim with multiple_of 256, so params.json needs nothing more
+    "smol": dict(dim=576, n_heads=9, n_kv_heads=3, hidden_dim=1536, tie=True, rope_theta=100000.0),
+    "gqa4": dict(dim=1024, n_heads=8, n_kv_heads=2, hidden_dim=2816, tie=False, rope_theta=500000.0),
+}
+FORMATS = ("gguf", "hf", "meta")
+
+
+def llama3_special_names():
+    """Meta's 256 special tokens in id order, as llama-models names them."""
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
+    return names + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
+
+
+def train_tokenizer():
+    """A byte-level BPE with Llama 3's pre-tokenizer regex, 512 tokens + Llama 3's 256 special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(L.LLAMA3_PAT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(PROMPTS * 20 + [open(os.path.join(ROOT, "llama3_generate.py")).read()], trainer)
+    tok.add_special_tokens(llama3_special_names())  # ids 512..767, Meta's order
+    return tok
+
+
+def to_meta_order(w, heads):
+    """HF rotates (i, i + d/2); Meta and GGUF store q/k rows in adjacent pairs (2i, 2i+1)."""
+    return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
+
+
+def write_checkpoints(root, shape, seed):
+    """One random Llama in each format, all from the same weights and vocabulary. Returns {format: path}, hf model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    s = SHAPES[shape]
+    tok = train_tokenizer()
+    vocab = tok.get_vocab_size()
+    cfg = LlamaConfig(hidden_size=s["dim"], intermediate_size=s["hidden_dim"], num_hidden_layers=2,
+                      num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"], vocab_size=vocab,
+                      rms_norm_eps=1e-5, rope_theta=s["rope_theta"], max_position_embeddings=2048,
+                      tie_word_embeddings=s["tie"])
+    torch.manual_seed(seed)
+    hf = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():  # large weights: well-separated logits, so greedy ties are vanishingly rare
+            p.normal_(0, 0.2)
+    paths = {f: os.path.join(root, f"{shape}-{f}") for f in FORMATS}
+    hf.save_pretrained(paths["hf"])  # config.json + model.safetensors
+    tok.save(os.path.join(paths["hf"], "tokenizer.json"))
+
+    ours = {L.hf_names(2)[k]: v.detach().clone() for k, v in hf.state_dict().items() if k in L.hf_names(2)}
+    if s["tie"]:
+        ours.pop("output.weight", None)
+    for i in range(2):
+        for w, heads in (("wq", s["n_heads"]), ("wk", s["n_kv_heads"])):
+            name = f"layers.{i}.attention.{w}.weight"
+            ours[name] = to_meta_order(ours[name], heads)
+
+    os.makedirs(paths["meta"])
+    torch.save(ours, os.path.join(paths["meta"], "consolidated.00.pth"))
+    json.dump({"dim": s["dim"], "n_layers": 2, "n_heads": s["n_heads"], "n_kv_heads": s["n_kv_heads"],
+               "vocab_size": vocab, "multiple_of": 256, "norm_eps": 1e-5, "rope_theta": s["rope_theta"],
+               "max_seq_len": 2048}, open(os.path.join(paths["meta"], "params.json"), "w"))
+    base = {t: i for t, i in tok.get_vocab(with_added_tokens=False).items()}
+    ranks = L._byte_level_ranks(base)  # byte-level strings -> bytes; rank = id
+    assert sorted(ranks.values()) == list(range(len(base)))
+    import base64
+    with open(os.path.join(paths["meta"], "tokenizer.model"), "wb") as f:
+        f.writelines(base64.b64encode(b) + b" %d\n" % r for b, r in sorted(ranks.items(), key=lambda x: x[1]))
+
+    import gguf
+    w = gguf.GGUFWriter(paths["gguf"] + ".gguf", "llama")
+    paths["gguf"] += ".gguf"
+    w.add_context_length(2048), w.add_embedding_length(s["dim"]), w.add_block_count(2)
+    w.add_feed_forward_length(s["hidden_dim"]), w.add_head_count(s["n_heads"]), w.add_head_count_kv(s["n_kv_heads"])
+    w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(s["rope_theta"])
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("llama-bpe")
+    by_id = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda x: x[1])
+    w.add_token_list([t for t, _ in by_id])
+    w.add_token_types([3 if i >= len(base) else 1 for _, i in by_id])  # 3: control (special)
+    gg = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output", "attention.wq": "attn_q",
+          "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
+          "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+          "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+    for name, t in ours.items():
+        parts = name.split(".")
+        if parts[0] == "layers":
+            key = f"blk.{parts[1]}.{gg['.'.join(parts[2:-1])]}.weight"
+        else:
+            key = f"{gg[parts[0]]}.weight"
+        w.add_tensor(key, t.float().numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return paths, hf
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{shape: ({format: path}, transformers model)}, written once per test module, fresh weights each session."""
+    root = tmp_path_factory.mktemp("ckpt")
+    seed = int(torch.randint(0, 10**6, ()))
+    return {shape: write_checkpoints(str(root), shape, seed + i) for i, shape in enumerate(SHAPES)}
+
+
+def cli(*argv, device, check=True):
+    """Run llama3_generate.py; returns (completions from --json: one dict per line, stderr)."""
+    cmd = [sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--device", device, *argv]
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if check:
+        assert p.returncode == 0 and "Traceback" not in p.stderr, (argv, p.stderr[-3000:])
+    outs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")] if "--json" in argv else None
+    return outs, p.stderr, p
+
+
+class Reference:
+    """transformers' greedy generate on the same weights, prompt by prompt (batch 1, no padding), cut after the
+    first stop token; prompt ids from our tokenizer (the one the CLI uses) of that checkpoint."""
+
+    def __init__(self, path, hf, device):
+        self.model, self.tok = L.load_model(path)  # CPU: tokenizer and the prompt encoding the CLI applies
+        self.hf, self.device = hf.to(device), device
+
+    def ids(self, prompts):
+        return L.encode_prompts(self.tok, prompts, True, MAX_NEW, self.model.args.max_seq_len)
+
+    def greedy(self, prompts, n=MAX_NEW):
+        out = []
+        for ids in self.ids(prompts):
+            x = torch.tensor([ids], device=self.device)
+            with torch.no_grad():
+                y = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                     eos_token_id=self.tok.stop_ids, pad_token_id=0)[0, len(ids):].tolist()
+            cut = next((i + 1 for i, t in enumerate(y) if t in self.tok.stop_ids), len(y))
+            out.append(y[:cut])
+        return out
+
+    def near_argmax(self, prompts, outs, dtype, tol=0.05):
+        """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype."""
+        hf = self.hf.to(dtype)
+        try:
+            for ids, out in zip(self.ids(prompts), outs):
+                x = torch.tensor([ids + out], device=self.device)
+                with torch.no_grad():
+                    ref = hf(x).logits[0, len(ids) - 1:-1].float()  # (len(out), vocab)
+                gap = ref.max(-1).values - ref[torch.arange(len(out)), torch.tensor(out, device=self.device)]
+                assert (gap <= tol * ref.std()).all(), (gap / ref.std()).max()
+        finally:
+            self.hf.float()
+
+
+@pytest.fixture(scope="module")
+def refs(checkpoints):
+    cache = {}
+
+    def get(shape, fmt, device):
+        if (shape, fmt, device) not in cache:
+            paths, hf = checkpoints[shape]
+            cache[shape, fmt, device] = Reference(paths[fmt], hf, device)
+        return cache[shape, fmt, device]
+    return get
+
+
+def tokens(outs, n=1):
+    """--json completions -> token ids per (prompt, sample), in prompt order."""
+    outs = sorted(outs, key=lambda o: (o["prompt"], o["sample"]))
+    return [o["token_ids"] for o in outs]
+
+
+def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags):
+    ref = refs(shape, fmt, device)
+    outs, err, _ = cli("--model", checkpoints[shape][0][fmt], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
+                       *prompts, device=device)
+    assert tokens(outs) == ref.greedy(prompts), (shape, fmt, flags)
+    return outs, err
+
+
+# ---- CPU: each format through the CLI, two prompts -----------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_cli_cpu_formats_match_transformers(checkpoints, refs, fmt):
+    check_greedy(checkpoints, refs, "smol", fmt, "cpu", PROMPTS[1:3])
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_token_backend_every_format(checkpoints, refs, shape, fmt):
+    """The default backend (token pool, 04's kernels, CUDA graphs, multi-step; the last sequence fused batch-1)."""
+    check_greedy(checkpoints, refs, shape, fmt, "cuda", PROMPTS)
+
+
+@gpu
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("backend", ["paged", "contiguous"])
+def test_gpu_other_backends(checkpoints, refs, shape, backend):
+    check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", backend)
+
+
+@gpu
+@pytest.mark.parametrize("prompts,flags", [
+    (PROMPTS[2:3], ()),                      # batch 1: fused decode, its k-step graph
+    (PROMPTS[2:3], ("--no-fused",)),         # batch 1 through the plain model's graph
+    (PROMPTS[1:3], ()),                      # two prompts: the crash of issue 18
+    (PROMPTS, ("--eager",)),                 # no CUDA graphs at all
+    (PROMPTS, ("--multi-step", "1")),        # one step per host sync
+    (PROMPTS, ("--no-radix",)),
+    (PROMPTS[:1] * 3, ("--n", "2")),         # repeated prompts and samples: all greedy, all the same
+])
+def test_gpu_engine_paths(checkpoints, refs, prompts, flags):
+    ref = refs("smol", "gguf", "cuda")
+    outs, _, _ = cli("--model", checkpoints["smol"][0]["gguf"], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
+                     *prompts, device="cuda")
+    n = int(flags[1]) if flags[:1] == ("--n",) else 1
+    expect = [r for r in ref.greedy(prompts) for _ in range(n)]
+    assert tokens(outs) == expect, flags
+
+
+@gpu
+def test_gpu_streaming_prints_the_completion(checkpoints, refs):
+    ref = refs("gqa4", "meta", "cuda")
+    _, err, p = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), PROMPTS[4],
+                    device="cuda")
+    out = ref.greedy(PROMPTS[4:5])[0]
+    assert p.stdout == ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n"
+    assert "warm-up" in err and "decode" in err
+    _, err, p = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), "--quiet",
+                    PROMPTS[4], device="cuda")
+    assert p.stdout == ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n" and err == ""
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["token", "paged"])
+def test_gpu_small_pool_preempts(checkpoints, refs, backend):
+    """A pool holding about two sequences: requests wait or are preempted, and the tokens do not change."""
+    ref = refs("gqa4", "hf", "cuda")
+    longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
+    _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", backend,
+                          "--kv-tokens", str(2 * longest + 16))
+    assert int(re.search(r"(\d+) preemptions", err).group(1)) > 0, err
+
+
+@gpu
+def test_gpu_shared_prefix_hits_the_radix_cache(checkpoints, refs):
+    doc = "The quick brown fox jumps over the lazy dog. " * 10
+    prompts = [doc + q for q in ("Who jumps?", "Who is lazy?", "What color is the fox?")]
+    _, err = check_greedy(checkpoints, refs, "smol", "hf", "cuda", prompts)
+    assert int(re.search(r"radix hit rate (\d+)%", err).group(1)) > 0, err
+
+
+@gpu
+@pytest.mark.parametrize("backend,flags", [("token", ()), ("paged", ("--block-size", "256")), ("contiguous", ())])
+def test_gpu_bf16_backends(checkpoints, refs, backend, flags):
+    """bf16 on every backend (paged with 256-token blocks: flash-attn's paged kernel where installed)."""
+    ref = refs("gqa4", "gguf", "cuda")
+    outs, _, _ = cli("--model", checkpoints["gqa4"][0]["gguf"], "--json", "--dtype", "bfloat16", "--backend", backend,
+                     "--max-new-tokens", str(MAX_NEW), *flags, *PROMPTS, device="cuda")
+    assert len(outs) == len(PROMPTS)
+    ref.near_argmax(PROMPTS, [[t for t in o if t not in ref.tok.stop_ids] for o in tokens(outs)], torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype):
+    """One-step decode paths: a regex, a JSON schema (jump-forward), temperature sampling with --n; seeded."""
+    model = checkpoints["smol"][0]["hf"]
+    pattern = r"(yes|no), [a-z]{2,8}\."
+    outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--regex", pattern, "--n", "2", "--temperature",
+                     "0.9", "--max-new-tokens", "32", *PROMPTS[:3], device="cuda")
+    assert len(outs) == 6
+    for o in outs:
+        assert o["finish_reason"] == "length" or re.fullmatch(pattern, o["text"]), o
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"},
+                                                                   "n": {"type": "integer"}}, "required": ["ok", "n"]}))
+    outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--json-schema", str(schema), "--max-new-tokens",
+                     "48", *PROMPTS[:2], device="cuda")
+    for o in outs:
+        if o["finish_reason"] != "length":
+            v = json.loads(o["text"])
+            assert isinstance(v["ok"], bool) and isinstance(v["n"], int), o
+    runs = [cli("--model", model, "--json", "--dtype", dtype, "--temperature", "1.0", "--n", "3", "--seed", "7",
+                "--max-new-tokens", "16", *PROMPTS[:2], device="cuda")[0] for _ in range(2)]
+    assert tokens(runs[0]) == tokens(runs[1]) and len(runs[0]) == 6  # seeded: reproducible
