@@ -701,6 +701,7 @@ class Engine:
         kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
         of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
         queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        assert not (self.waiting or self.running or self.finished), "warm_up() comes before the first add()"
         t0 = time.perf_counter()
         if self.graphs is not None:
             for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
@@ -1593,6 +1594,7 @@ def main(argv=None):
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
                         fused=not args.no_fused, multi_step=args.multi_step)
+        warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:
             engine.add(p, params)
@@ -1602,11 +1604,8 @@ def main(argv=None):
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
               f"{args.backend} backend", file=sys.stderr)
-    if device.type == "cuda":  # Triton compilation and CUDA graph capture, apart from the serving figures
-        warm_s = engine.warm_up(len(ids) * args.n)
-        if not args.quiet:
-            print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]",
-                  file=sys.stderr)
+    if warm_s is not None and not args.quiet:
+        print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]", file=sys.stderr)
     text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
     shown = [""]
 

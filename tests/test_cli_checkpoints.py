@@ -57,6 +57,30 @@ def to_meta_order(w, heads):
     return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
 
 
+def stop_early(hf, tok):
+    """Random weights rarely say <|eot_id|>, so every sequence would run to --max-new-tokens together. Give the
+    end-of-turn token a common token's output row (1% larger): then some completions end early with EOS and the
+    others run on -- the schedule in which a multi-step chunk lands after its batch changed."""
+    eot, head = tok.special["<|eot_id|>"], hf.get_output_embeddings().weight
+    ids = [tok.chat(p) for p in PROMPTS]
+    greedy = lambda: [hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
+                                  max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=tok.stop_ids,
+                                  pad_token_id=0)[0, len(x):].tolist() for x in ids]
+    counts = {}
+    for out in greedy():
+        for t in set(out[2:-2]):
+            counts[t] = counts.get(t, 0) + 1
+    original = head[eot].clone()
+    with torch.no_grad():
+        for t in sorted(counts, key=counts.get, reverse=True)[:8]:
+            head[eot] = head[t] * 1.01
+            lengths = [len(o) for o in greedy()]
+            if min(lengths) < MAX_NEW - 2 and max(lengths) == MAX_NEW:
+                return
+        head[eot] = original
+    raise AssertionError("no token found that makes some completions stop early")
+
+
 def write_checkpoints(root, shape, seed):
     """One random Llama in each format, all from the same weights and vocabulary. Returns {format: path}, hf model."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -73,6 +97,8 @@ def write_checkpoints(root, shape, seed):
         for p in hf.parameters():  # large weights: well-separated logits, so greedy ties are vanishingly rare
             p.normal_(0, 0.2)
     paths = {f: os.path.join(root, f"{shape}-{f}") for f in FORMATS}
+    tok.save(os.path.join(root, "tokenizer.json"))
+    stop_early(hf, L.hf_tokenizer(os.path.join(root, "tokenizer.json")))
     hf.save_pretrained(paths["hf"])  # config.json + model.safetensors
     tok.save(os.path.join(paths["hf"], "tokenizer.json"))
 
@@ -161,8 +187,9 @@ class Reference:
             out.append(y[:cut])
         return out
 
-    def near_argmax(self, prompts, outs, dtype, tol=0.05):
-        """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype."""
+    def near_argmax(self, prompts, outs, dtype, tol=0.15):
+        """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype
+        (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05)."""
         hf = self.hf.to(dtype)
         try:
             for ids, out in zip(self.ids(prompts), outs):

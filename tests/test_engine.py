@@ -199,6 +199,25 @@ def test_multi_step_random_workloads_match_one_step():
         assert run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6)) == one, (prompts, max_new, tok.stop_ids)
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_warm_up_leaves_no_trace(graphs):
+    """Engine.warm_up (the CLI's, before serving on a GPU) captures the buckets it is asked for, then the engine
+    serves as a fresh one: same tokens, sequence ids from 0, fresh stats, no slot held but the graphs' pad slot."""
+    model = tiny_model()
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 11, 7)]
+    outs = []
+    for warm in (False, True):
+        e = L.Engine(model, tok, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
+        if warm:
+            assert e.warm_up(3) > 0 and e.stats == e.new_stats() and e.kv_used() == graphs
+            assert not graphs or sorted(k for k in e.graphs.graphs if isinstance(k, int)) == [1, 2, 4]
+        for p in prompts:
+            e.add(p, L.SamplingParams(max_new_tokens=9))
+        outs.append((e.run(), e.stats["prefill_tokens"], e.stats["cached_tokens"]))
+    assert outs[0] == outs[1] and list(outs[1][0]) == [0, 1, 2]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,max_batch", [("token", 4), ("token", 1), ("paged", 4), ("contiguous", 4)])
 def test_gpu_bf16_decode_matches_transformers(backend, max_batch):
