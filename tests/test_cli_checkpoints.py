@@ -61,11 +61,13 @@ def stop_early(hf, tok):
     """Random weights rarely say <|eot_id|>, so every sequence would run to --max-new-tokens together. Give the
     end-of-turn token a common token's output row (1% larger): then some completions end early with EOS and the
     others run on -- the schedule in which a multi-step chunk lands after its batch changed."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU shared by parallel test workers can crawl)
+    hf.to(dev)
     eot, head = tok.special["<|eot_id|>"], hf.get_output_embeddings().weight
     ids = [tok.chat(p) for p in PROMPTS]
-    greedy = lambda: [hf.generate(torch.tensor([x]), attention_mask=torch.ones(1, len(x), dtype=torch.long),
-                                  max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=tok.stop_ids,
-                                  pad_token_id=0)[0, len(x):].tolist() for x in ids]
+    ids = [torch.tensor([x], device=dev) for x in ids]
+    greedy = lambda: [hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
+                                  eos_token_id=tok.stop_ids, pad_token_id=0)[0, x.shape[1]:].tolist() for x in ids]
     counts = {}
     for out in greedy():
         for t in set(out[2:-2]):
@@ -76,7 +78,7 @@ def stop_early(hf, tok):
             head[eot] = head[t] * 1.01
             lengths = [len(o) for o in greedy()]
             if min(lengths) < MAX_NEW - 2 and max(lengths) == MAX_NEW:
-                return
+                return hf.cpu()
         head[eot] = original
     raise AssertionError("no token found that makes some completions stop early")
 
