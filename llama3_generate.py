@@ -683,6 +683,7 @@ class Engine:
         self.backend, self.max_len, self.device = backend, max_len, dev
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
+        self.finish_reasons = {}  # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
         self.stats = self.new_stats()
         self.graphs = (CudaGraphDecoder(self, fused=fused) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
                        and backend == "token" else None)
@@ -711,7 +712,7 @@ class Engine:
         self.run()
         if self.radix:
             self.radix.evict(self.kv.allocator.size)
-        self.finished, self.n_seqs, self.stats = {}, 0, self.new_stats()
+        self.finished, self.finish_reasons, self.n_seqs, self.stats = {}, {}, 0, self.new_stats()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -944,10 +945,12 @@ class Engine:
             self._jump_forward(s)
         if on_token:
             on_token(s.sid, s.output)
-        s.done = len(s.output) >= p.max_new_tokens or (eos and (not p.ignore_eos or s.index is not None))
-        if s.index is not None and not s.done:  # the regex allows nothing more: finished without asking the model
+        stop = eos and (not p.ignore_eos or s.index is not None)
+        if s.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
             ok = s.index.allowed(s.fsm)
-            s.done = bool(ok[s.index.eos]) and int(ok.sum()) == 1
+            stop = bool(ok[s.index.eos]) and (int(ok.sum()) == 1 or len(s.output) >= p.max_new_tokens)
+        s.done = stop or len(s.output) >= p.max_new_tokens
+        s.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
 
     def _jump_forward(self, s):
         """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
@@ -966,7 +969,7 @@ class Engine:
     def _finish(self, s):
         self._release(s)
         s.done = True
-        self.finished[s.sid] = s.output
+        self.finished[s.sid], self.finish_reasons[s.sid] = s.output, s.finish
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1619,7 +1622,8 @@ def main(argv=None):
     outs = engine.run(stream if single else None)
     if args.json:
         for sid, o in outs.items():
-            print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o}))
+            print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o,
+                              "finish_reason": engine.finish_reasons[sid]}))
     elif single:
         print(text(outs[0])[len(shown[0]):])
     elif args.quiet:
@@ -1627,6 +1631,12 @@ def main(argv=None):
     else:
         for sid, o in outs.items():
             print(f"### {args.prompt[sid // args.n]}{f' (sample {sid % args.n + 1})' if args.n > 1 else ''}\n{text(o)}\n")
+    if regex is not None:
+        for sid in outs:
+            if engine.finish_reasons[sid] == "length":
+                print(f"warning: completion {sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''} was cut "
+                      f"by --max-new-tokens before it matched the {'schema' if args.json_schema else 'regex'}: it is "
+                      f"not valid output", file=sys.stderr)
     if not args.quiet:
         st = engine.stats
         rate = lambda phase: (f"{st[phase + '_tokens']} tokens in {st[phase + '_s']:.3f} s "

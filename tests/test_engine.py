@@ -291,3 +291,22 @@ def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
             L.main(argv + ["hi"])
         err = capsys.readouterr().err
         assert e.value.code != 0 and msg in err + str(e.value.code) and "Traceback" not in err, (argv, err)
+
+
+def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
+    """--json: one object per completion; a constrained completion cut by --max-new-tokens before its schema
+    matched says so (finish_reason "length" and a warning), one that finished says "stop" and parses."""
+    import json
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", '
+                      '"items": {"type": "string"}}}, "required": ["name", "tags"]}')
+    L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "6", "--n", "2", "Describe a person."])
+    cap = capsys.readouterr()
+    outs = [json.loads(line) for line in cap.out.splitlines()]
+    assert [(o["prompt"], o["sample"], o["finish_reason"]) for o in outs] == [(0, 0, "length"), (0, 1, "length")]
+    assert cap.err.count("cut by --max-new-tokens") == 2
+    L.main(["--json", "--regex", "(yes|no)", "--max-new-tokens", "8", "Is the sky blue?", "Is fire cold?"])
+    cap = capsys.readouterr()
+    outs = [json.loads(line) for line in cap.out.splitlines()]
+    assert [o["finish_reason"] for o in outs] == ["stop", "stop"] and "cut by" not in cap.err
+    assert all(o["text"] in ("yes", "no") and o["text"] == smollm[1].decode(o["token_ids"]) for o in outs)
