@@ -249,6 +249,16 @@ class TokenKVCache:
         self.req_to_token[self.rows[seq_id], :slots.numel()] = slots.int()
         self.lens[seq_id] = slots.numel()
 
+    def share_prefix(self, seq_id, slots):
+        """Point request seq_id's first len(slots) tokens at these slots (a prefix cache's copies of the same
+        tokens): one reference moves from each of its own slots to the shared one, so a duplicate it computed
+        returns to the pool now rather than when it finishes."""
+        row, slots = self.rows[seq_id], self.allocator._index(slots)
+        own = self.req_to_token[row, :slots.numel()].long()
+        self.allocator.inc_ref(slots)
+        self.req_to_token[row, :slots.numel()] = slots.int()
+        self.allocator.free(own)
+
     def free(self, seq_id):
         """Release request seq_id: one reference to each of its slots, and its req_to_token row."""
         self.allocator.free(self.slots(seq_id))

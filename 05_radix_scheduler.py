@@ -338,9 +338,13 @@ class Scheduler:
         return new
 
     def _cache(self, r, tokens):
-        """Insert r's computed tokens into the tree and move r's lock down to the node they end at."""
+        """Insert r's computed tokens into the tree and move r's lock down to the node they end at. Where the tree
+        already held some of them (a whole cached prompt's last token is computed again, for its logits), r
+        switches to the tree's slots and its duplicates go back to the pool: the lock must not cost a slot that
+        schedule() counted as evictable."""
         self.tree.insert(tokens, self.kv.slots(r.rid))
-        _, node = self.tree.match_prefix(tokens, compute_last=False)
+        slots, node = self.tree.match_prefix(tokens, compute_last=False)
+        self.kv.share_prefix(r.rid, slots)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(r.node)
         r.node = node

@@ -141,6 +141,34 @@ def test_scheduler_integrity_every_step(policy):
             assert res["prefill_tokens"] >= R.optimal_prefill(reqs)  # nobody beats the lower bound
 
 
+@pytest.mark.parametrize("policy", list(R.POLICIES))
+def test_whole_cached_prompt_fits_a_pool_it_fits_alone(policy):
+    """A prompt the tree holds whole recomputes its last token; the lock that follows must not strand a slot. The
+    second request needs exactly the 2-slot pool alone (issue 22: it raised PoolExhausted)."""
+    R.simulate([([1], [100], None), ([1], [110, 111], None)], 2, policy, check=True)
+
+
+@pytest.mark.parametrize("policy", list(R.POLICIES))
+def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
+    """Brute force over random workloads: prompts drawn from few tokens (so they share prefixes, repeat whole, and
+    nest), random outputs, chains of follow-ups, a pool exactly as large as the largest request needs alone.
+    Everything must finish, with the tree and refcounts consistent after every step."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    for _ in range(30):
+        reqs = []
+        for i in range(int(rng.integers(1, 8))):
+            prompt = rng.integers(0, 3, int(rng.integers(1, 6))).tolist()
+            if reqs and rng.random() < 0.3:  # a follow-up: an earlier request's prompt + output + more
+                j = int(rng.integers(len(reqs)))
+                prompt = reqs[j][0] + reqs[j][1] + prompt
+                reqs.append((prompt, rng.integers(0, 3, int(rng.integers(1, 5))).tolist(), j))
+            else:
+                reqs.append((prompt, rng.integers(0, 3, int(rng.integers(1, 5))).tolist(), None))
+        pool = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+        res = R.simulate(reqs, pool, policy, max_running=int(rng.integers(1, 5)), check=True)
+        assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
+
+
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
     reqs = small_shared_prefix(seed=1)
     c_min = R.optimal_prefill(reqs)
