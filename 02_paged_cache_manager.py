@@ -83,22 +83,29 @@ class BlockManager:
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
 
-    def blocks_needed(self, seq, n: int) -> int:
+    def blocks_needed(self, seq, n: int, copied: Counter | None = None) -> int:
         """Blocks that appending n tokens to seq takes from the free list: new blocks, plus a copy of its partly
-        filled last block if another sequence shares it (copy-on-write)."""
+        filled last block if another sequence shares it (copy-on-write). copied: the copies earlier appends of the
+        same batch make of each block -- the last sharer to write owns the block alone by then, and copies nothing."""
         table = self.block_tables.get(seq)
         if not table:
             return cdiv(n, self.block_size)
-        have = self.num_tokens[seq]
-        cow = n > 0 and have % self.block_size != 0 and self.ref_count[table[-1]] > 1
+        have, last, copied = self.num_tokens[seq], table[-1], Counter() if copied is None else copied
+        cow = n > 0 and have % self.block_size != 0 and self.ref_count[last] - copied[last] > 1
+        copied[last] += cow
         return cdiv(have + n, self.block_size) - len(table) + cow
 
-    def can_allocate(self, n_tokens: int, taken: int = 0) -> bool:
-        """Admit a new request only if a watermark of blocks stays free, so it does not force a preemption right away."""
-        return self.num_free - taken - cdiv(n_tokens, self.block_size) >= self.watermark_blocks
+    def batch_blocks_needed(self, seqs, n_new) -> int:
+        copied = Counter()
+        return sum(self.blocks_needed(s, n, copied) for s, n in zip(seqs, n_new))
+
+    def can_allocate(self, n_tokens: int, taken: int = 0, alone: bool = False) -> bool:
+        """Admit a new request only if a watermark of blocks stays free, so it does not force a preemption of the
+        running ones right away. A request that would run alone preempts nobody: it needs only to fit."""
+        return self.num_free - taken - cdiv(n_tokens, self.block_size) >= (0 if alone else self.watermark_blocks)
 
     def can_append(self, seqs, n_new) -> bool:
-        return sum(self.blocks_needed(s, n) for s, n in zip(seqs, n_new)) <= self.num_free
+        return self.batch_blocks_needed(seqs, n_new) <= self.num_free
 
     def append(self, seq, n: int) -> list:
         """Grow seq by n tokens (a new seq_id starts a sequence). -> the (src, dst) block copies copy-on-write needs."""
@@ -121,7 +128,7 @@ class BlockManager:
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence appears twice in one batch: {list(seq_ids)}")
         if not self.can_append(seq_ids, n_new):
-            need = sum(self.blocks_needed(s, n) for s, n in zip(seq_ids, n_new))
+            need = self.batch_blocks_needed(seq_ids, n_new)
             raise OutOfBlocks(f"the batch needs {need} blocks but only {self.num_free} are free")
         return [c for s, n in zip(seq_ids, n_new) for c in self.append(s, n)]
 
@@ -309,14 +316,15 @@ class Scheduler:
 
     def schedule(self):
         m = self.m
-        while self.swapped and m.can_allocate(self.swapped[0][1][2]) and len(self.running) < self.max_running:
+        while (self.swapped and m.can_allocate(self.swapped[0][1][2], alone=not self.running)
+               and len(self.running) < self.max_running):
             req, saved = self.swapped.popleft()
             self.kv.swap_in(req.seq_id, saved)
             self.running.append(req)
         batch, taken = [], 0
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_running:
             n = len(self.waiting[0].tokens)
-            if not m.can_allocate(n, taken):
+            if not m.can_allocate(n, taken, alone=not (self.running or batch)):
                 break
             taken += cdiv(n, m.block_size)
             batch.append(self.waiting.popleft())

@@ -52,6 +52,7 @@ import argparse
 import functools
 import importlib
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -286,11 +287,18 @@ def _reach(adj, seeds) -> set:
     return seen
 
 
-def _determinize(nfa, start, accept):
-    """Subset construction; each DFA state's bytes split into intervals with the same NFA targets."""
+MAX_DFA_STATES = 20_000  # ~40x the largest automaton the lessons build; a hostile pattern is refused in seconds
+
+
+def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
+    """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
+    be exponentially many (`(?:.é|😀+){100}` has 122,600): past max_states the regex is refused."""
     sets = [nfa.closure([start])]
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
+        if len(sets) > max_states:
+            raise ValueError(f"regex too complex: its automaton passes {max_states:,} states (nested repeats of "
+                             f"alternatives that overlap multiply them); simplify the pattern")
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
         row = np.full(256, -1, np.int32)
         cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
@@ -506,22 +514,86 @@ def model_logits_fn(model, max_seq_len=2048):
 
 # -------- JSON schema -> regex --------------------------------------------------------------------
 
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u[0-9a-fA-F]{4})'
+_HEX = "[0-9a-fA-F]"
+STRING_CHAR = (  # one character of a JSON string: unescaped, a short escape, \uXXXX, or a \uD8xx\uDCxx pair
+    r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF]' + _HEX + "{3}|[dD][0-7]" + _HEX + "{2})"
+    r"|\\u[dD][89abAB]" + _HEX + r"{2}\\u[dD][c-fC-F]" + _HEX + "{2})")
 INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"  # digits bounded, so a rambling model still ends
+INT_LIMIT = 10**16 - 1                 # the largest INTEGER matches
 NUMBER = INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
+FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # formats a regex states exactly
+           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}
+ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
+               "writeOnly"}  # keywords that never change which documents are valid
+KEYWORDS = {None: {"type", "enum", "const", "anyOf"}, "string": {"minLength", "maxLength", "pattern", "format"},
+            "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, "number": set(),
+            "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
+            "object": {"properties", "required", "additionalProperties"}}
 
 
 def _literal(value) -> str:
     return "".join("\\" + c if c in r"\.^$*+?{}[]()|-" else c for c in json.dumps(value, ensure_ascii=False))
 
 
+def _digits(lo: str, hi: str) -> list:
+    """Regexes for the digit strings of one length from lo to hi (the classic range-to-regex split)."""
+    if lo == hi:
+        return [lo]
+    if lo[0] == hi[0]:
+        return [lo[0] + r for r in _digits(lo[1:], hi[1:])]
+    n, d0, d1 = len(lo) - 1, int(lo[0]), int(hi[0])
+    if lo[1:] == "0" * n and hi[1:] == "9" * n:  # a whole block: [d0-d1] then any n digits
+        return [f"[{d0}-{d1}]" + ("[0-9]" + f"{{{n}}}" if n else "")]
+    out = [lo[0] + r for r in _digits(lo[1:], "9" * n)]
+    if d1 - d0 > 1:
+        out += [f"[{d0 + 1}-{d1 - 1}]" + ("[0-9]" + f"{{{n}}}" if n else "")]
+    return out + [hi[0] + r for r in _digits("0" * n, hi[1:])]
+
+
+def _natural_range(lo: int, hi: int) -> list:
+    """Regexes for the naturals lo..hi (no leading zeros)."""
+    out = []
+    for n in range(len(str(lo)), len(str(hi)) + 1):
+        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10 ** n - 1)
+        if a <= b:
+            out += _digits(str(a), str(b))
+    return out
+
+
+def integer_range(lo: int, hi: int) -> str:
+    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros)."""
+    parts = _natural_range(max(lo, 0), hi) if hi >= 0 else []
+    if lo < 0:
+        parts += ["-(?:" + "|".join(_natural_range(max(-hi, 1), -lo)) + ")"]
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _json_safe(pattern: str) -> bool:
+    """Whether every string the pattern matches is written in JSON as is (no quote, backslash or control byte)."""
+    live = compile_regex(pattern).table >= 0
+    return not (live[:, :0x20].any() or live[:, ord('"')].any() or live[:, ord("\\")].any())
+
+
 def schema_to_regex(schema, path="$") -> str:
-    """type string (minLength/maxLength), integer, number, boolean, null, object (properties), array (items,
-    minItems/maxItems); enum, const, anyOf. Layout: json.dumps' (", " and ": "), every property, in order."""
+    """A JSON schema -> a regex of exactly the documents json.dumps would write that the schema accepts, or a
+    ValueError naming what it cannot express. Supported: type string (minLength/maxLength in characters; an
+    anchored `pattern` over characters JSON writes unescaped; format uuid, ipv4), integer (minimum, maximum,
+    exclusiveMinimum, exclusiveMaximum: exact ranges), number, boolean, null, object (properties, required,
+    additionalProperties: every listed property is written, no other), array (items, minItems/maxItems); enum,
+    const, anyOf; annotations (title, description, default, ...). Refused, by name: every other keyword
+    (multipleOf, uniqueItems, oneOf, allOf, not, prefixItems, minProperties, ...), ranges on numbers, other
+    formats. Layout: json.dumps' (", " and ": "), every property, in schema order."""
     def fail(msg):
         raise ValueError(f"{path}: {msg}")
     if not isinstance(schema, dict):
         fail(f"a schema must be an object, got {type(schema).__name__}")
+    kind = schema.get("type")
+    if "type" in schema and not (isinstance(kind, str) and kind in KEYWORDS):
+        fail(f"unsupported schema type {kind!r} (string integer number boolean null object array; enum const anyOf)")
+    for key in schema:
+        if key not in ANNOTATIONS | KEYWORDS[None] | KEYWORDS.get(kind, set()):
+            fail(f"unsupported keyword {key!r}" + (f" for type {kind!r}" if kind else "") +
+                 " (it would change which documents are valid, and this compiler cannot express it)")
     for key in ("enum", "anyOf"):
         if key in schema and (not isinstance(schema[key], list) or not schema[key]):
             fail(f"{key} must be a non-empty list")
@@ -529,7 +601,6 @@ def schema_to_regex(schema, path="$") -> str:
         return "(?:" + "|".join(_literal(v) for v in schema.get("enum", [schema.get("const")])) + ")"
     if "anyOf" in schema:
         return "(?:" + "|".join(schema_to_regex(s, f"{path}.anyOf[{i}]") for i, s in enumerate(schema["anyOf"])) + ")"
-    kind = schema.get("type")
     lo_key, hi_key = ("minItems", "maxItems") if kind == "array" else ("minLength", "maxLength")
     lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
     for key, v in ((lo_key, lo), (hi_key, hi)):
@@ -538,14 +609,45 @@ def schema_to_regex(schema, path="$") -> str:
     if hi is not None and lo > hi:
         fail(f"{lo_key} {lo} is above maximum {hi}")
     if kind == "string":
+        if "format" in schema and schema["format"] not in FORMATS:
+            fail(f"unsupported format {schema['format']!r} (supported: {', '.join(FORMATS)})")
+        exact = [schema[k] for k in ("pattern", "format") if k in schema]
+        if exact and (len(exact) > 1 or lo_key in schema or hi_key in schema):
+            fail("pattern or format together with other string keywords is not supported")
+        if "pattern" in schema:
+            p = schema["pattern"]
+            if not (isinstance(p, str) and p.startswith("^") and p.endswith("$") and not p.endswith("\\$")):
+                fail(f"pattern {p!r}: only anchored patterns (^...$) are supported")
+            if not _json_safe(p[1:-1]):
+                fail(f"pattern {p!r} may match a quote, backslash or control character, which JSON escapes")
+            return f'"(?:{p[1:-1]})"'
+        if "format" in schema:
+            return f'"{FORMATS[schema["format"]]}"'
         return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
-    if kind in ("integer", "number", "boolean", "null"):
-        return {"integer": INTEGER, "number": NUMBER, "boolean": "(?:true|false)", "null": "null"}[kind]
+    if kind == "integer":
+        bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
+        for k, v in bounds.items():
+            if type(v) not in (int, float) or v != v or abs(v) == float("inf"):
+                fail(f"{k} must be a finite number, got {v!r}")
+        if not bounds:
+            return INTEGER
+        low = max([-INT_LIMIT] + [math.ceil(bounds[k]) for k in ("minimum",) if k in bounds] +
+                  [math.floor(bounds[k]) + 1 for k in ("exclusiveMinimum",) if k in bounds])
+        high = min([INT_LIMIT] + [math.floor(bounds[k]) for k in ("maximum",) if k in bounds] +
+                   [math.ceil(bounds[k]) - 1 for k in ("exclusiveMaximum",) if k in bounds])
+        if low > high:
+            fail(f"no integer lies in [{low}, {high}]")
+        return integer_range(low, high)
+    if kind in ("number", "boolean", "null"):
+        return {"number": NUMBER, "boolean": "(?:true|false)", "null": "null"}[kind]
     if kind == "object":
         if not isinstance(schema.get("properties", {}), dict):
             fail("properties must be an object")
-        props = schema.get("properties", {}).items()
-        fields = [_literal(k) + ": " + schema_to_regex(v, f"{path}.{k}") for k, v in props]
+        props = schema.get("properties", {})
+        missing = [k for k in schema.get("required", []) if k not in props]
+        if missing:
+            fail(f"required property {missing[0]!r} is not in properties (only listed properties are written)")
+        fields = [_literal(k) + ": " + schema_to_regex(v, f"{path}.{k}") for k, v in props.items()]
         return r"\{" + ", ".join(fields) + r"\}"
     if kind == "array":
         if "items" not in schema:
@@ -553,7 +655,7 @@ def schema_to_regex(schema, path="$") -> str:
         item = schema_to_regex(schema["items"], f"{path}[]")
         more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi is None else max(hi - 1, 0)}}}"
         return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
-    fail(f"unsupported schema type {kind!r} (string integer number boolean null object array; enum const anyOf)")
+    fail("a schema needs a type (string integer number boolean null object array) or enum, const, anyOf")
 
 
 # -------- Demo: masking only vs jump-forward, same model, same run --------------------------------

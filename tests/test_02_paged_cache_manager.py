@@ -155,13 +155,21 @@ def test_random_alloc_append_fork_free_keeps_invariants_and_contents(seed):
         else:
             seqs = [next_id] if op == "new" or not oracle else rng.sample(list(oracle), rng.randint(1, len(oracle)))
             n_new = [rng.randint(0 if op != "new" else 1, 2 * B + 1) for _ in seqs]
-            before = snapshot(m)
+            before, need = snapshot(m), m.batch_blocks_needed(seqs, n_new)
+            one_by_one = copy.deepcopy(m)  # the brute-force answer: the same appends one after the other
+            try:
+                for s_, n_ in zip(seqs, n_new):
+                    one_by_one.append(s_, n_)
+                fits = True
+            except P.OutOfBlocks:
+                fits = False
             try:
                 pos = kv.prepare(seqs, n_new)
             except P.OutOfBlocks:
-                assert sum(m.blocks_needed(s, n) for s, n in zip(seqs, n_new)) > m.num_free
+                assert need > m.num_free and not fits
                 assert snapshot(m) == before  # a refusal changes nothing
                 continue
+            assert fits and m.num_free == one_by_one.num_free == len(before[0]) - need
             expect = [p for s, n in zip(seqs, n_new) for p in range(len(oracle.get(s, [])), len(oracle.get(s, [])) + n)]
             assert pos.tolist() == expect
             tags = torch.arange(tag, tag + len(pos))
@@ -241,6 +249,37 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
     assert sched.num_preemptions > 0
     assert [len(r.out) for r in sorted(sched.finished, key=lambda r: r.seq_id)] == o.tolist()
     assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check()
+
+
+def test_batch_estimate_counts_copy_on_write_once_per_shared_block():
+    """Two sharers of a partly filled block: the first to write copies it, the second then owns it alone."""
+    m = P.BlockManager(2, 4, 0.0)
+    m.append("p", 2)
+    m.fork("p", "c")
+    assert m.batch_blocks_needed(["p", "c"], [1, 1]) == 1
+    assert m.prepare(["p", "c"], [1, 1]) == [(0, 1)] and m.check()
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_random_traces_finish_in_a_pool_the_largest_request_fits(preempt):
+    """Brute force over random traces and watermarks: a pool exactly as large as the largest request needs alone.
+    A request preempted while it decodes into the watermark must come back when it runs alone (issue 22.2)."""
+    rng = random.Random()
+    for _ in range(40):
+        n, B = rng.randint(1, 6), rng.choice([1, 2, 4])
+        p, o = [rng.randint(1, 12) for _ in range(n)], [rng.randint(1, 12) for _ in range(n)]
+        blocks = max(P.cdiv(pi + oi - 1, B) for pi, oi in zip(p, o))
+        watermark = rng.choice([0.0, 0.01, 0.25, 0.5])
+        if preempt == "recompute":
+            sched = P.simulate(p, o, blocks, B, max_running=rng.randint(1, 4), watermark=watermark)
+        else:
+            kv = P.PagedKVCache(1, blocks, B, 1, 1, watermark=watermark)
+            sched = P.Scheduler(kv, rng.randint(1, 4), "swap")
+            sched.waiting.extend(P.Request(i, [0] * pi, oi) for i, (pi, oi) in enumerate(zip(p, o)))
+            sched.run(lambda batch, n_new, positions: [0] * len(batch))
+        assert [len(r.out) for r in sorted(sched.finished, key=lambda r: r.seq_id)] == o, (p, o, B, watermark)
+    for args in (([1, 5], [3, 3], 8, 1, 4, 0.25), ([1, 197], [3, 3], 200, 1, 4)):  # the issue's two traces
+        assert len(P.simulate(*args).finished) == 2
 
 
 @pytest.mark.parametrize("B", [1, 4, 16])

@@ -151,6 +151,100 @@ def test_invalid_schema_names_the_problem(schema, problem):
         m.schema_to_regex(schema)
 
 
+@pytest.mark.parametrize("keyword, value", [
+    ("multipleOf", 2), ("uniqueItems", True), ("minProperties", 1), ("maxProperties", 3), ("not", {"type": "null"}),
+    ("prefixItems", [{"type": "integer"}]), ("oneOf", [{"type": "integer"}]), ("allOf", [{"type": "integer"}]),
+    ("patternProperties", {}), ("contains", {"type": "integer"}), ("if", {}), ("$ref", "#/x"), ("minimum", 3)])
+def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, value):
+    """Issue 22.4: an ignored keyword lets invalid output pass for valid; refused by name instead."""
+    kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array",
+            "minimum": "number", "minProperties": "object", "maxProperties": "object", "patternProperties": "object"}
+    schema = {"type": kind.get(keyword, "string"), keyword: value}
+    if schema["type"] == "array":
+        schema["items"] = {"type": "integer"}
+    with pytest.raises(ValueError, match=re.escape(repr(keyword))):
+        m.schema_to_regex(schema)
+    for schema, problem in (({"type": "string", "format": "email"}, "format 'email'"),
+                            ({"type": "string", "pattern": "[a-z]+"}, "anchored"),
+                            ({"type": "string", "pattern": "^.+$"}, "quote, backslash or control"),
+                            ({"type": "object", "properties": {}, "required": ["x"]}, "'x' is not in properties"),
+                            ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer")):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            m.schema_to_regex(schema)
+    text = m.schema_to_regex({"type": "object", "title": "t", "description": "annotations change nothing",
+                              "additionalProperties": False, "properties": {"a": {"type": "null"}}})
+    assert m.compile_regex(text).fullmatch('{"a": null}')
+
+
+def test_integer_ranges_are_exact():
+    """minimum / maximum / exclusive bounds against Python's comparison, on random ranges and their edges."""
+    rng = random.Random()
+    cases = [(100, 120, {"minimum": 100, "maximum": 120}), (-5, 5, {"minimum": -5, "maximum": 5}),
+             (1, m.INT_LIMIT, {"exclusiveMinimum": 0}), (-m.INT_LIMIT, -1, {"exclusiveMaximum": 0})]
+    for _ in range(12):
+        a, b = sorted(rng.randrange(-10 ** rng.randrange(1, 8), 10 ** rng.randrange(1, 8)) for _ in range(2))
+        cases.append((a, b, {"minimum": a - rng.random() * 0.9 if rng.random() < 0.5 else a, "maximum": b}))
+    for lo, hi, bounds in cases:
+        dfa = m.compile_regex(m.schema_to_regex({"type": "integer", **bounds}))
+        probes = {lo - 1, lo, lo + 1, hi - 1, hi, hi + 1, 0, -1, 1, 7, -7, 10 ** 16, -(10 ** 16)}
+        probes |= {rng.randrange(lo - 50, hi + 50) for _ in range(300)} | {rng.randrange(-10 ** 9, 10 ** 9) for _ in range(100)}
+        for x in probes:
+            assert dfa.fullmatch(json.dumps(x)) == (lo <= x <= hi), (bounds, x)
+        assert not dfa.fullmatch("-0") and not dfa.fullmatch("01") and not dfa.fullmatch("1.0")
+    assert not m.compile_regex(m.schema_to_regex(
+        {"type": "object", "properties": {"legs": {"type": "integer", "minimum": 100, "maximum": 120}}})).fullmatch(
+        '{"legs": 8}')
+
+
+def test_string_lengths_count_characters_not_escapes():
+    """A surrogate pair is one character, a newline is one, é is one: lengths as json.loads and len() count them."""
+    rng = random.Random()
+    chars = ["a", "é", "日", "😀", "\n", '"', "\\", "\x01", "\u2028", "\U0010FFFF"]
+    for lo, hi in ((2, 2), (0, 3), (1, 5)):
+        dfa = m.compile_regex(m.schema_to_regex({"type": "string", "minLength": lo, "maxLength": hi}))
+        for _ in range(300):
+            value = "".join(rng.choice(chars) for _ in range(rng.randrange(7)))
+            for text in (json.dumps(value), json.dumps(value, ensure_ascii=False)):
+                assert dfa.fullmatch(text) == (lo <= len(value) <= hi), (lo, hi, text)
+    two = m.compile_regex(m.schema_to_regex({"type": "string", "minLength": 2, "maxLength": 2}))
+    assert json.dumps("😀") == '"\\ud83d\\ude00"' and not two.fullmatch(json.dumps("😀"))
+    assert two.fullmatch(json.dumps("😀a"))
+
+
+def test_pattern_and_formats_match_python():
+    rng = random.Random()
+    pattern = "^[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?$"
+    dfa = m.compile_regex(m.schema_to_regex({"type": "string", "pattern": pattern}))
+    import ipaddress
+    uuid_re = re.compile(r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
+    uuid_dfa = m.compile_regex(m.schema_to_regex({"type": "string", "format": "uuid"}))
+    ip_dfa = m.compile_regex(m.schema_to_regex({"type": "string", "format": "ipv4"}))
+    for _ in range(400):
+        word = "".join(rng.choice("AaBbz é") for _ in range(rng.randrange(12)))
+        assert dfa.fullmatch(json.dumps(word)) == bool(re.fullmatch(pattern[1:-1], word)), word
+        u = "".join(rng.choice("0123456789abcdefABCDEFg-") for _ in range(36))
+        if rng.random() < 0.5:
+            u = str(__import__("uuid").uuid4())
+        assert uuid_dfa.fullmatch(json.dumps(u)) == bool(uuid_re.fullmatch(u)), u
+        ip = ".".join(rng.choice(["0", "9", "10", "99", "100", "199", "200", "249", "250", "255", "256", "300", "01",
+                                  str(rng.randrange(300))]) for _ in range(rng.choice([3, 4, 4, 4, 5])))
+        try:
+            ok = str(ipaddress.IPv4Address(ip)) == ip
+        except ValueError:
+            ok = False
+        assert ip_dfa.fullmatch(json.dumps(ip)) == ok, ip
+
+
+def test_hostile_regex_is_refused_within_seconds():
+    """Issue 22.5: (?:.é|😀+){100} took 31 s and built 122,600 states; the state budget refuses it quickly."""
+    import time
+    for pattern in ("(?:.é|😀+){100}", "(?:[^a]|.é|😀+){200}", "(?:.é|😀+){1000}"):
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match="too complex"):
+            m.compile_regex(pattern)
+        assert time.perf_counter() - t0 < 30  # generous: a loaded 2-core machine; ~1 s when quiet
+
+
 def test_compressed_edges_are_the_forced_chains():
     class Tok:  # a byte-level toy tokenizer: every byte a token, and "日本", "ab" as merges
         special, eos_id = {"<eos>": 0}, 0
