@@ -671,7 +671,8 @@ class Engine:
             self.max_batch, self.out_of_memory = len(self.kv.free_rows), ()
         elif backend == "paged":     # 02: blocks on demand; flash-attn when on CUDA with block_size % 256 == 0
             m02 = lesson("02_paged_cache_manager")
-            self.kv, self.out_of_memory = m02.PagedKVCache.for_model(model, kv_tokens // block_size, block_size), (m02.OutOfBlocks,)
+            blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
+            self.kv, self.out_of_memory = m02.PagedKVCache.for_model(model, blocks, block_size), (m02.OutOfBlocks,)
         elif backend == "token":     # 03 + 04 (Triton decode attention on CUDA)
             m03 = lesson("03_token_allocator")
             self.kv, self.out_of_memory = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len), (m03.PoolExhausted,)
@@ -1619,7 +1620,10 @@ def main(argv=None):
             shown[0] = now
 
     single = len(ids) * args.n == 1 and not args.quiet and not args.json
-    outs = engine.run(stream if single else None)
+    try:
+        outs = engine.run(stream if single else None)
+    except UserError as e:
+        sys.exit(f"error: {e}")
     if args.json:
         for sid, o in outs.items():
             print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o,

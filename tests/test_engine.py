@@ -310,3 +310,13 @@ def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
     outs = [json.loads(line) for line in cap.out.splitlines()]
     assert [o["finish_reason"] for o in outs] == ["stop", "stop"] and "cut by" not in cap.err
     assert all(o["text"] in ("yes", "no") and o["text"] == smollm[1].decode(o["token_ids"]) for o in outs)
+
+
+def test_cli_paged_pool_holds_what_it_admits(smollm, capsys):
+    """Issue 22.3: the CLI sizes the pool to the request exactly; the paged backend rounded it down to whole blocks
+    and a completion running to --max-new-tokens (prompt + new not a multiple of 16) ran out of KV memory."""
+    model, tok = smollm
+    prompt = "Write a long story about a dragon."
+    n = next(n for n in range(20, 40) if (len(tok.chat(prompt)) + n) % 16)
+    L.main([prompt, "--backend", "paged", "--max-new-tokens", str(n), "--quiet", "--ignore-eos"])
+    assert len(tok.encode(capsys.readouterr().out)) >= n // 2
