@@ -46,10 +46,60 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import sys
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+
+
+def cli_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed before torch and triton load (seconds): --help and bad numbers answer at once."""
+    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
+                                 "lessons' KV caches.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = ap.add_argument
+    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
+    add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
+    add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens of this mass")
+    add("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
+    add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
+    add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+    add("--regex", help="constrain every completion to fullmatch this regex (06)")
+    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
+    add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
+    add("--backend", default="token", choices=["contiguous", "paged", "token"],
+        help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
+    add("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: what the requests need, "
+        "at most 64 running at once, capped by free memory)")
+    add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
+        "runs flash-attn's paged kernel when flash-attn is installed)")
+    add("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
+    add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
+    add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
+        "kernels per layer")
+    add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
+    add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
+    add("--json", action="store_true", help="one JSON object per completion (prompt, sample, text, token_ids, "
+        "finish_reason); with --bench or --bench-engine, the figures as one JSON object")
+    add("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    add("--bench", action="store_true", help="batch-1 decode speed of the engine vs transformers on the same weights")
+    add("--bench-engine", action="store_true", help="GPU: serving benchmark on random Llama 3 shapes")
+    ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
+    args = ap.parse_args(argv)
+    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
+                           ("--temperature", args.temperature >= 0, ">= 0"), ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--block-size", args.block_size >= 1, ">= 1"),
+                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = cli_args()  # before the heavy imports below
 
 import torch
 import torch.nn.functional as F
@@ -331,7 +381,12 @@ def load_meta(path: str):
     if p.get("use_scaled_rope"):  # llama-models' apply_scaling: factor 8 unless params.json says otherwise
         scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                    "original_max_position_embeddings": 8192}
-    parts = [torch.load(s, map_location="cpu", weights_only=True) for s in shards]
+    parts = []
+    for shard in shards:
+        try:
+            parts.append(torch.load(shard, map_location="cpu", weights_only=True))
+        except pickle.UnpicklingError:  # it would run code to load: never, and never suggest turning that off
+            raise UserError(f"{shard}: refused, it holds pickled code (objects to construct), not just tensors") from None
     # Shards split column-parallel weights on dim 0 and row-parallel ones (wo, w2) on dim 1; norms are replicated.
     cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
     sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
@@ -640,6 +695,9 @@ class SamplingParams:
     n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
 
 
+MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
+
+
 class Seq:
     """One sample in flight. Its KV holds tokens[:kv_len]; each step feeds tokens[kv_len:] (a whole prompt after
     admission, one token in decode, several after a jump-forward) and samples the next token from the last."""
@@ -661,7 +719,7 @@ class Engine:
     retire into the radix cache. A backend out of memory preempts the newest sequence
     (recompute: its KV is dropped, or handed to the radix cache, and it re-enters the queue)."""
 
-    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=64, radix=True, block_size=16,
+    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
                  max_prefill_tokens=8192, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16):
         a, dev = model.args, model.tok_embeddings.weight.device
         self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
@@ -1537,37 +1595,28 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
+def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
+    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
+            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
+    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
+    if want > limit and (asked or longest > limit):
+        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
+        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
+                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
+    return min(want, limit)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model.")
-    ap.add_argument("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
-    ap.add_argument("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--n", type=int, default=1, help="samples per prompt")
-    ap.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
-    ap.add_argument("--regex", help="constrain every completion to fullmatch this regex")
-    ap.add_argument("--json-schema", help="constrain every completion to JSON matching this schema file")
-    ap.add_argument("--no-chat", action="store_true", help="raw text completion instead of the chat template")
-    ap.add_argument("--backend", default="token", choices=["contiguous", "paged", "token"], help="KV cache (01, 02, 03-05)")
-    ap.add_argument("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: fits the batch)")
-    ap.add_argument("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple "
-                    "of 256 runs flash-attn's paged kernel when flash-attn is installed)")
-    ap.add_argument("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
-    ap.add_argument("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
-    ap.add_argument("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the "
-                    "six fused kernels per layer")
-    ap.add_argument("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one)")
-    ap.add_argument("--quiet", action="store_true", help="print only the completion(s)")
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32", choices=DTYPES)
-    ap.add_argument("--bench", action="store_true", help="batch-1 decode speed vs transformers on the same weights")
-    ap.add_argument("--bench-engine", action="store_true", help="GPU: serving benchmark on random Llama 3 shapes")
-    ap.add_argument("--json", action="store_true", help="with --bench: one JSON object")
-    args = ap.parse_args(argv)
-    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.n < 1:
-        ap.error("need --max-new-tokens >= 1, --n >= 1, --temperature >= 0 and 0 < --top-p <= 1")
+    args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
     if args.bench_engine:
         if not torch.cuda.is_available():
             sys.exit("error: --bench-engine needs a CUDA GPU")
@@ -1584,6 +1633,8 @@ def main(argv=None):
             except (OSError, ValueError) as e:
                 raise UserError(f"--json-schema {args.json_schema}: {e}") from None
             regex = lesson("06_jump_forward_fsm").schema_to_regex(schema)
+        if regex is not None:
+            lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
         device = parse_device(args.device)
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
@@ -1594,7 +1645,7 @@ def main(argv=None):
             print(json.dumps(r) if args.json else bench_report(r, args.dtype))
             return
         longest = max(map(len, ids)) + args.max_new_tokens
-        kv_tokens = args.kv_tokens or longest * len(ids) * args.n
+        kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
                         fused=not args.no_fused, multi_step=args.multi_step)
@@ -1630,8 +1681,8 @@ def main(argv=None):
                               "finish_reason": engine.finish_reasons[sid]}))
     elif single:
         print(text(outs[0])[len(shown[0]):])
-    elif args.quiet:
-        print("\n".join(text(o) for o in outs.values()))
+    elif args.quiet:  # completions may hold newlines: one JSON string per line keeps them apart
+        print("\n".join(text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False) for o in outs.values()))
     else:
         for sid, o in outs.items():
             print(f"### {args.prompt[sid // args.n]}{f' (sample {sid % args.n + 1})' if args.n > 1 else ''}\n{text(o)}\n")
@@ -1651,4 +1702,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -273,7 +273,8 @@ def test_cli_constrained_samples(smollm, tmp_path, capsys):
     pattern = r"(yes|no), because [a-z ]{5,40}\."
     L.main(["--quiet", "--regex", pattern, "--n", "2", "--temperature", "0.8", "--max-new-tokens", "24",
             "Is the sky blue?"])
-    lines = capsys.readouterr().out.splitlines()
+    import json
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # --quiet, several: JSON strings
     assert len(lines) == 2 and all(re.fullmatch(pattern, line) for line in lines), lines
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}')

@@ -4,6 +4,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -213,3 +214,52 @@ def test_sampling_is_seeded_and_top_p_restricts():
             keep = order[: int((p[row][order].cumsum(0) < 0.5).sum()) + 1]
             assert t[row] in keep
     assert torch.equal(L.sample(logits, 0, 1.0), logits.argmax(-1))
+
+
+def cli_subprocess(*argv, env=None):
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, os.path.join(root, "llama3_generate.py"), *argv], capture_output=True,
+                          text=True, env=env, cwd=root, timeout=600)
+
+
+def test_help_answers_before_torch_loads(tmp_path):
+    """--help and bad numbers are parsed before torch and triton import (a stand-in torch that fails to import
+    proves it): every flag says what it does, with its default."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('torch imported before parsing')")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    p = cli_subprocess("--help", env=env)
+    assert p.returncode == 0, p.stderr
+    flags = set(re.findall(r"^  (--[a-z-]+)", p.stdout, re.M))
+    assert {"--model", "--max-new-tokens", "--backend", "--json", "--kv-tokens", "--multi-step"} <= flags
+    assert p.stdout.count("(default:") >= 10
+    for argv, flag in ((["--max-new-tokens", "0"], "--max-new-tokens"), (["--n", "0"], "--n"),
+                       (["--top-p", "1.5"], "--top-p"), (["--temperature", "-1"], "--temperature")):
+        p = cli_subprocess(*argv, "hi", env=env)
+        assert p.returncode != 0 and p.stderr.count("\n") == 1 and flag in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bad_input_is_one_line(tmp_path):
+    """Every refusal: non-zero exit, one line on stderr naming the problem, no traceback, nothing run."""
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"echo pwned > {tmp_path / 'pwned'}",)
+    (tmp_path / "evil").mkdir()
+    json.dump({"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 300}, open(tmp_path / "evil" / "params.json", "w"))
+    torch.save({"tok_embeddings.weight": Payload()}, tmp_path / "evil" / "consolidated.00.pth")
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "string", "format": "email"}')
+    cases = [(["--model", str(tmp_path / "evil")], "holds pickled code"),
+             (["--regex", "([a-z"], "unterminated character set"),
+             (["--regex", "(?:.é|😀+){100}"], "too complex"),
+             (["--json-schema", str(schema)], "format 'email'"),
+             (["--kv-tokens", str(10**14)], "free"),
+             (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1")]
+    for argv, msg in cases:
+        p = cli_subprocess(*argv, "hi")
+        err = p.stderr.strip()
+        assert p.returncode != 0 and msg in err and "\n" not in err and "Traceback" not in err, (argv, err)
+        assert "weights_only=False" not in err
+    assert not (tmp_path / "pwned").exists()
