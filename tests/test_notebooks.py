@@ -1,4 +1,5 @@
-"""Every workshop notebook runs top to bottom (cwd = repo root, so `importlib.import_module("0X_...")` works)."""
+"""Every workshop notebook runs top to bottom (cwd = repo root, so `importlib.import_module("0X_...")` works), and
+ships with its outputs so a reader browsing the repository sees the figures before running anything."""
 import glob
 import os
 
@@ -14,3 +15,15 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+def test_notebook_is_committed_executed_and_small(path):
+    """Refresh with `jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
+    assert all(c.execution_count for c in code), "a code cell was never run: commit the notebook executed"
+    assert sum(bool(c.outputs) for c in code) >= len(code) // 2, "too few outputs"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
+    assert os.path.getsize(path) < 400_000, "keep notebooks small (lower the figure dpi)"
