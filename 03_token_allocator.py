@@ -173,6 +173,7 @@ class TokenKVCache:
         self.max_seq_len, self.device = max_seq_len, torch.device(device)
         self.rows, self.lens = {}, {}                            # seq_id -> row of req_to_token, tokens stored
         self.decode_attn = torch_decode_attn                     # swap in 04's kernel: same signature
+        self.extend_attn = None  # prefill: None = gather + SDPA per request below; 04's token_extend_attention fits
 
     @classmethod
     def for_model(cls, model, size: int, max_requests: int = 64, max_seq_len: int | None = None):
@@ -221,6 +222,8 @@ class TokenKVCache:
         rows, starts, n_new = self.batch
         if all(n == 1 for n in n_new):                          # decode: one query per request, batched
             return self.decode_attn(q, kp, vp, self.req_to_token, self.batch_rows, self.batch_lens)
+        if self.extend_attn is not None:                        # prefill in one launch, reading through the table
+            return self.extend_attn(q, kp, vp, self.req_to_token, self.batch_rows, starts, n_new)
         from llama3_generate import attend_dense                # prefill: gather each request's slots
         outs, t = [], 0
         for r, p, n in zip(rows, starts, n_new):

@@ -1,5 +1,6 @@
 """
-04_triton_token_attn.py -- flash-decoding in Triton: one decode step's attention over a token-granular KV pool.
+04_triton_token_attn.py -- token attention in Triton: flash-decoding for a decode step, and the prefill (extend)
+kernel for many new tokens over a cached prefix, both reading K/V through the token table.
 
     python 04_triton_token_attn.py            # CPU (Triton interpreter) or GPU: kernel vs float64 reference
     python 04_triton_token_attn.py --bench    # GPU: time, GB/s, vs flash-attn (paged) and SDPA (contiguous)
@@ -281,6 +282,133 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# The other half: prefill (extend) -- many new tokens per request, over a cached prefix
+# ----------------------------------------------------------------------------------------------
+# A prefill step feeds each request its new tokens: a whole prompt, or only the suffix after a radix hit (05).
+# Query i of request b sits at position prefix_b + i and sees every key at positions <= its own: the whole
+# cached prefix, and the new tokens causally. The K/V of the new tokens are already in the pool (attend()
+# writes them first), so everything is read through req_to_token, as in decode -- one code path, and the
+# prefix is never copied out. Now there are many queries per request, so attention is matrix x matrix:
+# compute-bound, the regime flash-attention's tiling was made for.
+#
+#     program (q block j, kv head h):  BLOCK_M new tokens of one request x the GROUP query heads of head h,
+#                                      as BLOCK_M * GROUP_PAD rows of one Q tile (each K/V tile loaded once)
+#     phase 1, the cached prefix [0, prefix):   every key visible to every query, no mask
+#     phase 2, the new tokens [prefix, last query of the block]:  the causal mask  key <= query
+#     online softmax across both phases (running max, sum, output), as in decode's stage 1
+#
+# The blocks of all requests go in one launch: the host lists (request, first new token) pairs -- it knows
+# every request's new-token count already -- so no device lengths are read to size the grid.
+
+@triton.jit
+def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
+            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    j, kvh = tl.program_id(0), tl.program_id(1)
+    H = tl.num_programs(1) * GROUP
+    b, m0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)  # this block: request b, new tokens m0..
+    row, prefix = tl.load(ROWS + b).to(tl.int64), tl.load(PREFIX + b)
+    n_new, q0 = tl.load(EXTEND + b), tl.load(QSTART + b)           # q0: b's first row in the ragged batch
+    offs_r, offs_d, offs_n = tl.arange(0, BLOCK_M * GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    tok, g = m0 + offs_r // GROUP_PAD, offs_r % GROUP_PAD           # (R,) row -> new token, head in the group
+    rmask = (tok < n_new) & (g < GROUP)
+    qrow = (q0 + tok).to(tl.int64) * H + kvh * GROUP + g            # (R,) row of q / out viewed (T * H, D)
+    q = tl.load(Q + qrow[:, None] * HEAD_DIM + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    pos = prefix + tok                                              # (R,) each query's position
+    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(0, prefix, BLOCK_N):                            # phase 1: the cached prefix, all visible
+        n = n0 + offs_n
+        nmask = n < prefix
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
+        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    end = prefix + tl.minimum(m0 + BLOCK_M, n_new)                  # phase 2: new keys up to the block's last query
+    for n0 in range(prefix, end, BLOCK_N):
+        n = n0 + offs_n
+        nmask = n < end
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
+        m_i, l_i, acc = _attend_causal(q, k, v, n, pos, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    out = acc / l_i[:, None]                                        # every query sees itself: l_i > 0
+    tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+
+
+@triton.jit
+def _attend_causal(q, k, v, n, pos, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """_attend with the causal mask: key position n visible to a query at pos only if n <= pos."""
+    if DOT_F32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    s = tl.where(nmask[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+EXTEND_CONFIG = dict(rows=64, block_n=64, num_warps=4, num_stages=2)  # rows = BLOCK_M * GROUP_PAD (not yet GPU-tuned)
+
+
+def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
+                           out=None, **config):
+    """Prefill attention over the token pool: out[t] = softmax(q[t] K^T * scale) V over request b's keys at
+    positions <= the query's, for the ragged batch of new tokens.
+
+    q (T, n_q_heads, head_dim), T = sum(extend_lens), request after request; k_pool, v_pool (num_slots,
+    n_kv_heads, head_dim) of one layer, the new tokens' K/V already stored at req_to_token[row,
+    prefix:prefix + extend]; req_rows (B,) rows of req_to_token; prefix_lens, extend_lens (B,) host ints
+    (lists or CPU tensors: they size the grid). Returns (T, n_q_heads, head_dim) in q's dtype."""
+    T, H, D = q.shape
+    Hkv = k_pool.shape[1]
+    prefix_lens, extend_lens = (torch.as_tensor(x, dtype=torch.int32).cpu() for x in (prefix_lens, extend_lens))
+    if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
+            or int(extend_lens.sum()) != T or (extend_lens < 1).any() or (prefix_lens < 0).any()):
+        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, extend_lens "
+                         f"{extend_lens.tolist()} (need sum(extend_lens) == T, each >= 1, a power-of-two head_dim)")
+    cfg = {**EXTEND_CONFIG, **config}
+    group = H // Hkv
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(1, cfg["rows"] // group_pad)
+    blocks = torch.tensor([(b, m) for b, n in enumerate(extend_lens.tolist()) for m in range(0, n, block_m)],
+                          dtype=torch.int32).flatten()                          # (num_blocks * 2,) host table
+    q_start = (extend_lens.cumsum(0) - extend_lens).int()                       # (B,) first row of each request
+    dev = q.device
+    to = lambda x: x.to(dev, non_blocking=True)
+    if out is None:
+        out = torch.empty_like(q)                                                # (T, n_q_heads, head_dim)
+    f32 = INTERPRET or q.dtype == torch.float32
+    scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634
+    _extend[(len(blocks) // 2, Hkv)](
+        q.contiguous(), k_pool, v_pool, req_to_token, to(torch.as_tensor(req_rows)), to(prefix_lens),
+        to(extend_lens), to(q_start), to(blocks), out, scale, k_pool.stride(0), v_pool.stride(0),
+        req_to_token.stride(0), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, BLOCK_M=block_m,
+        BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"])
+    return out
+
+
+def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None):
+    """Float64, one request at a time: query i of request b attends to its keys at positions <= prefix_b + i."""
+    T, H, D = q.shape
+    G = H // k_pool.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out, t = torch.empty(T, H, D, dtype=torch.float64, device=q.device), 0
+    for row, p, n in zip(torch.as_tensor(req_rows).tolist(), list(map(int, prefix_lens)), list(map(int, extend_lens))):
+        slots = req_to_token[row, :p + n].long()
+        k = k_pool[slots].double().repeat_interleave(G, dim=1)                  # (p + n, H, D)
+        v = v_pool[slots].double().repeat_interleave(G, dim=1)
+        s = torch.einsum("thd,lhd->htl", q[t:t + n].double(), k) * scale       # (H, n, p + n)
+        visible = torch.arange(p + n, device=q.device)[None, :] <= (p + torch.arange(n, device=q.device))[:, None]
+        out[t:t + n] = torch.einsum("htl,lhd->thd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
+        t += n
+    return out
+
+
 def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None):
     """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
     B, H, D = q.shape
@@ -339,8 +467,16 @@ def check(device, lens=(1, 2, 15, 16, 17, 300)):
             P = make_problem(list(lens), H, Hkv, D, dtype, device, seed=len(rows))
             splits = choose_num_splits(len(lens), Hkv, max(lens), num_sms(torch.device(device)))
             err = rel_err(token_decode_attention(*P, num_splits=splits), reference_decode_attention(*P))
-            rows.append(dict(dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv, head_dim=D,
-                             num_splits=splits, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            rows.append(dict(kernel="decode", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
+                             head_dim=D, num_splits=splits, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            prefix, extend = [0, 40, 129], [33, 1, 20]  # a prompt, a decode-like token, a suffix after a radix hit
+            _, k_pool, v_pool, r2t, req_rows, _ = make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D,
+                                                               dtype, device, seed=len(rows))
+            q = torch.randn(sum(extend), H, D, device=device).to(dtype)  # (new tokens, n_q_heads, head_dim)
+            E = (q, k_pool, v_pool, r2t, req_rows, prefix, extend)
+            err = rel_err(token_extend_attention(*E), reference_extend_attention(*E))
+            rows.append(dict(kernel="extend", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
+                             head_dim=D, num_splits=None, rel_err=err, ok=err <= TOLERANCE[dtype]))
     return rows
 
 
@@ -451,10 +587,12 @@ def main(argv=None):
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"device: {name}\nkernel vs float64 reference, lengths 1, 2, 15, 16, 17, 300 on scattered slots:")
+        print(f"device: {name}\nkernels vs float64 reference on scattered slots (decode: lengths 1, 2, 15, 16, 17, "
+              f"300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129):")
         for r in rows:
-            print(f"  {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  d={r['head_dim']:3d}"
-                  f"  splits {r['num_splits']}  rel err {r['rel_err']:.2e}  {'ok' if r['ok'] else 'FAIL'}")
+            split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
+            print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
+                  f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e}  {'ok' if r['ok'] else 'FAIL'}")
         if args.bench:
             print_bench(report["bench"], name)
     if not all(r["ok"] for r in rows):

@@ -112,3 +112,70 @@ def test_gpu_matches_reference(dtype, H, Hkv, D):
 def test_gpu_large_batch_bf16():
     P = m.make_problem([2048] * 64 + [1, 17], 32, 8, 128, torch.bfloat16, "cuda", seed=3)
     run_and_check(P, torch.bfloat16)
+
+
+def extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=True, seed=0):
+    """A ragged prefill batch over a pool: request b has prefix[b] cached tokens and extend[b] new ones, all
+    already in the pool at random slots (others NaN, so a wrong read poisons the output); q for the new ones."""
+    P = m.make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D, dtype, scattered=scattered, seed=seed)
+    q = torch.randn(sum(extend), H, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return (q, *P[1:5], prefix, extend)
+
+
+EXTEND_CASES = [  # (dtype, n_q_heads, n_kv_heads, head_dim, prefix lens, extend lens)
+    (torch.float32, 9, 3, 64, [0, 0, 0], [1, 2, 37]),          # no prefix: plain causal prefill; SmolLM2's heads
+    (torch.float32, 8, 2, 128, [70, 5, 130], [1, 1, 1]),        # 1-token extends: decode written as an extend
+    (torch.float32, 4, 4, 64, [150, 0, 63], [20, 65, 64]),      # long prefixes, tile edges, no GQA
+    (torch.float16, 9, 3, 64, [17, 100], [31, 3]),
+    (torch.bfloat16, 8, 2, 128, [64, 1], [16, 80]),
+    (torch.bfloat16, 6, 2, 64, [0, 33], [90, 7]),
+]
+
+
+@pytest.mark.parametrize("dtype,H,Hkv,D,prefix,extend", EXTEND_CASES,
+                         ids=[f"{str(c[0])[6:]}-{c[1]}/{c[2]}-d{c[3]}-{len(c[4])}req" for c in EXTEND_CASES])
+def test_extend_matches_reference(dtype, H, Hkv, D, prefix, extend):
+    """The prefill kernel against float64: each new token sees the cached prefix and the new tokens up to itself."""
+    seed = int(torch.randint(0, 10**6, ()))
+    P = extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=seed % 4 != 0, seed=seed)
+    out = torch.full(P[0].shape, float("nan"), dtype=dtype)  # poisoned: every element must be written
+    assert m.token_extend_attention(*P, out=out).data_ptr() == out.data_ptr()
+    ref = m.reference_extend_attention(*P)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
+    assert m.rel_err(out, ref) <= m.TOLERANCE[dtype]
+
+
+def test_extend_random_ragged_batches():
+    """Fresh random batches: random head layouts, prefixes and extends (1-token ones included), scattered slots."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))
+    for _ in range(4):
+        Hkv, group, D = rand(1, 3), [1, 2, 3, 4][rand(0, 4)], [64, 128][rand(0, 2)]
+        B = rand(1, 4)
+        P = extend_problem([rand(0, 90) for _ in range(B)], [rand(1, 40) for _ in range(B)], Hkv * group, Hkv, D,
+                           torch.float32, seed=rand(0, 10**6))
+        assert m.rel_err(m.token_extend_attention(*P), m.reference_extend_attention(*P)) <= 1e-5
+
+
+def test_token_backend_prefill_through_the_kernel():
+    """03's TokenKVCache with extend_attn = the Triton kernel gives the model's own (gather + SDPA) prefill,
+    also after a cached prefix (add_prefix, as after a radix hit)."""
+    L = importlib.import_module("llama3_generate")
+    T = importlib.import_module("03_token_allocator")
+    torch.manual_seed(int(torch.randint(0, 10**6, ())))
+    model = L.Transformer(L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=128,
+                                      max_seq_len=256)).eval()
+    logits = []
+    for kernel in (False, True):
+        kv = T.TokenKVCache.for_model(model, 256, 4, 128)
+        kv.extend_attn = m.token_extend_attention if kernel else None
+        torch.manual_seed(3)
+        prompts = [torch.randint(0, 64, (n,)) for n in (5, 40, 17)]
+        out = model(torch.cat(prompts), kv.prepare([0, 1, 2], [5, 40, 17]), kv, logits_at=torch.tensor([4, 44, 61]))
+        kv.add_prefix(3, kv.slots(1)[:30])  # a new request reusing 30 cached tokens, extended by 12
+        more = torch.randint(0, 64, (12,))
+        out2 = model(more, kv.prepare([3], [12]), kv)
+        logits.append((out, out2))
+    for a, b in zip(*logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
