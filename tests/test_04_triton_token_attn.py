@@ -179,3 +179,30 @@ def test_token_backend_prefill_through_the_kernel():
         logits.append((out, out2))
     for a, b in zip(*logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
+    """Compiled on the GPU at realistic sizes: float64 reference, and flash_attn_varlen_func (causal, bottom-right:
+    the prefix visible) on contiguous copies where flash-attn is installed (fp16/bf16)."""
+    prefix, extend = [0, 700, 3, 1500], [300, 1, 257, 64]
+    P = extend_problem(prefix, extend, H, Hkv, D, dtype, seed=int(torch.randint(0, 10**6, ())))
+    P = tuple(x.cuda() if torch.is_tensor(x) else x for x in P)
+    out = torch.full(P[0].shape, float("nan"), dtype=dtype, device="cuda")
+    m.token_extend_attention(*P, out=out)
+    assert torch.isfinite(out).all() and m.rel_err(out, m.reference_extend_attention(*P)) <= m.TOLERANCE[dtype]
+    if dtype == torch.float32:
+        return
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        pytest.skip("flash-attn not installed: compared with the float64 reference only")
+    q, kp, vp, r2t, rows = P[:5]
+    k = torch.cat([kp[r2t[r, :p + n].long()] for r, p, n in zip(rows.tolist(), prefix, extend)])
+    v = torch.cat([vp[r2t[r, :p + n].long()] for r, p, n in zip(rows.tolist(), prefix, extend)])
+    cu = lambda lens: torch.tensor([0] + lens, device="cuda").cumsum(0).int()
+    ref = flash_attn_varlen_func(q, k, v, cu(extend), cu([p + n for p, n in zip(prefix, extend)]), max(extend),
+                                 max(p + n for p, n in zip(prefix, extend)), causal=True)
+    assert m.rel_err(out, ref.double()) <= m.TOLERANCE[dtype]
