@@ -119,12 +119,13 @@ def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM:
 
 
 @triton.jit
-def _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """One K/V tile into the running (max, sum, output) of the online softmax."""
+def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    """One K/V tile into the running (max, sum, output) of the online softmax; visible: which (query, key) pairs
+    count, (1, BLOCK_N) or (rows, BLOCK_N)."""
     if DOT_F32:
         k, v = k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_H, BLOCK_N) in log2 units
-    s = tl.where(nmask[None, :], s, float("-inf"))
+    s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -167,12 +168,12 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
         last = tl.load(R2T + row * s_r2t + seq_len - 1).to(tl.int64)
         k = tl.where(new, tl.load(K + last * s_ks + kvh * HEAD_DIM + offs_d)[None, :], k)
         v = tl.where(new, tl.load(V + last * s_vs + kvh * HEAD_DIM + offs_d)[None, :], v)
-        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+        m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     for n0 in range(start + BLOCK_N if PDL else start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
-        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+        m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer
         tl.store(OUT + heads[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=hmask[:, None])
@@ -325,30 +326,16 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
         n = n0 + offs_n
         nmask = n < prefix
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
-        m_i, l_i, acc = _attend(q, k, v, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+        m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     end = prefix + tl.minimum(m0 + BLOCK_M, n_new)                  # phase 2: new keys up to the block's last query
     for n0 in range(prefix, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
-        m_i, l_i, acc = _attend_causal(q, k, v, n, pos, nmask, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+        m_i, l_i, acc = _attend(q, k, v, nmask[None, :] & (n[None, :] <= pos[:, None]), m_i, l_i, acc, qk_scale,
+                               DOT_F32, PREC)
     out = acc / l_i[:, None]                                        # every query sees itself: l_i > 0
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
-
-
-@triton.jit
-def _attend_causal(q, k, v, n, pos, nmask, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
-    """_attend with the causal mask: key position n visible to a query at pos only if n <= pos."""
-    if DOT_F32:
-        k, v = k.to(tl.float32), v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-    s = tl.where(nmask[None, :] & (n[None, :] <= pos[:, None]), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-    return m_new, l_i, acc
 
 
 # Per head_dim; rows = BLOCK_M * GROUP_PAD. Picked from 8 configs at 8 x 1k new tokens, bf16, on an H100; with

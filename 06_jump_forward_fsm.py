@@ -40,6 +40,12 @@ bytes the vocabulary has, then only states that can still accept. Each kept byte
 live byte path is a token path: decoding never reaches a state with no allowed token unless it may stop.
 JSON schema -> regex, fixed whitespace policy: json.dumps' layout (one line, ", " between items, ": " after
 keys), every property present, in schema order -- keys, quotes and separators all become jump strings.
+The subset is exact or refused, never ignored: type string (minLength/maxLength counted in characters, an
+anchored `pattern` over characters JSON writes unescaped, format uuid/ipv4), integer (minimum, maximum,
+exclusiveMinimum/Maximum as exact digit ranges), number, boolean, null, object (properties, required,
+additionalProperties), array (items, minItems/maxItems), enum, const, anyOf, and annotations (title,
+description, ...). Any other keyword (multipleOf, uniqueItems, oneOf, not, ...) is refused by name.
+Subset construction can blow up (`(?:.é|😀+){100}` has 122,600 states): past 20,000 states a regex is refused.
 
 References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the
 LMSYS blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf,
@@ -522,7 +528,8 @@ INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"  # digits bounded, so a rambling model sti
 INT_LIMIT = 10**16 - 1                 # the largest INTEGER matches
 NUMBER = INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
 FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # formats a regex states exactly
-           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}
+           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
+                   r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
                "writeOnly"}  # keywords that never change which documents are valid
 KEYWORDS = {None: {"type", "enum", "const", "anyOf"}, "string": {"minLength", "maxLength", "pattern", "format"},

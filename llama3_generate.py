@@ -90,8 +90,10 @@ def cli_args(argv=None) -> argparse.Namespace:
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
     for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
-                           ("--temperature", args.temperature >= 0, ">= 0"), ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--block-size", args.block_size >= 1, ">= 1"),
+                           ("--temperature", args.temperature >= 0, ">= 0"),
+                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("--multi-step", args.multi_step >= 1, ">= 1"),
+                           ("--block-size", args.block_size >= 1, ">= 1"),
                            ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1")):
         if not ok:
             ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
@@ -386,7 +388,8 @@ def load_meta(path: str):
         try:
             parts.append(torch.load(shard, map_location="cpu", weights_only=True))
         except pickle.UnpicklingError:  # it would run code to load: never, and never suggest turning that off
-            raise UserError(f"{shard}: refused, it holds pickled code (objects to construct), not just tensors") from None
+            raise UserError(f"{shard}: refused, it holds pickled code (objects to construct), not just tensors") \
+                from None
     # Shards split column-parallel weights on dim 0 and row-parallel ones (wo, w2) on dim 1; norms are replicated.
     cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
     sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
