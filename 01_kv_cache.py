@@ -13,7 +13,9 @@ Without a cache (nanoGPT's generate) each step re-runs the whole prefix: O(n) to
 one (gpt-fast's static KVCache: `k_cache[:, pos] = k`) a step computes only the new token: O(1). Three ways, same
 tokens: (a) `greedy(kv=None)` recomputes; (b) `greedy` on `StaticKVCache`, gpt-fast's cache for one request;
 (c) `ContiguousKVCache`, the same idea for a batch (padded rows, the picture to beat; later lessons go ragged),
-written by the model through its `kv.attend` seam and driven by `llama3_generate.generate`.
+written by the model through its `kv.attend` seam and driven by `llama3_generate.generate`. Attention over the
+cached K/V is `attend_dense` (one request, causal) and `attend_decode` (a batch of newest tokens): the reference
+every later backend's PyTorch path (02, 03) and the model itself call, so imports run one way, 01 -> 06 -> model.
 
 Every request reserves its whole future at admission:
 
@@ -51,6 +53,32 @@ from collections import deque
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+
+# -------- Attention over cached K/V: the reference every backend's PyTorch path calls -------------------
+
+def attend_dense(q, k, v):
+    """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v (L, Hkv, D).
+
+    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H.
+    Every backend's PyTorch path gathers a request's K/V and calls this."""
+    n, L = q.shape[0], k.shape[0]
+    mask = None
+    if n > 1:
+        mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]  # (n, L)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         attn_mask=mask, enable_gqa=True)  # (H, n, D)
+    return out.transpose(0, 1)
+
+
+def attend_decode(q, k, v, seq_lens):
+    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last of its
+    seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b] are masked)."""
+    mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=mask[:, None, None], enable_gqa=True)  # (B, H, 1, D)
+    return out[:, :, 0]
+
 
 TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}  # mean prompt / output tokens of the two public traces
 SCHEMES = ("max_len", "pow2", "oracle")
@@ -88,7 +116,6 @@ class StaticKVCache:
         return self.pos
 
     def attend(self, layer, q, k, v):
-        from llama3_generate import attend_dense
         self.k[layer, self.pos] = k  # the whole cache: k_cache[:, pos] = k
         self.v[layer, self.pos] = v
         return attend_dense(q, self.k[layer, :self.len], self.v[layer, :self.len])
@@ -146,7 +173,6 @@ class ContiguousKVCache:
         k_cache[self.tok_rows, self.tok_pos] = k  # the whole cache update: write this step's k, v at their positions
         v_cache[self.tok_rows, self.tok_pos] = v
         rows, starts, n_new = self.batch
-        from llama3_generate import attend_decode, attend_dense
         if all(n == 1 for n in n_new):  # decode: one query per request, batched over a length mask
             L = max(starts) + 1
             sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)  # alone: a view

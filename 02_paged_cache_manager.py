@@ -202,7 +202,7 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
                            block_table=block_table[i:i + 1], causal=True)[0])
             t += n
         return torch.cat(outs)
-    from llama3_generate import attend_decode, attend_dense
+    attend_decode, attend_dense = kv01.attend_decode, kv01.attend_dense
     if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
         K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)  # (batch, max_blocks * B, Hkv, D)
         return attend_decode(q, K, V, seq_lens)

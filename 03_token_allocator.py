@@ -50,6 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+K01 = importlib.import_module("01_kv_cache")  # attend_dense / attend_decode: the reference attention
+
 
 class TokenAllocator:
     """Refcounted KV slots: mem_state (size,) int32 on the pool's device; every op is a handful of tensor ops."""
@@ -150,10 +152,9 @@ def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens):
 
     q (B, n_heads, head_dim) one query per request; k_pool, v_pool (size, n_kv_heads, head_dim) of one layer;
     req_rows (B,) rows of req_to_token; seq_lens (B,) tokens each request sees, the new one included."""
-    from llama3_generate import attend_decode
     L = int(seq_lens.max())
     slots = req_to_token[req_rows.long(), :L].long()                  # (B, L) columns past a length are stale
-    return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
+    return K01.attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
 
 
 class PoolExhausted(RuntimeError):
@@ -224,11 +225,10 @@ class TokenKVCache:
             return self.decode_attn(q, kp, vp, self.req_to_token, self.batch_rows, self.batch_lens)
         if self.extend_attn is not None:                        # prefill in one launch, reading through the table
             return self.extend_attn(q, kp, vp, self.req_to_token, self.batch_rows, starts, n_new)
-        from llama3_generate import attend_dense                # prefill: gather each request's slots
         outs, t = [], 0
         for r, p, n in zip(rows, starts, n_new):
             idx = self.req_to_token[r, :p + n].long()
-            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
+            outs.append(K01.attend_dense(q[t:t + n], kp[idx], vp[idx]))  # prefill: gather each request's slots
             t += n
         return torch.cat(outs)
 

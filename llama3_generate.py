@@ -189,27 +189,8 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
-def attend_dense(q, k, v):
-    """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v (L, Hkv, D).
-
-    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H.
-    Every backend's PyTorch path gathers a request's K/V and calls this."""
-    n, L = q.shape[0], k.shape[0]
-    mask = None
-    if n > 1:
-        mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]  # (n, L)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, enable_gqa=True)  # (H, n, D)
-    return out.transpose(0, 1)
-
-
-def attend_decode(q, k, v, seq_lens):
-    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last of its
-    seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b] are masked)."""
-    mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
-    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None], enable_gqa=True)  # (B, H, 1, D)
-    return out[:, :, 0]
+m01 = lesson("01_kv_cache")  # 01 teaches the reference attention over cached K/V; the model's NoCache uses it too
+attend_dense, attend_decode = m01.attend_dense, m01.attend_decode
 
 
 class Attention(nn.Module):

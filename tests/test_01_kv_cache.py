@@ -2,6 +2,7 @@
 exact (checked slot by slot against a brute-force painting); over-long requests are refused without damage."""
 import importlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -147,3 +148,57 @@ def test_memory_report_and_cli_errors(tmp_path):
         with pytest.raises(SystemExit) as e:
             m.main(argv)
         assert e.value.code != 0
+
+
+def test_lessons_never_import_the_model_in_their_core():
+    """Imports run one way, 01 -> 06 -> llama3_generate.py: a numbered file imports the model only inside a
+    module-level function (its demos), never at module level or in the classes a backend is made of."""
+    import ast
+    import glob
+    import os
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for path in sorted(glob.glob(os.path.join(root, "0*.py"))):
+        tree = ast.parse(open(path).read())
+        bad = []
+
+        def visit(node, where):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in child.names] + [getattr(child, "module", None) or ""]
+                    if "llama3_generate" in names and where != "function":
+                        bad.append(child.lineno)
+                inner = ("function" if where == "module" else where) if isinstance(
+                    child, (ast.FunctionDef, ast.AsyncFunctionDef)) else "class" if isinstance(child, ast.ClassDef) \
+                    else where
+                visit(child, inner)
+        visit(tree, "module")
+        assert not bad, f"{os.path.basename(path)} imports llama3_generate outside a demo function at lines {bad}"
+
+
+def test_backends_run_without_the_model_module():
+    """Each backend (01 contiguous, 02 paged, 03 token pool + 04's kernels, 05's scheduler simulation) prefills and
+    decodes random K/V with llama3_generate never imported: what a backend needs lives in the lessons."""
+    import subprocess
+    import sys
+    code = """
+import importlib, sys, torch
+m = {n: importlib.import_module(n) for n in ("01_kv_cache", "02_paged_cache_manager", "03_token_allocator",
+                                             "04_triton_token_attn", "05_radix_scheduler")}
+kvs = [m["01_kv_cache"].ContiguousKVCache(1, 2, 32, 2, 16), m["02_paged_cache_manager"].PagedKVCache(1, 8, 4, 2, 16),
+       m["03_token_allocator"].TokenKVCache(1, 64, 2, 16, 4, 32)]
+token = m["03_token_allocator"].TokenKVCache(1, 64, 2, 16, 4, 32)
+token.decode_attn, token.extend_attn = m["04_triton_token_attn"].token_decode_attention, \\
+    m["04_triton_token_attn"].token_extend_attention
+for kv in kvs + [token]:
+    for n_new in ([5, 3], [1, 1]):
+        kv.prepare([0, 1], n_new)
+        t = sum(n_new)
+        out = kv.attend(0, torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16))
+        assert out.shape == (t, 4, 16) and torch.isfinite(out).all()
+m["05_radix_scheduler"].simulate([([1, 2, 3], [4, 5], None), ([1, 2], [6], None)], 16, "lpm", check=True)
+assert "llama3_generate" not in sys.modules, "a backend imported the model module"
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=root))
+    assert p.returncode == 0, p.stderr[-2000:]
