@@ -32,6 +32,16 @@ Bottom half: `generate` (a static batch through any backend: what the lessons' p
     GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops;
          batch 1 in six Triton kernels per layer (`fused_decode`); greedy batches k steps per host sync
 
+Map, top to bottom:
+    cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
+    The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer
+    Weights             GGUF (default), Meta and Hugging Face loaders; to_transformers (the peer in tests)
+    Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
+    The decode loop     sample, generate (a static batch through any backend)
+    The engine          SamplingParams, Seq, Engine: warm_up, add, admit, prepare, step, multi-step, finish
+    Batch-1 GPU path    fused_decode (six Triton kernels per layer), argmax, CudaGraphDecoder
+    Command line        bench, bench_engine, kv_pool_size, main
+
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
 """
