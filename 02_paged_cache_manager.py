@@ -202,14 +202,14 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
                            block_table=block_table[i:i + 1], causal=True)[0])
             t += n
         return torch.cat(outs)
-    attend_decode, attend_dense = kv01.attend_decode, kv01.attend_dense
     if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
         K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)  # (batch, max_blocks * B, Hkv, D)
-        return attend_decode(q, K, V, seq_lens)
+        return kv01.attend_decode(q, K, V, seq_lens)
     outs, t, B = [], 0, k_cache.shape[1]
     for i, (n, L) in enumerate(zip(q_lens, seq_lens.tolist())):  # prefill: one request at a time
         blocks = block_table[i, :cdiv(L, B)]
-        outs.append(attend_dense(q[t:t + n], k_cache[blocks].flatten(0, 1)[:L], v_cache[blocks].flatten(0, 1)[:L]))
+        outs.append(kv01.attend_dense(q[t:t + n], k_cache[blocks].flatten(0, 1)[:L],
+                                      v_cache[blocks].flatten(0, 1)[:L]))
         t += n
     return torch.cat(outs)
 

@@ -98,7 +98,7 @@ def write_checkpoints(root, shape, seed):
     with torch.no_grad():
         for p in hf.parameters():  # large weights: well-separated logits, so greedy ties are vanishingly rare
             p.normal_(0, 0.2)
-    paths = {f: os.path.join(root, f"{shape}-{f}") for f in FORMATS}
+    paths = {f: os.path.join(root, f"{shape}-{f}" + (".gguf" if f == "gguf" else "")) for f in FORMATS}
     tok.save(os.path.join(root, "tokenizer.json"))
     stop_early(hf, L.hf_tokenizer(os.path.join(root, "tokenizer.json")))
     hf.save_pretrained(paths["hf"])  # config.json + model.safetensors
@@ -117,7 +117,7 @@ def write_checkpoints(root, shape, seed):
     json.dump({"dim": s["dim"], "n_layers": 2, "n_heads": s["n_heads"], "n_kv_heads": s["n_kv_heads"],
                "vocab_size": vocab, "multiple_of": 256, "norm_eps": 1e-5, "rope_theta": s["rope_theta"],
                "max_seq_len": 2048}, open(os.path.join(paths["meta"], "params.json"), "w"))
-    base = {t: i for t, i in tok.get_vocab(with_added_tokens=False).items()}
+    base = tok.get_vocab(with_added_tokens=False)
     ranks = L._byte_level_ranks(base)  # byte-level strings -> bytes; rank = id
     assert sorted(ranks.values()) == list(range(len(base)))
     import base64
@@ -125,8 +125,7 @@ def write_checkpoints(root, shape, seed):
         f.writelines(base64.b64encode(b) + b" %d\n" % r for b, r in sorted(ranks.items(), key=lambda x: x[1]))
 
     import gguf
-    w = gguf.GGUFWriter(paths["gguf"] + ".gguf", "llama")
-    paths["gguf"] += ".gguf"
+    w = gguf.GGUFWriter(paths["gguf"], "llama")
     w.add_context_length(2048), w.add_embedding_length(s["dim"]), w.add_block_count(2)
     w.add_feed_forward_length(s["hidden_dim"]), w.add_head_count(s["n_heads"]), w.add_head_count_kv(s["n_kv_heads"])
     w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(s["rope_theta"])
@@ -216,7 +215,7 @@ def refs(checkpoints):
     return get
 
 
-def tokens(outs, n=1):
+def tokens(outs):
     """--json completions -> token ids per (prompt, sample), in prompt order."""
     outs = sorted(outs, key=lambda o: (o["prompt"], o["sample"]))
     return [o["token_ids"] for o in outs]
