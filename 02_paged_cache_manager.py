@@ -167,18 +167,19 @@ class BlockManager:
 
 
 @functools.cache
-def flash_attn_with_kvcache():
-    """flash-attn's paged-KV kernel, or None where flash-attn is not installed (CPU machines, CI)."""
+def flash_attn():
+    """flash-attn's paged-KV kernels (decode: flash_attn_with_kvcache; a ragged prefill: flash_attn_varlen_func,
+    both given the block table), or None where flash-attn is not installed (CPU machines, CI)."""
     try:
-        from flash_attn import flash_attn_with_kvcache as f
-        return f
+        import flash_attn as fa
+        return fa
     except ImportError:
         return None
 
 
 def flash_ok(k_cache) -> bool:
     """FA2 reads paged KV only on CUDA, in fp16/bf16, with blocks of a multiple of 256 tokens."""
-    return (flash_attn_with_kvcache() is not None and k_cache.is_cuda and k_cache.shape[1] % 256 == 0
+    return (flash_attn() is not None and k_cache.is_cuda and k_cache.shape[1] % 256 == 0
             and k_cache.dtype in (torch.float16, torch.bfloat16))
 
 
@@ -191,17 +192,15 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
     if path == "flash" or (path == "auto" and flash_ok(k_cache)):
         if not flash_ok(k_cache):
             raise ValueError("flash path needs flash-attn, CUDA tensors, fp16/bf16 and block_size % 256 == 0")
-        fa = flash_attn_with_kvcache()
+        fa = flash_attn()
         if len(set(q_lens)) == 1:  # decode (or equal chunks): one call, q (batch, n, H, D)
-            out = fa(q.view(len(q_lens), q_lens[0], *q.shape[1:]), k_cache, v_cache, cache_seqlens=seq_lens,
-                     block_table=block_table, causal=True)  # causal mask aligned bottom-right: q are the last tokens
-            return out.flatten(0, 1)
-        outs, t = [], 0  # ragged prefill: one request per call (a padded q would shift the bottom-right causal mask)
-        for i, n in enumerate(q_lens):
-            outs.append(fa(q[None, t:t + n], k_cache, v_cache, cache_seqlens=seq_lens[i:i + 1],
-                           block_table=block_table[i:i + 1], causal=True)[0])
-            t += n
-        return torch.cat(outs)
+            out = fa.flash_attn_with_kvcache(q.view(len(q_lens), q_lens[0], *q.shape[1:]), k_cache, v_cache,
+                                             cache_seqlens=seq_lens, block_table=block_table, causal=True)
+            return out.flatten(0, 1)  # causal mask aligned bottom-right: q are the last tokens of each request
+        cu_q = torch.tensor([0, *q_lens], device=q.device).cumsum(0, dtype=torch.int32)  # (batch + 1,) q offsets
+        cu_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0, dtype=torch.int32)])   # (batch + 1,) key offsets
+        return fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), k_cache.shape[1] *
+                                         block_table.shape[1], causal=True, block_table=block_table)  # ragged prefill
     if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
         K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)  # (batch, max_blocks * B, Hkv, D)
         return kv01.attend_decode(q, K, V, seq_lens)
@@ -427,7 +426,7 @@ def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2
     ref = kv01.account(prompt, output, "max_len", budget_tokens, max_seq_len)
     res = {"trace": trace, "requests": n, "budget_tokens": budget_tokens, "live_fraction": {}, "batch": {},
            "preemptions": {}, "live_fraction_max_len": ref["live"], "batch_max_len": ref["batch"],
-           "attention_path": "flash-attn" if flash_attn_with_kvcache() and torch.cuda.is_available() else "pytorch"}
+           "attention_path": "flash-attn" if flash_attn() and torch.cuda.is_available() else "pytorch"}
     for B in (1, 16, 256):
         sched = simulate(prompt, output, budget_tokens // B, B)
         full = np.array([st[:3] for st in sched.stats if st[3]] or [st[:3] for st in sched.stats], dtype=float)

@@ -108,24 +108,30 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit
 def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
     """K and V rows (BLOCK_N, HEAD_DIM) of kv head kvh for tokens n of req_to_token row `row`, read where kvmask;
-    CACHE: the loads' cache modifier."""
+    CACHE: the loads' cache modifier. Masks None: a whole tile, nothing to check."""
     offs_d = tl.arange(0, HEAD_DIM)
-    slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)  # (BLOCK_N,)
-    k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
-                cache_modifier=CACHE)
-    v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
-                cache_modifier=CACHE)
+    if nmask is None:
+        slot = tl.load(R2T + row * s_r2t + n, cache_modifier=CACHE).to(tl.int64)  # (BLOCK_N,)
+        k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
+        v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
+    else:
+        slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)
+        k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
+                    cache_modifier=CACHE)
+        v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
+                    cache_modifier=CACHE)
     return k, v
 
 
 @triton.jit
 def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PREC: tl.constexpr):
     """One K/V tile into the running (max, sum, output) of the online softmax; visible: which (query, key) pairs
-    count, (1, BLOCK_N) or (rows, BLOCK_N)."""
+    count, (1, BLOCK_N) or (rows, BLOCK_N), or None: all of them (no mask to compute)."""
     if DOT_F32:
         k, v = k.to(tl.float32), v.to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_H, BLOCK_N) in log2 units
-    s = tl.where(visible, s, float("-inf"))
+    if visible is not None:
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
@@ -293,59 +299,75 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 # prefix is never copied out. Now there are many queries per request, so attention is matrix x matrix:
 # compute-bound, the regime flash-attention's tiling was made for.
 #
-#     program (q block j, kv head h):  BLOCK_M new tokens of one request x the GROUP query heads of head h,
-#                                      as BLOCK_M * GROUP_PAD rows of one Q tile (each K/V tile loaded once)
-#     phase 1, the cached prefix [0, prefix):   every key visible to every query, no mask
-#     phase 2, the new tokens [prefix, last query of the block]:  the causal mask  key <= query
+#     program (row block j, kv head h):  BLOCK_R rows of one request's (new token, query head of h's group)
+#                                        pairs -- BLOCK_R / GROUP tokens x GROUP heads, one Q tile, so each
+#                                        K/V tile is loaded once for the whole group, and no row is padding
+#     phase 1, keys before the block's first query (the cached prefix and earlier new tokens): all visible,
+#              whole tiles without a mask
+#     phase 2, the diagonal, up to the block's last query:  the causal mask  key <= query
 #     online softmax across both phases (running max, sum, output), as in decode's stage 1
 #
-# The blocks of all requests go in one launch: the host lists (request, first new token) pairs -- it knows
-# every request's new-token count already -- so no device lengths are read to size the grid.
+#         keys ->   |<------------- phase 1: no mask ------------->|<-- phase 2 -->|
+#     block j rows  | prefix (cached)      | new tokens before j   | \  causal     |
+#
+# The blocks of all requests go in one launch: the host lists (request, first row) pairs -- it knows every
+# request's new-token count already -- so no device lengths are read to size the grid.
 
 @triton.jit
 def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
-            GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_F32: tl.constexpr, PREC: tl.constexpr):
     j, kvh = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(1) * GROUP
-    b, m0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)  # this block: request b, new tokens m0..
+    b, r0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)  # this block: request b, its rows r0..
     row, prefix = tl.load(ROWS + b).to(tl.int64), tl.load(PREFIX + b)
-    n_new, q0 = tl.load(EXTEND + b), tl.load(QSTART + b)           # q0: b's first row in the ragged batch
-    offs_r, offs_d, offs_n = tl.arange(0, BLOCK_M * GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
-    tok, g = m0 + offs_r // GROUP_PAD, offs_r % GROUP_PAD           # (R,) row -> new token, head in the group
-    rmask = (tok < n_new) & (g < GROUP)
+    n_new, q0 = tl.load(EXTEND + b), tl.load(QSTART + b)           # q0: b's first token in the ragged batch
+    offs_r, offs_d, offs_n = tl.arange(0, BLOCK_R), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    tok, g = (r0 + offs_r) // GROUP, (r0 + offs_r) % GROUP          # (R,) row -> new token, head in the group
+    rmask = tok < n_new
     qrow = (q0 + tok).to(tl.int64) * H + kvh * GROUP + g            # (R,) row of q / out viewed (T * H, D)
     q = tl.load(Q + qrow[:, None] * HEAD_DIM + offs_d[None, :], mask=rmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     pos = prefix + tok                                              # (R,) each query's position
-    m_i = tl.full([BLOCK_M * GROUP_PAD], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M * GROUP_PAD], tl.float32)
-    acc = tl.zeros([BLOCK_M * GROUP_PAD, HEAD_DIM], tl.float32)
-    for n0 in range(0, prefix, BLOCK_N):                            # phase 1: the cached prefix, all visible
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM], tl.float32)
+    lo = prefix + r0 // GROUP                                       # keys < lo: visible to every row here
+    hi = prefix + tl.minimum((r0 + BLOCK_R - 1) // GROUP + 1, n_new)  # one past the block's last query
+    lo_full = lo - lo % BLOCK_N
+    for n0 in range(0, lo_full, BLOCK_N):                           # phase 1: whole tiles, nothing masked
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n0 + offs_n, None, None, s_ks, s_vs, kvh, HEAD_DIM, "")
+        m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
+    for n0 in range(lo_full, hi, BLOCK_N):                          # phase 2: the rest of phase 1, then the diagonal
         n = n0 + offs_n
-        nmask = n < prefix
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
-        m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
-    end = prefix + tl.minimum(m0 + BLOCK_M, n_new)                  # phase 2: new keys up to the block's last query
-    for n0 in range(prefix, end, BLOCK_N):
-        n = n0 + offs_n
-        nmask = n < end
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
-        m_i, l_i, acc = _attend(q, k, v, nmask[None, :] & (n[None, :] <= pos[:, None]), m_i, l_i, acc, qk_scale,
-                               DOT_F32, PREC)
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, n < hi, n < hi, s_ks, s_vs, kvh, HEAD_DIM, "")
+        m_i, l_i, acc = _attend(q, k, v, n[None, :] <= pos[:, None], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]                                        # every query sees itself: l_i > 0
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
 
-# Per head_dim; rows = BLOCK_M * GROUP_PAD. Picked from 8 configs at 8 x 1k new tokens, bf16, on an H100; with
-# them (flash_attn_varlen_func measured a call earlier on the same machine, not in the same call):
-#   32/8 heads d=128: 8 x 1k 0.319 ms (0.84x flash-attn), 32 x 512 over 512 cached 0.762 (0.86x),
-#                     1 x 8k 1.889 (0.86x), 4 x 2k over 6k 2.767 (0.92x); 191-348 TFLOP/s
-#    9/3 heads d=64:  0.167 (0.43x), 0.264 (0.54x), 0.692 (0.53x), 1.013 (0.51x): SmolLM2's group of 3 pads to 4
-#                     rows per token, and a 64-wide head halves the work per loaded tile. Not yet tuned further.
-EXTEND_CONFIG = {128: dict(rows=128, block_n=64, num_warps=4, num_stages=3),  # 64 rows, 2 stages: 0.443 ms
-                 64: dict(rows=256, block_n=64, num_warps=8, num_stages=2)}   # 64 rows: 0.340 ms at 8 x 1k
+# Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Picked on an H100 (bf16) from 45 configs
+# (rows 64-256, BLOCK_N 32-128, 4 or 8 warps, 2-4 stages) by the worst ratio to flash_attn_varlen_func over the
+# four prefill shapes of EXTEND_SHAPES, timed in the same call; the README has the final figures.
+EXTEND_CONFIG = {128: dict(rows=128, block_n=32, num_warps=4, num_stages=3),
+                 64: dict(rows=128, block_n=64, num_warps=4, num_stages=3)}
+
+_plan = {}  # the last step's host table on the device: every layer of a step reuses it
+
+
+def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
+    """(blocks, prefix, extend, q_start) on the device for one ragged batch: blocks lists (request, first row)
+    pairs, rows counted over (new token, head in the group). Built once per step (every layer asks the same)."""
+    key = (tuple(prefix_lens), tuple(extend_lens), group, rows, device)
+    if key not in _plan:
+        prefix, extend = (torch.tensor(x, dtype=torch.int32) for x in key[:2])  # (B,) each
+        blocks = torch.tensor([(b, r) for b, n in enumerate(key[1]) for r in range(0, n * group, rows)],
+                              dtype=torch.int32).flatten()                      # (num_blocks * 2,)
+        q_start = extend.cumsum(0, dtype=torch.int32) - extend                  # (B,) first token of each request
+        _plan.clear()
+        _plan[key] = [x.to(device, non_blocking=True) for x in (blocks, prefix, extend, q_start)]
+    return _plan[key]
 
 
 def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
@@ -359,30 +381,22 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     (lists or CPU tensors: they size the grid). Returns (T, n_q_heads, head_dim) in q's dtype."""
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
-    prefix_lens, extend_lens = (torch.as_tensor(x, dtype=torch.int32).cpu() for x in (prefix_lens, extend_lens))
+    prefix_lens, extend_lens = ([int(n) for n in x] for x in (prefix_lens, extend_lens))
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
-            or int(extend_lens.sum()) != T or (extend_lens < 1).any() or (prefix_lens < 0).any()):
+            or sum(extend_lens) != T or min(extend_lens, default=0) < 1 or min(prefix_lens, default=0) < 0):
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, extend_lens "
-                         f"{extend_lens.tolist()} (need sum(extend_lens) == T, each >= 1, a power-of-two head_dim)")
+                         f"{extend_lens} (need sum(extend_lens) == T, each >= 1, a power-of-two head_dim)")
     cfg = {**EXTEND_CONFIG.get(D, EXTEND_CONFIG[64 if D < 128 else 128]), **config}
-    group = H // Hkv
-    group_pad = triton.next_power_of_2(group)
-    block_m = max(1, cfg["rows"] // group_pad)
-    blocks = torch.tensor([(b, m) for b, n in enumerate(extend_lens.tolist()) for m in range(0, n, block_m)],
-                          dtype=torch.int32).flatten()                          # (num_blocks * 2,) host table
-    q_start = (extend_lens.cumsum(0) - extend_lens).int()                       # (B,) first row of each request
-    dev = q.device
-    to = lambda x: x.to(dev, non_blocking=True)
+    blocks, prefix, extend, q_start = extend_plan(prefix_lens, extend_lens, H // Hkv, cfg["rows"], q.device)
     if out is None:
         out = torch.empty_like(q)                                                # (T, n_q_heads, head_dim)
     f32 = INTERPRET or q.dtype == torch.float32
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634
     _extend[(len(blocks) // 2, Hkv)](
-        q.contiguous(), k_pool, v_pool, req_to_token, to(torch.as_tensor(req_rows)), to(prefix_lens),
-        to(extend_lens), to(q_start), to(blocks), out, scale, k_pool.stride(0), v_pool.stride(0),
-        req_to_token.stride(0), GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=D, BLOCK_M=block_m,
-        BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"])
+        q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows).to(q.device, non_blocking=True),
+        prefix, extend, q_start, blocks, out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0),
+        GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32,
+        PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

@@ -725,11 +725,12 @@ class Engine:
             m02 = lesson("02_paged_cache_manager")
             blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
             self.kv, self.out_of_memory = m02.PagedKVCache.for_model(model, blocks, block_size), (m02.OutOfBlocks,)
-        elif backend == "token":     # 03 + 04 (Triton decode attention on CUDA)
-            m03 = lesson("03_token_allocator")
-            self.kv, self.out_of_memory = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len), (m03.PoolExhausted,)
+        elif backend == "token":     # 03 + 04 (Triton decode and prefill attention on CUDA)
+            m03, m04 = lesson("03_token_allocator"), lesson("04_triton_token_attn")
+            self.kv = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
+            self.out_of_memory = (m03.PoolExhausted,)
             if dev.type == "cuda":
-                self.kv.decode_attn = lesson("04_triton_token_attn").token_decode_attention
+                self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
         else:
             raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
         self.radix = lesson("05_radix_scheduler").RadixCache(self.kv.allocator) if radix and backend == "token" else None
