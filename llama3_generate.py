@@ -912,26 +912,28 @@ class Engine:
         """Greedy, unconstrained running batch with graphs: k decode steps for one kv.prepare and one host sync
         (CudaGraphDecoder.steps), k at most the fewest tokens any sequence still may write. While nothing waits
         to be admitted, the next k steps are queued before the host reads the last k, so the GPU never waits
-        for the host. A sequence that stops early (EOS) wastes the rest of its steps; its extra slots are freed
-        with it. False: nothing to do here, take the 1-step path."""
-        batch, prev, landed = self.running, self.inflight, False
+        for the host: they continue the chunk in flight on the device, minus the sequences that reach their
+        max_new_tokens at its end (known without reading it) or stopped (EOS) in a chunk read before. A
+        sequence that stops at EOS wastes the steps queued after that; its extra slots are freed with it.
+        False: nothing to do here, take the 1-step path."""
+        prev, chunk = self.inflight, None
         self.inflight = None
-        if prev and prev.batch != batch:  # someone finished: restart from the host
-            self._read(prev, on_token)
-            batch, prev, landed = self.running, None, True  # landed: this step did work, even if nothing runs now
-        chunk, ahead = None, prev.k if prev else 0
+        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
+        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
+            if prev else self.running
         if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.graphs.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
-                    positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 else None
+                    positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
             except self.out_of_memory:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
                 self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
                 self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"],
                                                      sum(s.kv_len + ahead + k for s in batch))
-                chunk = self.graphs.steps(batch, positions, k, resume=prev is not None)
+                keep = [i for i, s in enumerate(prev.batch) if s in batch] if prev else None  # rows that go on
+                chunk = self.graphs.steps(batch, positions, k, keep=keep)
         if prev:
             self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
         if chunk and (self.waiting or not self.running):
@@ -939,7 +941,7 @@ class Engine:
         else:
             self.inflight = chunk
         self.stats["decode_s"] += time.perf_counter() - t0
-        return bool(landed or prev or chunk)
+        return bool(prev or chunk)
 
     def _read(self, chunk, on_token):
         """Append a multi-step chunk's tokens to its sequences still running."""
@@ -1289,6 +1291,7 @@ class CudaGraphDecoder:
 
     def _capture(self, b, k=1):
         kv, model = self.e.kv, self.e.model
+        state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused = b == 1 and self.fused
 
@@ -1307,16 +1310,18 @@ class CudaGraphDecoder:
             self._capture(1, self.e.multi_step)          # graph launches, PDL links the steps (H200: -4 us a step)
         if not self.cuda:
             self.graphs[key] = lambda: [run() for _ in range(k)][-1]
-            return
-        for _ in range(2):  # warm up (Triton compiles) outside the capture
-            run()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            for _ in range(k):
-                out = run()
-        self.pool = g.pool()
-        self.graphs[key] = lambda: (g.replay(), out)[1]
+        else:
+            for _ in range(2):  # warm up (Triton compiles) outside the capture
+                run()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                for _ in range(k):
+                    out = run()
+            self.pool = g.pool()
+            self.graphs[key] = lambda: (g.replay(), out)[1]
+        for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
+            x.copy_(saved)  # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
 
     def _graph(self, n):
         b = next(x for x in self.buckets if x >= n)
@@ -1338,14 +1343,21 @@ class CudaGraphDecoder:
         kv = self.e.kv
         return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)]
 
-    def steps(self, batch, positions, k: int, resume=False):
+    def steps(self, batch, positions, k: int, keep=None):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
-        k replays, each reading the previous one's argmax. resume: the buffers already hold where the last
-        `steps` of this same batch left off (its tokens need not have reached the host). Returns a chunk for
-        `read`; nothing here waits for the GPU."""
+        k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
+        left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
+        they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
         kv, n = self.e.kv, len(batch)
-        replay = self._graph(n)[0] if resume else self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows,
-                                                             kv.batch_lens - (k - 1))
+        if keep is None:
+            replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
+        else:
+            replay, b = self._graph(n)
+            if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
+                idx = torch.tensor(keep).to(self.e.device, non_blocking=True)
+                for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
+                    buf[:n] = buf[idx]
+            self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
         queued = self._event()  # for `beside`: the GPU work queued before this chunk
         if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
             self.graphs[n, k]()
