@@ -214,9 +214,14 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv):
         T = x.shape[0]
-        q = self.wq(x).view(T, self.n_heads, self.head_dim)     # (T, n_heads, head_dim)
-        k = self.wk(x).view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
-        v = self.wv(x).view(T, self.n_kv_heads, self.head_dim)
+        if hasattr(self, "wqkv"):  # fuse_projections: one GEMM
+            kv_width = self.n_kv_heads * self.head_dim
+            q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(T, self.n_heads, self.head_dim)     # (T, n_heads, head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = kv.attend(self.layer_id, q, k, v)                 # the seam: (T, n_heads, head_dim)
         return self.wo(out.reshape(T, -1))
@@ -230,6 +235,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
 
     def forward(self, x):
+        if hasattr(self, "w13"):  # fuse_projections: one GEMM
+            return self.w2(swiglu(*F.linear(x, self.w13).chunk(2, -1)))
         return self.w2(swiglu(self.w1(x), self.w3(x)))
 
 
@@ -243,6 +250,23 @@ def fuse_pointwise():
     global rms_norm, apply_rope, swiglu
     if not hasattr(rms_norm, "_torchdynamo_orig_callable"):
         rms_norm, apply_rope, swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, apply_rope, swiglu))
+
+
+def fuse_projections(model):
+    """At batch > 1 on a GPU each projection is one GEMM, bound by reading its weights; q, k and v (and gate and up)
+    read the same input, so one GEMM over their weights stacked does it with fewer launches and no small-matrix
+    tail. The separate weights become views into the stack: loaders, state_dict and the batch-1 kernels see them."""
+    for layer in model.layers:
+        for mod, names, stacked in ((layer.attention, ("wq", "wk", "wv"), "wqkv"),
+                                    (layer.feed_forward, ("w1", "w3"), "w13")):
+            if hasattr(mod, stacked):
+                continue
+            w = torch.cat([getattr(mod, n).weight.data for n in names])  # (sum of out features, dim)
+            rows = 0
+            for n in names:
+                lin = getattr(mod, n)
+                lin.weight.data, rows = w[rows:rows + lin.weight.shape[0]], rows + lin.weight.shape[0]
+            setattr(mod, stacked, w)  # a plain attribute: not a parameter, so state_dict is unchanged
 
 
 class Block(nn.Module):
@@ -273,15 +297,17 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, tokens, positions, kv, logits_at=None):
-        """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul)."""
+    def forward(self, tokens, positions, kv, logits_at=None, fp32=True):
+        """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul);
+        fp32=False: in the weights' dtype (a greedy argmax needs no upcast copy)."""
         h = self.tok_embeddings(tokens)                                  # (T, dim)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]    # (T, head_dim/2)
         for layer in self.layers:
             h = layer(h, cos, sin, kv)
         if logits_at is not None:
             h = h[logits_at]
-        return self.output(self.norm(h)).float()
+        logits = self.output(self.norm(h))
+        return logits.float() if fp32 else logits
 
 
 class NoCache:
@@ -745,6 +771,7 @@ class Engine:
         self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise()
+            fuse_projections(model)
 
     @staticmethod
     def new_stats() -> dict:
@@ -1181,7 +1208,7 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
             tl.store(POS + b, pos + live)
             tl.store(LENS + b, tl.load(LENS + b) + live.to(tl.int32))
     else:
-        x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf"))
+        x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # fp32 bits below
         m = tl.max(x, 0)
         i = tl.min(tl.where(x == m, offs, V), 0)
         bits = m.to(tl.int32, bitcast=True)
@@ -1190,7 +1217,7 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
 
 
 def argmax(logits, out, advance=None, pdl=False):
-    """out (B,) int64 = logits (B, V) fp32 .argmax(-1), through _argmax. advance = (positions (B,) int64, lens (B,)
+    """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,) int64, lens (B,)
     int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
     B, V = logits.shape
     block = 4096
@@ -1301,7 +1328,7 @@ class CudaGraphDecoder:
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
-            out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv)
+            out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv, fp32=False)
             argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
                    pdl=fused and self.cuda)
             return out
@@ -1341,7 +1368,7 @@ class CudaGraphDecoder:
     def forward(self, batch, positions):
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
         kv = self.e.kv
-        return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)]
+        return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)].float()
 
     def steps(self, batch, positions, k: int, keep=None):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):

@@ -128,12 +128,14 @@ def test_fused_decode_matches_the_model(pdl, monkeypatch):
 
 
 def test_argmax_kernel_matches_torch():
-    """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included."""
+    """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included,
+    fp32 and bf16."""
     for B, V in ((1, 300), (3, int(torch.randint(4097, 20000, ()))), (2, 7)):
         x = torch.randn(B, V) * 5 - 30 * torch.rand(B, 1)
         x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie
-        out = torch.full((B,), -1)
-        assert L.argmax(x, out).tolist() == x.argmax(-1).tolist()
+        for dtype in (torch.float32, torch.bfloat16):  # the graphs hand it the weights' dtype
+            out = torch.full((B,), -1)
+            assert L.argmax(x.to(dtype), out).tolist() == x.to(dtype).argmax(-1).tolist()
 
 
 def test_multi_step_decoding_matches_one_step(monkeypatch):
@@ -323,3 +325,17 @@ def test_cli_paged_pool_holds_what_it_admits(smollm, capsys):
     n = next(n for n in range(20, 40) if (len(tok.chat(prompt)) + n) % 16)
     L.main([prompt, "--backend", "paged", "--max-new-tokens", str(n), "--quiet", "--ignore-eos"])
     assert len(tok.encode(capsys.readouterr().out)) >= n // 2
+
+
+def test_fused_projections_change_nothing():
+    """fuse_projections (the engine's, on a GPU): one GEMM for q, k, v and one for gate, up give the same logits;
+    the separate weights become views into the stacks, so state_dict and the batch-1 kernels see the same values."""
+    model = tiny_model(seed=int(torch.randint(0, 10**6, ())))
+    tokens = torch.randint(0, 256, (9,))
+    before, names = model(tokens, torch.arange(9), L.NoCache()), list(model.state_dict())
+    L.fuse_projections(model)
+    at, ff = model.layers[1].attention, model.layers[1].feed_forward
+    assert at.wk.weight.data_ptr() == at.wqkv[at.wq.weight.shape[0]:].data_ptr()
+    assert ff.w3.weight.data_ptr() == ff.w13[ff.w1.weight.shape[0]:].data_ptr()
+    assert list(model.state_dict()) == names
+    torch.testing.assert_close(model(tokens, torch.arange(9), L.NoCache()), before, atol=1e-5, rtol=1e-5)
