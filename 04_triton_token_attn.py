@@ -566,7 +566,7 @@ EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's
     (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
 
 
-def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (9, 3, 64)), dtype=torch.bfloat16, **config):
+def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 64)), dtype=torch.bfloat16, **config):
     """The prefill kernel against flash-attn's flash_attn_varlen_func (causal, bottom-right aligned, so queries
     see their prefix) on the same data: ours reads K/V through req_to_token from scattered slots; flash-attn gets
     them as contiguous per-request copies, gathered outside the timed region (the easy layout). Median ms of

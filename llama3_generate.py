@@ -1739,7 +1739,8 @@ def main(argv=None):
                               f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
         print(f"[prefill {rate('prefill')}, decode {rate('decode')}, "
               f"{len(outs)} sequences, radix hit rate {st['cached_tokens'] / max(1, st['prompt_tokens']):.0%}, "
-              f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens]", file=sys.stderr)
+              f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens, "
+              f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -291,12 +291,13 @@ def test_gpu_streaming_prints_the_completion(checkpoints, refs):
 @gpu
 @pytest.mark.parametrize("backend", ["token", "paged"])
 def test_gpu_small_pool_preempts(checkpoints, refs, backend):
-    """A pool holding about two sequences: requests wait or are preempted, and the tokens do not change."""
+    """A pool holding about two sequences: requests wait for room or are preempted (which of the two depends on
+    when EOS frees room), the pool fills, and the tokens do not change."""
     ref = refs("gqa4", "hf", "cuda")
     longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
     _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", backend,
                           "--kv-tokens", str(2 * longest + 16))
-    assert int(re.search(r"(\d+) preemptions", err).group(1)) > 0, err
+    assert int(re.search(r"peak KV use (\d+)%", err).group(1)) >= 80, err
 
 
 @gpu
