@@ -1222,8 +1222,8 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
 
 
 def argmax(logits, out, advance=None, pdl=False):
-    """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,) int64, lens (B,)
-    int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
+    """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,)
+    int64, lens (B,) int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
     B, V = logits.shape
     block = 4096
     chunks = triton.cdiv(V, block)

@@ -144,7 +144,8 @@ def test_multi_step_decoding_matches_one_step(monkeypatch):
     rest of that k is wasted, its slots freed), and leak no KV slot. Batch 1 also runs fused_decode."""
     model = tiny_model()
     resumed, steps = [], L.CudaGraphDecoder.steps
-    monkeypatch.setattr(L.CudaGraphDecoder, "steps", lambda self, *a, keep=None: (resumed.append(keep), steps(self, *a, keep=keep))[1])
+    monkeypatch.setattr(L.CudaGraphDecoder, "steps",
+                        lambda self, *a, keep=None: (resumed.append(keep), steps(self, *a, keep=keep))[1])
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 17)]
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
