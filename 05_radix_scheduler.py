@@ -247,7 +247,7 @@ class Req:
         self.prefix, self.node, self.n_cached, self.reserve, self.done = None, None, 0, 0, False
 
 
-def _dfs_weight(sched, waiting):
+def _dfs_weight(tree, rng, waiting):
     """SGLang's dfs-weight: walk the tree visiting the child with most waiting requests below it first."""
     at = defaultdict(list)
     for r in waiting:
@@ -263,15 +263,15 @@ def _dfs_weight(sched, waiting):
             if weight[c]:
                 visit(c)
         order.extend(at[node])
-    calc(sched.tree.root)
-    visit(sched.tree.root)
+    calc(tree.root)
+    visit(tree.root)
     return order
 
 
-POLICIES = {
-    "fcfs": lambda s, w: list(w),
-    "lpm": lambda s, w: sorted(w, key=lambda r: -len(r.prefix)),  # stable: ties stay first-come first-served
-    "random": lambda s, w: s.rng.sample(w, len(w)),
+POLICIES = {  # (tree, rng, waiting) -> waiting in admission order; cache-aware ones read r.prefix / r.node (matched)
+    "fcfs": lambda tree, rng, w: list(w),
+    "lpm": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix)),  # stable: ties stay first-come first-served
+    "random": lambda tree, rng, w: rng.sample(w, len(w)),
     "dfs-weight": _dfs_weight,
 }
 CACHE_AWARE = ("lpm", "dfs-weight")
@@ -310,7 +310,7 @@ class Scheduler:
             for r in self.waiting:
                 r.prefix, r.node = self.tree.match_prefix(r.prompt)
         new, batch, prefill = [], RadixCache(), 0  # batch: prompts admitted this step (in-batch prefix caching)
-        for r in POLICIES[self.policy](self, self.waiting):
+        for r in POLICIES[self.policy](self.tree, self.rng, self.waiting):
             if len(new) == room:
                 break
             if not aware:

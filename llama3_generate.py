@@ -57,6 +57,7 @@ import json
 import math
 import os
 import pickle
+import random
 import sys
 import time
 from dataclasses import dataclass
@@ -86,6 +87,8 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
         "runs flash-attn's paged kernel when flash-attn is installed)")
     add("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
+    add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
+        "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
     add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
     add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
         "kernels per layer")
@@ -726,6 +729,7 @@ class Seq:
         self.sid, self.prompt, self.params, self.index, self.after = sid, list(prompt), params, index, after
         self.output, self.kv_len, self.node, self.done, self.fsm, self.text = [], 0, None, False, 0, b""
         self.in_kv, self.admitted = False, 0  # does the backend hold a row/blocks for it; how often admitted
+        self.prefix = None  # slots of its longest cached prefix, matched when it waits to be admitted (05)
 
     @property
     def tokens(self):
@@ -745,7 +749,8 @@ class Engine:
     shape: about 2 GB)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
-                 max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16):
+                 max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
+                 policy="lpm"):
         a, dev = model.args, model.tok_embeddings.weight.device
         self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
@@ -764,7 +769,11 @@ class Engine:
                 self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
         else:
             raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
-        self.radix = lesson("05_radix_scheduler").RadixCache(self.kv.allocator) if radix and backend == "token" else None
+        m05 = lesson("05_radix_scheduler")
+        self.radix = m05.RadixCache(self.kv.allocator) if radix and backend == "token" else None
+        if policy not in m05.POLICIES:
+            raise UserError(f"unknown policy {policy!r}: {', '.join(m05.POLICIES)}")
+        self.policy, self.rng = policy, random.Random(seed)  # the admission order: 05's policies
         self.backend, self.max_len, self.device = backend, max_len, dev
         self.gen = torch.Generator(device=dev).manual_seed(seed)
         self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
@@ -830,17 +839,21 @@ class Engine:
 
     # -- scheduling ---------------------------------------------------------------------------------------
     def _admit(self):
+        m05 = lesson("05_radix_scheduler")
         ready = [s for s in self.waiting if s.after is None or s.after.kv_len >= len(s.prompt) or s.after.done]
-        if self.radix:  # longest cached prefix first: a depth-first walk of the tree (05)
-            matched = {s.sid: len(self.radix.match_prefix(s.tokens)[0]) for s in ready}
-            ready.sort(key=lambda s: -matched[s.sid])
+        if self.radix:  # each one's cached prefix, then 05's policy orders them (lpm: longest cached prefix first)
+            for s in ready:
+                s.prefix, s.node = self.radix.match_prefix(s.tokens)  # s.node: locked only once admitted
+        if self.radix or self.policy in ("fcfs", "random"):  # the cache-aware ones need a tree
+            ready = m05.POLICIES[self.policy](self.radix, self.rng, ready)
+        aware = self.radix and self.policy in m05.CACHE_AWARE
         new, budget = [], self.max_prefill_tokens
         in_batch = self.radix and type(self.radix)()  # prompts admitted this step (05's in-batch prefix caching)
         for s in ready:
             if len(self.running) + len(new) >= self.max_batch or (new and len(s.tokens) > budget):
                 break
             if self.radix:
-                if len(in_batch.match_prefix(s.tokens)[0]) >= matched[s.sid] + 32:
+                if aware and len(in_batch.match_prefix(s.tokens)[0]) >= len(s.prefix) + m05.IN_BATCH_MIN:
                     continue  # shares a long uncached prefix with a sequence prefilled now: next step it hits
                 in_batch.insert(s.tokens)
                 slots, s.node = self.radix.match_prefix(s.tokens)
@@ -1689,7 +1702,7 @@ def main(argv=None):
         kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
-                        fused=not args.no_fused, multi_step=args.multi_step)
+                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy)
         warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:

@@ -340,3 +340,29 @@ def test_fused_projections_change_nothing():
     assert ff.w3.weight.data_ptr() == ff.w13[ff.w1.weight.shape[0]:].data_ptr()
     assert list(model.state_dict()) == names
     torch.testing.assert_close(model(tokens, torch.arange(9), L.NoCache()), before, atol=1e-5, rtol=1e-5)
+
+
+def test_policy_orders_admission_and_changes_no_output():
+    """--policy: 05's policies order the engine's queue. One sequence runs at a time, so sequences finish in
+    admission order: fcfs keeps arrival order; lpm, once a prompt is cached, takes the others that share its
+    head first (ties stay first come first served); random some other order. Tokens are the same under all."""
+    R = L.lesson("05_radix_scheduler")
+    model = tiny_model(seed=int(torch.randint(0, 10**6, ())))
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    heads = [torch.randint(0, 256, (40,)).tolist() for _ in range(3)]
+    prompts = [heads[i % 3] + torch.randint(0, 256, (5,)).tolist() for i in range(9)]  # groups 0 1 2 0 1 2 ...
+    order, outs = {}, {}
+    for policy in R.POLICIES:
+        e = L.Engine(model, tok, "token", kv_tokens=1024, max_batch=1, cuda_graphs=False, policy=policy)
+        for p in prompts:
+            e.add(p, L.SamplingParams(max_new_tokens=3))
+        outs[policy] = e.run()
+        order[policy] = list(e.finished)
+    assert order["fcfs"] == list(range(9))
+    assert order["lpm"] == [0, 3, 6, 1, 4, 7, 2, 5, 8]
+    assert sorted(order["random"]) == list(range(9)) and order["random"] != order["fcfs"]
+    assert all(o == outs["fcfs"] for o in outs.values())
+    with pytest.raises(L.UserError, match="unknown policy"):
+        L.Engine(model, tok, "token", kv_tokens=64, policy="shortest")
+    assert [L.cli_args(["--policy", p]).policy for p in R.POLICIES] == list(R.POLICIES)  # the CLI offers each
+    assert L.cli_args([]).policy == "lpm"
