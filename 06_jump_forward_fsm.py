@@ -457,11 +457,23 @@ class TokenIndex:
 
 # -------- Decoding: masking only, or masking + jump-forward with re-tokenization ------------------
 
+def sample(logits, temperature: float, top_p: float, generator=None):
+    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
+    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, idx = probs.sort(-1, descending=True)
+        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
 def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
                        temperature=0.0, seed=0) -> dict:
     """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
     its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
-    import llama3_generate as L
     gen = torch.Generator().manual_seed(seed)
     ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
     stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
@@ -485,7 +497,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
         keep = len(ids)
         ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
         ok[:len(allowed)] = allowed
-        t = int(L.sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
+        t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
         if t == index.eos:
             finished = True
             break

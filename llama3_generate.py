@@ -648,16 +648,7 @@ def hf_tokenizer(path: str) -> Tokenizer:
 # The decode loop
 # ----------------------------------------------------------------------------------------------
 
-def sample(logits, temperature: float, top_p: float, generator=None):
-    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        p_sorted, idx = probs.sort(-1, descending=True)
-        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+sample = lesson("06_jump_forward_fsm").sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
 
 
 @torch.inference_mode()

@@ -177,7 +177,8 @@ def test_lessons_never_import_the_model_in_their_core():
 
 def test_backends_run_without_the_model_module():
     """Each backend (01 contiguous, 02 paged, 03 token pool + 04's kernels, 05's scheduler simulation) prefills and
-    decodes random K/V with llama3_generate never imported: what a backend needs lives in the lessons."""
+    decodes random K/V, and 06 decodes under a regex (sampling included), with llama3_generate never imported:
+    what a lesson needs lives in the lessons."""
     import subprocess
     import sys
     code = """
@@ -196,6 +197,15 @@ for kv in kvs + [token]:
         out = kv.attend(0, torch.randn(t, 4, 16), torch.randn(t, 2, 16), torch.randn(t, 2, 16))
         assert out.shape == (t, 4, 16) and torch.isfinite(out).all()
 m["05_radix_scheduler"].simulate([([1, 2, 3], [4, 5], None), ([1, 2], [6], None)], 16, "lpm", check=True)
+m6 = importlib.import_module("06_jump_forward_fsm")
+class Tok:  # bytes as tokens
+    special, eos_id = {"<eos>": 0}, 0
+    vocab = [b"<eos>"] + [bytes([b]) for b in range(256)]
+    vocab_size = len(vocab)
+    token_bytes = vocab.__getitem__
+r = m6.constrained_decode(m6.TokenIndex("(ab|cd){1,3}", Tok()), Tok(), [1, 2], lambda ids, keep: torch.randn(257),
+                          20, jump_forward=False, temperature=1.0)
+assert r["finished"] and __import__("re").fullmatch("(ab|cd){1,3}", r["text"]), r
 assert "llama3_generate" not in sys.modules, "a backend imported the model module"
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
