@@ -151,7 +151,8 @@ class ModelArgs:
     hidden_dim: int = 1536            # SwiGLU width
     norm_eps: float = 1e-5
     rope_theta: float = 100000.0
-    rope_scaling: dict | None = None  # Llama 3.1/3.2: {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    rope_scaling: dict | None = None  # Llama 3.1/3.2: {"factor", "low_freq_factor", "high_freq_factor",
+    #                                                  "original_max_position_embeddings"}
     max_seq_len: int = 8192
     tie_embeddings: bool = True
 
@@ -209,7 +210,8 @@ attend_dense, attend_decode = m01.attend_dense, m01.attend_decode
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
-        self.layer_id, self.n_heads, self.n_kv_heads, self.head_dim = layer_id, args.n_heads, args.n_kv_heads, args.head_dim
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
@@ -376,8 +378,9 @@ def load_gguf(path: str):
     names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if not args.tie_embeddings:
         names["output.weight"] = "output.weight"
-    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
-                 "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
+    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
+                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+                 "feed_forward.w2": "ffn_down",
                  "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
     sd = {ours: tensor(theirs) for ours, theirs in names.items()}
     for i in range(args.n_layers):
@@ -415,9 +418,10 @@ def load_meta(path: str):
     sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
           for k in parts[0] if not k.startswith("rope")}
     args = ModelArgs(dim=dim, n_layers=p["n_layers"], n_heads=n_heads, n_kv_heads=p.get("n_kv_heads") or n_heads,
-                     vocab_size=sd["tok_embeddings.weight"].shape[0], hidden_dim=hidden, norm_eps=p.get("norm_eps", 1e-5),
-                     rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
-                     max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192), tie_embeddings="output.weight" not in sd)
+                     vocab_size=sd["tok_embeddings.weight"].shape[0], hidden_dim=hidden,
+                     norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
+                     max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
+                     tie_embeddings="output.weight" not in sd)
     for i in range(args.n_layers):
         for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
             sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
@@ -428,8 +432,9 @@ def hf_names(n_layers: int) -> dict:
     """Hugging Face parameter name -> ours (Meta's)."""
     names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
              "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
-                 "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
+                 "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
+                 "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
                  "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
                  "post_attention_layernorm": "ffn_norm"}
     for i in range(n_layers):
@@ -511,7 +516,9 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 # Tokenizers (tiktoken BPE) and chat templates
 # ----------------------------------------------------------------------------------------------
 
-LLAMA3_PAT = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+LLAMA3_STOP = ["<|eot_id|>", "<|end_of_text|>"]
 GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's regex to the rest:
 # so whitespace before a digit ends its chunk, which the last-but-one branch's lookahead reproduces.
@@ -537,10 +544,12 @@ class Tokenizer:
         head = [self.bos_id] if bos and self.bos_id is not None else []
         raw = text.encode("utf-8", "surrogatepass")
         if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
-            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
+            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(),
+                                          disallowed_special=())
         # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge -- HF's behaviour.
         import regex
-        ids, parts = [], regex.split(f"({'|'.join(map(regex.escape, self.special))})", text) if allow_special else [text]
+        specials = f"({'|'.join(map(regex.escape, self.special))})"
+        ids, parts = [], regex.split(specials, text) if allow_special else [text]
         for part in parts:
             if part in self.special:
                 ids.append(self.special[part])
@@ -576,12 +585,14 @@ class Tokenizer:
         if self.chat_format == "llama3":
             ids.append(sp["<|begin_of_text|>"])
             for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"], *self.encode("\n\n")]
+                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"],
+                        *self.encode("\n\n")]
                 if m["content"] is not None:
                     ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
         else:  # ChatML, with SmolLM2's default system prompt
             if messages[0]["role"] != "system":
-                messages = [{"role": "system", "content": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}] + messages
+                system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                messages = [{"role": "system", "content": system}] + messages
             for m in messages + [{"role": "assistant", "content": None}]:
                 ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
                 if m["content"] is not None:
@@ -592,7 +603,8 @@ class Tokenizer:
 def llama3_tokenizer(path: str | None = None) -> Tokenizer:
     """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
     if path is None:
-        path = os.path.join(importlib.util.find_spec("llama_models").submodule_search_locations[0], "llama3", "tokenizer.model")
+        package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
+        path = os.path.join(package, "llama3", "tokenizer.model")
     ranks = {}
     for line in open(path, "rb").read().splitlines():  # read it ourselves: tiktoken's loader copies into a cache dir
         if line.strip():
@@ -625,7 +637,7 @@ def gguf_tokenizer(reader) -> Tokenizer:
     if f["tokenizer.ggml.model"].contents() != "gpt2" or pre not in ("smollm", "llama-bpe"):
         raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model'].contents()!r}/{pre!r}")
     if pre == "llama-bpe":
-        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", ["<|eot_id|>", "<|end_of_text|>"], "llama3")
+        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
     return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
 
 
@@ -637,7 +649,7 @@ def hf_tokenizer(path: str) -> Tokenizer:
     pre = json.dumps(j.get("pre_tokenizer"))
     pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
     if "<|eot_id|>" in special:
-        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", ["<|eot_id|>", "<|end_of_text|>"], "llama3")
+        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
     stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
     if not stop:
         raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
@@ -746,7 +758,8 @@ class Engine:
         self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
         if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
-            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, max(1, min(max_batch, kv_tokens // max_len)), max_len)
+            rows = max(1, min(max_batch, kv_tokens // max_len))
+            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, rows, max_len)
             self.max_batch, self.out_of_memory = len(self.kv.free_rows), ()
         elif backend == "paged":     # 02: blocks on demand; flash-attn when on CUDA with block_size % 256 == 0
             m02 = lesson("02_paged_cache_manager")
@@ -770,8 +783,8 @@ class Engine:
         self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
         self.finish_reasons = {}  # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
         self.stats = self.new_stats()
-        self.graphs = (CudaGraphDecoder(self, fused=fused) if (dev.type == "cuda" if cuda_graphs is None else cuda_graphs)
-                       and backend == "token" else None)
+        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.graphs = CudaGraphDecoder(self, fused=fused) if graphs and backend == "token" else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
@@ -999,7 +1012,8 @@ class Engine:
     def kv_capacity(self) -> int:
         kv = self.kv
         return {"contiguous": lambda: kv.k_cache.shape[1] * kv.max_seq_len,
-                "paged": lambda: kv.manager.num_blocks * kv.block_size, "token": lambda: kv.allocator.size}[self.backend]()
+                "paged": lambda: kv.manager.num_blocks * kv.block_size,
+                "token": lambda: kv.allocator.size}[self.backend]()
 
     def _share_prompt(self, s):
         """Right after prefill, put the prompt in the tree so siblings and look-alikes reuse it while s decodes."""
@@ -1317,10 +1331,14 @@ class CudaGraphDecoder:
         self.pad_row = kv.req_pool.alloc()
         kv.req_to_token[self.pad_row] = self.pad_slot  # any position of the padding row is the scratch slot
         n, dev = self.buckets[-1], engine.device
-        self.tokens, self.positions, self.slots, self.rows = (torch.zeros(n, dtype=torch.long, device=dev) for _ in range(4))
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
+        self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
+        self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
+        self.rows = torch.zeros_like(self.tokens)                       # (n,) its req_to_token row
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
-        self.cuda = dev.type == "cuda"  # pinned: a copy to the host that does not wait for the GPU; two chunks in flight
+        self.cuda = dev.type == "cuda"
+        # pinned: a copy to the host that does not wait for the GPU; two of them, for two chunks in flight
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
         self.pool = None
@@ -1610,7 +1628,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     batch = prompts[:hf_batch]
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
-    mask = (torch.arange(width, device=device) >= torch.tensor([width - len(p) for p in batch], device=device)[:, None]).long()
+    pad = torch.tensor([width - len(p) for p in batch], device=device)  # (batch,) left padding
+    mask = (torch.arange(width, device=device) >= pad[:, None]).long()
     hf_new = 256
     hf_generate(hf, ids[:2, -16:], 4, mask[:2, -16:])  # warm-up
     r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / seconds(hf_generate, hf, ids, hf_new, mask)
@@ -1628,7 +1647,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
         x = torch.tensor([prompts[1][:128]], device=device)
         t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
-                                   graph_replay_tok_s=replay_tok_s, one_step_per_sync_tok_s=decode_tok_s(multi_step=1)[0],
+                                   graph_replay_tok_s=replay_tok_s,
+                                   one_step_per_sync_tok_s=decode_tok_s(multi_step=1)[0],
                                    unfused_tok_s=decode_tok_s(fused=False)[0], transformers_tok_s=32 / (t[33] - t[1]))
 
     batch1(model, hf, "1b")
@@ -1730,7 +1750,8 @@ def main(argv=None):
         print("\n".join(text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False) for o in outs.values()))
     else:
         for sid, o in outs.items():
-            print(f"### {args.prompt[sid // args.n]}{f' (sample {sid % args.n + 1})' if args.n > 1 else ''}\n{text(o)}\n")
+            sample_no = f" (sample {sid % args.n + 1})" if args.n > 1 else ""
+            print(f"### {args.prompt[sid // args.n]}{sample_no}\n{text(o)}\n")
     if regex is not None:
         for sid in outs:
             if engine.finish_reasons[sid] == "length":

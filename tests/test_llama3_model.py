@@ -263,3 +263,10 @@ def test_bad_input_is_one_line(tmp_path):
         assert p.returncode != 0 and msg in err and "\n" not in err and "Traceback" not in err, (argv, err)
         assert "weights_only=False" not in err
     assert not (tmp_path / "pwned").exists()
+
+
+def test_model_file_reads_in_lines_of_120_characters():
+    """llama3_generate.py, the file the reading order ends with: no line over 120 characters."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llama3_generate.py")
+    long = [i + 1 for i, line in enumerate(open(path, encoding="utf-8").read().splitlines()) if len(line) > 120]
+    assert not long, f"lines over 120 characters: {long}"
