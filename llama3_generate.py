@@ -24,20 +24,22 @@ directories (config.json + *.safetensors + tokenizer.json). Tokenizers run on ti
 Bottom half: `generate` (a static batch through any backend: what the lessons' parity tests use) and the
 `Engine`, which puts the lessons together:
 
-    waiting --admit (05: longest cached prefix first)--> prefill step --> running --decode steps--> finished
+    waiting --admit (05's policy; default: lpm first)--> prefill step --> running --decode steps--> finished
        ^                                                                    |                         |
        '------ preempted (backend out of memory: recompute, radix keeps the prefix) ---'   05's radix tree <-'
-    KV backend: 01 contiguous | 02 paged (flash-attn on CUDA) | 03 token pool + 04 Triton decode kernel
-    sampling: temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
-    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops;
+    KV backend: 01 contiguous | 02 paged (flash-attn on CUDA) | 03 token pool + 04's Triton decode and prefill
+    sampling: 06's temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
+    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops and
+         stacked q/k/v and gate/up projections;
          batch 1 in six Triton kernels per layer (`fused_decode`); greedy batches k steps per host sync
 
 Map, top to bottom:
     cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
-    The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer
+    The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer;
+                        fuse_pointwise, fuse_projections (the GPU's kernel-count savers)
     Weights             GGUF (default), Meta and Hugging Face loaders; to_transformers (the peer in tests)
     Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
-    The decode loop     sample, generate (a static batch through any backend)
+    The decode loop     sample (06's), generate (a static batch through any backend)
     The engine          SamplingParams, Seq, Engine: warm_up, add, admit, prepare, step, multi-step, finish
     Batch-1 GPU path    fused_decode (six Triton kernels per layer), argmax, CudaGraphDecoder
     Command line        bench, bench_engine, kv_pool_size, main
@@ -981,7 +983,8 @@ class Engine:
                 self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
                 self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"],
                                                      sum(s.kv_len + ahead + k for s in batch))
-                keep = [i for i, s in enumerate(prev.batch) if s in batch] if prev else None  # rows that go on
+                going_on = set(map(id, batch))
+                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
                 chunk = self.graphs.steps(batch, positions, k, keep=keep)
         if prev:
             self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
