@@ -849,7 +849,7 @@ class Engine:
         ready = [s for s in self.waiting if s.after is None or s.after.kv_len >= len(s.prompt) or s.after.done]
         if self.radix:  # each one's cached prefix, then 05's policy orders them (lpm: longest cached prefix first)
             for s in ready:
-                s.prefix, s.node = self.radix.match_prefix(s.tokens)  # s.node: locked only once admitted
+                s.prefix, s.node = self.radix.match_prefix(s.tokens)  # s.node: locked once admitted, as in 05
         if self.radix or self.policy in ("fcfs", "random"):  # the cache-aware ones need a tree
             ready = m05.POLICIES[self.policy](self.radix, self.rng, ready)
         aware = self.radix and self.policy in m05.CACHE_AWARE
@@ -862,17 +862,17 @@ class Engine:
                 if aware and len(in_batch.match_prefix(s.tokens)[0]) >= len(s.prefix) + m05.IN_BATCH_MIN:
                     continue  # shares a long uncached prefix with a sequence prefilled now: next step it hits
                 in_batch.insert(s.tokens)
-                slots, s.node = self.radix.match_prefix(s.tokens)
-                self.radix.inc_lock_ref(s.node)
-                self.kv.add_prefix(s.sid, slots)
-                s.kv_len, s.in_kv = len(slots), True
+                self.radix.inc_lock_ref(s.node)  # the match above still holds: a later match splits below it
+                self.kv.add_prefix(s.sid, s.prefix)
+                s.kv_len, s.in_kv = len(s.prefix), True
             if not s.admitted:  # hit rate counts first admissions: cached prompt tokens / prompt tokens
                 self.stats["prompt_tokens"] += len(s.prompt)
                 self.stats["cached_tokens"] += s.kv_len
             s.admitted += 1
             budget -= len(s.tokens) - s.kv_len
             new.append(s)
-        self.waiting = [s for s in self.waiting if s not in new]
+        taken = set(map(id, new))
+        self.waiting = [s for s in self.waiting if id(s) not in taken]
         return new
 
     def _release(self, s):
