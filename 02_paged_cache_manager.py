@@ -23,7 +23,8 @@ The pieces, in the order this file defines them:
   PagedKVCache   the backend behind llama3_generate's seam (prepare / attend / free), plus fork and
                  swap_out / swap_in. Slot mappings are built with tensor ops, not per-token loops.
   Scheduler      continuous batching: running out of blocks is a scheduling event -- the newest running
-                 request is preempted (recomputed later, or swapped to CPU memory), never a crash.
+                 request is preempted (recomputed later, or swapped to CPU memory), never a crash. 05's
+                 scheduler and the engine are this class with another admission (`admit`).
 
 Run: `python 02_paged_cache_manager.py [--trace alpaca] [--requests N] [--budget SLOTS] [--no-model] [--json]`.
 
@@ -38,7 +39,6 @@ import functools
 import importlib
 import json
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -286,89 +286,142 @@ class PagedKVCache:
         self.k_cache[:, blocks], self.v_cache[:, blocks] = k.to(self.device), v.to(self.device)
 
 
-@dataclass
 class Request:
-    seq_id: int
-    prompt: list
-    max_new: int
-    out: list = field(default_factory=list)
+    """One request in flight. Its KV holds tokens[:kv_len]; the next step feeds tokens[kv_len:] (the whole prompt once
+    admitted, one token in decode, prompt + output so far after a recompute preemption)."""
+
+    def __init__(self, rid, prompt, max_new, stop_ids=()):
+        self.rid, self.prompt, self.max_new, self.stop_ids = rid, list(prompt), max_new, set(stop_ids)
+        self.output, self.kv_len, self.in_kv, self.done = [], 0, False, False  # in_kv: the backend holds a row for it
 
     @property
     def tokens(self):
-        return self.prompt + self.out
+        return self.prompt + self.output
+
+    @property
+    def n_new(self) -> int:  # tokens the next step feeds
+        return len(self.prompt) + len(self.output) - self.kv_len
 
 
 class Scheduler:
-    """Continuous batching over a PagedKVCache (nano-vllm's scheduler, cut down). Each step either prefills the
-    waiting requests whose blocks fit above the watermark, or decodes every running request; when decode cannot
-    get its blocks, the newest running request is preempted: recompute (free now, prefill prompt + output so far
-    later) or swap (copy its blocks to CPU memory, copy them back when they fit)."""
+    """Continuous batching (nano-vllm's scheduler, cut down). Each step either prefills the requests admit() lets in,
+    or decodes one token of every running request (vLLM's prefill-first order). When the pool cannot hold a step,
+    prepare() first lets make_room() free something (05 evicts cached prefixes there), then holds the newest admitted
+    request back, then preempts the newest running one: recompute (free its KV now, prefill prompt + output so far
+    later) or swap (copy its blocks to CPU memory, copy them back when they fit). 05's Scheduler and the engine in
+    llama3_generate.py are this class with another admit()."""
 
-    def __init__(self, kv, max_running: int = 64, preempt: str = "recompute", stop_ids=()):
-        """kv: a PagedKVCache, or a bare BlockManager to simulate a trace without tensors (recompute only)."""
-        self.m = kv if isinstance(kv, BlockManager) else kv.manager
-        if preempt not in ("recompute", "swap") or (preempt == "swap" and kv is self.m):
+    def __init__(self, kv, max_running: int = 64, preempt: str = "recompute"):
+        """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to simulate a trace
+        without tensors; swap needs swap_out / swap_in (PagedKVCache)."""
+        self.m = kv if isinstance(kv, BlockManager) else getattr(kv, "manager", None)
+        if preempt not in ("recompute", "swap") or (preempt == "swap" and not hasattr(kv, "swap_out")):
             raise ValueError(f"preempt must be 'recompute' or 'swap' (swap needs a PagedKVCache), not {preempt!r}")
-        self.kv, self.max_running, self.preempt, self.stop_ids = kv, max_running, preempt, set(stop_ids)
+        self.kv, self.max_running, self.preempt_mode = kv, max_running, preempt
         self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
-        self.num_preemptions, self.stats = 0, []  # stats: (running, live tokens, used blocks, anyone waiting) per decode
+        self.stats = dict(preemptions=0)
+        self.decode_log = []  # (running, live tokens, used blocks, anyone waiting) per decode step
 
-    def schedule(self):
-        m = self.m
-        while (self.swapped and m.can_allocate(self.swapped[0][1][2], alone=not self.running)
-               and len(self.running) < self.max_running):
+    def swap_in(self):
+        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again)."""
+        while self.swapped and len(self.running) < self.max_running and self.m.can_allocate(
+                self.swapped[0][0].kv_len, alone=not self.running):
             req, saved = self.swapped.popleft()
-            self.kv.swap_in(req.seq_id, saved)
+            self.kv.swap_in(req.rid, saved)
+            req.in_kv = True
             self.running.append(req)
-        batch, taken = [], 0
+
+    def admit(self) -> list:
+        """vLLM's admission, after swap_in(): first come first served, while the prompt's blocks fit above the
+        watermark. Returns the requests to prefill this step."""
+        self.swap_in()
+        m, batch, taken = self.m, [], 0
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_running:
-            n = len(self.waiting[0].tokens)
+            n = self.waiting[0].n_new
             if not m.can_allocate(n, taken, alone=not (self.running or batch)):
                 break
             taken += cdiv(n, m.block_size)
             batch.append(self.waiting.popleft())
-        if batch:
-            self.running += batch
-            return batch, [len(r.tokens) for r in batch]
-        if not self.running:
-            n = len(self.waiting[0].tokens) if self.waiting else self.swapped[0][1][2]
-            raise OutOfBlocks(f"a request of {n} tokens cannot fit: {m.num_blocks} blocks of {m.block_size}, "
-                              f"watermark {m.watermark_blocks}")
-        while not m.can_append([r.seq_id for r in self.running], [1] * len(self.running)):
-            if len(self.running) == 1:
-                raise OutOfBlocks(f"request {self.running[0].seq_id} alone outgrows the pool of {m.num_blocks} blocks")
-            self._preempt(self.running.pop())
-        live = sum(m.num_tokens[r.seq_id] for r in self.running)
-        self.stats.append((len(self.running), live, m.num_blocks - m.num_free, bool(self.waiting or self.swapped)))
-        return list(self.running), [1] * len(self.running)
+        return batch
 
-    def _preempt(self, req):
-        self.num_preemptions += 1
-        if self.preempt == "swap":
-            self.swapped.append((req, self.kv.swap_out(req.seq_id)))
+    def prepare(self, batch):
+        """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one list). When
+        the pool cannot hold it: make_room(), then hold back the newest admitted request, then preempt the newest
+        running one, and try again. Returns (batch, positions); the batch is self.running when nothing new fits."""
+        while True:
+            try:
+                positions = self.kv.prepare([r.rid for r in batch], [r.n_new for r in batch])
+                for r in batch:
+                    r.in_kv = True
+                return batch, positions
+            except OutOfBlocks:
+                if self.make_room(sum(r.n_new for r in batch)) > 0:
+                    continue
+                if len(batch) == 1 and all(r is batch[0] for r in self.running):  # alone, after every eviction
+                    raise OutOfBlocks(f"request {batch[0].rid} needs more KV than the whole pool holds") from None
+                running = set(map(id, self.running))
+                victim = next((r for r in reversed(batch) if id(r) not in running), batch[-1])  # new ones first
+                batch.remove(victim)
+                if id(victim) in running:
+                    if batch is not self.running:
+                        self.running.remove(victim)
+                    self.preempt(victim)
+                else:  # held back: it waits at the head of the queue
+                    self.release(victim)
+                    self.waiting.appendleft(victim)
+                if not batch:  # nothing new fits next to the running ones: decode them instead
+                    batch = self.running
+
+    def make_room(self, n_tokens: int) -> int:
+        """Free slots without touching a running request; returns how many. Nothing here (05 evicts its cache)."""
+        return 0
+
+    def preempt(self, req):
+        self.stats["preemptions"] += 1
+        if self.preempt_mode == "swap":
+            self.swapped.append((req, self.kv.swap_out(req.rid)))  # keeps kv_len: swap_in restores those tokens
+            req.in_kv = False
         else:
-            self.kv.free(req.seq_id)
+            self.release(req)
             self.waiting.appendleft(req)
 
+    def release(self, req):
+        """Drop req's KV (05 first hands its computed tokens to the radix tree)."""
+        if req.in_kv:
+            self.kv.free(req.rid)
+        req.kv_len, req.in_kv = 0, False
+
     def run(self, forward):
-        """forward(batch, n_new, positions) -> next token per request. Returns the outputs in seq_id order."""
+        """forward(batch, n_new, positions) -> next token per request. Returns the outputs in rid order."""
         while self.waiting or self.running or self.swapped:
-            batch, n_new = self.schedule()
-            positions = self.kv.prepare([r.seq_id for r in batch], n_new)
-            for r, t in zip(batch, forward(batch, n_new, positions)):
-                r.out.append(t)
-                if t in self.stop_ids or len(r.out) >= r.max_new:
+            new = self.admit()
+            if not (new or self.running):
+                n, m = (self.waiting[0].n_new if self.waiting else self.swapped[0][0].kv_len), self.m
+                raise OutOfBlocks(f"a request of {n} tokens cannot fit: {m.num_blocks} blocks of {m.block_size}, "
+                                  f"watermark {m.watermark_blocks}")
+            batch, positions = self.prepare(new or self.running)
+            n_new = [r.n_new for r in batch]
+            if batch is self.running:
+                m = self.m
+                live = sum(m.num_tokens[r.rid] for r in batch)
+                self.decode_log.append((len(batch), live, m.num_blocks - m.num_free, bool(self.waiting or self.swapped)))
+            else:
+                self.running += batch
+            for r, n, t in zip(list(batch), n_new, forward(batch, n_new, positions)):
+                r.kv_len += n
+                r.output.append(t)
+                if t in r.stop_ids or len(r.output) >= r.max_new:
                     self.running.remove(r)
-                    self.kv.free(r.seq_id)
+                    self.release(r)
                     self.finished.append(r)
-        return [r.out for r in sorted(self.finished, key=lambda r: r.seq_id)]
+        return [r.output for r in sorted(self.finished, key=lambda r: r.rid)]
 
 
 def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="recompute", stop_ids=(), max_running=64):
     """Greedy decoding of prompts (lists of ids) through a paged cache of num_blocks. -> (outputs, scheduler)."""
     kv = PagedKVCache.for_model(model, num_blocks, block_size)
-    sched = Scheduler(kv, max_running, preempt, stop_ids)
-    sched.waiting.extend(Request(i, list(p), max_new_tokens) for i, p in enumerate(prompts))
+    sched = Scheduler(kv, max_running, preempt)
+    sched.waiting.extend(Request(i, list(p), max_new_tokens, stop_ids) for i, p in enumerate(prompts))
     device = model.tok_embeddings.weight.device
 
     def forward(batch, n_new, positions):
@@ -429,10 +482,10 @@ def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2
            "attention_path": "flash-attn" if flash_attn() and torch.cuda.is_available() else "pytorch"}
     for B in (1, 16, 256):
         sched = simulate(prompt, output, budget_tokens // B, B)
-        full = np.array([st[:3] for st in sched.stats if st[3]] or [st[:3] for st in sched.stats], dtype=float)
+        full = np.array([st[:3] for st in sched.decode_log if st[3]] or [st[:3] for st in sched.decode_log], dtype=float)
         res["live_fraction"][str(B)] = float(full[:, 1].mean() / budget_tokens)  # (running, live, used) per step
         res["batch"][str(B)] = float(full[:, 0].mean())
-        res["preemptions"][str(B)] = sched.num_preemptions
+        res["preemptions"][str(B)] = sched.stats["preemptions"]
     ap, ao = kv01.synthetic_trace("alpaca", min(n, 200), seed, max_seq_len)  # vLLM measured sharing on Alpaca
     res["sharing_saved"] = {kind: {str(w): sharing_saved(ap, ao, w, kind == "beam") for w in (2, 4, 6)}
                             for kind in ("parallel", "beam")}
@@ -449,7 +502,7 @@ def demo(max_new=16, num_blocks=20, block_size=4):
     res = {"num_blocks": num_blocks, "block_size": block_size, "text": tok.decode(ref[0])}
     for preempt in ("recompute", "swap"):
         out, sched = serve(model, prompts, max_new, num_blocks, block_size, preempt, tok.stop_ids)
-        res[preempt] = {"equal_to_contiguous": out == ref, "preemptions": sched.num_preemptions}
+        res[preempt] = {"equal_to_contiguous": out == ref, "preemptions": sched.stats["preemptions"]}
     return res
 
 

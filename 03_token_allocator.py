@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 K01 = importlib.import_module("01_kv_cache")  # attend_dense / attend_decode: the reference attention
+P02 = importlib.import_module("02_paged_cache_manager")  # OutOfBlocks: a token is a block of size 1
 
 
 class TokenAllocator:
@@ -157,8 +158,9 @@ def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens):
     return K01.attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
 
 
-class PoolExhausted(RuntimeError):
-    """prepare() found too few free slots or request rows; nothing was allocated, the caller may preempt and retry."""
+class PoolExhausted(P02.OutOfBlocks):
+    """prepare() found too few free slots or request rows; nothing was allocated, the caller may preempt and retry
+    (02's Scheduler does: to it a slot is a block of one token)."""
 
 
 class TokenKVCache:
@@ -299,7 +301,7 @@ class BlockPeer:
     """02's BlockManager (bookkeeping only: no slot tensor is built), blocks of 16, behind alloc(n) / free(handle)."""
 
     def __init__(self, size: int, device="cpu"):
-        self.bm, self.n = importlib.import_module("02_paged_cache_manager").BlockManager(size // 16, 16, 0.0), 0
+        self.bm, self.n = P02.BlockManager(size // 16, 16, 0.0), 0
 
     def alloc(self, n: int):
         self.n += 1

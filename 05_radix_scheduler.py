@@ -37,6 +37,10 @@ reserves every slot a request will take (prompt suffix + max_new - 1), so the ru
 stays below the optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
 and a small pool evicts prefixes that concurrently running requests could not all keep.
 
+The same class schedules llama3_generate.py's engine, with two options (see Scheduler): reserve=False admits without
+reserving decode slots and, when the pool runs short, evicts and then preempts through 02's Scheduler, which this one
+extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able.
+
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
 caching); mini-sglang for the invariant style. Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
@@ -49,11 +53,12 @@ import importlib
 import json
 import random
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import numpy as np
 import torch
 
+P02 = importlib.import_module("02_paged_cache_manager")  # Request, Scheduler: continuous batching and preemption
 T = importlib.import_module("03_token_allocator")  # TokenAllocator pool + TokenKVCache backend (add_prefix, slots)
 
 
@@ -240,11 +245,17 @@ class RadixCache:
 # Cache-aware scheduler with continuous batching
 # ----------------------------------------------------------------------------------------------
 
-class Req:
+class Req(P02.Request):
+    """02's request (prompt, output, kv_len) plus what the radix scheduler tracks."""
+
     def __init__(self, rid, prompt, max_new, target=None, after=None, stop_ids=()):
-        self.rid, self.prompt, self.max_new, self.target = rid, list(prompt), max_new, target
-        self.after, self.stop_ids, self.output = after, set(stop_ids), []  # after: a Req that must finish first
-        self.prefix, self.node, self.n_cached, self.reserve, self.done = None, None, 0, 0, False
+        super().__init__(rid, prompt, max_new, stop_ids)
+        self.target, self.after = target, after  # target: simulated output; after: a Req whose KV it needs first
+        self.prefix, self.node, self.reserve, self.admitted = None, None, 0, 0  # matched slots, locked node
+
+    @property
+    def ready(self) -> bool:  # `after` computed this prompt (a sibling sample), or finished (a follow-up turn)
+        return self.after is None or self.after.done or self.after.kv_len >= len(self.prompt)
 
 
 def _dfs_weight(tree, rng, waiting):
@@ -278,16 +289,28 @@ CACHE_AWARE = ("lpm", "dfs-weight")
 IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one admitted this step waits one step
 
 
-class Scheduler:
-    """Algorithm 1 over a TokenKVCache (03) + RadixCache. step() runs one continuous-batching iteration."""
+class Scheduler(P02.Scheduler):
+    """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its prepare() and
+    preemption): this class admits, 02's allocates. step() runs one iteration. The options, the paper's first:
+      reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
+                    ever preempted. False (the engine): admit what the step's prefill budget allows; when the pool
+                    runs short, evict, then hold back or preempt (02; recompute is mostly a cache hit, as the
+                    preempted request's computed tokens stay in the tree).
+      mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
+                    False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
+      radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs."""
 
-    def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0):
+    def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0, radix=True, reserve=True,
+                 mixed=True, preempt="recompute"):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        self.kv, self.tree, self.policy = kv, RadixCache(kv.allocator), policy
-        self.max_running, self.max_prefill_tokens, self.rng = max_running, max_prefill_tokens, random.Random(seed)
-        self.waiting, self.blocked, self.running, self.n_req, self.min_new = [], [], [], 0, 1 << 62
-        self.stats = dict(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
+        if reserve and not radix:
+            raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
+        super().__init__(kv, max_running, preempt)
+        self.tree = RadixCache(kv.allocator) if radix else None
+        self.policy, self.reserve, self.mixed, self.max_prefill_tokens = policy, reserve, mixed, max_prefill_tokens
+        self.rng, self.n_req, self.min_new = random.Random(seed), 0, 1 << 62
+        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
 
     def add(self, prompt, max_new, target=None, after=None, stop_ids=()):
         longest = len(prompt) + max_new - 1
@@ -296,96 +319,119 @@ class Scheduler:
                              f"({self.kv.allocator.size} slots, max_seq_len {self.kv.max_seq_len})")
         r = Req(self.n_req, prompt, max_new, target, after, stop_ids)
         self.n_req, self.min_new = self.n_req + 1, min(self.min_new, max_new)  # every request needs >= max_new
-        (self.blocked if after is not None and not after.done else self.waiting).append(r)
+        self.waiting.append(r)
         return r
 
-    def schedule(self):
-        """Algorithm 1: pick new requests for this step, lock their prefixes, open their rows (add_prefix)."""
-        room = self.max_running - len(self.running)
-        budget = self.tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running)
-        if room <= 0 or not self.waiting or budget < self.min_new:
-            return []  # nothing can be admitted: skip the matching
-        aware = self.policy in CACHE_AWARE
+    def admit(self):
+        """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy, take them while
+        the step's prefill budget (and with reserve, the pool) allows; lock their prefixes, open their rows."""
+        self.swap_in()
+        room, tree = self.max_running - len(self.running), self.tree
+        if room <= 0 or self.swapped or not self.waiting:
+            return []
+        if self.reserve:
+            budget = tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running)
+            if budget < self.min_new:
+                return []  # nothing can be admitted: skip the matching
+        ready = [r for r in self.waiting if r.ready]
+        aware = tree is not None and self.policy in CACHE_AWARE
         if aware:
-            for r in self.waiting:
-                r.prefix, r.node = self.tree.match_prefix(r.prompt)
+            for r in ready:
+                r.prefix, r.node = tree.match_prefix(r.tokens)
+        if aware or self.policy not in CACHE_AWARE:
+            ready = POLICIES[self.policy](tree, self.rng, ready)
         new, batch, prefill = [], RadixCache(), 0  # batch: prompts admitted this step (in-batch prefix caching)
-        for r in POLICIES[self.policy](self.tree, self.rng, self.waiting):
+        for r in ready:
             if len(new) == room:
                 break
-            if not aware:
-                r.prefix, r.node = self.tree.match_prefix(r.prompt)
-            extend = len(r.prompt) - len(r.prefix)
+            if tree is not None and not aware:
+                r.prefix, r.node = tree.match_prefix(r.tokens)
+            cached = len(r.prefix) if tree is not None else 0
+            extend = len(r.prompt) + len(r.output) - cached
             if new and prefill + extend > self.max_prefill_tokens:
                 break
-            if aware and new and len(batch.match_prefix(r.prompt)[0]) >= len(r.prefix) + IN_BATCH_MIN:
+            if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
-            need = extend + r.max_new - 1  # every slot it will ever take: prefill + all decode steps but the last
-            delta = self.tree.inc_lock_ref(r.node)
-            if need > budget + delta:  # head of the queue does not fit: stop (no overtaking, no starvation)
-                self.tree.dec_lock_ref(r.node)
-                break
-            budget += delta - need
-            r.reserve, r.n_cached = need, len(r.prefix)
-            self.kv.add_prefix(r.rid, r.prefix)
+            if tree is not None:
+                delta = tree.inc_lock_ref(r.node)  # the match above still holds: a later match splits below it
+                if self.reserve:
+                    need = extend + r.max_new - 1  # every slot it will ever take: prefill + all decode steps but one
+                    if need > budget + delta:  # head of the queue does not fit: stop (no overtaking, no starvation)
+                        tree.dec_lock_ref(r.node)
+                        break
+                    budget, r.reserve = budget + delta - need, need
+                self.kv.add_prefix(r.rid, r.prefix)
+                r.kv_len, r.in_kv = cached, True
+                if aware:
+                    batch.insert(r.tokens)
+            if not r.admitted:  # the hit rate counts first admissions: cached prompt tokens / prompt tokens
+                self.stats["prompt_tokens"] += len(r.prompt)
+                self.stats["cached_tokens"] += cached
+            r.admitted += 1
             new.append(r)
             prefill += extend
-            if aware:
-                batch.insert(r.prompt)
         if new:
             taken = set(map(id, new))
-            self.waiting = [r for r in self.waiting if id(r) not in taken]
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
 
-    def _cache(self, r, tokens):
-        """Insert r's computed tokens into the tree and move r's lock down to the node they end at. Where the tree
-        already held some of them (a whole cached prompt's last token is computed again, for its logits), r
-        switches to the tree's slots and its duplicates go back to the pool: the lock must not cost a slot that
-        schedule() counted as evictable."""
-        self.tree.insert(tokens, self.kv.slots(r.rid))
-        slots, node = self.tree.match_prefix(tokens, compute_last=False)
+    def make_room(self, n_tokens):
+        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
+        if self.tree is None:
+            return 0
+        evicted = self.tree.evict(n_tokens - self.kv.allocator.available())
+        self.stats["evicted_tokens"] += evicted
+        return evicted
+
+    def cache_prompt(self, r):
+        """Right after r's prefill, put its prompt into the tree and move r's lock down to it, so requests arriving
+        while r decodes (its n > 1 siblings first) hit it. Where the tree already held some of it (a cached prompt's
+        last token is computed again, for its logits), r switches to the tree's slots and its duplicates go back to
+        the pool: the lock must not cost a slot that admit() counted as evictable."""
+        self.tree.insert(r.prompt, self.kv.slots(r.rid))
+        slots, node = self.tree.match_prefix(r.prompt, compute_last=False)
         self.kv.share_prefix(r.rid, slots)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(r.node)
         r.node = node
 
+    def release(self, r):
+        """Drop r's KV; its computed tokens go into the tree first (for later requests, or r after a preemption)."""
+        if r.in_kv and self.tree is not None:
+            if r.kv_len:
+                self.tree.insert(r.tokens[:r.kv_len], self.kv.slots(r.rid))
+            self.tree.dec_lock_ref(r.node)
+        super().release(r)  # the request's references go; its duplicates of tree slots return to the pool
+        r.node = None
+
     def step(self, forward=None):
-        """One iteration: admit, allocate (evicting if short), run, cache. forward(tokens, positions, n_new) -> next
-        token per request; None = simulation, where each request's next token is read from its target."""
-        new = self.schedule()
-        batch = new + self.running
-        if not batch:
+        """One iteration: admit, allocate (02's prepare: evicting, holding back, preempting if short), run, cache.
+        forward(tokens, positions, n_new) -> next token per request; None = simulation, where each request's next
+        token is read from its target."""
+        new = self.admit()
+        if not (new or self.running):
             raise RuntimeError("nothing can run: a waiting request does not fit next to the cached prefixes")
-        n_new = [len(r.prompt) - r.n_cached for r in new] + [1] * len(self.running)
-        short = sum(n_new) - self.kv.allocator.available()
-        if short > 0:
-            self.stats["evicted_tokens"] += self.tree.evict(short)
-        positions = self.kv.prepare([r.rid for r in batch], n_new)
+        batch, positions = self.prepare(new + self.running if self.mixed else new or self.running)
+        n_new = [r.n_new for r in batch]
         if forward is None:
             next_ids = [r.target[len(r.output)] for r in batch]
         else:
-            tokens = [t for r in new for t in r.prompt[r.n_cached:]] + [r.output[-1] for r in self.running]
-            next_ids = forward(tokens, positions, n_new)
-        for r in new:
-            self.stats["prompt_tokens"] += len(r.prompt)
-            self.stats["cached_tokens"] += r.n_cached
-            self._cache(r, r.prompt)  # share the prompt from now on, while r is still decoding
+            next_ids = forward([t for r in batch for t in r.tokens[r.kv_len:]], positions, n_new)
         for r, n, t in zip(batch, n_new, next_ids):
-            r.reserve -= n
+            r.kv_len, r.reserve = r.kv_len + n, r.reserve - n
+            if self.tree is not None and r.kv_len >= len(r.prompt) > r.kv_len - n:
+                self.cache_prompt(r)  # share the prompt from now on, while r is still decoding
             r.output.append(t)
             r.done = len(r.output) >= r.max_new or t in r.stop_ids
-            if r.done:  # its KV goes to the tree: prompt + output but the last token (never fed back)
-                self._cache(r, r.prompt + r.output[:-1])
-                self.tree.dec_lock_ref(r.node)
-                self.kv.free(r.rid)  # drops the request's references; duplicate slots go back to the pool
-        self.running = [r for r in batch if not r.done]
-        self.waiting += [r for r in self.blocked if r.after.done]
-        self.blocked = [r for r in self.blocked if not r.after.done]
+            if r.done:
+                self.release(r)  # its KV goes to the tree: prompt + output but the last token (never fed back)
+        keep = batch if self.mixed or batch is self.running else self.running + batch
+        self.running = [r for r in keep if not r.done]
         self.stats["steps"] += 1
         return [r for r in batch if r.done]
 
     def run(self, forward=None, check=False):
-        while self.waiting or self.running or self.blocked:
+        while self.waiting or self.running or self.swapped:
             self.step(forward)
             if check:
                 self.check()

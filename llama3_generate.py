@@ -24,9 +24,9 @@ directories (config.json + *.safetensors + tokenizer.json). Tokenizers run on ti
 Bottom half: `generate` (a static batch through any backend: what the lessons' parity tests use) and the
 `Engine`, which puts the lessons together:
 
-    waiting --admit (05's policy; default: lpm first)--> prefill step --> running --decode steps--> finished
-       ^                                                                    |                         |
-       '------ preempted (backend out of memory: recompute, radix keeps the prefix) ---'   05's radix tree <-'
+    waiting --admit (05's Scheduler: policy, lpm first)--> prefill step --> running --decode steps--> finished
+       ^                                                                       |                        |
+       '--- preempted (02's Scheduler: out of KV memory; recompute or swap) ---'     05's radix tree <-'
     KV backend: 01 contiguous | 02 paged (flash-attn on CUDA) | 03 token pool + 04's Triton decode and prefill
     sampling: 06's temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
     GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops and
@@ -40,7 +40,8 @@ Map, top to bottom:
     Weights             GGUF (default), Meta and Hugging Face loaders; to_transformers (the peer in tests)
     Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
     The decode loop     sample (06's), generate (a static batch through any backend)
-    The engine          SamplingParams, Seq, Engine: warm_up, add, admit, prepare, step, multi-step, finish
+    The engine          SamplingParams, Seq (05's Req), Engine over 05's Scheduler (02's preemption): warm_up,
+                        add, prepare, step, multi-step, sample, jump-forward, finish
     Batch-1 GPU path    fused_decode (six Triton kernels per layer), argmax, CudaGraphDecoder
     Command line        bench, bench_engine, kv_pool_size, main
 
@@ -59,7 +60,6 @@ import json
 import math
 import os
 import pickle
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -91,6 +91,8 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
     add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
         "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
+    add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
+        "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
     add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
     add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
         "kernels per layer")
@@ -726,27 +728,29 @@ class SamplingParams:
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
 
 
-class Seq:
-    """One sample in flight. Its KV holds tokens[:kv_len]; each step feeds tokens[kv_len:] (a whole prompt after
-    admission, one token in decode, several after a jump-forward) and samples the next token from the last."""
+R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests and its scheduler
+OutOfBlocks = lesson("02_paged_cache_manager").OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
 
-    def __init__(self, sid, prompt, params, index=None, after=None):
-        self.sid, self.prompt, self.params, self.index, self.after = sid, list(prompt), params, index, after
-        self.output, self.kv_len, self.node, self.done, self.fsm, self.text = [], 0, None, False, 0, b""
-        self.in_kv, self.admitted = False, 0  # does the backend hold a row/blocks for it; how often admitted
-        self.prefix = None  # slots of its longest cached prefix, matched when it waits to be admitted (05)
 
-    @property
-    def tokens(self):
-        return self.prompt + self.output
+class Seq(R05.Req):
+    """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
+    feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, the
+    regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
+
+    def __init__(self, rid, prompt, params, index=None, after=None):
+        super().__init__(rid, prompt, params.max_new_tokens, after=after)
+        self.params, self.index, self.fsm, self.text, self.finish = params, index, 0, b"", None
 
 
 class Engine:
-    """Requests enter `waiting`; a step either prefills what fits of them (longest cached prefix first when there is
-    a radix cache) or, when none fits, decodes one token of every running sequence -- continuous batching with
+    """The lessons' scheduler drives it: 05's Scheduler (on 02's) with reserve=False and mixed=False. Requests
+    enter its `waiting` queue; a step either prefills what it admits (05's policy: longest cached prefix first by
+    default) or, when none is admitted, decodes one token of every running sequence -- continuous batching with
     vLLM's prefill-first order, which keeps every decode step a pure, CUDA-graph-able batch. Finished sequences
-    retire into the radix cache. A backend out of memory preempts the newest sequence
-    (recompute: its KV is dropped, or handed to the radix cache, and it re-enters the queue).
+    retire into the radix cache. A backend out of memory makes 02's prepare() evict cached prefixes, hold back
+    new sequences, then preempt the newest running one (recompute: its computed tokens stay in the radix cache;
+    swap, paged backend: its blocks go to CPU memory). The engine adds what a real decode loop needs: sampling,
+    06's constraints and jump-forward, CUDA graphs and multi-step decode.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
     host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k
@@ -755,36 +759,36 @@ class Engine:
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm"):
-        a, dev = model.args, model.tok_embeddings.weight.device
-        self.model, self.tok, self.max_batch, self.max_prefill_tokens = model, tok, max_batch, max_prefill_tokens
+                 policy="lpm", preempt="recompute"):
+        a, dev, radix_on = model.args, model.tok_embeddings.weight.device, radix and backend == "token"
+        self.model, self.tok, self.max_batch = model, tok, max_batch
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
         if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
             rows = max(1, min(max_batch, kv_tokens // max_len))
             self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, rows, max_len)
-            self.max_batch, self.out_of_memory = len(self.kv.free_rows), ()
+            self.max_batch = len(self.kv.free_rows)
         elif backend == "paged":     # 02: blocks on demand; flash-attn when on CUDA with block_size % 256 == 0
             m02 = lesson("02_paged_cache_manager")
             blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
-            self.kv, self.out_of_memory = m02.PagedKVCache.for_model(model, blocks, block_size), (m02.OutOfBlocks,)
+            self.kv = m02.PagedKVCache.for_model(model, blocks, block_size)
         elif backend == "token":     # 03 + 04 (Triton decode and prefill attention on CUDA)
             m03, m04 = lesson("03_token_allocator"), lesson("04_triton_token_attn")
             self.kv = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
-            self.out_of_memory = (m03.PoolExhausted,)
             if dev.type == "cuda":
                 self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
         else:
             raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
-        m05 = lesson("05_radix_scheduler")
-        self.radix = m05.RadixCache(self.kv.allocator) if radix and backend == "token" else None
-        if policy not in m05.POLICIES:
-            raise UserError(f"unknown policy {policy!r}: {', '.join(m05.POLICIES)}")
-        self.policy, self.rng = policy, random.Random(seed)  # the admission order: 05's policies
-        self.backend, self.max_len, self.device = backend, max_len, dev
+        if policy not in R05.POLICIES:
+            raise UserError(f"unknown policy {policy!r}: {', '.join(R05.POLICIES)}")
+        if preempt not in ("recompute", "swap") or (preempt == "swap" and backend != "paged"):
+            raise UserError(f"preempt must be recompute, or swap with the paged backend, not {preempt!r}")
+        self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, radix=radix_on,
+                                     reserve=False, mixed=False, preempt=preempt)  # .waiting, .running, .tree
+        self.backend, self.max_len, self.device, self.seed = backend, max_len, dev, seed
         self.gen = torch.Generator(device=dev).manual_seed(seed)
-        self.waiting, self.running, self.finished, self.n_seqs, self.indexes = [], [], {}, 0, {}
+        self.finished, self.n_seqs, self.indexes = {}, 0, {}
         self.finish_reasons = {}  # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
-        self.stats = self.new_stats()
+        self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphDecoder(self, fused=fused) if graphs and backend == "token" else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
@@ -796,14 +800,15 @@ class Engine:
     @staticmethod
     def new_stats() -> dict:
         return dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
-                    jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0, peak_live_tokens=0)
+                    evicted_tokens=0, jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0,
+                    peak_live_tokens=0)
 
     def warm_up(self, n_seqs: int = 1) -> float:
         """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
         kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
         of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
         queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.waiting or self.running or self.finished), "warm_up() comes before the first add()"
+        assert not (self.sched.waiting or self.sched.running or self.finished), "warm_up() comes before add()"
         t0 = time.perf_counter()
         if self.graphs is not None:
             for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
@@ -811,9 +816,11 @@ class Engine:
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
         self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
-        if self.radix:
-            self.radix.evict(self.kv.allocator.size)
-        self.finished, self.finish_reasons, self.n_seqs, self.stats = {}, {}, 0, self.new_stats()
+        if self.sched.tree:
+            self.sched.tree.evict(self.kv.allocator.size)
+        self.finished, self.finish_reasons, self.n_seqs = {}, {}, 0
+        self.stats = self.sched.stats = self.new_stats()
+        self.sched.rng.seed(self.seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return time.perf_counter() - t0
@@ -831,98 +838,42 @@ class Engine:
             index = self.indexes[params.regex]
         first = None
         for _ in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
-            seq = Seq(self.n_seqs, prompt, params, index, after=first if self.radix else None)
+            seq = Seq(self.n_seqs, prompt, params, index, after=first if self.sched.tree else None)
             first, self.n_seqs = first or seq, self.n_seqs + 1
-            self.waiting.append(seq)
+            self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
 
     def run(self, on_token=None) -> dict:
         """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
         is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output)."""
-        while self.waiting or self.running:
+        while self.sched.waiting or self.sched.running or self.sched.swapped:
             self.step(on_token)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
-    # -- scheduling ---------------------------------------------------------------------------------------
-    def _admit(self):
-        m05 = lesson("05_radix_scheduler")
-        ready = [s for s in self.waiting if s.after is None or s.after.kv_len >= len(s.prompt) or s.after.done]
-        if self.radix:  # each one's cached prefix, then 05's policy orders them (lpm: longest cached prefix first)
-            for s in ready:
-                s.prefix, s.node = self.radix.match_prefix(s.tokens)  # s.node: locked once admitted, as in 05
-        if self.radix or self.policy in ("fcfs", "random"):  # the cache-aware ones need a tree
-            ready = m05.POLICIES[self.policy](self.radix, self.rng, ready)
-        aware = self.radix and self.policy in m05.CACHE_AWARE
-        new, budget = [], self.max_prefill_tokens
-        in_batch = self.radix and type(self.radix)()  # prompts admitted this step (05's in-batch prefix caching)
-        for s in ready:
-            if len(self.running) + len(new) >= self.max_batch or (new and len(s.tokens) > budget):
-                break
-            if self.radix:
-                if aware and len(in_batch.match_prefix(s.tokens)[0]) >= len(s.prefix) + m05.IN_BATCH_MIN:
-                    continue  # shares a long uncached prefix with a sequence prefilled now: next step it hits
-                in_batch.insert(s.tokens)
-                self.radix.inc_lock_ref(s.node)  # the match above still holds: a later match splits below it
-                self.kv.add_prefix(s.sid, s.prefix)
-                s.kv_len, s.in_kv = len(s.prefix), True
-            if not s.admitted:  # hit rate counts first admissions: cached prompt tokens / prompt tokens
-                self.stats["prompt_tokens"] += len(s.prompt)
-                self.stats["cached_tokens"] += s.kv_len
-            s.admitted += 1
-            budget -= len(s.tokens) - s.kv_len
-            new.append(s)
-        taken = set(map(id, new))
-        self.waiting = [s for s in self.waiting if id(s) not in taken]
-        return new
-
-    def _release(self, s):
-        """Drop s's KV; with a radix cache, first hand the computed tokens' slots to the tree."""
-        if s.in_kv:
-            if self.radix:
-                if s.kv_len:
-                    self.radix.insert(s.tokens[:s.kv_len], self.kv.slots(s.sid))
-                self.radix.dec_lock_ref(s.node)
-            self.kv.free(s.sid)
-        s.kv_len, s.node, s.in_kv = 0, None, False
-
+    # -- scheduling: 05's admission, 02's allocation and preemption ----------------------------------------
     def _prepare(self, new):
-        """kv.prepare for this step's batch: the new sequences (prefill first, vLLM's order), else every running one.
-        When memory is short: evict cached prefixes, then hold new sequences back, then preempt running ones,
-        newest first. Returns (batch, positions)."""
-        batch = new or self.running
-        while True:
-            try:
-                positions = self.kv.prepare([s.sid for s in batch], [len(s.tokens) - s.kv_len for s in batch])
-                for s in batch:
-                    s.in_kv = True
-                live = sum(s.kv_len for s in self.running)  # tokens the running sequences hold, plus the new ones
-                live += 0 if batch is self.running else sum(len(s.tokens) for s in batch)
-                self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
-                self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], live)
-                return batch, positions
-            except self.out_of_memory:
-                need = sum(len(s.tokens) - s.kv_len for s in batch)
-                if self.radix and self.radix.evict(need - self.kv.allocator.available()) > 0:
-                    continue
-                if len(batch) == 1 and (batch is self.running or not self.running):
-                    raise UserError(f"sequence {batch[0].sid} needs more KV memory than the whole pool holds") from None
-                victim = batch.pop()  # the newest: admitted last, or the most recently admitted running one
-                self._release(victim)
-                self.stats["preemptions"] += batch is self.running
-                self.waiting.insert(0, victim)
-                if not batch:  # no new sequence fits next to the running ones: decode them instead
-                    batch = self.running
+        """Room in the KV pool for this step: the new sequences (prefill first, vLLM's order), else every running
+        one; 02's prepare() evicts, holds back or preempts when memory is short. Returns (batch, positions)."""
+        try:
+            batch, positions = self.sched.prepare(new or self.sched.running)
+        except OutOfBlocks as e:
+            raise UserError(f"{e} (sequence ids are request ids)") from None
+        live = sum(s.kv_len for s in self.sched.running)  # tokens the running sequences hold, plus the new ones
+        live += 0 if batch is self.sched.running else sum(len(s.prompt) + len(s.output) for s in batch)
+        self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
+        self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], live)
+        return batch, positions
 
     def step(self, on_token=None):
         t0 = time.perf_counter()
-        if self.inflight and self.waiting:  # admission may change the batch: land the tokens in flight first
+        if self.inflight and self.sched.waiting:  # admission may change the batch: land the tokens in flight first
             self._read(self.inflight, on_token)
             self.inflight = None
-        new = self._admit()
+        new = self.sched.admit()
         if not new and self._multi_step(t0, on_token):
             return
         batch, positions = self._prepare(new)
-        n_new = [len(s.tokens) - s.kv_len for s in batch]
+        n_new = [s.n_new for s in batch]
         decode = all(n == 1 for n in n_new)
         if decode and self.graphs is not None:
             logits = self.graphs.forward(batch, positions)
@@ -940,13 +891,14 @@ class Engine:
         """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
         fed the one before). Append them until the sequence is done, then retire it, keep it running or requeue
         it. Returns how many tokens were appended."""
-        self.running = [] if batch is self.running else self.running  # a prefill step leaves the running ones be
+        sched = self.sched
+        sched.running = [] if batch is sched.running else sched.running  # a prefill step leaves the running ones be
         appended = 0
         for s, n, ids in zip(batch, n_new, new_ids):
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 s.kv_len += fed
-                if self.radix and s.kv_len >= len(s.prompt) > s.kv_len - fed:
-                    self._share_prompt(s)
+                if sched.tree and s.kv_len >= len(s.prompt) > s.kv_len - fed:
+                    sched.cache_prompt(s)  # siblings and look-alikes reuse the prompt while s decodes
                 self._append(s, t, on_token)
                 appended += 1
                 if s.done:
@@ -954,9 +906,9 @@ class Engine:
             if s.done:
                 self._finish(s)
             elif s.in_kv:
-                self.running.append(s)
+                sched.running.append(s)
             else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
-                self.waiting.insert(0, s)
+                sched.waiting.appendleft(s)
         return appended
 
     def _multi_step(self, t0, on_token) -> bool:
@@ -971,13 +923,13 @@ class Engine:
         self.inflight = None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
-            if prev else self.running
+            if prev else self.sched.running
         if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.graphs.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
-                    positions = self.kv.prepare([s.sid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
-            except self.out_of_memory:
+                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
+            except OutOfBlocks:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
                 self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
@@ -988,7 +940,7 @@ class Engine:
                 chunk = self.graphs.steps(batch, positions, k, keep=keep)
         if prev:
             self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
-        if chunk and (self.waiting or not self.running):
+        if chunk and (self.sched.waiting or not self.sched.running):
             self._read(chunk, on_token)
         else:
             self.inflight = chunk
@@ -999,8 +951,9 @@ class Engine:
         """Append a multi-step chunk's tokens to its sequences still running."""
         ids = self.graphs.read(chunk)
         live = [(s, t) for s, t in zip(chunk.batch, ids) if not s.done]
-        self.running = [s for s, _ in live]
-        self.stats["decode_tokens"] += self._advance(self.running, [1] * len(live), [t for _, t in live], on_token)
+        self.sched.running = [s for s, _ in live]
+        self.stats["decode_tokens"] += self._advance(self.sched.running, [1] * len(live), [t for _, t in live],
+                                                     on_token)
         self.stats["steps"] += chunk.k
 
     def kv_used(self) -> int:
@@ -1017,14 +970,6 @@ class Engine:
         return {"contiguous": lambda: kv.k_cache.shape[1] * kv.max_seq_len,
                 "paged": lambda: kv.manager.num_blocks * kv.block_size,
                 "token": lambda: kv.allocator.size}[self.backend]()
-
-    def _share_prompt(self, s):
-        """Right after prefill, put the prompt in the tree so siblings and look-alikes reuse it while s decodes."""
-        self.radix.insert(s.prompt, self.kv.slots(s.sid))
-        _, node = self.radix.match_prefix(s.prompt, compute_last=False)
-        self.radix.inc_lock_ref(node)
-        self.radix.dec_lock_ref(s.node)
-        s.node = node
 
     def _sample(self, batch, logits):
         if all(s.params.temperature == 0 and s.index is None for s in batch):
@@ -1053,7 +998,7 @@ class Engine:
             s.fsm, s.text = s.index.step(s.fsm, t), s.text + self.tok.token_bytes(t)
             self._jump_forward(s)
         if on_token:
-            on_token(s.sid, s.output)
+            on_token(s.rid, s.output)
         stop = eos and (not p.ignore_eos or s.index is not None)
         if s.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
             ok = s.index.allowed(s.fsm)
@@ -1072,13 +1017,13 @@ class Engine:
         common = next((i for i, (a, b) in enumerate(zip(s.output, new)) if a != b), min(len(s.output), len(new)))
         self.stats["jump_forward_tokens"] += len(new) - common
         if len(s.prompt) + common < s.kv_len:  # tokens already in its KV changed: drop the KV, the radix keeps the rest
-            self._release(s)
+            self.sched.release(s)
         s.output = new
 
     def _finish(self, s):
-        self._release(s)
+        self.sched.release(s)
         s.done = True
-        self.finished[s.sid], self.finish_reasons[s.sid] = s.output, s.finish
+        self.finished[s.rid], self.finish_reasons[s.rid] = s.output, s.finish
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1421,7 +1366,7 @@ class CudaGraphDecoder:
         else:
             for _ in range(k):
                 replay()
-        first = [kv.lens[s.sid] - k for s in batch]  # each sequence's first position in this chunk
+        first = [kv.lens[s.rid] - k for s in batch]  # each sequence's first position in this chunk
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
         return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
@@ -1619,7 +1564,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     elapsed = seconds(warm.run)
     st, out_tokens = warm.stats, sum(n for _, n in lens)
     r["serve_1b"] = dict(
-        seqs=n_seqs, max_prefill_tokens=warm.max_prefill_tokens, output_tokens=out_tokens, seconds=elapsed,
+        seqs=n_seqs, max_prefill_tokens=warm.sched.max_prefill_tokens, output_tokens=out_tokens, seconds=elapsed,
         tok_s=out_tokens / elapsed,
         prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
         decode_tok_s=st["decode_tokens"] / st["decode_s"],
@@ -1716,7 +1661,7 @@ def main(argv=None):
         kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
-                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy)
+                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt)
         warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:

@@ -88,7 +88,7 @@ def test_greedy_decode_equals_contiguous_cache(smollm):
     assert paged.manager.num_free == 64 and paged.manager.check()  # generate freed everything
     for preempt in ("recompute", "swap"):  # a pool of 22 blocks of 4 tokens holds barely one and a half requests
         out, sched = P.serve(model, prompts, 12, num_blocks=22, block_size=4, preempt=preempt)
-        assert sched.num_preemptions > 0, preempt
+        assert sched.stats["preemptions"] > 0, preempt
         assert out == ref, preempt
         assert sched.kv.manager.num_free == 22 and sched.kv.manager.check()
 
@@ -219,6 +219,10 @@ def test_clear_errors():
         P.simulate([50], [10], num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match="swap needs a PagedKVCache"):
         P.Scheduler(P.BlockManager(4, 4), preempt="swap")
+    sched, big = P.Scheduler(P.PagedKVCache(1, 2, 4, 1, 1)), P.Request(0, [0] * 9, 1)  # 3 blocks: more than the pool
+    with pytest.raises(P.OutOfBlocks, match="whole pool"):
+        sched.prepare([big])
+    assert sched.kv.manager.num_free == 2 and not big.in_kv and sched.kv.manager.check()
     with pytest.raises(ValueError, match="flash path needs"):
         P.paged_attention(torch.zeros(1, 2, 8), torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8),
                           torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), [1], path="flash")
@@ -238,16 +242,16 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
     sched.waiting.extend(P.Request(i, [0] * int(pi), int(oi)) for i, (pi, oi) in enumerate(zip(p, o)))
 
     def forward(batch, n_new, positions):
-        seq = torch.tensor([r.seq_id for r, n in zip(batch, n_new) for _ in range(n)])
+        seq = torch.tensor([r.rid for r, n in zip(batch, n_new) for _ in range(n)])
         kv.k_cache[0].flatten(0, 1)[kv.slot_mapping] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
-            n = kv.manager.num_tokens[r.seq_id]
-            assert kv.gather(r.seq_id, 0)[0].flatten().tolist() == (10000 * r.seq_id + torch.arange(n)).tolist()
+            n = kv.manager.num_tokens[r.rid]
+            assert kv.gather(r.rid, 0)[0].flatten().tolist() == (10000 * r.rid + torch.arange(n)).tolist()
         kv.manager.check()
         return [0] * len(batch)
     sched.run(forward)
-    assert sched.num_preemptions > 0
-    assert [len(r.out) for r in sorted(sched.finished, key=lambda r: r.seq_id)] == o.tolist()
+    assert sched.stats["preemptions"] > 0
+    assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o.tolist()
     assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check()
 
 
@@ -277,7 +281,7 @@ def test_random_traces_finish_in_a_pool_the_largest_request_fits(preempt):
             sched = P.Scheduler(kv, rng.randint(1, 4), "swap")
             sched.waiting.extend(P.Request(i, [0] * pi, oi) for i, (pi, oi) in enumerate(zip(p, o)))
             sched.run(lambda batch, n_new, positions: [0] * len(batch))
-        assert [len(r.out) for r in sorted(sched.finished, key=lambda r: r.seq_id)] == o, (p, o, B, watermark)
+        assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o, (p, o, B, watermark)
     for args in (([1, 5], [3, 3], 8, 1, 4, 0.25), ([1, 197], [3, 3], 200, 1, 4)):  # the two traces
         assert len(P.simulate(*args).finished) == 2
 
@@ -287,9 +291,9 @@ def test_simulation_statistics_are_consistent(B):
     p, o = kv01.synthetic_trace("sharegpt", 60, seed=B)
     num_blocks = 4096 // B
     sched = P.simulate(p, o, num_blocks, B)
-    assert sorted(len(r.out) for r in sched.finished) == sorted(o.tolist())
-    assert any(waiting for *_, waiting in sched.stats) and sched.num_preemptions > 0
-    for running, live, used, _ in sched.stats:  # paging wastes less than one block per running request
+    assert sorted(len(r.output) for r in sched.finished) == sorted(o.tolist())
+    assert any(waiting for *_, waiting in sched.decode_log) and sched.stats["preemptions"] > 0
+    for running, live, used, _ in sched.decode_log:  # paging wastes less than one block per running request
         assert 0 <= used * B - live < running * B and used <= num_blocks
 
 

@@ -169,6 +169,97 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
 
 
+def run_checking_every_slot(reqs, pool, policy, max_running, **options):
+    """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
+    pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
+    every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
+    siblings and follow-ups all included), and the refcounts must match the tree + the running requests."""
+    longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest)
+    s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
+    made = []
+    for prompt, out, after in reqs:
+        made.append(s.add(prompt, len(out), target=out, after=None if after is None else made[after]))
+    by_row, written, admit = {}, {}, s.admit
+
+    def admit_checked():  # a sibling waits for its first sample's prefill; a follow-up for the request it follows
+        new = admit()
+        assert all(r.after is None or r.after.done or (r.prompt == r.after.prompt and r.after.kv_len >= len(r.prompt))
+                   for r in new)
+        return new
+    s.admit = admit_checked
+
+    def forward(tokens, positions, n_new):  # what a model would write: the KV of tokens[:position + 1]
+        by_row.update({row: r for r in made if r.in_kv for row in [kv.rows.get(r.rid)] if row is not None})
+        rows, starts, ns = kv.batch
+        slots, t = kv.tok_slots.tolist(), 0
+        next_ids = []
+        for row, start, n in zip(rows, starts, ns):
+            r = by_row[row]
+            assert r.tokens[start:start + n] == tokens[t:t + n]
+            for i in range(n):
+                written[slots[t + i]] = tuple(r.tokens[:start + i + 1])
+            t += n
+            next_ids.append(r.target[len(r.output)])
+        return next_ids
+
+    def check():
+        s.check()
+        for r in s.running:
+            got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
+            assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
+        stack = [(s.tree.root, ())]
+        while stack:
+            node, path = stack.pop()
+            for c in node.children.values():
+                key = path + c.key
+                assert [written[x] for x in c.value.tolist()] == [key[:len(path) + i + 1] for i in range(len(c.key))]
+                stack.append((c, key))
+    while s.waiting or s.running:
+        s.step(forward)
+        check()
+    assert [r.output for r in made] == [o for _, o, _ in reqs]
+    assert kv.allocator.available() + s.tree.evictable_size() == pool
+    return s
+
+
+def random_workload(rng, n_max=8, vocab=3):
+    """Prompts from few tokens (they share prefixes, repeat whole and nest), n > 1 siblings of an earlier prompt
+    (after = the first sample: they wait for its prefill), follow-ups (an earlier prompt + its output + more)."""
+    reqs = []
+    for _ in range(int(rng.integers(1, n_max))):
+        out = rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
+        kind = rng.random() if reqs else 1.0
+        j = int(rng.integers(len(reqs))) if reqs else None
+        if kind < 0.25:
+            reqs.append((list(reqs[j][0]), out, j))  # a sibling sample of request j's prompt
+        elif kind < 0.45:
+            reqs.append((reqs[j][0] + reqs[j][1] + rng.integers(0, vocab, int(rng.integers(1, 4))).tolist(), out, j))
+        else:
+            reqs.append((rng.integers(0, vocab, int(rng.integers(1, 7))).tolist(), out, None))
+    return reqs
+
+
+@pytest.mark.parametrize("reserve,mixed", [(True, True), (False, False), (False, True)],
+                         ids=["paper", "engine", "preempt-mixed"])
+def test_scheduler_options_keep_every_slot_right(reserve, mixed):
+    """The paper's scheduler (reserve up front) and the engine's (prefill-first, admit optimistically, evict then
+    preempt through 02's Scheduler) on random workloads in pools from the largest request alone up: every request
+    finishes with its own tokens, through radix hits, n > 1 siblings and preemptions (the engine's cases)."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    totals = dict(preemptions=0, cached_tokens=0)
+    for _ in range(40):
+        reqs = random_workload(rng)
+        longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        s = run_checking_every_slot(reqs, longest + int(rng.integers(0, 4)), policy, int(rng.integers(1, 5)),
+                                    reserve=reserve, mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)))
+        for k in totals:
+            totals[k] += s.stats[k]
+    assert totals["cached_tokens"] > 0
+    assert (totals["preemptions"] > 0) != reserve  # reserving up front never preempts; the engine's way does
+
+
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
     reqs = small_shared_prefix(seed=1)
     c_min = R.optimal_prefill(reqs)

@@ -47,7 +47,7 @@ def test_radix_cache_reuses_a_shared_prefix(smollm):
     assert with_cache == without
     assert e0.stats["cached_tokens"] == 0
     assert e1.stats["cached_tokens"] >= 2 * (len(doc) - 1)  # the 2nd and 3rd prompt reuse the document
-    e1.radix.check(held=[])
+    e1.sched.tree.check(held=[])
 
 
 def test_constrained_requests_fullmatch(smollm):
@@ -70,18 +70,31 @@ def test_n_samples_are_reproducible(smollm):
     assert e.stats["cached_tokens"] > 0  # samples 2 and 3 reuse sample 1's prompt
 
 
-@pytest.mark.parametrize("backend", ["token", "paged"])
-def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend):
+@pytest.mark.parametrize("backend,preempt", [("token", "recompute"), ("paged", "recompute"), ("paged", "swap")])
+def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preempt, monkeypatch):
+    """The engine schedules through the lessons' classes: 05's Scheduler.admit admits, 02's Scheduler.preempt
+    preempts (recompute, or swap on the paged backend). Outputs equal a pool that holds everything."""
     model, tok = smollm
+    P, R = L.lesson("02_paged_cache_manager"), L.lesson("05_radix_scheduler")
+    calls = {}
+    for cls, name in ((R.Scheduler, "admit"), (P.Scheduler, "preempt")):
+        def counted(*a, _f=getattr(cls, name), _name=name, **kw):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _f(*a, **kw)
+        monkeypatch.setattr(cls, name, counted)
     params = L.SamplingParams(max_new_tokens=16, ignore_eos=True)
     big, _ = run(smollm, PROMPTS, params, backend=backend, kv_tokens=1024)
     longest = max(len(tok.chat(p)) for p in PROMPTS) + 16
-    small, e = run(smollm, PROMPTS, params, backend=backend, kv_tokens=longest + 24, block_size=8)
-    assert e.stats["preemptions"] > 0
+    small, e = run(smollm, PROMPTS, params, backend=backend, kv_tokens=longest + 24, block_size=8, preempt=preempt)
+    assert isinstance(e.sched, R.Scheduler) and isinstance(e.sched, P.Scheduler)
+    assert e.stats["preemptions"] == calls["preempt"] > 0 and calls["admit"] > 0
     assert small == big
-    if backend == "token":
+    assert not (e.sched.swapped or e.sched.waiting or e.sched.running)
+    if backend == "paged":
+        assert e.kv.manager.num_free == e.kv.manager.num_blocks and e.kv.manager.check()
+    else:
         e.kv.allocator.check()
-        assert e.kv.allocator.available() + e.radix.evictable_size() == e.kv.allocator.size
+        assert e.kv.allocator.available() + e.sched.tree.evictable_size() == e.kv.allocator.size
 
 
 def test_request_too_large_is_refused(smollm):
@@ -155,7 +168,7 @@ def test_multi_step_decoding_matches_one_step(monkeypatch):
             e.add(p, L.SamplingParams(max_new_tokens=n))
         outs = list(e.run().values())
         assert e.inflight is None
-        e.radix.evict(e.kv.allocator.size)
+        e.sched.tree.evict(e.kv.allocator.size)
         e.kv.allocator.check()
         assert e.kv.allocator.available() == e.kv.allocator.size - (e.graphs is not None)  # the pad slot
         return outs, e
@@ -189,7 +202,7 @@ def test_multi_step_random_workloads_match_one_step():
         for p, n in zip(prompts, max_new):
             e.add(p, L.SamplingParams(max_new_tokens=n))
         outs = list(e.run().values())
-        e.radix.evict(e.kv.allocator.size)
+        e.sched.tree.evict(e.kv.allocator.size)
         assert e.kv.allocator.available() == e.kv.allocator.size - (e.graphs is not None)  # graphs hold a pad slot
         return outs
 
