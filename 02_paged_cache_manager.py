@@ -291,8 +291,14 @@ class Request:
     admitted, one token in decode, prompt + output so far after a recompute preemption)."""
 
     def __init__(self, rid, prompt, max_new, stop_ids=()):
-        self.rid, self.prompt, self.max_new, self.stop_ids = rid, list(prompt), max_new, set(stop_ids)
-        self.output, self.kv_len, self.in_kv, self.done = [], 0, False, False  # in_kv: the backend holds a row for it
+        self.rid = rid                   # request id: the backend's sequence id too
+        self.prompt = list(prompt)       # token ids
+        self.max_new = max_new           # output tokens, at most
+        self.stop_ids = set(stop_ids)    # a token that ends the output (EOS)
+        self.output = []                 # token ids generated so far
+        self.kv_len = 0                  # tokens[:kv_len] have K/V in the backend
+        self.in_kv = False               # the backend holds a row (or block table) for it
+        self.done = False
 
     @property
     def tokens(self):
@@ -402,9 +408,9 @@ class Scheduler:
             batch, positions = self.prepare(new or self.running)
             n_new = [r.n_new for r in batch]
             if batch is self.running:
-                m = self.m
+                m, anyone_waiting = self.m, bool(self.waiting or self.swapped)
                 live = sum(m.num_tokens[r.rid] for r in batch)
-                self.decode_log.append((len(batch), live, m.num_blocks - m.num_free, bool(self.waiting or self.swapped)))
+                self.decode_log.append((len(batch), live, m.num_blocks - m.num_free, anyone_waiting))
             else:
                 self.running += batch
             for r, n, t in zip(list(batch), n_new, forward(batch, n_new, positions)):
@@ -482,8 +488,9 @@ def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2
            "attention_path": "flash-attn" if flash_attn() and torch.cuda.is_available() else "pytorch"}
     for B in (1, 16, 256):
         sched = simulate(prompt, output, budget_tokens // B, B)
-        full = np.array([st[:3] for st in sched.decode_log if st[3]] or [st[:3] for st in sched.decode_log], dtype=float)
-        res["live_fraction"][str(B)] = float(full[:, 1].mean() / budget_tokens)  # (running, live, used) per step
+        log = [st[:3] for st in sched.decode_log if st[3]] or [st[:3] for st in sched.decode_log]  # pool was full
+        full = np.array(log, dtype=float)  # (running, live, used) per decode step
+        res["live_fraction"][str(B)] = float(full[:, 1].mean() / budget_tokens)
         res["batch"][str(B)] = float(full[:, 0].mean())
         res["preemptions"][str(B)] = sched.stats["preemptions"]
     ap, ao = kv01.synthetic_trace("alpaca", min(n, 200), seed, max_seq_len)  # vLLM measured sharing on Alpaca

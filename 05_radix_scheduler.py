@@ -250,8 +250,12 @@ class Req(P02.Request):
 
     def __init__(self, rid, prompt, max_new, target=None, after=None, stop_ids=()):
         super().__init__(rid, prompt, max_new, stop_ids)
-        self.target, self.after = target, after  # target: simulated output; after: a Req whose KV it needs first
-        self.prefix, self.node, self.reserve, self.admitted = None, None, 0, 0  # matched slots, locked node
+        self.target = target    # simulation: the output to replay, token by token
+        self.after = after      # a Req whose KV it needs first (its first sample, or the turn it follows)
+        self.prefix = None      # slots of its longest cached prefix (match_prefix)
+        self.node = None        # the tree node it locks (its prefix, then its prompt)
+        self.reserve = 0        # reserve=True: slots still reserved for its remaining steps
+        self.admitted = 0       # admissions so far (> 1 after a preemption)
 
     @property
     def ready(self) -> bool:  # `after` computed this prompt (a sibling sample), or finished (a follow-up turn)

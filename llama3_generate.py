@@ -739,7 +739,11 @@ class Seq(R05.Req):
 
     def __init__(self, rid, prompt, params, index=None, after=None):
         super().__init__(rid, prompt, params.max_new_tokens, after=after)
-        self.params, self.index, self.fsm, self.text, self.finish = params, index, 0, b"", None
+        self.params = params    # SamplingParams
+        self.index = index      # 06's TokenIndex of the regex, or None
+        self.fsm = 0            # the regex DFA's state after the output so far
+        self.text = b""         # the bytes the output has matched
+        self.finish = None      # "stop" or "length", once done
 
 
 class Engine:
@@ -761,7 +765,9 @@ class Engine:
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
                  policy="lpm", preempt="recompute"):
         a, dev, radix_on = model.args, model.tok_embeddings.weight.device, radix and backend == "token"
-        self.model, self.tok, self.max_batch = model, tok, max_batch
+        self.model = model
+        self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
+        self.max_batch = max_batch    # sequences running at once (contiguous: the rows that fit)
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
         if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
             rows = max(1, min(max_batch, kv_tokens // max_len))
@@ -784,10 +790,15 @@ class Engine:
             raise UserError(f"preempt must be recompute, or swap with the paged backend, not {preempt!r}")
         self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, radix=radix_on,
                                      reserve=False, mixed=False, preempt=preempt)  # .waiting, .running, .tree
-        self.backend, self.max_len, self.device, self.seed = backend, max_len, dev, seed
-        self.gen = torch.Generator(device=dev).manual_seed(seed)
-        self.finished, self.n_seqs, self.indexes = {}, 0, {}
-        self.finish_reasons = {}  # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
+        self.backend = backend
+        self.max_len = max_len        # prompt + output tokens one sequence may hold
+        self.device = dev
+        self.seed = seed
+        self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
+        self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
+        self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
+        self.finished = {}            # seq id -> output token ids
+        self.finish_reasons = {}      # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
         self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.graphs = CudaGraphDecoder(self, fused=fused) if graphs and backend == "token" else None
