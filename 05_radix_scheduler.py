@@ -387,6 +387,13 @@ class Scheduler(P02.Scheduler):
         self.stats["evicted_tokens"] += evicted
         return evicted
 
+    def computed(self, r, n):
+        """r's KV now holds n more tokens. The step that completes its prompt shares it from then on, while r is
+        still decoding (the engine calls this too, once per token of a multi-step chunk)."""
+        r.kv_len += n
+        if self.tree is not None and r.kv_len >= len(r.prompt) > r.kv_len - n:
+            self.cache_prompt(r)
+
     def cache_prompt(self, r):
         """Right after r's prefill, put its prompt into the tree and move r's lock down to it, so requests arriving
         while r decodes (its n > 1 siblings first) hit it. Where the tree already held some of it (a cached prompt's
@@ -422,9 +429,8 @@ class Scheduler(P02.Scheduler):
         else:
             next_ids = forward([t for r in batch for t in r.tokens[r.kv_len:]], positions, n_new)
         for r, n, t in zip(batch, n_new, next_ids):
-            r.kv_len, r.reserve = r.kv_len + n, r.reserve - n
-            if self.tree is not None and r.kv_len >= len(r.prompt) > r.kv_len - n:
-                self.cache_prompt(r)  # share the prompt from now on, while r is still decoding
+            r.reserve -= n
+            self.computed(r, n)
             r.output.append(t)
             r.done = len(r.output) >= r.max_new or t in r.stop_ids
             if r.done:

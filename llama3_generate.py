@@ -907,9 +907,7 @@ class Engine:
         appended = 0
         for s, n, ids in zip(batch, n_new, new_ids):
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
-                s.kv_len += fed
-                if sched.tree and s.kv_len >= len(s.prompt) > s.kv_len - fed:
-                    sched.cache_prompt(s)  # siblings and look-alikes reuse the prompt while s decodes
+                sched.computed(s, fed)  # once its prompt is in, siblings and look-alikes reuse it (05)
                 self._append(s, t, on_token)
                 appended += 1
                 if s.done:
