@@ -297,9 +297,9 @@ class Scheduler(P02.Scheduler):
     """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its prepare() and
     preemption): this class admits, 02's allocates. step() runs one iteration. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
-                    ever preempted. False (the engine): admit what the step's prefill budget allows; when the pool
-                    runs short, evict, then hold back or preempt (02; recompute is mostly a cache hit, as the
-                    preempted request's computed tokens stay in the tree).
+                    ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
+                    and the step's prefill budget; when decoding outgrows the pool, evict, then preempt (02;
+                    recompute is mostly a cache hit, as the preempted request's computed tokens stay in the tree).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
       radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs."""
@@ -326,9 +326,17 @@ class Scheduler(P02.Scheduler):
         self.waiting.append(r)
         return r
 
+    def free_tokens(self):
+        """KV tokens new requests may take now without preempting anyone: 03's free slots plus what the tree may
+        evict, or 02's free blocks above its watermark; None where only max_running limits (01's reserved rows)."""
+        if hasattr(self.kv, "allocator"):
+            return self.kv.allocator.available() + (self.tree.evictable_size() if self.tree else 0)
+        return None if self.m is None else (self.m.num_free - self.m.watermark_blocks) * self.m.block_size
+
     def admit(self):
         """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy, take them while
-        the step's prefill budget (and with reserve, the pool) allows; lock their prefixes, open their rows."""
+        the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
+        one token for each running request); lock their prefixes, open their rows."""
         self.swap_in()
         room, tree = self.max_running - len(self.running), self.tree
         if room <= 0 or self.swapped or not self.waiting:
@@ -337,6 +345,10 @@ class Scheduler(P02.Scheduler):
             budget = tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running)
             if budget < self.min_new:
                 return []  # nothing can be admitted: skip the matching
+        else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
+            budget = self.free_tokens()
+            budget = None if budget is None else budget - len(self.running)  # the running ones' next tokens first
+        block = self.m.block_size if self.m is not None else 1
         ready = [r for r in self.waiting if r.ready]
         aware = tree is not None and self.policy in CACHE_AWARE
         if aware:
@@ -356,14 +368,17 @@ class Scheduler(P02.Scheduler):
                 break
             if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
-            if tree is not None:
-                delta = tree.inc_lock_ref(r.node)  # the match above still holds: a later match splits below it
-                if self.reserve:
-                    need = extend + r.max_new - 1  # every slot it will ever take: prefill + all decode steps but one
-                    if need > budget + delta:  # head of the queue does not fit: stop (no overtaking, no starvation)
+            delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
+            if budget is not None:
+                # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
+                need = extend + r.max_new - 1 if self.reserve else -(-extend // block) * block
+                if need > budget + delta and (self.reserve or new or self.running):  # alone, it only needs to fit
+                    if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
-                        break
-                    budget, r.reserve = budget + delta - need, need
+                    break
+                budget += delta - need
+                r.reserve = need if self.reserve else 0
+            if tree is not None:
                 self.kv.add_prefix(r.rid, r.prefix)
                 r.kv_len, r.in_kv = cached, True
                 if aware:

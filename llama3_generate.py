@@ -751,10 +751,10 @@ class Engine:
     enter its `waiting` queue; a step either prefills what it admits (05's policy: longest cached prefix first by
     default) or, when none is admitted, decodes one token of every running sequence -- continuous batching with
     vLLM's prefill-first order, which keeps every decode step a pure, CUDA-graph-able batch. Finished sequences
-    retire into the radix cache. A backend out of memory makes 02's prepare() evict cached prefixes, hold back
-    new sequences, then preempt the newest running one (recompute: its computed tokens stay in the radix cache;
-    swap, paged backend: its blocks go to CPU memory). The engine adds what a real decode loop needs: sampling,
-    06's constraints and jump-forward, CUDA graphs and multi-step decode.
+    retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
+    02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
+    tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
+    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
     host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k

@@ -188,6 +188,14 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
                    for r in new)
         return new
     s.admit = admit_checked
+    prepare = s.prepare
+
+    def prepare_checked(batch):  # prefill-first: admission counted the room, so nothing it let in is held back
+        asked = list(batch)
+        out, positions = prepare(batch)
+        assert s.mixed or batch is s.running or out == asked, "admitted, then held back for lack of room"
+        return out, positions
+    s.prepare = prepare_checked
 
     def forward(tokens, positions, n_new):  # what a model would write: the KV of tokens[:position + 1]
         by_row.update({row: r for r in made if r.in_kv for row in [kv.rows.get(r.rid)] if row is not None})

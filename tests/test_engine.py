@@ -82,6 +82,14 @@ def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preemp
             calls[_name] = calls.get(_name, 0) + 1
             return _f(*a, **kw)
         monkeypatch.setattr(cls, name, counted)
+    prepare = P.Scheduler.prepare
+
+    def prepare_checked(self, batch):  # admission counted the room: what it lets in is never held back
+        asked = list(batch)
+        out, positions = prepare(self, batch)
+        assert batch is self.running or out == asked, "admitted, then held back for lack of room"
+        return out, positions
+    monkeypatch.setattr(P.Scheduler, "prepare", prepare_checked)
     params = L.SamplingParams(max_new_tokens=16, ignore_eos=True)
     big, _ = run(smollm, PROMPTS, params, backend=backend, kv_tokens=1024)
     longest = max(len(tok.chat(p)) for p in PROMPTS) + 16
