@@ -377,7 +377,8 @@ class Scheduler(P02.Scheduler):
                         tree.dec_lock_ref(r.node)
                     break
                 budget += delta - need
-                r.reserve = need if self.reserve else 0
+                if self.reserve:
+                    r.reserve = need
             if tree is not None:
                 self.kv.add_prefix(r.rid, r.prefix)
                 r.kv_len, r.in_kv = cached, True
