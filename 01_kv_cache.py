@@ -128,6 +128,10 @@ class ContiguousKVCache:
     """gpt-fast's static cache for a batch: each request owns one row of max_seq_len slots, reserved up front.
 
     k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim)
+
+    For a GPU's CUDA graphs (llama3_generate's CudaGraphDecoder) a row is also one page of max_seq_len slots in a
+    block table with one column: slot = row * max_seq_len + position, the page-size-P case of 02's table that
+    04's kernels read. The step's rows and lengths are device tensors (batch_rows, batch_lens, tok_slots).
     """
 
     def __init__(self, n_layers, max_batch, max_seq_len, n_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
@@ -138,6 +142,18 @@ class ContiguousKVCache:
         self.free_rows = list(range(max_batch))
         self.rows: dict = {}  # seq_id -> row
         self.lens = [0] * max_batch  # tokens stored in each row
+        self.page = max_seq_len   # a row is one page: the table below maps row r to page r
+        self.table = torch.arange(max_batch, dtype=torch.int32, device=device)[:, None]  # (max_batch, 1)
+        self.decode_attn = None   # 04's token_decode_attention(page=max_seq_len) on a GPU; None: attend_decode
+        self.extend_attn = None   # 04's token_extend_attention likewise; None: attend_dense per request
+
+    def layer_pools(self, layer):
+        """(max_batch * max_seq_len, n_kv_heads, head_dim) K and V of one layer: slot = row * max_seq_len + pos."""
+        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)
+
+    def pad_row(self) -> int:
+        """A row for CUDA graphs' padding: batch entries that write their K/V there and read one token of it."""
+        return self.free_rows.pop()
 
     @classmethod
     def for_model(cls, model, max_batch: int, max_seq_len: int | None = None):
@@ -162,21 +178,29 @@ class ContiguousKVCache:
         starts = [self.lens[r] for r in rows]
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, n_new)])
         self.batch = (rows, starts, list(n_new))
-        self.tok_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(n_new)).to(self.device)
+        tok_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(n_new))
+        self.tok_slots = (tok_rows * self.max_seq_len + positions).to(self.device)  # (T,) flat slot of each token
         self.tok_pos = positions.to(self.device)
+        self.batch_rows, self.batch_lens = torch.tensor(  # (B,) each: what decode_attn reads, in one copy
+            [rows, [p + n for p, n in zip(starts, n_new)]], dtype=torch.int32).to(self.device)
         for r, n in zip(rows, n_new):
             self.lens[r] += n
         return self.tok_pos
 
     def attend(self, layer, q, k, v):
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_cache[self.tok_rows, self.tok_pos] = k  # the whole cache update: write this step's k, v at their positions
-        v_cache[self.tok_rows, self.tok_pos] = v
+        k_pool, v_pool = self.layer_pools(layer)
+        k_pool[self.tok_slots] = k  # the whole cache update: write this step's k, v at their slots
+        v_pool[self.tok_slots] = v
         rows, starts, n_new = self.batch
+        if all(n == 1 for n in n_new) and self.decode_attn is not None:  # a GPU kernel; CUDA graphs replay this
+            return self.decode_attn(q, k_pool, v_pool, self.table, self.batch_rows, self.batch_lens, page=self.page)
         if all(n == 1 for n in n_new):  # decode: one query per request, batched over a length mask
             L = max(starts) + 1
             sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)  # alone: a view
             return attend_decode(q, k_cache[sel, :L], v_cache[sel, :L], self.tok_pos + 1)  # (B, L, Hkv, D) rows
+        if self.extend_attn is not None:  # prefill in one launch
+            return self.extend_attn(q, k_pool, v_pool, self.table, self.batch_rows, starts, n_new, page=self.page)
         # prefill: one request at a time
         outs, t = [], 0
         for r, p, n in zip(rows, starts, n_new):

@@ -21,7 +21,10 @@ The pieces, in the order this file defines them:
                  on CUDA when block_size % 256 == 0 (FA2's paged-KV rule) and dtype is fp16/bf16, else
                  PyTorch: gather each request's blocks through its table, then attention.
   PagedKVCache   the backend behind llama3_generate's seam (prepare / attend / free), plus fork and
-                 swap_out / swap_in. Slot mappings are built with tensor ops, not per-token loops.
+                 swap_out / swap_in. Slot mappings are built with tensor ops, not per-token loops. The block
+                 tables also live on the device, one fixed row per sequence, written per step only where
+                 they changed, so CUDA graphs can read them; on a GPU, 04's Triton kernels read them for any
+                 block size (the token pool of 03 is the page-size-1 case: slot = table[pos // B] * B + pos % B).
   Scheduler      continuous batching: running out of blocks is a scheduling event -- the newest running
                  request is preempted (recomputed later, or swapped to CPU memory), never a crash. 05's
                  scheduler and the engine are this class with another admission (`admit`).
@@ -214,55 +217,114 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
 
 
 class PagedKVCache:
-    """The paged backend for llama3_generate's seam: prepare(seq_ids, n_new) -> positions, attend, free."""
+    """The paged backend for llama3_generate's seam: prepare(seq_ids, n_new) -> positions, attend, free.
+
+    The block tables live on the device as well, one fixed row per sequence: table (max_seqs, max_blocks) int32,
+    what flash-attn and 04's kernels read, and what the engine's CUDA graphs capture. The BlockManager stays the
+    truth; each step writes to the device only what changed since the last (new block ids, and the block a
+    copy-on-write replaced), never whole tables from lists. Unused entries are never read (lengths bound every
+    read); tests poison them to prove it."""
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
-                 watermark=0.01, path="auto"):
+                 watermark=0.01, path="auto", max_seqs=256, max_seq_len=None):
         self.manager = BlockManager(num_blocks, block_size, watermark)
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # (n_layers, num_blocks, block_size, Hkv, D)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size, self.device, self.path = block_size, torch.device(device), path
+        self.page = block_size    # 04's kernels: slot = table[row, pos // page] * page + pos % page
+        self.max_seq_len = max_seq_len or num_blocks * block_size  # default: one sequence may fill the pool
+        self.table = torch.zeros(max_seqs, cdiv(self.max_seq_len, block_size), dtype=torch.int32,
+                                 device=device)  # (max_seqs, max_blocks) int32
+        self.free_rows = list(range(max_seqs))
+        self.rows = {}            # seq_id -> its row of self.table
+        self.written = {}         # row -> (blocks the device row holds, the last of them): what the next write skips
+        self.lens = self.manager.num_tokens  # seq_id -> tokens stored (the manager's own dict)
+        self.decode_attn = self.extend_attn = None  # 04's kernels with page=block_size (the engine, on CUDA)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw):
         a, w = model.args, model.tok_embeddings.weight
         return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, **kw)
 
+    def layer_pools(self, layer):
+        """(num_blocks * block_size, n_kv_heads, head_dim) K and V of one layer: slot = block * block_size + i."""
+        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)
+
     def prepare(self, seq_ids, n_new):
         """Make room for n_new[i] tokens of seq_ids[i] (all or nothing: OutOfBlocks leaves the pool unchanged)."""
         m, B = self.manager, self.block_size
-        starts = torch.tensor([m.num_tokens.get(s, 0) for s in seq_ids])
+        starts = [m.num_tokens.get(s, 0) for s in seq_ids]
+        for s, p, n in zip(seq_ids, starts, n_new):
+            if p + n > self.max_seq_len and self.max_seq_len < m.num_blocks * B:  # else: OutOfBlocks below
+                raise ValueError(f"sequence {s}: {p + n} tokens exceed max_seq_len={self.max_seq_len}")
+        fresh = [s for s in seq_ids if s not in self.rows]
+        if len(fresh) > len(self.free_rows):
+            raise OutOfBlocks(f"{len(fresh)} new sequences, only {len(self.free_rows)} free block-table rows")
         copies = m.prepare(seq_ids, n_new)
         if copies:  # copy-on-write: duplicate the shared blocks, every layer at once
             src, dst = torch.tensor(copies, device=self.device).T
             self.k_cache[:, dst], self.v_cache[:, dst] = self.k_cache[:, src], self.v_cache[:, src]
-        q_lens = torch.tensor(list(n_new))
-        n_blocks = torch.tensor([len(m.block_tables[s]) for s in seq_ids])
-        tables = torch.zeros(len(seq_ids), int(n_blocks.max()), dtype=torch.int32)  # (batch, max_blocks), 0-padded
-        tables[torch.arange(tables.shape[1]) < n_blocks[:, None]] = torch.tensor(
-            [b for s in seq_ids for b in m.block_tables[s]], dtype=torch.int32)   # one conversion for the whole batch
-        ends = q_lens.cumsum(0)                                                  # (batch,) end row of each request
-        rows = torch.arange(int(ends[-1]) if len(ends) else 0)                   # (T,)
-        req = torch.searchsorted(ends, rows, right=True)                         # (T,) request of each new token
-        positions = starts[req] + rows - (ends - q_lens)[req]                    # (T,) position in its request
-        self.slot_mapping = (tables[req, positions // B] * B + positions % B).to(self.device)  # (T,) flat slot
-        self.block_table = tables.to(self.device)                                # (batch, max_blocks) int32
-        self.seq_lens = (starts + q_lens).to(self.device, torch.int32)           # (batch,) tokens after this step
-        self.q_lens = list(n_new)
-        return positions.to(self.device)
+        self._write_tables(seq_ids)
+        rows = [self.rows[s] for s in seq_ids]
+        # (B,) each, in one copy; non_blocking: CUDA stages a pageable copy at once, without waiting for the GPU
+        n_t, start_t, row_t = torch.tensor([list(n_new), starts, rows]).to(self.device, non_blocking=True)
+        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=sum(n_new))  # (T,); the size spares a sync
+        positions = torch.arange(sum(n_new), device=self.device) - per_token(n_t.cumsum(0) - n_t - start_t)  # (T,)
+        self.tok_slots = self.table[per_token(row_t), positions // B].long() * B + positions % B  # (T,) flat slot
+        self.batch = (rows, starts, list(n_new))
+        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what the kernels read
+        self.max_blocks = cdiv(max(p + n for p, n in zip(starts, n_new)), B) if rows else 0  # the eager paths' width
+        return positions
+
+    def pad_row(self) -> int:
+        """A table row for CUDA graphs' padding: every entry is one scratch block, owned by a sequence ("pad")
+        that no scheduler sees, so the manager's invariants hold."""
+        self.manager.append("pad", 1)
+        row = self.free_rows.pop()
+        self.table[row] = self.manager.block_tables["pad"][0]
+        return row
+
+    def _write_tables(self, seq_ids):
+        """Bring the device rows of seq_ids up to the manager's tables in one scatter: the blocks appended since the
+        last write, and the last written one again if copy-on-write replaced it (the only block it ever replaces)."""
+        where, blocks = [], []
+        for s in seq_ids:
+            if s not in self.rows:
+                self.rows[s] = row = self.free_rows.pop()
+                self.written[row] = (0, None)
+            row, table = self.rows[s], self.manager.block_tables[s]
+            n, last = self.written[row]
+            first = n - 1 if n and table[n - 1] != last else n
+            where += [(row, i) for i in range(first, len(table))]
+            blocks += table[first:]
+            self.written[row] = (len(table), table[-1] if table else None)
+        if blocks:
+            w = torch.tensor(where).to(self.device, non_blocking=True)  # (changes, 2)
+            self.table[w[:, 0], w[:, 1]] = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
 
     def attend(self, layer, q, k, v):
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
-        k_cache.flatten(0, 1)[self.slot_mapping] = k                 # write this step's k, v into their slots
-        v_cache.flatten(0, 1)[self.slot_mapping] = v
-        return paged_attention(q, k_cache, v_cache, self.block_table, self.seq_lens, self.q_lens, self.path)
+        k_pool, v_pool = self.layer_pools(layer)
+        k_pool[self.tok_slots], v_pool[self.tok_slots] = k, v        # write this step's k, v into their slots
+        rows, starts, n_new = self.batch
+        decode = all(n == 1 for n in n_new)
+        flash = self.path == "flash" or (self.path == "auto" and flash_ok(k_cache) and decode)
+        if not flash and self.decode_attn is not None and decode:  # 04's Triton kernels read the table as it is
+            return self.decode_attn(q, k_pool, v_pool, self.table, self.batch_rows, self.batch_lens, page=self.page)
+        if not flash and self.extend_attn is not None and not decode:
+            return self.extend_attn(q, k_pool, v_pool, self.table, self.batch_rows, starts, n_new, page=self.page)
+        # flash-attn gets the full width (the same in every CUDA graph); PyTorch gathers only the blocks in use
+        table = self.table[self.batch_rows.long()] if flash else self.table[self.batch_rows.long(), :self.max_blocks]
+        return paged_attention(q, k_cache, v_cache, table, self.batch_lens, n_new, self.path)
 
     def free(self, seq_id):
         self.manager.free(seq_id)
+        if seq_id in self.rows:  # a sequence forked but never prepared has no row yet
+            self.free_rows.append(self.rows.pop(seq_id))
 
     def fork(self, parent, child):
-        self.manager.fork(parent, child)
+        self.manager.fork(parent, child)  # the child's row is written at its first prepare
 
     def _blocks(self, seq_id):
         return torch.tensor(self.manager.block_tables[seq_id], dtype=torch.long, device=self.device)

@@ -148,13 +148,15 @@ class ReqToTokenPool:
         self.free_rows.append(row)
 
 
-def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens):
+def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page=1):
     """Decode attention through req_to_token (the PyTorch path 04's Triton kernel replaces).
 
     q (B, n_heads, head_dim) one query per request; k_pool, v_pool (size, n_kv_heads, head_dim) of one layer;
-    req_rows (B,) rows of req_to_token; seq_lens (B,) tokens each request sees, the new one included."""
-    L = int(seq_lens.max())
-    slots = req_to_token[req_rows.long(), :L].long()                  # (B, L) columns past a length are stale
+    req_rows (B,) rows of req_to_token; seq_lens (B,) tokens each request sees, the new one included. page > 1:
+    req_to_token is a table of pages, token i at slot table[row, i // page] * page + i % page (02's block tables,
+    01's rows: the engine reads every backend this way)."""
+    i = torch.arange(int(seq_lens.max()), device=q.device)           # (L,) columns past a length are stale
+    slots = req_to_token[req_rows.long()][:, i // page].long() * page + i % page  # (B, L)
     return K01.attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
 
 
@@ -177,6 +179,16 @@ class TokenKVCache:
         self.rows, self.lens = {}, {}                            # seq_id -> row of req_to_token, tokens stored
         self.decode_attn = torch_decode_attn                     # swap in 04's kernel: same signature
         self.extend_attn = None  # prefill: None = gather + SDPA per request below; 04's token_extend_attention fits
+        self.table, self.page = self.req_to_token, 1             # 02's block table with blocks of one slot
+
+    def layer_pools(self, layer):
+        return self.k_pool[layer], self.v_pool[layer]            # (size, n_kv_heads, head_dim) each
+
+    def pad_row(self) -> int:
+        """A req_to_token row for CUDA graphs' padding: every entry is one scratch slot taken from the pool."""
+        row, slot = self.req_pool.alloc(), int(self.allocator.alloc(1)[0])
+        self.req_to_token[row] = slot
+        return row
 
     @classmethod
     def for_model(cls, model, size: int, max_requests: int = 64, max_seq_len: int | None = None):

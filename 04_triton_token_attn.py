@@ -113,16 +113,29 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
-    """K and V rows (BLOCK_N, HEAD_DIM) of kv head kvh for tokens n of req_to_token row `row`, read where kvmask;
+def _slot(R2T, row, s_r2t, n, nmask, PAGE: tl.constexpr, CACHE: tl.constexpr = ""):
+    """The pool slot of token n of table row `row` (int64), read where nmask (None: everywhere). PAGE 1: 03's
+    req_to_token holds slots; PAGE P: 02's block table holds blocks of P slots, slot = table[n // P] * P + n % P
+    (01's contiguous row is one page of max_len). One kernel serves all three backends."""
+    entry = n if PAGE == 1 else n // PAGE
+    if nmask is None:
+        page = tl.load(R2T + row * s_r2t + entry, cache_modifier=CACHE).to(tl.int64)
+    else:
+        page = tl.load(R2T + row * s_r2t + entry, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)
+    return page if PAGE == 1 else page * PAGE + n % PAGE
+
+
+@triton.jit
+def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
+             PAGE: tl.constexpr):
+    """K and V rows (BLOCK_N, HEAD_DIM) of kv head kvh for tokens n of table row `row`, read where kvmask;
     CACHE: the loads' cache modifier. Masks None: a whole tile, nothing to check."""
     offs_d = tl.arange(0, HEAD_DIM)
+    slot = _slot(R2T, row, s_r2t, n, nmask, PAGE, CACHE)  # (BLOCK_N,)
     if nmask is None:
-        slot = tl.load(R2T + row * s_r2t + n, cache_modifier=CACHE).to(tl.int64)  # (BLOCK_N,)
         k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
         v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
     else:
-        slot = tl.load(R2T + row * s_r2t + n, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)
         k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
                     cache_modifier=CACHE)
         v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], mask=kvmask[:, None], other=0.0,
@@ -150,7 +163,8 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PR
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
 def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PAGE: tl.constexpr,
+            PDL: tl.constexpr = False):
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # head fastest: neighbours share slots
     pdl_launch_next(PDL)  # programmatic dependent launch (see token_decode_attention): start the next kernel
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
@@ -171,21 +185,21 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     nmask = n < end
     if PDL:  # the first tile before the wait: all but the newest token, which the kernel we wait for writes
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask & (n < seq_len - 1), s_ks, s_vs, kvh, HEAD_DIM,
-                        ".cg")
+                        ".cg", PAGE)
     pdl_wait(PDL)  # the previous kernel has finished and its writes (q, the newest K/V) are visible
     q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     if PDL:
         new = (n == seq_len - 1)[:, None]
-        last = tl.load(R2T + row * s_r2t + seq_len - 1).to(tl.int64)
+        last = _slot(R2T, row, s_r2t, seq_len - 1, None, PAGE)
         k = tl.where(new, tl.load(K + last * s_ks + kvh * HEAD_DIM + offs_d)[None, :], k)
         v = tl.where(new, tl.load(V + last * s_vs + kvh * HEAD_DIM + offs_d)[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     for n0 in range(start + BLOCK_N if PDL else start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "")
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
         m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer
@@ -240,8 +254,10 @@ SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # chunks like big 
 
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
-                           out=None, pdl=False, **config):
+                           out=None, pdl=False, page=1, **config):
     """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]].
+    page > 1: req_to_token is a block table of pages of `page` slots (02's paged pool, or 01's contiguous rows as
+    one page each), token i of row r at slot req_to_token[r, i // page] * page + i % page.
 
     q (batch, n_q_heads, head_dim); k_pool, v_pool (num_slots, n_kv_heads, head_dim) of one layer, each slot's
     row contiguous; req_to_token (max_requests, max_seq_len) int32/int64; req_rows, seq_lens (batch,) ints
@@ -265,7 +281,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
             raise ValueError("every seq_len must be >= 1 (the new token is already in the pool)")
         max_len = int(seq_lens.max()) if seq_lens.numel() else 1
     else:
-        max_len = req_to_token.shape[1]  # an upper bound: reading a device tensor would sync
+        max_len = req_to_token.shape[1] * page  # an upper bound: reading a device tensor would sync
     req_rows, seq_lens = (x if torch.is_tensor(x) and x.device == q.device else torch.as_tensor(x, device=q.device)
                           for x in (req_rows, seq_lens))
     if req_rows.shape != (B,) or seq_lens.shape != (B,):
@@ -288,7 +304,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
         q, k_pool, v_pool, r2t, req_rows, seq_lens, mid, out, scale, num_splits,
         k_pool.stride(0), v_pool.stride(0), r2t.stride(0),
         GROUP=H // Hkv, BLOCK_H=max(16, triton.next_power_of_2(H // Hkv)), HEAD_DIM=D, BLOCK_N=cfg["block_n"],
-        DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
+        DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32", PAGE=page,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kw(pdl))
     if num_splits > 1:
         _stage2[(H, B)](mid, out, seq_lens, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -323,7 +339,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 @triton.jit
 def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_F32: tl.constexpr, PREC: tl.constexpr):
+            DOT_F32: tl.constexpr, PREC: tl.constexpr, PAGE: tl.constexpr):
     j, kvh = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(1) * GROUP
     b, r0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)  # this block: request b, its rows r0..
@@ -344,11 +360,11 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
     hi = prefix + tl.minimum((r0 + BLOCK_R - 1) // GROUP + 1, n_new)  # one past the block's last query
     lo_full = lo - lo % BLOCK_N
     for n0 in range(0, lo_full, BLOCK_N):                           # phase 1: whole tiles, nothing masked
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n0 + offs_n, None, None, s_ks, s_vs, kvh, HEAD_DIM, "")
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n0 + offs_n, None, None, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
         m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     for n0 in range(lo_full, hi, BLOCK_N):                          # phase 2: the rest of phase 1, then the diagonal
         n = n0 + offs_n
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, n < hi, n < hi, s_ks, s_vs, kvh, HEAD_DIM, "")
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, n < hi, n < hi, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
         m_i, l_i, acc = _attend(q, k, v, n[None, :] <= pos[:, None], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]                                        # every query sees itself: l_i > 0
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
@@ -378,14 +394,15 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
 
 
 def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
-                           out=None, **config):
+                           out=None, page=1, **config):
     """Prefill attention over the token pool: out[t] = softmax(q[t] K^T * scale) V over request b's keys at
     positions <= the query's, for the ragged batch of new tokens.
 
     q (T, n_q_heads, head_dim), T = sum(extend_lens), request after request; k_pool, v_pool (num_slots,
     n_kv_heads, head_dim) of one layer, the new tokens' K/V already stored at req_to_token[row,
     prefix:prefix + extend]; req_rows (B,) rows of req_to_token; prefix_lens, extend_lens (B,) host ints
-    (lists or CPU tensors: they size the grid). Returns (T, n_q_heads, head_dim) in q's dtype."""
+    (lists or CPU tensors: they size the grid); page as in token_decode_attention. Returns (T, n_q_heads,
+    head_dim) in q's dtype."""
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     prefix_lens, extend_lens = ([int(n) for n in x] for x in (prefix_lens, extend_lens))
@@ -403,7 +420,7 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
         q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows).to(q.device, non_blocking=True),
         prefix, extend, q_start, blocks, out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0),
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32,
-        PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PREC="ieee" if f32 else "tf32", PAGE=page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -485,10 +502,11 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 @triton.jit
 def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
+              PDL: tl.constexpr = False):
     """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs RoPE rotates
-    together -- so the rotation and the KV write need no second kernel. The slot to write is req_to_token[row,
-    pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
+    together -- so the rotation and the KV write need no second kernel. The slot to write is read here from the
+    table (_slot): multi-step graphs advance pos on the device. PDL as in _gemv."""
     first = tl.program_id(0) * BLOCK_P                  # the program's first pair; BLOCK_P divides HALF
     head = (first // HALF) * 2 * HALF                   # its head's first row in [wq; wk; wv]
     j = first % HALF + tl.arange(0, BLOCK_P)            # (BLOCK_P,) pairs within the head
@@ -509,7 +527,7 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
         pdl_wait(PDL)
         pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
     pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
-    slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
+    slot = _slot(R2T, tl.load(ROW).to(tl.int64), s_r2t, pos, None, PAGE)
     rotate = head < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)
@@ -603,10 +621,11 @@ def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024,
 
 
 def fused_decode(model, kv, tokens, positions, pdl=None):
-    """One decode step of one sequence through the token backend (03's pool, 04's attention) in six kernels per
-    layer: the same function as model(tokens, positions, kv) at batch 1. kv.batch_rows, batch_lens hold the step's
-    request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
-    logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see above); None = on a GPU."""
+    """One decode step of one sequence in six kernels per layer: the same function as model(tokens, positions, kv)
+    at batch 1, over any backend's pool (kv.layer_pools, kv.table and kv.page: 03's token pool, 02's blocks, 01's
+    rows). kv.batch_rows, batch_lens hold the step's table row and length (CudaGraphDecoder's static buffers); the
+    slot comes from the table. Returns fp32 logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see
+    above); None = on a GPU."""
     a, attn = model.args, token_decode_attention
     cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
     h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
@@ -619,12 +638,13 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
     for i, layer in enumerate(model.layers):
         at, ff = layer.attention, layer.feed_forward
+        kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
         _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
-            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
-            num_warps=cfg["qkv"][2], **pdl_kw(pdl))
-        attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl)
+            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
+            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
+            **pdl_kw(pdl))
+        attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
         gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
              pdl=pdl)
@@ -634,14 +654,40 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
                 pdl=pdl)[None]
 
 
-def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None):
+def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
+    """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot."""
+    i = torch.arange(n, device=table.device)
+    return table[row, i // page].long() * page + i % page
+
+
+def paged_problem(problem, page: int, seed: int = 0):
+    """The same attention problem (make_problem's, or the tests' extend problems) with each request's token-table
+    row copied into pages of `page` slots at random pages: 02's block table (one page of max_len: 01's contiguous
+    rows). Unused pages hold NaN and unused table entries point at one, as unused slots do in make_problem, so a
+    kernel that reads past a request's tokens poisons its output. Returns the tuple with pools and table replaced."""
+    q, k_pool, v_pool, r2t, rows = problem[:5]
+    g = torch.Generator(k_pool.device).manual_seed(seed)
+    width, dev = -(-r2t.shape[1] // page), k_pool.device
+    pages = torch.randperm(len(rows) * width + 3, generator=g, device=dev)
+    kp = torch.full((len(pages) * page, *k_pool.shape[1:]), float("nan"), dtype=k_pool.dtype, device=dev)
+    vp = torch.full_like(kp, float("nan"))                  # (num_pages * page, n_kv_heads, head_dim)
+    table = torch.full((r2t.shape[0], width), int(pages[-1]), dtype=torch.int32, device=dev)
+    for i, r in enumerate(rows.tolist()):
+        table[r] = pages[i * width:(i + 1) * width].int()
+        slots = table_slots(table, r, r2t.shape[1], page)   # token j of row r moves from r2t[r, j] to here
+        kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
+    return (q, kp, vp, table, *problem[4:])
+
+
+def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
+                               page=1):
     """Float64, one request at a time: query i of request b attends to its keys at positions <= prefix_b + i."""
     T, H, D = q.shape
     G = H // k_pool.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out, t = torch.empty(T, H, D, dtype=torch.float64, device=q.device), 0
     for row, p, n in zip(torch.as_tensor(req_rows).tolist(), list(map(int, prefix_lens)), list(map(int, extend_lens))):
-        slots = req_to_token[row, :p + n].long()
+        slots = table_slots(req_to_token, row, p + n, page)
         k = k_pool[slots].double().repeat_interleave(G, dim=1)                  # (p + n, H, D)
         v = v_pool[slots].double().repeat_interleave(G, dim=1)
         s = torch.einsum("thd,lhd->htl", q[t:t + n].double(), k) * scale       # (H, n, p + n)
@@ -651,14 +697,14 @@ def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix
     return out
 
 
-def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None):
+def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
     """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
     B, H, D = q.shape
     G = H // k_pool.shape[1]
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
     for b in range(B):
-        slots = req_to_token[int(req_rows[b]), :int(seq_lens[b])].long()            # (L,)
+        slots = table_slots(req_to_token, int(req_rows[b]), int(seq_lens[b]), page)  # (L,)
         k = k_pool[slots].double().repeat_interleave(G, dim=1)                      # (L, H, D)
         v = v_pool[slots].double().repeat_interleave(G, dim=1)
         p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)      # (H, L)
@@ -824,12 +870,21 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
                 r["flash_ms"] = triton.testing.do_bench(flash, return_mode="median")
                 r["ratio"] = r["flash_ms"] / r["ms"]  # ours / flash-attn speed
                 r["err_vs_flash"] = rel_err(ours(), flash().double())
+                # the same K/V as 256-slot pages (02's block table): flash-attn's paged varlen path, and ours
+                bt = torch.arange(B * (p + n) // 256, device=dev, dtype=torch.int32).view(B, -1)  # (B, pages)
+                kc, vc = k.view(-1, 256, Hkv, D), v.view(-1, 256, Hkv, D)   # (pages, 256, n_kv_heads, D)
+                r["flash_paged_ms"] = triton.testing.do_bench(lambda: flash_attn_varlen_func(
+                    q, kc, vc, cu_q, cu_k, n, p + n, causal=True, block_table=bt), return_mode="median")
+                r["ours_paged_ms"] = triton.testing.do_bench(lambda: token_extend_attention(
+                    q, k, v, bt, torch.arange(B, device=dev), [p] * B, [n] * B, page=256, **config),
+                    return_mode="median")
             except Exception as e:  # flash-attn missing: report, keep going
                 r["flash"] = f"{type(e).__name__}: {e}"[:100]
             results.append(r)
             print(f"  {H:2d}/{Hkv} d={D:3d} {B:3d} x {n:5d} new over {p:5d} cached | ours {r['ms']:7.3f} ms "
                   f"{r['tflops']:6.1f} TFLOP/s | flash-attn " + (f"{r['flash_ms']:7.3f} ms  ours {r['ratio']:.2f}x "
-                  f"(err {r['err_vs_flash']:.1e})" if "ratio" in r else r["flash"]), flush=True)
+                  f"(err {r['err_vs_flash']:.1e}) | 256-slot pages: flash-attn {r['flash_paged_ms']:7.3f} ms, ours "
+                  f"{r['ours_paged_ms']:7.3f} ms" if "ratio" in r else r["flash"]), flush=True)
     return results
 
 

@@ -774,18 +774,26 @@ class Engine:
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
         self.max_batch = max_batch    # sequences running at once (contiguous: the rows that fit)
         max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
+        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
+        graphs, pad = graphs and m04 is not None, int(graphs and m04 is not None)  # graphs' padding: one row
         if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
-            rows = max(1, min(max_batch, kv_tokens // max_len))
-            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, rows, max_len)
-            self.max_batch = len(self.kv.free_rows)
-        elif backend == "paged":     # 02: blocks on demand; flash-attn when on CUDA with block_size % 256 == 0
-            m02 = lesson("02_paged_cache_manager")
+            self.max_batch = max(1, min(max_batch, kv_tokens // max_len))
+            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, self.max_batch + pad, max_len)
+        elif backend == "paged":     # 02: blocks on demand; flash-attn's decode on CUDA with block_size % 256 == 0
             blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
-            self.kv = m02.PagedKVCache.for_model(model, blocks, block_size)
-        elif backend == "token":     # 03 + 04 (Triton decode and prefill attention on CUDA)
+            self.kv = lesson("02_paged_cache_manager").PagedKVCache.for_model(
+                model, blocks + pad, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len)
+        elif backend == "token":     # 03 + 04
             self.kv = lesson("03_token_allocator").TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
         else:
             raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
+        if graphs or dev.type == "cuda":  # attention through the backend's table (rows, lengths, page size), so
+            cuda = m04 is not None and dev.type == "cuda"  # one CUDA graph serves every backend: 04's kernels on
+            self.kv.decode_attn = m04.token_decode_attention if cuda else \
+                lesson("03_token_allocator").torch_decode_attn  # a GPU, their PyTorch twin (reads it alike) elsewhere
+            if cuda:
+                self.kv.extend_attn = m04.token_extend_attention
         if policy not in R05.POLICIES:
             raise UserError(f"unknown policy {policy!r}: {', '.join(R05.POLICIES)}")
         if preempt not in ("recompute", "swap") or (preempt == "swap" and backend != "paged"):
@@ -802,11 +810,7 @@ class Engine:
         self.finished = {}            # seq id -> output token ids
         self.finish_reasons = {}      # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
         self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
-        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
-        if m04 and dev.type == "cuda" and backend == "token":
-            self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
-        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if m04 and graphs and backend == "token" else None
+        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
@@ -817,7 +821,7 @@ class Engine:
     def new_stats() -> dict:
         return dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
                     evicted_tokens=0, jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0,
-                    peak_live_tokens=0)
+                    peak_live_tokens=0, peak_running=0)
 
     def warm_up(self, n_seqs: int = 1) -> float:
         """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
@@ -876,9 +880,14 @@ class Engine:
             raise UserError(f"{e} (sequence ids are request ids)") from None
         live = sum(s.kv_len for s in self.sched.running)  # tokens the running sequences hold, plus the new ones
         live += 0 if batch is self.sched.running else sum(len(s.prompt) + len(s.output) for s in batch)
-        self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
-        self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"], live)
+        self._peaks(live, len(self.sched.running) + (0 if batch is self.sched.running else len(batch)))
         return batch, positions
+
+    def _peaks(self, live_tokens: int, running: int):
+        """The most KV slots taken, tokens live in them and sequences running at once, so far."""
+        for key, now in (("peak_kv_used", self.kv_used()), ("peak_live_tokens", live_tokens),
+                         ("peak_running", running)):
+            self.stats[key] = max(self.stats[key], now)
 
     def step(self, on_token=None):
         t0 = time.perf_counter()
@@ -946,12 +955,10 @@ class Engine:
             except OutOfBlocks:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
-                self.stats["peak_kv_used"] = max(self.stats["peak_kv_used"], self.kv_used())
-                self.stats["peak_live_tokens"] = max(self.stats["peak_live_tokens"],
-                                                     sum(s.kv_len + ahead + k for s in batch))
+                self._peaks(sum(s.kv_len + ahead + k for s in batch), len(batch))
                 going_on = set(map(id, batch))
                 keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
-                chunk = self.graphs.steps(batch, positions, k, keep=keep)
+                chunk = self.graphs.steps(batch, positions, k, keep=keep, ahead=ahead)
         if prev:
             self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
         if chunk and (self.sched.waiting or not self.sched.running):
@@ -1047,9 +1054,12 @@ class Engine:
 class CudaGraphDecoder:
     """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
 
-    A step's inputs live in static buffers the graph was captured on: last tokens, positions, req_to_token rows
-    and lengths (the slots to write are read from req_to_token on the device). Padded rows write to a scratch
-    slot and attend over one token. Batch 1 runs `fused_decode`. Every graph ends by writing its argmax into the
+    Any backend: each keeps its step's metadata in a table on the device -- kv.table (rows, width) int32, row r's
+    token i in slot table[r, i // page] * page + i % page of kv.layer_pools(layer) (03: req_to_token, page 1; 02:
+    block tables, page = block size; 01: one page of max_len per row) -- and attends through it (kv.decode_attn:
+    04's kernel, or its PyTorch twin). A step's inputs live in static buffers the graph was captured on: last
+    tokens, positions, table rows and lengths; the slots to write are computed from the table on the device.
+    Padded rows use kv.pad_row(), whose pages are scratch, and attend over one token. Batch 1 runs `fused_decode`. Every graph ends by writing its argmax into the
     token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can replay it k times in
     a row with nothing from the host between (greedy multi-step decoding; batch 1 also holds its k steps as one
     graph), and the next k steps can be queued before the host has read these. On a CPU (tests) the same buffers
@@ -1063,14 +1073,12 @@ class CudaGraphDecoder:
         if self.buckets[-1] < engine.max_batch:
             self.buckets.append(engine.max_batch)
         self.fused = fused and m04.fused_decode_ok(engine.model)
-        self.graphs, self.pad_slot = {}, int(kv.allocator.alloc(1)[0])  # scratch slot for padded rows
-        self.pad_row = kv.req_pool.alloc()
-        kv.req_to_token[self.pad_row] = self.pad_slot  # any position of the padding row is the scratch slot
+        self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
         n, dev = self.buckets[-1], engine.device
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
         self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
         self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
-        self.rows = torch.zeros_like(self.tokens)                       # (n,) its req_to_token row
+        self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
         self.cuda = dev.type == "cuda"
@@ -1090,7 +1098,7 @@ class CudaGraphDecoder:
             kv.tok_slots, kv.batch_rows, kv.batch_lens = self.slots[:b], self.rows[:b], self.lens[:b]
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
-                self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
+                self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
             out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
                 model(tokens, positions, kv, fp32=False)
             self.m04.argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
@@ -1134,7 +1142,7 @@ class CudaGraphDecoder:
         kv = self.e.kv
         return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)].float()
 
-    def steps(self, batch, positions, k: int, keep=None):
+    def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
         k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
         left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
@@ -1155,7 +1163,7 @@ class CudaGraphDecoder:
         else:
             for _ in range(k):
                 replay()
-        first = [kv.lens[s.rid] - k for s in batch]  # each sequence's first position in this chunk
+        first = [s.kv_len + ahead for s in batch]  # each sequence's first position (ahead: the chunk in flight's)
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
         return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
@@ -1335,6 +1343,51 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
         return Transformer(args).to(dtype).eval()
 
 
+def serve(model, tok, prompts, lens, backend, kv_tokens, **kw) -> dict:
+    """One warm engine serving the workload (output lengths fixed: EOS ignored); its throughput and memory use."""
+    e = Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
+    e.warm_up(len(prompts))  # every bucket's graph captured, the kernels compiled, before timing
+    for p, (_, n) in zip(prompts, lens):
+        e.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    elapsed = seconds(e.run)
+    st, out_tokens = e.stats, sum(n for _, n in lens)
+    return dict(seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens, output_tokens=out_tokens,
+                seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
+                decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
+                kv_tokens=e.kv_capacity(), peak_kv_used=st["peak_kv_used"] / e.kv_capacity(),
+                peak_live_tokens=st["peak_live_tokens"] / e.kv_capacity(),
+                radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
+
+
+BENCH_BACKENDS = {"token": dict(backend="token"), "paged 16": dict(backend="paged", block_size=16),
+                  "paged 256": dict(backend="paged", block_size=256), "contiguous": dict(backend="contiguous")}
+
+
+def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equal KV memory", 512))) -> dict:
+    """Every backend on the same workload in one run, (a) with a pool of 2,048 tokens per sequence (contiguous:
+    a 2,048-slot row each, enough rows for the batch) and (b) at equal KV memory, 512 tokens per sequence, where
+    contiguous still reserves 2,048 per row and so runs a quarter of the rows, and the others preempt."""
+    out = {}
+    for pool, per_seq in pools:
+        rows = {name: serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
+                for name, kw in BENCH_BACKENDS.items()}
+        for row in rows.values():
+            row["vs_token"] = row["tok_s"] / rows["token"]["tok_s"]
+        out[pool] = rows
+    return out
+
+
+def backends_report(backends: dict) -> str:
+    lines = []
+    for pool, rows in backends.items():
+        lines += [f"{pool}:", f"  {'backend':<11}{'KV tokens':>10}{'tok/s':>9}{'prefill':>9}{'decode':>9}"
+                  f"{'running':>8}{'live':>6}{'vs token':>9}"]
+        lines += [f"  {name:<11}{r['kv_tokens']:>10,}{r['tok_s']:>9,.0f}{r['prefill_tok_s']:>9,.0f}"
+                  f"{r['decode_tok_s']:>9,.0f}{r['peak_running']:>8}{r['peak_live_tokens']:>6.0%}{r['vs_token']:>8.2f}x"
+                  for name, r in rows.items()]
+    return "\n".join(lines)
+
+
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     """Issue 9's GPU benchmark: nano-vllm's workload (256 sequences, prompt and output lengths uniform in
     [100, 1024], random ids, EOS ignored) on a random Llama-3.2-1B shape, and batch-1 decode on 1B and 8B shapes;
@@ -1346,21 +1399,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
     prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
 
-    warm = Engine(model, tok, "token", kv_tokens=n_seqs * 2048, max_batch=n_seqs)
-    warm.warm_up(n_seqs)  # every bucket's graph captured, the kernels compiled, before timing
-    for p, (_, n) in zip(prompts, lens):
-        warm.add(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
-    elapsed = seconds(warm.run)
-    st, out_tokens = warm.stats, sum(n for _, n in lens)
-    r["serve_1b"] = dict(
-        seqs=n_seqs, max_prefill_tokens=warm.sched.max_prefill_tokens, output_tokens=out_tokens, seconds=elapsed,
-        tok_s=out_tokens / elapsed,
-        prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
-        decode_tok_s=st["decode_tokens"] / st["decode_s"],
-        peak_kv_used=st["peak_kv_used"] / warm.kv_capacity(),
-        peak_live_tokens=st["peak_live_tokens"] / warm.kv_capacity(),
-        radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
-    del warm
+    r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
+    r["backends"] = bench_backends(model, tok, prompts, lens)
     hf = to_transformers(model)
     batch = prompts[:hf_batch]
     width = max(map(len, batch))
@@ -1423,7 +1463,7 @@ def main(argv=None):
         if not torch.cuda.is_available():
             sys.exit("error: --bench-engine needs a CUDA GPU")
         r = bench_engine()
-        print(json.dumps(r) if args.json else json.dumps(r, indent=1))
+        print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
         return
     try:
         if not all(p.strip() for p in args.prompt):

@@ -74,8 +74,8 @@ def test_prepare_positions_and_slots_match_brute_force():
         for p in range(start, start + n):
             expect_pos.append(p)
             expect_slot.append(table[p // 4] * 4 + p % 4)
-    assert pos.tolist() == expect_pos and kv.slot_mapping.tolist() == expect_slot
-    assert kv.seq_lens.tolist() == [6, 2, 7] and kv.q_lens == [5, 2, 1]
+    assert pos.tolist() == expect_pos and kv.tok_slots.tolist() == expect_slot
+    assert kv.batch_lens.tolist() == [6, 2, 7] and kv.batch[2] == [5, 2, 1]
 
 
 def test_greedy_decode_equals_contiguous_cache(smollm):
@@ -173,7 +173,7 @@ def test_random_alloc_append_fork_free_keeps_invariants_and_contents(seed):
             expect = [p for s, n in zip(seqs, n_new) for p in range(len(oracle.get(s, [])), len(oracle.get(s, [])) + n)]
             assert pos.tolist() == expect
             tags = torch.arange(tag, tag + len(pos))
-            kv.k_cache[0].flatten(0, 1)[kv.slot_mapping] = tags[:, None, None]
+            kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = tags[:, None, None]
             for s, n in zip(seqs, n_new):
                 oracle.setdefault(s, []).extend(tags[:n].tolist())
                 tags, tag = tags[n:], tag + n
@@ -243,7 +243,7 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
 
     def forward(batch, n_new, positions):
         seq = torch.tensor([r.rid for r, n in zip(batch, n_new) for _ in range(n)])
-        kv.k_cache[0].flatten(0, 1)[kv.slot_mapping] = (10000 * seq + positions).float()[:, None, None]
+        kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
             n = kv.manager.num_tokens[r.rid]
             assert kv.gather(r.rid, 0)[0].flatten().tolist() == (10000 * r.rid + torch.arange(n)).tolist()
@@ -370,3 +370,102 @@ def test_random_weight_model_decodes_through_flash_path():
     diff = (logits["flash"] - logits["torch"]).abs().max() / logits["torch"].abs().max()
     print(f"\nrandom-weight model, flash vs torch path logits: max |diff| / max |logit| = {diff:.2e}")
     assert diff < 2e-2
+
+
+def random_table_workload(kv, steps, rng):
+    """Drive a PagedKVCache through random steps -- new sequences, growth (1 token, or k at once as multi-step
+    decoding asks), fork + copy-on-write, finishes, swap out and in, refused batches -- yielding after each
+    successful prepare. Before every step the unused entries of every table row are poisoned (-1)."""
+    live, swapped, next_id = [], [], 0
+    for _ in range(steps):
+        kv.table[kv.free_rows] = -1  # poison what no row uses; what a row uses must survive from earlier writes
+        for s, row in kv.rows.items():
+            kv.table[row, len(kv.manager.block_tables[s]):] = -1
+        op = rng.random()
+        if (op < 0.15 or len(kv.free_rows) < 2) and live:
+            s = live.pop(rng.randrange(len(live)))
+            kv.free(s)
+        elif op < 0.22 and live:
+            kv.fork(rng.choice(live), next_id)
+            live.append(next_id)
+            next_id += 1
+        elif op < 0.28 and live:
+            s = live.pop(rng.randrange(len(live)))
+            swapped.append((s, kv.swap_out(s)))
+        elif op < 0.36 and swapped and kv.manager.can_allocate(swapped[0][1][2], alone=True):
+            s, saved = swapped.pop(0)
+            kv.swap_in(s, saved)
+            live.append(s)
+        else:
+            batch = rng.sample(live, rng.randint(0, len(live))) + ([next_id] if rng.random() < 0.4 else [])
+            n_new = [rng.randint(1, 9) if s == next_id else rng.choice([1, 1, rng.randint(1, 5)]) for s in batch]
+            keep = [i for i, (s, n) in enumerate(zip(batch, n_new)) if kv.lens.get(s, 0) + n <= kv.max_seq_len]
+            batch, n_new = [batch[i] for i in keep], [n_new[i] for i in keep]
+            if not batch:
+                continue
+            try:
+                positions = kv.prepare(batch, n_new)
+            except P.OutOfBlocks:
+                continue
+            if next_id in batch:
+                live.append(next_id)
+                next_id += 1
+            yield batch, n_new, positions
+        assert kv.manager.check()
+
+
+def test_device_tables_follow_the_manager():
+    """What CUDA graphs read -- the device block table, the step's rows, lengths and slots -- equals what the
+    BlockManager says after every step of a random workload, with unused table entries poisoned before each step
+    (so an entry the incremental write skipped shows up)."""
+    rng = random.Random(int(torch.randint(0, 10**6, ())))
+    kv = P.PagedKVCache(1, 40, 4, 1, 2, max_seqs=12, max_seq_len=64)
+    steps = 0
+    for batch, n_new, positions in random_table_workload(kv, 800, rng):
+        m, B = kv.manager, kv.block_size
+        for s in m.block_tables:
+            if s in kv.rows:
+                blocks = m.block_tables[s]
+                assert kv.table[kv.rows[s], :len(blocks)].tolist() == blocks, s
+        want_pos = [p for s, n in zip(batch, n_new) for p in range(m.num_tokens[s] - n, m.num_tokens[s])]
+        want_slots = [m.block_tables[s][p // B] * B + p % B for s, n in zip(batch, n_new)
+                      for p in range(m.num_tokens[s] - n, m.num_tokens[s])]
+        assert positions.tolist() == want_pos and kv.tok_slots.tolist() == want_slots
+        assert kv.batch_rows.tolist() == [kv.rows[s] for s in batch]
+        assert kv.batch_lens.tolist() == [m.num_tokens[s] for s in batch]
+        assert len(set(kv.rows.values())) == len(kv.rows) and not set(kv.rows.values()) & set(kv.free_rows)
+        steps += 1
+    assert steps > 200
+
+
+@pytest.mark.triton
+def test_kernels_read_the_device_tables():
+    """04's decode and prefill kernels (interpreted here) read a PagedKVCache's device table during a random
+    workload and agree with float64 attention over the BlockManager's own tables. Unused table entries point at
+    a block of NaN (the graphs' padding block), so a kernel that reads past a sequence's blocks fails."""
+    m04 = importlib.import_module("04_triton_token_attn")
+    rng = random.Random(int(torch.randint(0, 10**6, ())))
+    kv = P.PagedKVCache(1, 48, 4, 2, 16, max_seqs=12, max_seq_len=64)
+    kv.pad_row()
+    nan_block = kv.manager.block_tables["pad"][0]
+    kv.k_cache[0, nan_block], kv.v_cache[0, nan_block] = float("nan"), float("nan")
+    k_pool, v_pool = kv.layer_pools(0)
+    checked = 0
+    for batch, n_new, positions in random_table_workload(kv, 150, rng):
+        kv.table[kv.table < 0] = nan_block
+        T = sum(n_new)
+        k_pool[kv.tok_slots], v_pool[kv.tok_slots] = torch.randn(T, 2, 16), torch.randn(T, 2, 16)
+        q, (rows, starts, _) = torch.randn(T, 4, 16), kv.batch
+        if all(n == 1 for n in n_new):
+            out = m04.token_decode_attention(q, k_pool, v_pool, kv.table, kv.batch_rows, kv.batch_lens, page=4)
+        else:
+            out = m04.token_extend_attention(q, k_pool, v_pool, kv.table, kv.batch_rows, starts, n_new, page=4)
+        t = 0
+        for s, n in zip(batch, n_new):
+            L, blocks = kv.manager.num_tokens[s], kv.manager.block_tables[s]
+            slots = [blocks[i // 4] * 4 + i % 4 for i in range(L)]
+            ref = P.kv01.attend_dense(q[t:t + n].double(), k_pool[slots].double(), v_pool[slots].double())
+            torch.testing.assert_close(out[t:t + n].double(), ref, atol=1e-5, rtol=1e-5)
+            t += n
+        checked += 1
+    assert checked > 25

@@ -21,7 +21,7 @@ def run_and_check(P, dtype, **kw):
     out = torch.full(P[0].shape, float("nan"), dtype=dtype, device=P[0].device)
     res = m.token_decode_attention(*P, out=out, **kw)
     assert res.data_ptr() == out.data_ptr() and res.dtype == dtype
-    ref = m.reference_decode_attention(*P, sm_scale=kw.get("sm_scale"))
+    ref = m.reference_decode_attention(*P, sm_scale=kw.get("sm_scale"), page=kw.get("page", 1))
     assert torch.isfinite(out).all(), "kernel left unwritten (NaN) outputs"
     torch.testing.assert_close(out.double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
     assert m.rel_err(out, ref) <= m.TOLERANCE[dtype]
@@ -117,11 +117,26 @@ def test_gpu_large_batch_bf16():
     run_and_check(P, torch.bfloat16)
 
 
-def extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=True, seed=0):
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 256, 4100])
+def test_gpu_pages(page):
+    """Compiled, bf16: 02's block tables (16, 256) and a contiguous row as one page (4,100 slots), decode at
+    several split counts and a ragged extend, against float64."""
+    P = m.paged_problem(m.make_problem(LENS + [4097], 32, 8, 128, torch.bfloat16, "cuda", seed=page), page, page)
+    for splits in (None, 1, 7):
+        run_and_check(P, torch.bfloat16, page=page, num_splits=splits)
+    E = m.paged_problem(extend_problem([0, 700, 3000], [1000, 1, 300], 32, 8, 128, torch.bfloat16, seed=page,
+                                       device="cuda"), page, page)
+    out = torch.full(E[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    m.token_extend_attention(*E, out=out, page=page)
+    assert m.rel_err(out, m.reference_extend_attention(*E, page=page)) <= m.TOLERANCE[torch.bfloat16]
+
+
+def extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=True, seed=0, device="cpu"):
     """A ragged prefill batch over a pool: request b has prefix[b] cached tokens and extend[b] new ones, all
     already in the pool at random slots (others NaN, so a wrong read poisons the output); q for the new ones."""
-    P = m.make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D, dtype, scattered=scattered, seed=seed)
-    q = torch.randn(sum(extend), H, D, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    P = m.make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D, dtype, device, scattered, seed)
+    q = torch.randn(sum(extend), H, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     return (q, *P[1:5], prefix, extend)
 
 
@@ -163,6 +178,20 @@ def test_extend_random_ragged_batches():
         out = torch.full(P[0].shape, float("nan"))
         m.token_extend_attention(*P, out=out, **cfg)
         assert m.rel_err(out, m.reference_extend_attention(*P)) <= 1e-5, cfg
+
+
+@pytest.mark.parametrize("page", [4, 16, 23, 64])
+def test_pages_decode_and_extend(page):
+    """page > 1: the same kernels read 02's block tables (pages of 4, 16, 64 slots) and 01's contiguous rows (one
+    page of max_len, here 23, not a power of two), at random pages; unused pages and table entries poisoned."""
+    seed = int(torch.randint(0, 10**6, ()))
+    P = m.paged_problem(m.make_problem([1, 5, 23, 70], 6, 2, 64, torch.float32, seed=seed), page, seed)
+    run_and_check(P, torch.float32, page=page, num_splits=[None, 1, 3][seed % 3])
+    run_and_check(P, torch.float32, page=page, pdl=True)
+    E = m.paged_problem(extend_problem([0, 3, 40], [9, 1, 30], 6, 2, 64, torch.float32, seed=seed), page, seed)
+    out = torch.full(E[0].shape, float("nan"))
+    m.token_extend_attention(*E, out=out, page=page, rows=32, block_n=16)  # small tiles: many, across pages
+    assert m.rel_err(out, m.reference_extend_attention(*E, page=page)) <= 1e-5
 
 
 def test_token_backend_prefill_through_the_kernel():

@@ -251,9 +251,12 @@ def test_gpu_token_backend_every_format(checkpoints, refs, shape, fmt):
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("backend", ["paged", "contiguous"])
-def test_gpu_other_backends(checkpoints, refs, shape, backend):
-    check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", backend)
+@pytest.mark.parametrize("flags", [("paged",), ("paged", "--block-size", "256"), ("contiguous",)],
+                         ids=["paged16", "paged256", "contiguous"])
+def test_gpu_other_backends(checkpoints, refs, shape, flags):
+    """Paged (04's kernel with 16- and 256-slot pages: fp32 leaves flash-attn out) and contiguous (a row as one
+    page), through the same CUDA graphs and multi-step decoding as the token backend."""
+    check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", *flags)
 
 
 @gpu
@@ -265,6 +268,10 @@ def test_gpu_other_backends(checkpoints, refs, shape, backend):
     (PROMPTS, ("--multi-step", "1")),        # one step per host sync
     (PROMPTS, ("--no-radix",)),
     (PROMPTS[:1] * 3, ("--n", "2")),         # repeated prompts and samples: all greedy, all the same
+    (PROMPTS[2:3], ("--backend", "paged")),  # batch 1 fused over 02's block table
+    (PROMPTS[2:3], ("--backend", "contiguous")),
+    (PROMPTS[:1] * 3, ("--n", "2", "--backend", "paged", "--block-size", "256")),
+    (PROMPTS[:1] * 3, ("--n", "2", "--backend", "contiguous")),
 ])
 def test_gpu_engine_paths(checkpoints, refs, prompts, flags):
     ref = refs("smol", "gguf", "cuda")
@@ -289,13 +296,16 @@ def test_gpu_streaming_prints_the_completion(checkpoints, refs):
 
 
 @gpu
-@pytest.mark.parametrize("backend", ["token", "paged"])
-def test_gpu_small_pool_preempts(checkpoints, refs, backend):
-    """A pool holding about two sequences: requests wait for room or are preempted (which of the two depends on
-    when EOS frees room), the pool fills, and the tokens do not change."""
+@pytest.mark.parametrize("flags", [("token",), ("paged",), ("paged", "--preempt", "swap"),
+                                   ("paged", "--block-size", "256", "--preempt", "swap")],
+                         ids=["token", "paged16", "paged16-swap", "paged256-swap"])
+def test_gpu_small_pool_preempts(checkpoints, refs, flags):
+    """A pool holding about two sequences: requests wait for room or are preempted (recompute, or swap: blocks to
+    CPU memory and back into other blocks, the graphs' table rows rewritten), the pool fills, and the tokens do
+    not change."""
     ref = refs("gqa4", "hf", "cuda")
     longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
-    _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", backend,
+    _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", *flags,
                           "--kv-tokens", str(2 * longest + 16))
     assert int(re.search(r"peak KV use (\d+)%", err).group(1)) >= 80, err
 
