@@ -113,7 +113,7 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _slot(R2T, row, s_r2t, n, nmask, PAGE: tl.constexpr, CACHE: tl.constexpr = ""):
+def _slot(R2T, row, s_r2t, n, nmask, PAGE: tl.constexpr, CACHE: tl.constexpr):
     """The pool slot of token n of table row `row` (int64), read where nmask (None: everywhere). PAGE 1: 03's
     req_to_token holds slots; PAGE P: 02's block table holds blocks of P slots, slot = table[n // P] * P + n % P
     (01's contiguous row is one page of max_len). One kernel serves all three backends."""
@@ -192,7 +192,7 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
         q = q.to(tl.float32)
     if PDL:
         new = (n == seq_len - 1)[:, None]
-        last = _slot(R2T, row, s_r2t, seq_len - 1, None, PAGE)
+        last = _slot(R2T, row, s_r2t, seq_len - 1, None, PAGE, "")
         k = tl.where(new, tl.load(K + last * s_ks + kvh * HEAD_DIM + offs_d)[None, :], k)
         v = tl.where(new, tl.load(V + last * s_vs + kvh * HEAD_DIM + offs_d)[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
@@ -527,7 +527,7 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
         pdl_wait(PDL)
         pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
     pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
-    slot = _slot(R2T, tl.load(ROW).to(tl.int64), s_r2t, pos, None, PAGE)
+    slot = _slot(R2T, tl.load(ROW).to(tl.int64), s_r2t, pos, None, PAGE, "")
     rotate = head < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)

@@ -55,6 +55,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import gc
 import glob
 import importlib
 import importlib.util
@@ -1369,8 +1370,11 @@ def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equa
     contiguous still reserves 2,048 per row and so runs a quarter of the rows, and the others preempt."""
     out = {}
     for pool, per_seq in pools:
-        rows = {name: serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
-                for name, kw in BENCH_BACKENDS.items()}
+        rows = {}
+        for name, kw in BENCH_BACKENDS.items():
+            rows[name] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
+            gc.collect()  # an engine and its graph decoder hold each other: free its pool before the next
+            torch.cuda.empty_cache()
         for row in rows.values():
             row["vs_token"] = row["tok_s"] / rows["token"]["tok_s"]
         out[pool] = rows
