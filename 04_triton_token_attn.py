@@ -33,6 +33,12 @@ the last token return at once and stage 2 merges only those that hold tokens (H2
 engine's batch-1 decode), stage 1 reads lengths, slots and its first K/V tile before waiting for the kernel
 that writes q and the newest token, so that read overlaps that kernel (see token_decode_attention).
 
+Every backend, one kernel: the table the kernels read maps token i of row r to slot table[r, i // P] * P + i % P
+(`_slot`). P = 1 is 03's token pool (req_to_token holds slots); P = block size is 02's paged pool (block tables);
+P = max_len is 01's contiguous cache (a row is one page). The engine's CUDA graphs decode all three through it,
+and below the decode and prefill kernels sits the whole batch-1 decode step in six kernels (`fused_decode`).
+This file is also where every Triton kernel of the project lives, so only its users need Triton (Linux).
+
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernel in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
 
