@@ -71,6 +71,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
 from fractions import Fraction
@@ -1028,24 +1029,27 @@ def report(prompt, runs) -> None:
                   f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
         print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
-        print(f"  checked, both answers: finished and accepted by the DFA and by Python's re {ok('matches')}; their "
-              f"token ids decode to the text {ok('decodes')}" +
-              (f"; {r['validator']} accepts it {ok('valid')}" if "validator" in r else ""))
+        say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
+        say(f"checked, both answers: finished and accepted by the DFA and by Python's re: {ok('matches')}; their "
+            f"token ids decode to the text: {ok('decodes')}" +
+            (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
         m, j = r["output_tokens"]["masking_only"], r["tokenizer_tokens"]["masking_only"]
-        print(f"  why the answers differ: both are greedy over the same model, but not over the same tokens. Masking "
-              f"only lets the model spell the forced text with any tokens the mask allows ({m} tokens where the "
-              f"tokenizer writes {j} for the same text); jump-forward appends it as the tokenizer writes it. The "
-              f"token sequences part at character {r['tokens_part_at_char']}, the texts at character "
-              f"{r['texts_part_at_char']}: from there each answer goes on from a different context.")
+        say(f"why the answers differ: both are greedy over the same model, but not over the same tokens. Masking only "
+            f"lets the model spell the forced text with any tokens the mask allows ({m} tokens where the tokenizer "
+            f"writes {j} for the same text); jump-forward appends it as the tokenizer writes it. The token sequences "
+            f"part at character {r['tokens_part_at_char']}, the texts at character {r['texts_part_at_char']}: from "
+            f"there each answer goes on from a different context.")
         if "optional_cost" in r:
             q = r["optional_cost"]
             f, p = q["forced_bytes"], q["replayed_forward_passes"]
-            print(f"  optional properties cost jump-forward: {', '.join(r['optional_properties'])} may be left out, so "
-                  f"where the member before each ends the model must choose (write it, or go on), where a required "
-                  f"key is jumped. Compressed FSM: {f['as_given']} forced bytes as given, "
-                  f"{f['every_property_required']} with every property required. The document the model writes "
-                  f"when every property is required ({q['bytes']} bytes), replayed (longest token each step, no "
-                  f"model): {p['as_given']} forward passes as given, {p['every_property_required']} required.")
+            say(f"optional properties cost jump-forward: {', '.join(r['optional_properties'])} may be left out, so "
+                f"where the member before each ends, the model must choose (write it or go on) where a required key "
+                f"is jumped. Compressed FSM: {f['as_given']} forced bytes as given, {f['every_property_required']} "
+                f"with every property required." + (
+                    f" The document the model writes when every property is required ({q['bytes']} bytes), replayed "
+                    f"(the longest token each step, no model): {p['as_given']} forward passes as given, "
+                    f"{p['every_property_required']} required (+{p['as_given'] - p['every_property_required']})."
+                    if q["finished"] else ""))
 
 
 def main(argv=None):
