@@ -185,7 +185,7 @@ class _Parser:
         c = self.take()
         if c.lower() in ASCII_CLASSES:
             if self.schema and (c.isupper() or self.negated):
-                self.error(f"\\{c} {'inside [^...] ' * self.negated}in a schema pattern (validators read it as Unicode)")
+                self.error(f"\\{c} {'inside [^...] ' * self.negated}in a schema pattern (validators: Unicode)")
             return _negate(ASCII_CLASSES[c.lower()]) if c.isupper() else ASCII_CLASSES[c]
         if c in ESCAPES or (c == "b" and in_class):
             code = ESCAPES.get(c, 8)
@@ -647,7 +647,7 @@ def number_range(lo: int, hi: int) -> str:
             return f"(?:{dot})?" if x == 0 else dot
         if ia == ib:
             return [str(ia) + fraction(fa, fb)]
-        middle = ["(?:" + "|".join(_natural_range(ia + 1, ib - 1)) + ")" + fraction(0, scale - 1)] if ib > ia + 1 else []
+        middle = [f"(?:{'|'.join(_natural_range(ia + 1, ib - 1))})" + fraction(0, scale - 1)] if ib > ia + 1 else []
         return [str(ia) + fraction(fa, scale - 1)] + middle + [str(ib) + fraction(0, fb)]
     parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
     if lo <= 0:  # -0 and -0.0 are zero
@@ -702,7 +702,9 @@ def _plain(value) -> str:
         return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_plain(v)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(map(_plain, value)) + "]"
-    return np.format_float_positional(value, trim="-") if isinstance(value, float) else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, float):
+        return np.format_float_positional(value, trim="-")
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _fail(path, msg):
@@ -798,7 +800,7 @@ class _SchemaCompiler:
             except _Empty as e:
                 why.append(str(e))
         if not out:
-            raise _Empty(f"{path}: no {what} accepts anything" + (f" ({why[0]}{', ...' * (len(why) > 1)})" if why else ""))
+            raise _Empty(f"{path}: no {what} accepts anything ({why[0]}{', ...' * (len(why) > 1)})")
         return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
 
     def accepts(self, parts, value, path, refs) -> bool:
@@ -994,7 +996,8 @@ def replay_forward_passes(index, tok, prompt_ids, text) -> int:
     def logits_fn(ids, keep):
         rest = want[len(b"".join(map(tok.token_bytes, ids[len(prompt_ids):]))):]
         logits = torch.zeros(index.vocab)  # (vocab,)
-        logits[next((token_of[rest[:k]] for k in range(min(len(rest), 64), 0, -1) if rest[:k] in token_of), index.eos)] = 1
+        longest = next((rest[:k] for k in range(min(len(rest), 64), 0, -1) if rest[:k] in token_of), None)
+        logits[token_of[longest] if longest else index.eos] = 1
         return logits
     r = constrained_decode(index, tok, prompt_ids, logits_fn, 4 * len(want) + 8)
     assert r["text"] == text, (r["text"], text)
@@ -1006,12 +1009,12 @@ def optional_cost(model, tok, schema, prompt, max_new_tokens) -> dict:
     replay it under that schema and under the schema as given (where it is valid too), same tokens."""
     given, required = (TokenIndex(schema_to_regex(s), tok) for s in (schema, every_property_required(schema)))
     prompt_ids = tok.chat(prompt)
-    r = constrained_decode(required, tok, prompt_ids, model_logits_fn(model, len(prompt_ids) + 2 * max_new_tokens + 512),
-                           max_new_tokens)
+    logits_fn = model_logits_fn(model, len(prompt_ids) + 2 * max_new_tokens + 512)
+    r = constrained_decode(required, tok, prompt_ids, logits_fn, max_new_tokens)
     forced = lambda index: sum(map(len, index.compressed_edges().values()))
     return dict(document=r["text"], bytes=len(r["text"].encode()), finished=r["finished"],
                 forced_bytes={"as_given": forced(given), "every_property_required": forced(required)},
-                replayed_forward_passes={k: replay_forward_passes(i, tok, prompt_ids, r["text"]) if r["finished"] else None
+                replayed_forward_passes={k: r["finished"] and replay_forward_passes(i, tok, prompt_ids, r["text"])
                                          for k, i in (("as_given", given), ("every_property_required", required))})
 
 

@@ -28,7 +28,7 @@ REGEXES = [
     r"\s*\S\W?\D", r"(?:é|ê|日本)+", r"[α-ω]{1,3}[^α-ω]?", r"\x41\u00e9\U0001F600*", r"x{,2}y{2,}", r"a{}", r"[]a-]+",
     r"[\d\-.]{2}", r"((a|b)*c){1,2}", r"[^\x00-\x7f]+", r"😀|[\u4e00-\u9fff]{2}", r"a*?b+?c??d{1,2}?", r"[\\\]^-]x{",
     r"(|a)(b|)", r"[^\W\d]\t\n", m.CHARACTER_REGEX, m.schema_to_regex(SMALL_SCHEMA)]
-N_RANDOM_SCHEMAS = 300
+N_RANDOM_SCHEMAS = 500
 EDGE_CHARS = [0x7F, 0x80, 0x7FF, 0x800, 0xD7FF, 0xE000, 0xFFFF, 0x10000, 0x10FFFF, 0x3B1, 0x3C9, 0x4E00, 0x9FFF]
 
 
@@ -132,8 +132,9 @@ def test_invalid_regex_names_the_problem(pattern, problem):
 @pytest.mark.parametrize("schema, problem", [
     ([], "schema must be an object"), ({"type": "strin"}, "unsupported schema type 'strin'"),
     ({"type": "array"}, "needs 'items'"), ({"type": "object", "properties": []}, "properties [] is not an object"),
-    ({"enum": []}, "enum [] is not a non-empty list"), ({"type": "string", "maxLength": -1}, "maxLength -1 is not a non-negative integer"),
-    ({"type": "string", "minLength": 3, "maxLength": 2}, "no document satisfies this schema ($: minLength 3 is above maxLength 2)"),
+    ({"enum": []}, "enum [] is not a non-empty list"),
+    ({"type": "string", "maxLength": -1}, "maxLength -1 is not a non-negative integer"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "no document satisfies this schema ($: minLength 3 is above"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "int"}}}}}, "$.a.b")])
 def test_invalid_schema_names_the_problem(schema, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
@@ -148,8 +149,8 @@ def test_invalid_schema_names_the_problem(schema, problem):
 def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, value):
     """Issue 22.4: an ignored keyword lets invalid output pass for valid; refused by name instead."""
     kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array",
-            "minProperties": "object", "maxProperties": "object", "patternProperties": "object", "propertyNames": "object",
-            "dependentRequired": "object", "unevaluatedProperties": "object"}
+            **dict.fromkeys(("minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+                             "unevaluatedProperties"), "object")}
     schema = {"type": kind.get(keyword, "string"), keyword: value}
     if schema["type"] == "array":
         schema["items"] = {"type": "integer"}
@@ -159,7 +160,7 @@ def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, va
                             ({"type": "string", "$ref": "#/x"}, "cannot resolve $ref '#/x'"),
                             ({"type": "string", "pattern": r"^\D+$"}, "\\D in a schema pattern"),
                             ({"type": "string", "pattern": r"^[^\d]+$"}, "\\d inside [^...] in a schema pattern"),
-                            ({"type": "string", "allOf": [{"type": "integer"}]}, "types ['string', 'integer'] have none"),
+                            ({"type": "string", "allOf": [{"type": "integer"}]}, "['string', 'integer'] have none"),
                             ({"type": "string", "pattern": "[a-z]+"}, "anchored"),
                             ({"type": "string", "pattern": "^.+$"}, "quote, backslash or control"),
                             ({"type": "object", "properties": {}, "required": ["x"]}, "'x' is not in properties"),
@@ -340,8 +341,8 @@ def test_every_reachable_state_has_a_way_on(smollm):
 def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
     import llama3_generate as L
     model, tok = smollm
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "house": {"enum": ["Gryffindor", "Slytherin"]}, "age": {"type": "integer"}},
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                               "house": {"enum": ["Gryffindor", "Slytherin"]}},
               "required": ["name", "house", "age"]}
     pattern = m.schema_to_regex(schema)
     index, prompt = m.TokenIndex(pattern, tok), tok.chat("Describe Harry Potter in JSON.")
@@ -399,7 +400,7 @@ PATTERNS = ["^[a-z]{1,4}$", "^(yes|no)$", "^[A-Z][a-z]*( [A-Z][a-z]*)?$", r"^\d{
 NAMES = ["a", "b", "c d", "é", "x_1"]
 
 
-def random_bounds(rng, kind):
+def random_bounds(rng):
     s = {}
     for key in m.BOUNDS:
         if rng.random() < 0.35:
@@ -423,12 +424,13 @@ def random_schema(rng, depth, defs):
         else:
             s.update({k: rng.randrange(n) for k, n in (("minLength", 4), ("maxLength", 7)) if rng.random() < 0.5})
     elif kind in ("integer", "number"):
-        s = {"type": kind, **random_bounds(rng, kind)}
+        s = {"type": kind, **random_bounds(rng)}
     elif kind in ("boolean", "null"):
         s = {"type": kind}
     elif kind in ("enum", "const"):
         values = rng.sample(VALUES, rng.randrange(1, 6))
-        s = {**(random_schema(rng, 0, defs) if rng.random() < 0.6 else {}), kind: values if kind == "enum" else values[0]}
+        siblings = random_schema(rng, 0, defs) if rng.random() < 0.6 else {}
+        s = {**siblings, kind: values if kind == "enum" else values[0]}
     elif kind == "anyOf":
         s = {**(random_schema(rng, 0, defs) if rng.random() < 0.5 else {}),
              "anyOf": [random_schema(rng, depth - 1 if depth else 0, defs) for _ in range(rng.randrange(1, 4))]}
@@ -437,7 +439,7 @@ def random_schema(rng, depth, defs):
         s = {"allOf": [a, {k: v for k, v in b.items() if k != "type" or rng.random() < 0.3}]}
     elif kind == "types":
         t = rng.sample(["string", "integer", "number", "null", "boolean"], 2)
-        s = {**random_schema(rng, 0, defs), **{k: v for k, v in random_bounds(rng, "number").items()}, "type": t}
+        s = {**random_schema(rng, 0, defs), **random_bounds(rng), "type": t}
     elif kind == "object":
         names = rng.sample(NAMES, rng.randrange(0, 4))
         s = {"type": "object", "properties": {k: random_schema(rng, depth - 1, defs) for k in names}}
@@ -451,8 +453,9 @@ def random_schema(rng, depth, defs):
         name = f"D{len(defs)}"
         defs[name] = None  # taken before the recursion names its own
         defs[name] = random_schema(rng, depth - 1, defs)
-        s = {"$ref": f"#/$defs/{name}", **({"description": "a ref with siblings", "type": rng.choice(["object", "string"])}
-                                           if rng.random() < 0.3 else {})}
+        s = {"$ref": f"#/$defs/{name}"}
+        if rng.random() < 0.3:  # siblings of $ref hold too
+            s.update(description="a ref with siblings", type=rng.choice(["object", "string"]))
     else:  # a recursive tree, unrolled MAX_REF_DEPTH deep by the compiler
         defs["T"] = {"type": "object", "required": ["v"], "properties": {
             "v": random_schema(rng, 0, defs), "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}, "maxItems": 2}}}
@@ -494,7 +497,8 @@ def random_doc(s, rng, root, depth=0, refs=()):
     if "anyOf" in s:
         return random_doc({**s, **rng.choice(s.pop("anyOf"))}, rng, root, depth + 1, refs)
     if "enum" in s or "const" in s:  # in the layout, values are written as json.dumps writes them
-        return json.dumps(rng.choice(s.get("enum", [s.get("const")]) if rng.random() < 0.9 else VALUES), ensure_ascii=False)
+        values = s.get("enum", [s.get("const")]) if rng.random() < 0.9 else VALUES
+        return json.dumps(rng.choice(values), ensure_ascii=False)
     kind = s.get("type", rng.choice(["string", "integer", "number", "boolean", "null", "object", "array"]))
     kind = rng.choice(kind) if isinstance(kind, list) else kind
     if kind in ("integer", "number"):
@@ -521,8 +525,9 @@ def random_doc(s, rng, root, depth=0, refs=()):
         return "null"
     if kind == "object":
         props, required = s.get("properties", {}), s.get("required", [])
-        members = [f"{json.dumps(k, ensure_ascii=False)}: {random_doc(v, rng, root, depth + 1, refs)}" for k, v in props.items()
-                   if (k in required) != (rng.random() < 0.05) or rng.random() < 0.5]
+        written = [k for k in props if (k in required) != (rng.random() < 0.05) or rng.random() < 0.5]
+        members = [f"{json.dumps(k, ensure_ascii=False)}: {random_doc(props[k], rng, root, depth + 1, refs)}"
+                   for k in written]
         return "{" + ", ".join(members) + "}"
     lo = s.get("minItems", 0)
     n = rng.randrange(lo, min(s.get("maxItems", 4), lo + 3) + 1) if lo <= s.get("maxItems", 4) else 0
@@ -617,8 +622,9 @@ def test_number_bounds_are_exact_for_validators():
             continue
         for x in [lo, hi, rng.uniform(lo, hi), lo - 1, hi + 1]:
             halfway = (Fraction(x) + Fraction(math.nextafter(x, rng.choice([-math.inf, math.inf])))) / 2
+            digits = str(math.floor(halfway * 10 ** 16))  # halfway, cut to 16 digits after the point
             for text in {layout_number(x), f"{x:.15f}", f"{x:.17f}"[:-1], f"{float(halfway):.16f}",
-                         str(math.floor(x)), f"{math.floor(halfway * 10 ** 16)}"[:-16] + "." + f"{math.floor(halfway * 10 ** 16)}"[-16:]}:
+                         str(math.floor(x)), digits[:-16] + "." + digits[-16:]}:
                 if text.startswith(".") or text.startswith("-.") or abs(float(text)) >= 2 ** 53:
                     continue
                 assert dfa.fullmatch(text) == validator(schema).is_valid(json.loads(text)), (schema, text)
@@ -717,14 +723,15 @@ def test_pydantic_schemas_refused_by_name():
         value: int
         next: "Chain"
 
-    for model, problem in ((Event, "format 'date-time' is not a supported format"), (Home, "unsupported keyword 'discriminator'"),
+    for model, problem in ((Event, "format 'date-time' is not a supported format"),
+                           (Home, "unsupported keyword 'discriminator'"),
                            (Code, "pattern or format together with other string keywords"),
                            (Chain, "recursive $ref '#/$defs/Chain' is unrolled 3 deep")):
         with pytest.raises(ValueError, match=re.escape(problem)):
             m.schema_to_regex(model.model_json_schema())
 
 
-def test_real_model_pydantic_end_to_end(smollm):
+def test_real_model_pydantic_end_to_end(smollm, capsys):
     """A Pydantic model with a nested one, constrained on the real model both ways: both answers pass the model's
     own model_validate_json; what its optional property costs is replayed on the document written with every
     property required: a choice as given (the model picks `, ` or `}`), a jump when required."""
@@ -755,3 +762,7 @@ def test_real_model_pydantic_end_to_end(smollm):
     Person.model_validate_json(q["document"])
     p = q["replayed_forward_passes"]
     assert p["as_given"] == p["every_property_required"] + 1, q
+    m.report("p", [r])  # the report says what it checked, why the answers differ and what `nick` costs
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Person.model_validate_json accepts it: yes" in out and "why the answers differ" in out, out
+    assert f"{p['as_given']} forward passes as given, {p['every_property_required']} required (+1)" in out, out

@@ -310,29 +310,17 @@ def test_cli_constrained_samples(smollm, tmp_path, capsys):
 
 
 def test_cli_json_schema_from_pydantic(smollm, tmp_path, capsys):
-    """Issue 33: --json-schema takes what Pydantic's model_json_schema() writes for a model with a nested one
-    ($defs/$ref, Literal, bounds, an Optional field with a default) and answers, on the real weights, a document
-    the model's own model_validate_json accepts."""
+    """Issue 33: --json-schema takes what Pydantic's model_json_schema() writes for 06's demo model (a nested model
+    through $defs/$ref, an Enum, a Literal, int and float bounds, Optional and list fields with defaults) and
+    answers, on the real weights, a document the model's own model_validate_json accepts."""
     import json
-    from typing import Literal, Optional
-
-    from pydantic import BaseModel, Field
-
-    class Pet(BaseModel):
-        kind: Literal["cat", "dog", "owl"]
-        age: int = Field(ge=0, le=30)
-
-    class Person(BaseModel):
-        name: str = Field(max_length=12)
-        pet: Pet
-        nick: Optional[str] = Field(default=None, max_length=8)
-
-    schema = tmp_path / "person.json"
-    schema.write_text(json.dumps(Person.model_json_schema()))
-    L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "40", "Describe Harry Potter and his owl."])
+    character = L.lesson("06_jump_forward_fsm").demo_model()
+    schema = tmp_path / "character.json"
+    schema.write_text(json.dumps(character.model_json_schema()))
+    L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "96", "Describe Hermione Granger."])
     out = json.loads(capsys.readouterr().out)
     assert out["finish_reason"] == "stop", out
-    Person.model_validate_json(out["text"])
+    character.model_validate_json(out["text"])
 
 
 def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
