@@ -971,12 +971,13 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
     out["texts_part_at_char"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     out["forward_pass_ratio"] = runs[0]["forward_passes"] / max(1, runs[1]["forward_passes"])
     out["speedup"] = runs[0]["seconds"] / runs[1]["seconds"]
-    if pydantic:
+    if pydantic:  # the user's own validator; what the model's optional properties cost jump-forward
         schema = pydantic.model_json_schema()
         objects = [(pydantic.__name__, schema)] + list(schema.get("$defs", {}).items())
-        out.update(validator=f"{pydantic.__name__}.model_validate_json", optional_cost=optional_cost(
-            model, tok, schema, prompt, max_new_tokens), optional_properties=[
-            f"{name}.{k}" for name, o in objects for k in o.get("properties", {}) if k not in o.get("required", [])])
+        out.update(validator=f"{pydantic.__name__}.model_validate_json",
+                   optional_properties=[f"{n}.{k}" for n, o in objects for k in o.get("properties", {})
+                                        if k not in o.get("required", [])],
+                   optional_cost=optional_cost(model, tok, schema, prompt, max_new_tokens))
     return out
 
 
