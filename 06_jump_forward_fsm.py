@@ -1,7 +1,7 @@
 r"""
 06_jump_forward_fsm.py -- constrained decoding with a compressed FSM and jump-forward (SGLang).
 
-    python 06_jump_forward_fsm.py          # SGLang's character-profile regex and a JSON schema, both ways
+    python 06_jump_forward_fsm.py          # SGLang's character-profile regex and a Pydantic model, both ways
     python 06_jump_forward_fsm.py --regex '(yes|no), because [a-z ]{1,40}\.' --prompt "Is water wet?"
 
 Make every answer match a regex (or a JSON schema, compiled to one). The SGLang paper's three ways:
@@ -38,13 +38,23 @@ literals, escapes, [classes] with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (
 SmolLM2 lacks 21 byte values (some ASCII controls, 0xF1, 0xF2, bytes UTF-8 never uses): the DFA keeps only
 bytes the vocabulary has, then only states that can still accept. Each kept byte is itself a token, so a
 live byte path is a token path: decoding never reaches a state with no allowed token unless it may stop.
+
 JSON schema -> regex, fixed whitespace policy: json.dumps' layout (one line, ", " between items, ": " after
-keys), every property present, in schema order -- keys, quotes and separators all become jump strings.
-The subset is exact or refused, never ignored: type string (minLength/maxLength counted in characters, an
-anchored `pattern` over characters JSON writes unescaped, format uuid/ipv4), integer (minimum, maximum,
-exclusiveMinimum/Maximum as exact digit ranges), number, boolean, null, object (properties, required,
-additionalProperties), array (items, minItems/maxItems), enum, const, anyOf, and annotations (title,
-description, ...). Any other keyword (multipleOf, uniqueItems, oneOf, not, ...) is refused by name.
+keys), properties in schema order -- keys, quotes and separators become jump strings. A schema is the conjunction
+of all its keywords, so the compiler works on a list of schemas that must all hold: $ref (into $defs; recursion
+unrolled 3 deep) and allOf add to the list, an anyOf distributes it over its branches, an enum or const keeps the
+values the rest accepts, and each type left is built from every keyword for it; a part nothing satisfies drops
+out (an optional property, an anyOf branch), else the schema is refused by name. Exact or refused, never ignored:
+type (or a list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes
+unescaped, format uuid/ipv4), integer and number (minimum, maximum, exclusive ones: exact ranges; a bounded number
+is written as a plain decimal), boolean, null, object (properties, required, additionalProperties), array (items,
+minItems/maxItems), enum, const, anyOf, allOf, and annotations (title, default, ...): what Pydantic's
+model_json_schema() writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name.
+Tests sample random schemas' and Pydantic models' DFAs: every document is valid (jsonschema, model_validate_json).
+Optional properties cost jump-forward: one outside `required` may be left out, so where the member before it
+ends, the FSM holds a choice (`, "key": ` or the next key or `}`) only the model can make -- a forward pass where
+a required key would be jumped whole. The report measures it on the demo's Pydantic model.
+
 Subset construction can blow up (`(?:.é|😀+){100}` has 122,600 states): past 20,000 states a regex is refused.
 
 References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the
@@ -59,9 +69,12 @@ import functools
 import importlib
 import json
 import math
+import re
 import sys
+import textwrap
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -87,10 +100,12 @@ def _negate(ranges):
 
 class _Parser:
     """Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*.
-    AST: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None)."""
+    AST: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None). schema=True: a
+    JSON-schema pattern, read by validators with Unicode \d \w \s; our ASCII ones are subsets, but their
+    complements (\D, [^\d], ...) supersets that would let through what a validator rejects: refused."""
 
-    def __init__(self, pattern: str):
-        self.p, self.i = pattern, 0
+    def __init__(self, pattern: str, schema=False):
+        self.p, self.i, self.schema, self.negated = pattern, 0, schema, False
 
     def error(self, msg, at=None):
         raise ValueError(f"invalid regex {self.p!r}: {msg} at position {self.i if at is None else at}")
@@ -169,6 +184,8 @@ class _Parser:
             self.error("trailing backslash")
         c = self.take()
         if c.lower() in ASCII_CLASSES:
+            if self.schema and (c.isupper() or self.negated):
+                self.error(f"\\{c} {'inside [^...] ' * self.negated}in a schema pattern (validators: Unicode)")
             return _negate(ASCII_CLASSES[c.lower()]) if c.isupper() else ASCII_CLASSES[c]
         if c in ESCAPES or (c == "b" and in_class):
             code = ESCAPES.get(c, 8)
@@ -185,7 +202,7 @@ class _Parser:
         return ((code, code),)
 
     def charclass(self):
-        negate = self.peek() == "^"
+        negate = self.negated = self.peek() == "^"
         self.i += negate
         ranges, start = [], self.i
         while self.peek() != "]" or self.i == start:  # a leading ] is literal
@@ -201,7 +218,7 @@ class _Parser:
                     self.error("bad character range")
                 lo = ((lo[0][0], hi[0][0]),)
             ranges += lo
-        self.i += 1
+        self.i, self.negated = self.i + 1, False
         return _negate(ranges) if negate else tuple(sorted(ranges))
 
 
@@ -543,11 +560,23 @@ FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}
            "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
                    r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}
 ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
-               "writeOnly"}  # keywords that never change which documents are valid
-KEYWORDS = {None: {"type", "enum", "const", "anyOf"}, "string": {"minLength", "maxLength", "pattern", "format"},
-            "integer": {"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"}, "number": set(),
+               "writeOnly", "$defs", "definitions"}  # keywords that never change which documents are valid
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(BOUNDS), "number": set(BOUNDS),
             "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
-            "object": {"properties", "required", "additionalProperties"}}
+            "object": {"properties", "required", "additionalProperties"}}  # each constrains its own type only
+VALUE_CHECKS = [  # (keywords, test, what their value must be)
+    (("minLength", "maxLength", "minItems", "maxItems"), lambda v: type(v) is int and v >= 0, "a non-negative integer"),
+    (BOUNDS, lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+    (("enum", "anyOf", "allOf"), lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
+    (("properties",), lambda v: isinstance(v, dict), "an object"),
+    (("pattern", "$ref"), lambda v: isinstance(v, str), "a string"),
+    (("items", "additionalProperties"), lambda v: isinstance(v, (dict, bool)), "a schema"),
+    (("required",), lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names"),
+    (("format",), lambda v: isinstance(v, str) and v in FORMATS, f"a supported format ({', '.join(FORMATS)})")]
+COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "$ref"}
+MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
+FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
 
 def _literal(value) -> str:
@@ -587,94 +616,283 @@ def integer_range(lo: int, hi: int) -> str:
     return "(?:" + "|".join(parts) + ")"
 
 
+def _fraction_digits(lo: str, hi: str) -> list:
+    """Regexes for the non-empty digit strings t, at most len(lo) long, with lo <= (t padded with zeros) <= hi."""
+    n = len(lo)
+    if n == 0:
+        return []
+    if lo == "0" * n and hi == "9" * n:
+        return [f"[0-9]{{1,{n}}}"]
+
+    def then(a, b):  # what follows the first digit: may be nothing only if a is all zeros
+        alts = _fraction_digits(a, b)
+        return f"(?:{'|'.join(alts)})" + "?" * (a == "0" * len(a)) if alts else ""
+    d0, d1 = int(lo[0]), int(hi[0])
+    if d0 == d1:
+        return [lo[0] + then(lo[1:], hi[1:])]
+    middle = [f"[{d0 + 1}-{d1 - 1}]" + (f"[0-9]{{0,{n - 1}}}" if n > 1 else "")] if d1 - d0 > 1 else []
+    return [lo[0] + then(lo[1:], "9" * (n - 1))] + middle + [hi[0] + then("0" * (n - 1), hi[1:])]
+
+
+def number_range(lo: int, hi: int) -> str:
+    """A regex for exactly the decimals -?int(.digits)? (no exponent, at most FRACTION digits after the point)
+    whose value times 10**FRACTION lies in lo..hi: split on the integer part, then bound the fraction."""
+    scale = 10 ** FRACTION
+
+    def magnitudes(a, b):  # 0 <= a <= b
+        (ia, fa), (ib, fb) = divmod(a, scale), divmod(b, scale)
+
+        def fraction(x, y):  # nothing after the integer is a zero fraction
+            dot = r"\.(?:" + "|".join(_fraction_digits(str(x).zfill(FRACTION), str(y).zfill(FRACTION))) + ")"
+            return f"(?:{dot})?" if x == 0 else dot
+        if ia == ib:
+            return [str(ia) + fraction(fa, fb)]
+        middle = [f"(?:{'|'.join(_natural_range(ia + 1, ib - 1))})" + fraction(0, scale - 1)] if ib > ia + 1 else []
+        return [str(ia) + fraction(fa, scale - 1)] + middle + [str(ib) + fraction(0, fb)]
+    parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
+    if lo <= 0:  # -0 and -0.0 are zero
+        parts.append("-(?:" + "|".join(magnitudes(max(-hi, 0), -lo)) + ")")
+    return "(?:" + "|".join(parts) + ")"
+
+
+def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
+    """The least (lower) or greatest (upper) decimal, times 10**FRACTION, that validators find inside `bound`:
+    they parse a decimal to the nearest float, so every decimal from halfway between the last float inside and
+    the first outside does (the halfway one if it rounds inward). Bounded numbers lie within +-2**53, where
+    integers are floats exactly: an integer document compares the same, parsed or not."""
+    f, outward = float(max(-2 ** 60, min(2 ** 60, bound))), (-math.inf if lower else math.inf)
+    while (f < bound or exclusive and f == bound) if lower else (f > bound or exclusive and f == bound):
+        f = math.nextafter(f, -outward)  # the last float inside
+    half = (Fraction(f) + Fraction(math.nextafter(f, outward))) / 2
+    x, inward = half * 10 ** FRACTION, float(half) == f
+    return (math.ceil(x) if inward else math.floor(x) + 1) if lower else (math.floor(x) if inward else math.ceil(x) - 1)
+
+
+def _members(fields) -> str:
+    """`"key": value` members [(regex, required)] joined by ", " in schema order, any not required left out or
+    not: before the first required member an optional one carries the ", " after it, past it the one before;
+    with none required, an alternative per first member written (quadratic in the members)."""
+    first = next((i for i, (_, required) in enumerate(fields) if required), None)
+    if first is None:
+        alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
+        return f"(?:{'|'.join(alts)})?" if alts else ""
+    return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
+            "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
+
+
 def _json_safe(pattern: str) -> bool:
     """Whether every string the pattern matches is written in JSON as is (no quote, backslash or control byte)."""
+    _Parser(pattern, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
     live = compile_regex(pattern).table >= 0
     return not (live[:, :0x20].any() or live[:, ord('"')].any() or live[:, ord("\\")].any())
 
 
+def _shape(value) -> dict:
+    """A schema of value's types and keys, in its order: beside other schemas, the layout then writes value."""
+    if isinstance(value, dict):
+        return {"type": "object", "properties": {k: _shape(v) for k, v in value.items()}}
+    if isinstance(value, list):
+        return {"type": "array", "items": {"anyOf": [_shape(v) for v in value]} if value else False}
+    return {"type": {bool: "boolean", int: "integer", float: "number", str: "string", type(None): "null"}[type(value)]}
+
+
+def _plain(value) -> str:
+    """json.dumps' text, floats as plain decimals."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {_plain(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_plain, value)) + "]"
+    if isinstance(value, float):
+        return np.format_float_positional(value, trim="-")
+    return json.dumps(value, ensure_ascii=False)
+
+
+def _fail(path, msg):
+    raise ValueError(f"{path}: {msg}")
+
+
+class _Empty(ValueError):
+    """A (sub)schema that no document satisfies: an anyOf branch or an optional property is dropped, else refused."""
+
+
+class _SchemaCompiler:
+    """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that must all hold:
+    $ref (its siblings kept), allOf and true/false flatten into that list; an anyOf distributes the rest over its
+    branches (each branch carries its siblings); an enum or const keeps only the values the rest accepts; else
+    each type the list allows is one alternative, built from every member's keywords for that type."""
+
+    def __init__(self, root):
+        self.root = root
+
+    def regex(self, parts, path, refs=()) -> str:
+        parts, refs = self.flatten(parts, path, refs)
+        for i, p in enumerate(parts):
+            key = next((k for k in ("anyOf", "const", "enum") if k in p), None)
+            if key is None:
+                continue
+            rest = parts[:i] + [{k: v for k, v in p.items() if k != key}] + parts[i + 1:]
+            if key == "anyOf":  # A and (B or C) = (A and B) or (A and C)
+                return self.union([functools.partial(self.regex, rest + [b], f"{path}.anyOf[{j}]", refs)
+                                   for j, b in enumerate(p["anyOf"])], path, "anyOf branch")
+            values = p["enum"] if key == "enum" else [p["const"]]
+            kept = [_literal(v) for v in values if self.accepts(rest, v, path, refs)]
+            if not kept:
+                raise _Empty(f"{path}: no value of its {key} {values!r} is valid under the rest of the schema")
+            return "(?:" + "|".join(kept) + ")"
+        types = set(KEYWORDS)
+        for p in parts:
+            if "type" in p:
+                named = {p["type"]} if isinstance(p["type"], str) else set(p["type"])
+                types &= named | ({"integer"} if "number" in named else set())  # an integer is a number
+        if types == set(KEYWORDS):
+            _fail(path, "a schema needs a type (string integer number boolean null object array) or enum, const, anyOf")
+        if not types:
+            raise _Empty(f"{path}: its types {[p['type'] for p in parts if 'type' in p]} have none in common")
+        types -= {"integer"} if "number" in types else set()
+        return self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
+
+    def flatten(self, parts, path, refs):
+        """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by keyword."""
+        out, todo = [], list(parts)
+        while todo:
+            s = todo.pop(0)
+            if s is True:
+                continue
+            if s is False:
+                raise _Empty(f"{path}: the schema false accepts nothing")
+            if not isinstance(s, dict):
+                _fail(path, f"a schema must be an object, got {type(s).__name__}")
+            for key in (k for k in s if k not in ANNOTATIONS | COMBINATORS | set().union(*KEYWORDS.values())):
+                _fail(path, f"unsupported keyword {key!r} (it would change which documents are valid, and this "
+                            f"compiler cannot express it)")
+            if "type" in s and not all(isinstance(t, str) and t in KEYWORDS for t in (
+                    [s["type"]] if isinstance(s["type"], str) else s["type"] if isinstance(s["type"], list) else [0])):
+                _fail(path, f"unsupported schema type {s['type']!r} (string integer number boolean null object array; "
+                            f"enum const anyOf)")
+            for keys, ok, what in VALUE_CHECKS:
+                for key in (k for k in keys if k in s and not ok(s[k])):
+                    _fail(path, f"{key} {s[key]!r} is not {what}")
+            if "$ref" in s:
+                if refs.count(s["$ref"]) >= MAX_REF_DEPTH:
+                    raise _Empty(f"{path}: recursive $ref {s['$ref']!r} is unrolled {MAX_REF_DEPTH} deep, no deeper")
+                todo, refs = todo + [self.resolve(s["$ref"], path)], refs + (s["$ref"],)
+            out.append({k: v for k, v in s.items() if k not in ("$ref", "allOf")})
+            todo += s.get("allOf", [])
+        return out, refs
+
+    def resolve(self, ref, path):
+        node = self.root
+        for key in ref.split("/")[1:] if ref[:2] in ("#", "#/") else [None]:  # a JSON pointer into the schema
+            key = key and key.replace("~1", "/").replace("~0", "~")
+            if not (isinstance(node, dict) and key in node):
+                _fail(path, f"cannot resolve $ref {ref!r} (only references into this schema: #/$defs/...)")
+            node = node[key]
+        return node
+
+    def union(self, makers, path, what) -> str:
+        """(?:a|b|...) of the alternatives that accept something; _Empty if none does."""
+        if len(makers) == 1:
+            return makers[0]()
+        out, why = [], []
+        for make in makers:
+            try:
+                out.append(make())
+            except _Empty as e:
+                why.append(str(e))
+        if not out:
+            raise _Empty(f"{path}: no {what} accepts anything ({why[0]}{', ...' * (len(why) > 1)})")
+        return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
+
+    def accepts(self, parts, value, path, refs) -> bool:
+        """Whether `value` is a document of every schema in `parts`: its json.dumps text, or the same with floats
+        as plain decimals (1e-07 as 0.0000001, how bounded numbers are written), matches their regex."""
+        try:
+            dfa = compile_regex(self.regex([_shape(value)] + parts, path, refs))
+        except _Empty:
+            return False
+        return dfa.fullmatch(json.dumps(value, ensure_ascii=False)) or dfa.fullmatch(_plain(value))
+
+    def typed(self, kind, parts, path, refs) -> str:
+        """The documents of one type that every part accepts: each part's keywords for that type, all of them."""
+        kw = {k: [p[k] for p in parts if k in p] for k in KEYWORDS[kind] if any(k in p for p in parts)}
+        if kind == "string":
+            lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
+            if lo > hi:
+                raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
+            exact = kw.get("pattern", []) + [FORMATS[f] for f in kw.get("format", [])]
+            if len(exact) > 1 or exact and (lo or hi < math.inf):
+                _fail(path, "pattern or format together with other string keywords is not supported")
+            for p in kw.get("pattern", []):
+                if not (p.startswith("^") and p.endswith("$") and not p.endswith("\\$")):
+                    _fail(path, f"pattern {p!r}: only anchored patterns (^...$) are supported")
+                if not _json_safe(p[1:-1]):
+                    _fail(path, f"pattern {p!r} may match a quote, backslash or control character, which JSON escapes")
+                exact = [p[1:-1]]
+            return f'"(?:{exact[0]})"' if exact else f'"{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}"'
+        if kind in ("integer", "number"):
+            lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") for v in kw.get(k, [])]
+            highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") for v in kw.get(k, [])]
+            if not lows + highs:
+                return INTEGER if kind == "integer" else NUMBER
+            if kind == "integer":
+                lo = max([-INT_LIMIT] + [math.floor(v) + 1 if ex else math.ceil(v) for v, ex in lows])
+                hi = min([INT_LIMIT] + [math.ceil(v) - 1 if ex else math.floor(v) for v, ex in highs])
+                if lo > hi:
+                    raise _Empty(f"{path}: no integer lies in [{lo}, {hi}]")
+                return integer_range(lo, hi)
+            top = 2 ** 53 * 10 ** FRACTION - 1  # decimals as integers, times 10**FRACTION
+            lo = max([-top] + [_decimal_bound(v, True, ex) for v, ex in lows])
+            hi = min([top] + [_decimal_bound(v, False, ex) for v, ex in highs])
+            if lo > hi:
+                raise _Empty(f"{path}: no number with at most {FRACTION} decimals lies in bounds {lows + highs}")
+            return number_range(lo, hi)
+        if kind == "object":
+            return r"\{" + _members(self.members(parts, path, refs)) + r"\}"
+        if kind == "array":
+            lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
+            if "items" not in kw:
+                _fail(path, "an array needs 'items'")
+            if lo > hi:
+                raise _Empty(f"{path}: minItems {lo} is above maxItems {hi}")
+            try:
+                item = self.regex(kw["items"], f"{path}[]", refs)
+            except _Empty:
+                if lo:
+                    raise
+                return r"\[\]"
+            more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi == math.inf else max(hi - 1, 0)}}}"
+            return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
+        return {"boolean": "(?:true|false)", "null": "null"}[kind]
+
+    def members(self, parts, path, refs) -> list:
+        """[(regex of `"key": value`, required)] for every property a part names, in order; a key's value must
+        satisfy each part's schema for it (properties, else additionalProperties). An optional key no value
+        satisfies is left out."""
+        names = list(dict.fromkeys(k for p in parts for k in p.get("properties", {})))
+        required = {k for p in parts for k in p.get("required", [])}
+        for k in required - set(names):
+            _fail(path, f"required property {k!r} is not in properties (only listed properties are written)")
+        fields = []
+        for k in names:
+            conj = [p["properties"][k] if k in p.get("properties", {}) else p.get("additionalProperties", True)
+                    for p in parts]
+            try:
+                fields.append((_literal(k) + ": " + self.regex(conj, f"{path}.{k}", refs), k in required))
+            except _Empty:
+                if k in required:
+                    raise
+        return fields
+
+
 def schema_to_regex(schema, path="$") -> str:
-    """A JSON schema -> a regex of exactly the documents json.dumps would write that the schema accepts, or a
-    ValueError naming what it cannot express. Supported: type string (minLength/maxLength in characters; an
-    anchored `pattern` over characters JSON writes unescaped; format uuid, ipv4), integer (minimum, maximum,
-    exclusiveMinimum, exclusiveMaximum: exact ranges), number, boolean, null, object (properties, required,
-    additionalProperties: every listed property is written, no other), array (items, minItems/maxItems); enum,
-    const, anyOf; annotations (title, description, default, ...). Refused, by name: every other keyword
-    (multipleOf, uniqueItems, oneOf, allOf, not, prefixItems, minProperties, ...), ranges on numbers, other
-    formats. Layout: json.dumps' (", " and ": "), every property, in schema order."""
-    def fail(msg):
-        raise ValueError(f"{path}: {msg}")
-    if not isinstance(schema, dict):
-        fail(f"a schema must be an object, got {type(schema).__name__}")
-    kind = schema.get("type")
-    if "type" in schema and not (isinstance(kind, str) and kind in KEYWORDS):
-        fail(f"unsupported schema type {kind!r} (string integer number boolean null object array; enum const anyOf)")
-    for key in schema:
-        if key not in ANNOTATIONS | KEYWORDS[None] | KEYWORDS.get(kind, set()):
-            fail(f"unsupported keyword {key!r}" + (f" for type {kind!r}" if kind else "") +
-                 " (it would change which documents are valid, and this compiler cannot express it)")
-    for key in ("enum", "anyOf"):
-        if key in schema and (not isinstance(schema[key], list) or not schema[key]):
-            fail(f"{key} must be a non-empty list")
-    if "enum" in schema or "const" in schema:
-        return "(?:" + "|".join(_literal(v) for v in schema.get("enum", [schema.get("const")])) + ")"
-    if "anyOf" in schema:
-        return "(?:" + "|".join(schema_to_regex(s, f"{path}.anyOf[{i}]") for i, s in enumerate(schema["anyOf"])) + ")"
-    lo_key, hi_key = ("minItems", "maxItems") if kind == "array" else ("minLength", "maxLength")
-    lo, hi = schema.get(lo_key, 0), schema.get(hi_key)
-    for key, v in ((lo_key, lo), (hi_key, hi)):
-        if v is not None and (type(v) is not int or v < 0):
-            fail(f"{key} must be a non-negative integer, got {v!r}")
-    if hi is not None and lo > hi:
-        fail(f"{lo_key} {lo} is above maximum {hi}")
-    if kind == "string":
-        if "format" in schema and schema["format"] not in FORMATS:
-            fail(f"unsupported format {schema['format']!r} (supported: {', '.join(FORMATS)})")
-        exact = [schema[k] for k in ("pattern", "format") if k in schema]
-        if exact and (len(exact) > 1 or lo_key in schema or hi_key in schema):
-            fail("pattern or format together with other string keywords is not supported")
-        if "pattern" in schema:
-            p = schema["pattern"]
-            if not (isinstance(p, str) and p.startswith("^") and p.endswith("$") and not p.endswith("\\$")):
-                fail(f"pattern {p!r}: only anchored patterns (^...$) are supported")
-            if not _json_safe(p[1:-1]):
-                fail(f"pattern {p!r} may match a quote, backslash or control character, which JSON escapes")
-            return f'"(?:{p[1:-1]})"'
-        if "format" in schema:
-            return f'"{FORMATS[schema["format"]]}"'
-        return f'"{STRING_CHAR}{{{lo},{"" if hi is None else hi}}}"'
-    if kind == "integer":
-        bounds = {k: schema[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in schema}
-        for k, v in bounds.items():
-            if type(v) not in (int, float) or v != v or abs(v) == float("inf"):
-                fail(f"{k} must be a finite number, got {v!r}")
-        if not bounds:
-            return INTEGER
-        low = max([-INT_LIMIT] + [math.ceil(bounds[k]) for k in ("minimum",) if k in bounds] +
-                  [math.floor(bounds[k]) + 1 for k in ("exclusiveMinimum",) if k in bounds])
-        high = min([INT_LIMIT] + [math.floor(bounds[k]) for k in ("maximum",) if k in bounds] +
-                   [math.ceil(bounds[k]) - 1 for k in ("exclusiveMaximum",) if k in bounds])
-        if low > high:
-            fail(f"no integer lies in [{low}, {high}]")
-        return integer_range(low, high)
-    if kind in ("number", "boolean", "null"):
-        return {"number": NUMBER, "boolean": "(?:true|false)", "null": "null"}[kind]
-    if kind == "object":
-        if not isinstance(schema.get("properties", {}), dict):
-            fail("properties must be an object")
-        props = schema.get("properties", {})
-        missing = [k for k in schema.get("required", []) if k not in props]
-        if missing:
-            fail(f"required property {missing[0]!r} is not in properties (only listed properties are written)")
-        fields = [_literal(k) + ": " + schema_to_regex(v, f"{path}.{k}") for k, v in props.items()]
-        return r"\{" + ", ".join(fields) + r"\}"
-    if kind == "array":
-        if "items" not in schema:
-            fail("an array needs 'items'")
-        item = schema_to_regex(schema["items"], f"{path}[]")
-        more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi is None else max(hi - 1, 0)}}}"
-        return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
-    fail("a schema needs a type (string integer number boolean null object array) or enum, const, anyOf")
+    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: top
+    docstring), or a ValueError naming what it cannot express, or that no document satisfies it. Layout:
+    json.dumps' (", " and ": "); the named properties in schema order, each optional one present or not; a
+    number with bounds as a plain decimal (at most 16 digits after the point, within +-2**53)."""
+    try:
+        return _SchemaCompiler(schema).regex([schema], path)
+    except _Empty as e:
+        raise ValueError(f"{path}: no document satisfies this schema ({e})") from None
 
 
 # -------- Demo: masking only vs jump-forward, same model, same run --------------------------------
@@ -686,34 +904,156 @@ CHARACTER_REGEX = (  # SGLang's example, examples/frontend_language/usage/json_d
     r"""    "wand": \{\n        "wood": "[\w\d\s]{1,16}",\n        "core": "[\w\d\s]{1,16}",\n"""
     r"""        "length": [0-9]{1,2}\.[0-9]{0,2}\n    \},\n    "alive": "(Alive|Deceased)",\n"""
     r"""    "patronus": "[\w\d\s]{1,16}",\n    "bogart": "[\w\d\s]{1,16}"\n\}""")
-DEMO_SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 24},
-    "house": {"enum": ["Gryffindor", "Slytherin", "Ravenclaw", "Hufflepuff"]}, "age": {"type": "integer"},
-    "wand": {"type": "object", "properties": {"wood": {"type": "string", "maxLength": 16},
-                                              "core": {"type": "string", "maxLength": 16}, "length": {"type": "number"}}},
-    "alive": {"type": "boolean"}, "friends": {"type": "array", "items": {"type": "string", "maxLength": 24}, "maxItems": 3}}}
 DEMO_PROMPT = "Please describe the character Hermione Granger from Harry Potter."
 MODES = ("masking_only", "jump_forward")
 
 
-def compare(model, tok, name, pattern, prompt, max_new_tokens=256) -> dict:
-    """Build the index, then decode the same prompt masking-only and with jump-forward (greedy)."""
+def demo_model():
+    """The demo's Pydantic model, as users hand one to a constrained decoder (Model.model_json_schema()): nested
+    models ($defs/$ref), an Enum, a Literal, bounded int and float, string and list lengths, and two fields with
+    defaults, which the schema leaves out of `required`. Pydantic is imported here: 06 compiles schema dicts."""
+    from enum import Enum
+    from typing import Annotated, Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class House(str, Enum):
+        GRYFFINDOR, SLYTHERIN, RAVENCLAW, HUFFLEPUFF = "Gryffindor", "Slytherin", "Ravenclaw", "Hufflepuff"
+
+    class Wand(BaseModel):
+        wood: str = Field(max_length=16)
+        core: Literal["phoenix feather", "dragon heartstring", "unicorn hair"]
+        length: float = Field(ge=7, le=16, description="inches")
+
+    class Character(BaseModel):
+        name: str = Field(max_length=24)
+        house: House
+        age: int = Field(ge=11, le=150)
+        wand: Wand
+        patronus: Optional[str] = Field(default=None, max_length=16)
+        friends: list[Annotated[str, Field(max_length=24)]] = Field(default=[], max_length=3)
+    return Character
+
+
+def every_property_required(schema):
+    """The schema with every object's properties required: what the optional ones cost, measured against it."""
+    if isinstance(schema, list):
+        return [every_property_required(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: every_property_required(v) if k != "properties" else {p: every_property_required(s) for p, s in v.items()}
+           for k, v in schema.items()}
+    return {**out, "required": list(out["properties"])} if "properties" in out else out
+
+
+def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None) -> dict:
+    """Build the index, then decode the same prompt masking-only and with jump-forward (greedy). Checks each
+    completion: the DFA and Python's `re` accept it, its ids decode to it, and, given the Pydantic model whose
+    schema `pattern` is, its model_validate_json; then measures what the model's optional properties cost."""
     index, prompt_ids = TokenIndex(pattern, tok), tok.chat(prompt)
     cache_len = len(prompt_ids) + 2 * max_new_tokens + 512  # room for re-tokenized jump strings too
     runs = [constrained_decode(index, tok, prompt_ids, model_logits_fn(model, cache_len), max_new_tokens,
                                jump_forward=(mode == "jump_forward")) for mode in MODES]
     for r in runs:
-        r.update(completion=r["text"], matches=r["finished"] and index.dfa.fullmatch(r["text"]),
+        r.update(completion=r["text"], matches=bool(r["finished"] and index.dfa.fullmatch(r["text"])
+                                                     and re.fullmatch(pattern, r["text"], re.ASCII)),
+                 decodes=tok.decode(r["ids"]) == r["text"], valid=r["finished"] and _validates(pydantic, r["text"]),
                  output_tokens=len(r["ids"]), tokenizer_tokens=len(tok.encode(r["text"])))  # tokenizer: same text
     edges = index.compressed_edges()
     out = dict(name=name, regex=pattern, dfa_states=len(index.dfa.table), index_build_s=round(index.build_s, 3),
                compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())))
-    for key in ("completion", "matches", "forward_passes", "tokens_computed", "output_tokens", "tokenizer_tokens",
-                "jumps", "seconds"):
+    for key in ("completion", "matches", "decodes", "valid", "forward_passes", "tokens_computed", "output_tokens",
+                "tokenizer_tokens", "jumps", "jumped_bytes", "seconds"):
         out[key] = {mode: r[key] for mode, r in zip(MODES, runs)}
+    (a, b), ids = (r["text"] for r in runs), [r["ids"] for r in runs]
+    t = next((i for i, (x, y) in enumerate(zip(*ids)) if x != y), min(map(len, ids)))  # where the two part
+    out["tokens_part_at_char"] = len(tok.decode(ids[0][:t]))
+    out["texts_part_at_char"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     out["forward_pass_ratio"] = runs[0]["forward_passes"] / max(1, runs[1]["forward_passes"])
     out["speedup"] = runs[0]["seconds"] / runs[1]["seconds"]
+    if pydantic:  # the user's own validator; what the model's optional properties cost jump-forward
+        schema = pydantic.model_json_schema()
+        objects = [(pydantic.__name__, schema)] + list(schema.get("$defs", {}).items())
+        out.update(validator=f"{pydantic.__name__}.model_validate_json",
+                   optional_properties=[f"{n}.{k}" for n, o in objects for k in o.get("properties", {})
+                                        if k not in o.get("required", [])],
+                   optional_cost=optional_cost(model, tok, schema, prompt, max_new_tokens))
     return out
+
+
+def _validates(pydantic, text) -> bool:
+    try:
+        pydantic and pydantic.model_validate_json(text)
+        return True
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return False
+
+
+def replay_forward_passes(index, tok, prompt_ids, text) -> int:
+    """Forward passes jump-forward spends writing `text` when each choice is the longest token continuing it:
+    what the FSM costs for one document, with no model."""
+    token_of, want = {b: i for i, b in enumerate(index.trie.token_bytes) if b}, text.encode()
+
+    def logits_fn(ids, keep):
+        rest = want[len(b"".join(map(tok.token_bytes, ids[len(prompt_ids):]))):]
+        logits = torch.zeros(index.vocab)  # (vocab,)
+        longest = next((rest[:k] for k in range(min(len(rest), 64), 0, -1) if rest[:k] in token_of), None)
+        logits[token_of[longest] if longest else index.eos] = 1
+        return logits
+    r = constrained_decode(index, tok, prompt_ids, logits_fn, 4 * len(want) + 8)
+    assert r["text"] == text, (r["text"], text)
+    return r["forward_passes"]
+
+
+def optional_cost(model, tok, schema, prompt, max_new_tokens) -> dict:
+    """What optional properties cost jump-forward: the model writes a document with every property required;
+    replay it under that schema and under the schema as given (where it is valid too), same tokens."""
+    given, required = (TokenIndex(schema_to_regex(s), tok) for s in (schema, every_property_required(schema)))
+    prompt_ids = tok.chat(prompt)
+    logits_fn = model_logits_fn(model, len(prompt_ids) + 2 * max_new_tokens + 512)
+    r = constrained_decode(required, tok, prompt_ids, logits_fn, max_new_tokens)
+    forced = lambda index: sum(map(len, index.compressed_edges().values()))
+    return dict(document=r["text"], bytes=len(r["text"].encode()), finished=r["finished"],
+                forced_bytes={"as_given": forced(given), "every_property_required": forced(required)},
+                replayed_forward_passes={k: r["finished"] and replay_forward_passes(i, tok, prompt_ids, r["text"])
+                                         for k, i in (("as_given", given), ("every_property_required", required))})
+
+
+def report(prompt, runs) -> None:
+    print(f"prompt: {prompt!r}")
+    for r in runs:
+        print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, token index built in {r['index_build_s']:.2f} s; "
+              f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
+        for mode in MODES:
+            print(f"--- {mode}:\n{r['completion'][mode]}")
+        for mode in MODES:
+            g = {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v}
+            print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
+                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   jumps {g['jumps']:3d}"
+                  f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
+        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
+        ok = lambda key: "yes" if all(r[key].values()) else "NO"
+        say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
+        say(f"checked, both answers: finished and accepted by the DFA and by Python's re: {ok('matches')}; their "
+            f"token ids decode to the text: {ok('decodes')}" +
+            (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
+        m, j = r["output_tokens"]["masking_only"], r["tokenizer_tokens"]["masking_only"]
+        say(f"why the answers differ: both are greedy over the same model, but not over the same tokens. Masking only "
+            f"lets the model spell the forced text with any tokens the mask allows ({m} tokens where the tokenizer "
+            f"writes {j} for the same text); jump-forward appends it as the tokenizer writes it. The token sequences "
+            f"part at character {r['tokens_part_at_char']}, the texts at character {r['texts_part_at_char']}: from "
+            f"there each answer goes on from a different context.")
+        if "optional_cost" in r:
+            q = r["optional_cost"]
+            f, p = q["forced_bytes"], q["replayed_forward_passes"]
+            say(f"optional properties cost jump-forward: {', '.join(r['optional_properties'])} may be left out, so "
+                f"where the member before each ends, the model must choose (write it or go on) where a required key "
+                f"is jumped. Compressed FSM: {f['as_given']} forced bytes as given, {f['every_property_required']} "
+                f"with every property required." + (
+                    f" The document the model writes when every property is required ({q['bytes']} bytes), replayed "
+                    f"(the longest token each step, no model): {p['as_given']} forward passes as given, "
+                    f"{p['every_property_required']} required (+{p['as_given'] - p['every_property_required']})."
+                    if q["finished"] else ""))
 
 
 def main(argv=None):
@@ -730,37 +1070,33 @@ def main(argv=None):
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     try:  # bad input fails here, before the model loads
-        tasks = [("regex", args.regex)] if args.regex is not None else []
+        tasks = [dict(name="regex", pattern=args.regex)] if args.regex is not None else []
         if args.json_schema:
             with open(args.json_schema) as f:
-                tasks.append((f"JSON schema {args.json_schema}", schema_to_regex(json.load(f))))
-        tasks = tasks or [("character profile regex (SGLang)", CHARACTER_REGEX),
-                          ("JSON schema", schema_to_regex(DEMO_SCHEMA))]
-        for _, pattern in tasks:
-            compile_regex(pattern)
+                tasks.append(dict(name=f"JSON schema {args.json_schema}", pattern=schema_to_regex(json.load(f))))
+        if not tasks:
+            try:
+                character = demo_model()
+            except ImportError:
+                sys.exit("error: the demo's model needs pydantic (pip install -r requirements.txt), or pass --regex")
+            tasks = [dict(name="character profile regex (SGLang)", pattern=CHARACTER_REGEX),
+                     dict(name="Pydantic model Character", pattern=schema_to_regex(character.model_json_schema()),
+                          pydantic=character)]
+        for task in tasks:
+            compile_regex(task["pattern"])
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         sys.exit(f"error: {e}")
     import llama3_generate as L
     try:
         model, tok = L.load_model(args.model)
-        runs = [compare(model, tok, name, pattern, args.prompt, args.max_new_tokens) for name, pattern in tasks]
+        runs = [compare(model, tok, t["name"], t["pattern"], args.prompt, args.max_new_tokens, t.get("pydantic"))
+                for t in tasks]
     except (L.UserError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.json:
         print(json.dumps({**runs[0], "runs": runs}))
-        return
-    print(f"prompt: {args.prompt!r}")
-    for r in runs:
-        print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, token index built in {r['index_build_s']:.2f} s; "
-              f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
-        for mode in MODES:
-            print(f"--- {mode}:\n{r['completion'][mode]}")
-        for mode in MODES:
-            g = {k: v[mode] for k, v in r.items() if isinstance(v, dict)}
-            print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
-                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   jumps {g['jumps']:3d}"
-                  f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
-        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
+    else:
+        report(args.prompt, runs)
 
 
 if __name__ == "__main__":

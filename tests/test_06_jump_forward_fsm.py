@@ -2,11 +2,16 @@
 constrained decoding (random logits and the real model) always fullmatches; jump-forward re-tokenizes losslessly."""
 import importlib
 import json
+import math
 import random
 import re
+import uuid
+from collections import Counter
+from fractions import Fraction
 
 import numpy as np
 import pytest
+import jsonschema
 import regex
 import torch
 
@@ -22,7 +27,8 @@ REGEXES = [
     r"abc", r"a|bc|", r"(ab)*c+", r"[a-c]{2,3}x?", r"[^a\n]+b", r".{0,3}z", r"\d+\.\d{0,2}", r"\w+@\w+\.(com|org)",
     r"\s*\S\W?\D", r"(?:é|ê|日本)+", r"[α-ω]{1,3}[^α-ω]?", r"\x41\u00e9\U0001F600*", r"x{,2}y{2,}", r"a{}", r"[]a-]+",
     r"[\d\-.]{2}", r"((a|b)*c){1,2}", r"[^\x00-\x7f]+", r"😀|[\u4e00-\u9fff]{2}", r"a*?b+?c??d{1,2}?", r"[\\\]^-]x{",
-    r"(|a)(b|)", r"[^\W\d]\t\n", m.CHARACTER_REGEX, m.schema_to_regex(SMALL_SCHEMA), m.schema_to_regex(m.DEMO_SCHEMA)]
+    r"(|a)(b|)", r"[^\W\d]\t\n", m.CHARACTER_REGEX, m.schema_to_regex(SMALL_SCHEMA)]
+N_RANDOM_SCHEMAS = 500
 EDGE_CHARS = [0x7F, 0x80, 0x7FF, 0x800, 0xD7FF, 0xE000, 0xFFFF, 0x10000, 0x10FFFF, 0x3B1, 0x3C9, 0x4E00, 0x9FFF]
 
 
@@ -97,33 +103,16 @@ def test_utf8_ranges_cover_exactly_the_encodings():
             assert hit == (lo <= c <= hi and not 0xD800 <= c <= 0xDFFF), (lo, hi, c)
 
 
-def check_schema_value(schema, value):
-    if "enum" in schema:
-        return value in schema["enum"]
-    if "anyOf" in schema:
-        return any(check_schema_value(s, value) for s in schema["anyOf"])
-    t = schema["type"]
-    if t == "object":
-        return list(value) == list(schema["properties"]) and all(
-            check_schema_value(s, value[k]) for k, s in schema["properties"].items())
-    if t == "array":
-        return schema.get("minItems", 0) <= len(value) <= schema.get("maxItems", 99) and all(
-            check_schema_value(schema["items"], v) for v in value)
-    kinds = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "null": type(None)}
-    return isinstance(value, kinds[t]) and (t == "boolean" or not isinstance(value, bool)) and (
-        t != "string" or schema.get("minLength", 0) <= len(value) <= schema.get("maxLength", 99))
-
-
 def test_schema_regex_produces_valid_json():
-    rng = random.Random(1)
-    for schema in (SMALL_SCHEMA, m.DEMO_SCHEMA):
+    rng = random.Random()
+    for schema in (SMALL_SCHEMA, m.demo_model().model_json_schema()):
         dfa = m.compile_regex(m.schema_to_regex(schema))
         dist = distances(dfa)
-        samples = [s for s in (sample_dfa(dfa, rng, dist) for _ in range(40)) if s is not None]
-        assert len(samples) > 20
+        samples = [s for s in (sample_dfa(dfa, rng, dist) for _ in range(60)) if s is not None]
+        assert len(samples) > 30
         for s in samples:
-            assert check_schema_value(schema, json.loads(s)), s
-        assert not dfa.fullmatch(json.dumps({"name": "x"}))
+            assert validator(schema).is_valid(json.loads(s)), s
+        assert not dfa.fullmatch(json.dumps({"name": "x", "zzz": 1}))
 
 
 @pytest.mark.parametrize("pattern, problem", [
@@ -142,9 +131,10 @@ def test_invalid_regex_names_the_problem(pattern, problem):
 
 @pytest.mark.parametrize("schema, problem", [
     ([], "schema must be an object"), ({"type": "strin"}, "unsupported schema type 'strin'"),
-    ({"type": "array"}, "needs 'items'"), ({"type": "object", "properties": []}, "properties must be an object"),
-    ({"enum": []}, "enum must be a non-empty list"), ({"type": "string", "maxLength": -1}, "maxLength must be"),
-    ({"type": "string", "minLength": 3, "maxLength": 2}, "above maximum"),
+    ({"type": "array"}, "needs 'items'"), ({"type": "object", "properties": []}, "properties [] is not an object"),
+    ({"enum": []}, "enum [] is not a non-empty list"),
+    ({"type": "string", "maxLength": -1}, "maxLength -1 is not a non-negative integer"),
+    ({"type": "string", "minLength": 3, "maxLength": 2}, "no document satisfies this schema ($: minLength 3 is above"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "int"}}}}}, "$.a.b")])
 def test_invalid_schema_names_the_problem(schema, problem):
     with pytest.raises(ValueError, match=re.escape(problem)):
@@ -153,18 +143,24 @@ def test_invalid_schema_names_the_problem(schema, problem):
 
 @pytest.mark.parametrize("keyword, value", [
     ("multipleOf", 2), ("uniqueItems", True), ("minProperties", 1), ("maxProperties", 3), ("not", {"type": "null"}),
-    ("prefixItems", [{"type": "integer"}]), ("oneOf", [{"type": "integer"}]), ("allOf", [{"type": "integer"}]),
-    ("patternProperties", {}), ("contains", {"type": "integer"}), ("if", {}), ("$ref", "#/x"), ("minimum", 3)])
+    ("prefixItems", [{"type": "integer"}]), ("oneOf", [{"type": "integer"}]), ("patternProperties", {}),
+    ("contains", {"type": "integer"}), ("if", {}), ("propertyNames", {}), ("dependentRequired", {}),
+    ("unevaluatedProperties", False)])
 def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, value):
     """Issue 22.4: an ignored keyword lets invalid output pass for valid; refused by name instead."""
     kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array",
-            "minimum": "number", "minProperties": "object", "maxProperties": "object", "patternProperties": "object"}
+            **dict.fromkeys(("minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
+                             "unevaluatedProperties"), "object")}
     schema = {"type": kind.get(keyword, "string"), keyword: value}
     if schema["type"] == "array":
         schema["items"] = {"type": "integer"}
     with pytest.raises(ValueError, match=re.escape(repr(keyword))):
         m.schema_to_regex(schema)
-    for schema, problem in (({"type": "string", "format": "email"}, "format 'email'"),
+    for schema, problem in (({"type": "string", "format": "email"}, "format 'email' is not a supported format"),
+                            ({"type": "string", "$ref": "#/x"}, "cannot resolve $ref '#/x'"),
+                            ({"type": "string", "pattern": r"^\D+$"}, "\\D in a schema pattern"),
+                            ({"type": "string", "pattern": r"^[^\d]+$"}, "\\d inside [^...] in a schema pattern"),
+                            ({"type": "string", "allOf": [{"type": "integer"}]}, "['string', 'integer'] have none"),
                             ({"type": "string", "pattern": "[a-z]+"}, "anchored"),
                             ({"type": "string", "pattern": "^.+$"}, "quote, backslash or control"),
                             ({"type": "object", "properties": {}, "required": ["x"]}, "'x' is not in properties"),
@@ -345,8 +341,9 @@ def test_every_reachable_state_has_a_way_on(smollm):
 def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
     import llama3_generate as L
     model, tok = smollm
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                               "house": {"enum": ["Gryffindor", "Slytherin"]}, "age": {"type": "integer"}}}
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
+                                               "house": {"enum": ["Gryffindor", "Slytherin"]}},
+              "required": ["name", "house", "age"]}
     pattern = m.schema_to_regex(schema)
     index, prompt = m.TokenIndex(pattern, tok), tok.chat("Describe Harry Potter in JSON.")
     checked = []
@@ -367,7 +364,7 @@ def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
     runs = {jf: m.constrained_decode(index, tok, prompt, m.model_logits_fn(model), 64, jump_forward=jf) for jf in (False, True)}
     for r in runs.values():
         assert r["finished"] and re.fullmatch(pattern, r["text"]) and tok.decode(r["ids"]) == r["text"]
-        assert check_schema_value(schema, json.loads(r["text"]))
+        assert validator(schema).is_valid(json.loads(r["text"]))
     assert len(runs[False]["ids"]) <= runs[False]["forward_passes"] <= len(runs[False]["ids"]) + 1
     assert runs[True]["jumps"] > 0 and runs[True]["forward_passes"] < runs[False]["forward_passes"]
     # a jump ending in a space: the next jump re-tokenizes it with the word after it, rolling the cache back
@@ -393,3 +390,379 @@ def test_cli_rejects_bad_input(tmp_path):
     bad.write_text('{"type": "object", "properties": {"x": {"type": "strin"}}}')
     with pytest.raises(SystemExit, match="unsupported schema type"):
         m.main(["--json-schema", str(bad)])
+
+
+# -------- JSON schemas: sound (every document the regex accepts is valid) and complete in 06's layout ----------
+
+VALUES = [0, 1, -3, 7, 2.5, -0.25, 1e-7, True, False, None, "a", "abc", "", "日本", 'q"\\', [], [1, "a"], {"a": 1}]
+PATTERNS = ["^[a-z]{1,4}$", "^(yes|no)$", "^[A-Z][a-z]*( [A-Z][a-z]*)?$", r"^\d{2,3}-\d{2}$", "^[é日]+x?$",
+            "^[^\"\\\\\\x00-\\x1f]{0,3}$", "^.{0,3}$", r"^\W$"]  # the last two are refused (quote; Unicode \W)
+NAMES = ["a", "b", "c d", "é", "x_1"]
+
+
+def random_bounds(rng):
+    s = {}
+    for key in m.BOUNDS:
+        if rng.random() < 0.35:
+            s[key] = rng.choice([rng.randint(-20, 20), round(rng.uniform(-20, 20), rng.randrange(4)),
+                                 rng.uniform(-1, 1), rng.choice([0, 0.1, 0.3, 1e-7, 1e15 + 0.5])])
+    return s
+
+
+def random_schema(rng, depth, defs):
+    """A random schema mixing keywords: siblings of enum/const/anyOf, type lists, keywords of other types
+    (which constrain nothing), allOf, $ref into $defs (sometimes recursive), nested objects and arrays."""
+    kinds = ["string", "integer", "number", "boolean", "null", "enum", "const", "anyOf", "allOf", "types"]
+    kinds += ["object"] * 4 + ["array"] * 2 + ["ref", "tree"] if depth > 0 else []
+    kind = rng.choice(kinds)
+    if kind == "string":
+        s, r = {"type": "string"}, rng.random()
+        if r < 0.2:
+            s["pattern"] = rng.choice(PATTERNS)
+        elif r < 0.3:
+            s["format"] = rng.choice(["uuid", "ipv4"])
+        else:
+            s.update({k: rng.randrange(n) for k, n in (("minLength", 4), ("maxLength", 7)) if rng.random() < 0.5})
+    elif kind in ("integer", "number"):
+        s = {"type": kind, **random_bounds(rng)}
+    elif kind in ("boolean", "null"):
+        s = {"type": kind}
+    elif kind in ("enum", "const"):
+        values = rng.sample(VALUES, rng.randrange(1, 6))
+        siblings = random_schema(rng, 0, defs) if rng.random() < 0.6 else {}
+        s = {**siblings, kind: values if kind == "enum" else values[0]}
+    elif kind == "anyOf":
+        s = {**(random_schema(rng, 0, defs) if rng.random() < 0.5 else {}),
+             "anyOf": [random_schema(rng, depth - 1 if depth else 0, defs) for _ in range(rng.randrange(1, 4))]}
+    elif kind == "allOf":
+        a, b = random_schema(rng, depth - 1 if depth else 0, defs), random_schema(rng, 0, defs)
+        s = {"allOf": [a, {k: v for k, v in b.items() if k != "type" or rng.random() < 0.3}]}
+    elif kind == "types":
+        t = rng.sample(["string", "integer", "number", "null", "boolean"], 2)
+        s = {**random_schema(rng, 0, defs), **random_bounds(rng), "type": t}
+    elif kind == "object":
+        names = rng.sample(NAMES, rng.randrange(0, 4))
+        s = {"type": "object", "properties": {k: random_schema(rng, depth - 1, defs) for k in names}}
+        s["required"] = [k for k in names if rng.random() < 0.5]
+        if rng.random() < 0.2:
+            s["additionalProperties"] = rng.choice([False, {"type": "integer"}])
+    elif kind == "array":
+        s = {"type": "array", "items": random_schema(rng, depth - 1, defs)}
+        s.update({k: rng.randrange(n) for k, n in (("minItems", 3), ("maxItems", 4)) if rng.random() < 0.5})
+    elif kind == "ref":
+        name = f"D{len(defs)}"
+        defs[name] = None  # taken before the recursion names its own
+        defs[name] = random_schema(rng, depth - 1, defs)
+        s = {"$ref": f"#/$defs/{name}"}
+        if rng.random() < 0.3:  # siblings of $ref hold too
+            s.update(description="a ref with siblings", type=rng.choice(["object", "string"]))
+    else:  # a recursive tree, unrolled MAX_REF_DEPTH deep by the compiler
+        defs["T"] = {"type": "object", "required": ["v"], "properties": {
+            "v": random_schema(rng, 0, defs), "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}, "maxItems": 2}}}
+        s = {"$ref": "#/$defs/T"}
+    if rng.random() < 0.15:  # a keyword of another type constrains nothing (of its own type: something)
+        s.setdefault(rng.choice(["minLength", "maxItems", "minimum"]), 1)
+    return s
+
+
+def resolve(root, ref):
+    node = root
+    for key in ref[2:].split("/") if ref != "#" else []:
+        node = node[key]
+    return node
+
+
+def layout_number(x):
+    """x in 06's layout for a number with bounds: a plain decimal, at most 16 digits after the point."""
+    return f"{x:.16f}".rstrip("0").rstrip(".")
+
+
+def random_doc(s, rng, root, depth=0, refs=()):
+    """A document in 06's layout, drawn near what the schema asks for (the validator decides whether it is valid).
+    Past the compiler's bound on recursion (a $ref entered MAX_REF_DEPTH times on the way) it writes null."""
+    if s is True or s == {} or depth > 12:
+        return rng.choice(["null", "1", '"a"', "[]"])
+    if s is False:
+        return "null"
+    s = dict(s)
+    while "$ref" in s or "allOf" in s:
+        if "$ref" in s:
+            if refs.count(s["$ref"]) >= m.MAX_REF_DEPTH:
+                return "null"
+            refs += (s["$ref"],)
+        s = {**resolve(root, s.pop("$ref")), **s} if "$ref" in s else s
+        for sub in s.pop("allOf", []):
+            s = {**s, **(sub if isinstance(sub, dict) else {}), "properties": {**s.get("properties", {}),
+                                                                              **sub.get("properties", {})}}
+    if "anyOf" in s:
+        return random_doc({**s, **rng.choice(s.pop("anyOf"))}, rng, root, depth + 1, refs)
+    if "enum" in s or "const" in s:  # in the layout, values are written as json.dumps writes them
+        values = s.get("enum", [s.get("const")]) if rng.random() < 0.9 else VALUES
+        return json.dumps(rng.choice(values), ensure_ascii=False)
+    kind = s.get("type", rng.choice(["string", "integer", "number", "boolean", "null", "object", "array"]))
+    kind = rng.choice(kind) if isinstance(kind, list) else kind
+    if kind in ("integer", "number"):
+        edges = [v for k, v in s.items() if k in m.BOUNDS]
+        x = rng.choice(edges + [0, -1, 5, rng.uniform(-30, 30)] + [rng.uniform(min(edges), max(edges))] * 4) \
+            if edges else rng.uniform(-1e6, 1e6)
+        x += rng.choice([0, 0, 1, -1, 1e-9, -1e-9, 0.5, 1e-16, -1e-16])
+        if kind == "integer" or rng.random() < 0.3:
+            return str(round(x))
+        return layout_number(x) if edges or rng.random() < 0.7 else rng.choice(["2.5e-3", "-7.25E-2", "1.5e-300"])
+    if kind == "string":
+        if "format" in s:
+            return json.dumps(str(uuid.uuid4()).upper() if s["format"] == "uuid" else
+                              ".".join(str(rng.randrange(256)) for _ in range(4)))
+        if "pattern" in s and rng.random() < 0.6:
+            dfa = m.compile_regex(s["pattern"][1:-1])
+            return json.dumps(sample_dfa(dfa, rng, distances(dfa)) or "", ensure_ascii=False)
+        n = rng.randrange(s.get("minLength", 0), max(s.get("minLength", 0), s.get("maxLength", 6)) + 2)
+        pool = "ab Zé日😀\"\\\t\x01/\u2028-19" + "\n" * ("pattern" not in s)  # Python's $ also matches before a final \n
+        return json.dumps("".join(rng.choice(pool) for _ in range(n)), ensure_ascii=False)
+    if kind == "boolean":
+        return rng.choice(["true", "false"])
+    if kind == "null":
+        return "null"
+    if kind == "object":
+        props, required = s.get("properties", {}), s.get("required", [])
+        written = [k for k in props if (k in required) != (rng.random() < 0.05) or rng.random() < 0.5]
+        members = [f"{json.dumps(k, ensure_ascii=False)}: {random_doc(props[k], rng, root, depth + 1, refs)}"
+                   for k in written]
+        return "{" + ", ".join(members) + "}"
+    lo = s.get("minItems", 0)
+    n = rng.randrange(lo, min(s.get("maxItems", 4), lo + 3) + 1) if lo <= s.get("maxItems", 4) else 0
+    return "[" + ", ".join(random_doc(s.get("items", {}), rng, root, depth + 1, refs) for _ in range(n)) + "]"
+
+
+def validator(schema):
+    return jsonschema.Draft202012Validator(schema, format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+
+
+def check_schema(schema, rng, n_sampled, n_drawn, counts):
+    """Compile; every document sampled from the DFA must be valid (jsonschema), every valid document drawn in
+    06's layout must match. A schema refused as empty must have no valid drawn document either."""
+    v = validator(schema)
+    try:
+        dfa = m.compile_regex(m.schema_to_regex(schema))
+    except ValueError as e:
+        counts["refused"] += 1
+        counts["refused as empty"] += "no document satisfies" in str(e)
+        if "no document satisfies" in str(e):
+            for _ in range(n_drawn):
+                doc = random_doc(schema, rng, schema)
+                assert not v.is_valid(json.loads(doc)), (schema, doc, str(e))
+        return None
+    counts["compiled"] += 1
+    dist = distances(dfa)
+    for _ in range(n_sampled):
+        doc = sample_dfa(dfa, rng, dist)
+        if doc is not None:
+            counts["sampled"] += 1
+            errors = [e.message for e in v.iter_errors(json.loads(doc))]
+            assert not errors, (schema, doc, errors)
+    for _ in range(n_drawn):
+        doc = random_doc(schema, rng, schema)
+        if v.is_valid(json.loads(doc)):
+            counts["drawn valid"] += 1
+            assert dfa.fullmatch(doc), (schema, doc)
+    return dfa
+
+
+def test_random_schemas_sound_and_complete():
+    """Issue 33: random schemas that combine keywords; zero invalid documents among those sampled from the DFA
+    (random walks over its byte table), and every validator-accepted document drawn in 06's layout matches."""
+    seed = random.randrange(10**9)
+    rng, counts = random.Random(seed), Counter()
+    for _ in range(N_RANDOM_SCHEMAS):
+        defs = {}
+        schema = random_schema(rng, 3, defs)
+        schema = {**schema, "$defs": defs} if defs else schema
+        check_schema(schema, rng, 30, 30, counts)
+    print(f"seed {seed}: {dict(counts)}")
+    assert counts["compiled"] > 0.6 * N_RANDOM_SCHEMAS and counts["sampled"] > 20 * counts["compiled"], counts
+    assert counts["drawn valid"] > 5 * counts["compiled"], counts  # the completeness side is exercised too
+
+
+def test_keywords_hold_together_issue_33():
+    """Issue 33's failing cases: enum and const were compiled alone, their siblings dropped; an anyOf branch
+    must carry its siblings too; a schema nothing satisfies is refused, by name."""
+    dfa = m.compile_regex(m.schema_to_regex({"type": "integer", "enum": [1, "a"]}))
+    assert dfa.fullmatch("1") and not dfa.fullmatch('"a"')
+    dfa = m.compile_regex(m.schema_to_regex({"type": "string", "minLength": 2, "enum": ["a", "abc"]}))
+    assert dfa.fullmatch('"abc"') and not dfa.fullmatch('"a"')
+    with pytest.raises(ValueError, match=re.escape("no document satisfies this schema ($: no value of its const [5]")):
+        m.schema_to_regex({"type": "string", "const": 5})
+    schema = {"minimum": 0, "anyOf": [{"type": "integer"}, {"type": "number", "maximum": 0.5}], "type": "number"}
+    dfa = m.compile_regex(m.schema_to_regex(schema))
+    for doc in ("7", "0", "0.25", "0.5", "-1", "0.75", "-0.25", '"a"'):
+        assert dfa.fullmatch(doc) == validator(schema).is_valid(json.loads(doc)), doc
+    with pytest.raises(ValueError, match="no document satisfies"):  # an empty optional property drops, a required one
+        m.schema_to_regex({"type": "object", "properties": {"a": {"type": "integer", "minimum": 2, "maximum": 1}},
+                           "required": ["a"]})
+    assert m.compile_regex(m.schema_to_regex({"type": "object", "properties": {
+        "a": {"type": "integer", "minimum": 2, "maximum": 1}}})).fullmatch("{}")
+
+
+def test_number_bounds_are_exact_for_validators():
+    """Float bounds: a decimal is in range iff the validator (which parses it to the nearest float) says so,
+    at the bounds themselves, a last digit off, and halfway between floats."""
+    rng, checked = random.Random(), 0
+    for _ in range(150):
+        lo = rng.choice([rng.uniform(-2, 2), rng.randint(-5, 5), 0.3, -0.3, 2 ** 52 + 0.5, 1e15 + 0.5, 0.1, 1e-300,
+                         rng.uniform(-1e15, 1e15)])
+        hi = lo + rng.choice([0, 1e-15, 1e-9, 0.5, 3, rng.uniform(0, 1e6)])
+        schema = {"type": "number", rng.choice(["minimum", "exclusiveMinimum"]): lo,
+                  rng.choice(["maximum", "exclusiveMaximum"]): hi}
+        try:
+            dfa = m.compile_regex(m.schema_to_regex(schema))
+        except ValueError as e:  # no decimal with 16 digits after the point in range: a bound exclusive, or none
+            assert "no number with at most 16 decimals" in str(e), e
+            assert "exclusiveMinimum" in schema or "exclusiveMaximum" in schema or \
+                math.ceil(Fraction(lo) * 10 ** 16) > math.floor(Fraction(hi) * 10 ** 16), (schema, e)
+            continue
+        for x in [lo, hi, rng.uniform(lo, hi), lo - 1, hi + 1]:
+            halfway = (Fraction(x) + Fraction(math.nextafter(x, rng.choice([-math.inf, math.inf])))) / 2
+            digits = str(math.floor(halfway * 10 ** 16))  # halfway, cut to 16 digits after the point
+            for text in {layout_number(x), f"{x:.15f}", f"{x:.17f}"[:-1], f"{float(halfway):.16f}",
+                         str(math.floor(x)), digits[:-16] + "." + digits[-16:]}:
+                if text.startswith(".") or text.startswith("-.") or abs(float(text)) >= 2 ** 53:
+                    continue
+                assert dfa.fullmatch(text) == validator(schema).is_valid(json.loads(text)), (schema, text)
+                checked += 1
+    assert checked > 1000
+
+
+def pydantic_models():
+    """Ordinary Pydantic models: nested ($defs/$ref), recursive, Optional + default, Literal, Enum, bounded int
+    and float, string and list lengths, fields left out of `required`, extra="forbid"."""
+    from enum import Enum
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class Color(str, Enum):
+        RED, GREEN = "red", "green"
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "owl"]
+        age: int = Field(ge=0, le=30)
+        weight: float = Field(gt=0, lt=100.5)
+
+    class Owner(BaseModel):
+        name: str = Field(min_length=1, max_length=12)
+        pets: list[Pet] = Field(default=[], max_length=2)
+        favourite: Optional[Pet] = None
+        color: Color = Color.RED
+        nick: Optional[str] = Field(default=None, pattern=r"^[a-z]{2,6}$")
+        score: float = Field(default=0.5, ge=0, le=1)
+        tags: list[str] = Field(default=[], min_length=1, max_length=3)
+
+    class Node(BaseModel):
+        label: str = Field(max_length=4)
+        children: list["Node"] = []
+
+    class Strict(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        x: int = Field(gt=-5, lt=5)
+        y: Optional[bool] = None
+        z: Literal[1, 2.5, "three", None] = None
+
+    return [Owner, Node, Strict, m.demo_model()]
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_pydantic_schemas_sampled_documents_validate(index):
+    """Each model's own model_validate_json accepts every document sampled from the compiled DFA; optional
+    properties are both written and left out; documents jsonschema accepts in 06's layout match."""
+    model = pydantic_models()[index]
+    schema = model.model_json_schema()
+    dfa = m.compile_regex(m.schema_to_regex(schema))
+    rng, dist, keys = random.Random(), distances(dfa), Counter()
+    for _ in range(300):
+        doc = sample_dfa(dfa, rng, dist)
+        if doc is not None:
+            model.model_validate_json(doc)  # raises ValidationError on an invalid document
+            assert validator(schema).is_valid(json.loads(doc)), doc
+            keys.update(list(json.loads(doc)))
+            keys["documents"] += 1
+    top = resolve(schema, schema["$ref"]) if "$ref" in schema else schema
+    optional = [k for k in top["properties"] if k not in top.get("required", [])]
+    assert keys["documents"] > 200 and all(0 < keys[k] < keys["documents"] for k in optional), keys
+    drawn = 0
+    for _ in range(300):
+        doc = random_doc(schema, rng, schema)
+        if validator(schema).is_valid(json.loads(doc)):
+            drawn += 1
+            assert dfa.fullmatch(doc), doc
+            model.model_validate_json(doc)
+    assert drawn > 10
+
+
+def test_pydantic_schemas_refused_by_name():
+    from datetime import datetime
+    from typing import Literal, Union
+
+    from pydantic import BaseModel, Field
+
+    class Event(BaseModel):
+        at: datetime
+
+    class Cat(BaseModel):
+        kind: Literal["cat"]
+
+    class Dog(BaseModel):
+        kind: Literal["dog"]
+
+    class Home(BaseModel):
+        pet: Union[Cat, Dog] = Field(discriminator="kind")
+
+    class Code(BaseModel):
+        code: str = Field(pattern=r"^[A-Z]+$", max_length=4)
+
+    class Chain(BaseModel):
+        value: int
+        next: "Chain"
+
+    for model, problem in ((Event, "format 'date-time' is not a supported format"),
+                           (Home, "unsupported keyword 'discriminator'"),
+                           (Code, "pattern or format together with other string keywords"),
+                           (Chain, "recursive $ref '#/$defs/Chain' is unrolled 3 deep")):
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            m.schema_to_regex(model.model_json_schema())
+
+
+def test_real_model_pydantic_end_to_end(smollm, capsys):
+    """A Pydantic model with a nested one, constrained on the real model both ways: both answers pass the model's
+    own model_validate_json; what its optional property costs is replayed on the document written with every
+    property required: a choice as given (the model picks `, ` or `}`), a jump when required."""
+    from typing import Literal, Optional
+
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        kind: Literal["cat", "dog", "owl"]
+        age: int = Field(ge=0, le=30)
+
+    class Person(BaseModel):
+        name: str = Field(max_length=12)
+        pet: Pet
+        nick: Optional[str] = Field(default=None, max_length=8)
+
+    model, tok = smollm
+    schema = Person.model_json_schema()
+    r = m.compare(model, tok, "person", m.schema_to_regex(schema), "Describe Harry Potter and his owl in JSON.", 48,
+                  Person)
+    for mode in m.MODES:
+        assert r["matches"][mode] and r["valid"][mode] and r["decodes"][mode], r
+        Person.model_validate_json(r["completion"][mode])
+    assert r["forward_passes"]["jump_forward"] < r["forward_passes"]["masking_only"]
+    assert r["optional_properties"] == ["Person.nick"] and r["validator"] == "Person.model_validate_json"
+    q = r["optional_cost"]
+    assert q["finished"] and list(json.loads(q["document"])) == ["name", "pet", "nick"], q
+    Person.model_validate_json(q["document"])
+    p = q["replayed_forward_passes"]
+    assert p["as_given"] == p["every_property_required"] + 1, q
+    m.report("p", [r])  # the report says what it checked, why the answers differ and what `nick` costs
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Person.model_validate_json accepts it: yes" in out and "why the answers differ" in out, out
+    assert f"{p['as_given']} forward passes as given, {p['every_property_required']} required (+1)" in out, out

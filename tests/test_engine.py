@@ -326,6 +326,20 @@ def test_cli_constrained_samples(smollm, tmp_path, capsys):
     assert isinstance(json.loads(capsys.readouterr().out)["answer"], bool)
 
 
+def test_cli_json_schema_from_pydantic(smollm, tmp_path, capsys):
+    """Issue 33: --json-schema takes what Pydantic's model_json_schema() writes for 06's demo model (a nested model
+    through $defs/$ref, an Enum, a Literal, int and float bounds, Optional and list fields with defaults) and
+    answers, on the real weights, a document the model's own model_validate_json accepts."""
+    import json
+    character = L.lesson("06_jump_forward_fsm").demo_model()
+    schema = tmp_path / "character.json"
+    schema.write_text(json.dumps(character.model_json_schema()))
+    L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "96", "Describe Hermione Granger."])
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop", out
+    character.model_validate_json(out["text"])
+
+
 def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "object", "properties": {"x": {"type": "strange"}}}')
