@@ -66,12 +66,22 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
+
+    def _get_help_string(self, action):
+        if "default" in action.help or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def cli_args(argv=None) -> argparse.Namespace:
     """The command line, parsed before torch and triton load (seconds): --help and bad numbers answer at once."""
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
-                                 "lessons' KV caches.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
     add = ap.add_argument
-    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
+    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
+        "default: 'What is the capital of France?')")
     add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
     add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
     add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
@@ -98,8 +108,11 @@ def cli_args(argv=None) -> argparse.Namespace:
         "kernels per layer")
     add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
     add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
-    add("--json", action="store_true", help="one JSON object per completion (prompt, sample, text, token_ids, "
-        "finish_reason); with --bench or --bench-engine, the figures as one JSON object")
+    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
+        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
+        "tokens; with --json, one JSON object per event")
+    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
+        "token_ids, finish_reason); with --bench or --bench-engine, the figures as one JSON object")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     add("--bench", action="store_true", help="batch-1 decode speed of the engine vs transformers on the same weights")
@@ -831,6 +844,7 @@ class Engine:
             self.sched.tree.evict(self.kv.allocator.size)
         self.finished, self.finish_reasons, self.n_seqs = {}, {}, 0
         self.stats = self.sched.stats = self.new_stats()
+        self.sched.events.clear()
         self.sched.rng.seed(self.seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -854,11 +868,14 @@ class Engine:
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
 
-    def run(self, on_token=None) -> dict:
+    def run(self, on_token=None, on_step=None) -> dict:
         """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
-        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output)."""
+        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output);
+        on_step(engine) after every step (the CLI's progress bar)."""
         while self.sched.waiting or self.sched.running or self.sched.swapped:
             self.step(on_token)
+            if on_step:
+                on_step(self)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
     # -- scheduling: 05's admission, 02's allocation and preemption ----------------------------------------
@@ -895,28 +912,32 @@ class Engine:
         next_ids = self._sample(batch, logits)  # the host sync of the step
         self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
         self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
-        self.stats["steps"] += 1
         self._advance(batch, n_new, [[t] for t in next_ids], on_token)
+        self.stats["steps"] += 1  # after: the events of a step carry its index
 
     def _advance(self, batch, n_new, new_ids, on_token) -> int:
         """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
         fed the one before). Append them until the sequence is done, then retire it, keep it running or requeue
         it. Returns how many tokens were appended."""
-        sched = self.sched
+        sched, kind = self.sched, "decode" if batch is self.sched.running else "prefill"
         sched.running = [] if batch is sched.running else sched.running  # a prefill step leaves the running ones be
         appended = 0
         for s, n, ids in zip(batch, n_new, new_ids):
+            held, k = s.kv_len, 0
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 sched.computed(s, fed)  # once its prompt is in, siblings and look-alikes reuse it (05)
                 self._append(s, t, on_token)
-                appended += 1
+                k += 1
                 if s.done:
                     break
+            appended += k
+            sched.log(kind, s, n + k - 1)  # tokens computed into its KV
             if s.done:
                 self._finish(s)
             elif s.in_kv:
                 sched.running.append(s)
             else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
+                sched.log("requeue", s, held + n + k - 1)
                 sched.waiting.appendleft(s)
         return appended
 
@@ -1033,6 +1054,13 @@ class Engine:
         self.sched.release(s)
         s.done = True
         self.finished[s.rid], self.finish_reasons[s.rid] = s.output, s.finish
+        self.sched.log("finish", s, len(s.output))
+
+    @property
+    def events(self) -> list:
+        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
+        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
+        return self.sched.events
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1637,6 +1665,31 @@ def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = N
     return min(want, limit)
 
 
+def progress_bar(total: int, quiet: bool):
+    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
+    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def decode_rate(engine) -> str:
+    st = engine.stats
+    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
+
+
+def print_events(events, as_json=False):
+    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
+    for e in events:
+        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
+              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
     if args.bench_engine:
@@ -1657,6 +1710,9 @@ def main(argv=None):
             regex = lesson("06_jump_forward_fsm").schema_to_regex(schema)
         if regex is not None:
             lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
+        if args.n > 1 and args.temperature == 0 and not args.quiet:
+            print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
+                  f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
         device = parse_device(args.device)
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
@@ -1693,13 +1749,22 @@ def main(argv=None):
             shown[0] = now
 
     single = len(ids) * args.n == 1 and not args.quiet and not args.json
+    bar = progress_bar(len(ids) * args.n, quiet=args.quiet or single)
+
+    def advance(e):  # the progress bar: sequences done, decode rate
+        bar.update(len(e.finished) - bar.n)
+        bar.set_postfix_str(decode_rate(e), refresh=False)
     try:
-        outs = engine.run(stream if single else None)
+        outs = engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
         sys.exit(f"error: {e}")
+    finally:
+        if bar:
+            bar.close()
     if args.json:
         for sid, o in outs.items():
-            print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o,
+            print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],
+                              "sample": sid % args.n, "text": text(o), "token_ids": o,
                               "finish_reason": engine.finish_reasons[sid]}))
     elif single:
         print(text(outs[0])[len(shown[0]):])
@@ -1715,13 +1780,16 @@ def main(argv=None):
                 print(f"warning: completion {sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''} was cut "
                       f"by --max-new-tokens before it matched the {'schema' if args.json_schema else 'regex'}: it is "
                       f"not valid output", file=sys.stderr)
+    if args.events:
+        print_events(engine.events, args.json)
     if not args.quiet:
         st = engine.stats
-        rate = lambda phase: (f"{st[phase + '_tokens']} tokens in {st[phase + '_s']:.3f} s "
+        rate = lambda phase: (f"{plural(st[phase + '_tokens'], 'token')} in {st[phase + '_s']:.3f} s "
                               f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
+        hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
         print(f"[prefill {rate('prefill')}, decode {rate('decode')}, "
-              f"{len(outs)} sequences, radix hit rate {st['cached_tokens'] / max(1, st['prompt_tokens']):.0%}, "
-              f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens, "
+              f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
+              f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
               f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)
 
 

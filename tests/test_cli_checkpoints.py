@@ -217,7 +217,7 @@ def refs(checkpoints):
 
 def tokens(outs):
     """--json completions -> token ids per (prompt, sample), in prompt order."""
-    outs = sorted(outs, key=lambda o: (o["prompt"], o["sample"]))
+    outs = sorted(outs, key=lambda o: (o["prompt_index"], o["sample"]))
     return [o["token_ids"] for o in outs]
 
 
