@@ -367,6 +367,68 @@ def _require(path: str) -> str:
     return path
 
 
+PER_LAYER = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+             "feed_forward.w3", "attention_norm", "ffn_norm")
+
+
+def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
+    """Before the model is built: the config agrees with itself and with the tensors, or one line names what is
+    wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor name -> its shape, for every
+    tensor the file holds; theirs(our name) -> the file's name of that tensor (for the message)."""
+    def bad(msg):
+        raise UserError(f"{path}: {msg}")
+
+    def say(*names):
+        return ", ".join(f"{field[n]} = {getattr(a, n)}" for n in names)
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
+        v = getattr(a, k)
+        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive integer")
+    for k, v in (("norm_eps", a.norm_eps), ("rope_theta", a.rope_theta),
+                 ("rope_scaling", (a.rope_scaling or {"factor": 1.0}).get("factor"))):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive number")
+    if a.dim % a.n_heads:
+        bad(f"{field['n_heads']} = {a.n_heads} does not divide {say('dim')} (the heads split the width)")
+    if a.n_heads % a.n_kv_heads:
+        bad(f"{field['n_kv_heads']} = {a.n_kv_heads} does not divide {say('n_heads')} (grouped-query attention)")
+    if a.head_dim % 2:
+        bad(f"{say('dim', 'n_heads')} give heads of odd width {a.head_dim} (RoPE rotates pairs)")
+    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim
+    want = {"tok_embeddings.weight": ((a.vocab_size, d), ("vocab_size", "dim")), "norm.weight": ((d,), ("dim",))}
+    if not a.tie_embeddings:
+        want["output.weight"] = ((a.vocab_size, d), ("vocab_size", "dim"))
+    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": ((kv, d), ("n_kv_heads", "n_heads", "dim")),
+             "attention.wv": ((kv, d), ("n_kv_heads", "n_heads", "dim")), "attention.wo": ((d, q), ("dim",)),
+             "feed_forward.w1": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
+             "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
+    assert set(layer) == set(PER_LAYER)
+    found = layers_found(shapes, "layers.")
+    if found != a.n_layers:
+        bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
+    want.update({f"layers.{i}.{k}.weight": v for i in range(a.n_layers) for k, v in layer.items()})
+    for name, (shape, names) in want.items():
+        if name not in shapes:
+            bad(f"tensor {theirs(name) or name} is missing")
+        if tuple(shapes[name]) != shape:
+            bad(f"tensor {theirs(name)} is {tuple(shapes[name])}, but {say(*names)} make it {shape}")
+
+
+def layers_found(names, prefix: str) -> int:
+    """How many layers a checkpoint's tensor names hold (prefix "blk.", "model.layers." or "layers.")."""
+    idx = [n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)]
+    return 1 + max((int(i) for i in idx if i.isdigit()), default=-1)
+
+
+def check_norms(path: str, sd: dict, theirs):
+    """NaN or infinite norm weights poison every activation after them: refused by name."""
+    for name, w in sd.items():
+        if "norm" in name and not torch.isfinite(w).all():
+            raise UserError(f"{path}: tensor {theirs(name)} holds non-finite values (NaN or inf)")
+
+
 def load_gguf(path: str):
     import gguf
     try:
@@ -386,23 +448,28 @@ def load_gguf(path: str):
                      max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
     if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
         raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "output.weight": "output.weight"}  # ours -> GGUF's
+    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
+                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+                 "feed_forward.w2": "ffn_down", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+    for i in range(layers_found(tensors, "blk.")):
+        names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
+    field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
+                 n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
+                 hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
+                 rope_theta="llama.rope.freq_base", max_seq_len="llama.context_length", rope_scaling="rope scaling")
+    check_checkpoint(path, args, field, {ours: [int(d) for d in reversed(tensors[theirs].shape)]
+                                         for ours, theirs in names.items() if theirs in tensors}, names.get)
 
     def tensor(name):
         t = tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's (cols, rows)
         return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
 
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "output.weight"
-    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
-                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
-                 "feed_forward.w2": "ffn_down",
-                 "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-    sd = {ours: tensor(theirs) for ours, theirs in names.items()}
+    sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}  # checked: no more, no less
+    check_norms(path, sd, names.get)
     for i in range(args.n_layers):
-        for ours, theirs in per_layer.items():
-            sd[f"layers.{i}.{ours}.weight"] = tensor(f"blk.{i}.{theirs}.weight")
         for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):  # llama.cpp stores Q/K in Meta's pair order
             sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
     return args, sd, gguf_tokenizer(reader)
@@ -414,11 +481,13 @@ def load_meta(path: str):
     shards = sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))
     if not shards:
         raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
-    dim, n_heads = p["dim"], p["n_heads"]
-    hidden = int(2 * 4 * dim / 3)
-    if p.get("ffn_dim_multiplier"):
-        hidden = int(p["ffn_dim_multiplier"] * hidden)
-    hidden = p.get("multiple_of", 256) * ((hidden + p.get("multiple_of", 256) - 1) // p.get("multiple_of", 256))
+    dim, n_heads, mult, ffn = p.get("dim"), p.get("n_heads"), p.get("multiple_of", 256), p.get("ffn_dim_multiplier")
+    hidden = 0  # the SwiGLU width: llama-models' formula, where its inputs make sense (else the check says so)
+    if all(isinstance(x, int) and x > 0 for x in (dim, mult)) and (not ffn or isinstance(ffn, (int, float)) and ffn > 0):
+        hidden = int(2 * 4 * dim / 3)
+        if ffn:
+            hidden = int(ffn * hidden)
+        hidden = mult * ((hidden + mult - 1) // mult)
     scaling = None
     if p.get("use_scaled_rope"):  # llama-models' apply_scaling: factor 8 unless params.json says otherwise
         scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -434,11 +503,20 @@ def load_meta(path: str):
     cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
     sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
           for k in parts[0] if not k.startswith("rope")}
-    args = ModelArgs(dim=dim, n_layers=p["n_layers"], n_heads=n_heads, n_kv_heads=p.get("n_kv_heads") or n_heads,
-                     vocab_size=sd["tok_embeddings.weight"].shape[0], hidden_dim=hidden,
+    rows = sd["tok_embeddings.weight"].shape[0] if "tok_embeddings.weight" in sd else None
+    args = ModelArgs(dim=dim, n_layers=p.get("n_layers"), n_heads=n_heads,
+                     n_kv_heads=n_heads if p.get("n_kv_heads") is None else p["n_kv_heads"],
+                     vocab_size=p["vocab_size"] if p.get("vocab_size", -1) != -1 else rows, hidden_dim=hidden,
                      norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
                      max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
                      tie_embeddings="output.weight" not in sd)
+    field = {k: k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
+                            "max_seq_len")}
+    field.update(hidden_dim="the SwiGLU width (from dim, multiple_of and ffn_dim_multiplier)",
+                 rope_scaling="rope_scaling_factor")
+    check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
+                     lambda k: k)
+    check_norms(path, sd, lambda k: k)
     for i in range(args.n_layers):
         for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
             sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
@@ -490,14 +568,26 @@ def load_hf(path: str):
         hf.update(load_file(f))
     rs = c.get("rope_scaling") or c.get("rope_parameters")
     scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
-    args = ModelArgs(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-                     n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
-                     hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
-                     rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta", 10000.0), rope_scaling=scaling,
+    kv_heads = c.get("num_key_value_heads")
+    args = ModelArgs(dim=c.get("hidden_size"), n_layers=c.get("num_hidden_layers"),
+                     n_heads=c.get("num_attention_heads"),
+                     n_kv_heads=c.get("num_attention_heads") if kv_heads is None else kv_heads,
+                     vocab_size=c.get("vocab_size"), hidden_dim=c.get("intermediate_size"),
+                     norm_eps=c.get("rms_norm_eps", 1e-5),
+                     rope_theta=c["rope_theta"] if "rope_theta" in c else (rs or {}).get("rope_theta", 10000.0),
+                     rope_scaling=scaling,
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    names = hf_names(args.n_layers)
+    names = hf_names(layers_found(hf, "model.layers."))
+    field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                 n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
+                 norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
+                 rope_scaling="rope_scaling.factor")
+    theirs = {v: k for k, v in names.items()}.get
+    check_checkpoint(os.path.join(path, "config.json"), args, field,
+                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
+    check_norms(path, sd, theirs)
     return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
 
 
@@ -515,6 +605,9 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
             raise UserError(f"{path}: neither params.json (Meta checkpoint) nor config.json (Hugging Face) found")
     else:
         args, sd, tok = load_gguf(path)
+    if tok.vocab_size > args.vocab_size:  # a token id past the embedding table would index out of it
+        raise UserError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model's vocabulary only "
+                        f"{args.vocab_size}")
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:
