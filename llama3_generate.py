@@ -483,7 +483,8 @@ def load_meta(path: str):
         raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
     dim, n_heads, mult, ffn = p.get("dim"), p.get("n_heads"), p.get("multiple_of", 256), p.get("ffn_dim_multiplier")
     hidden = 0  # the SwiGLU width: llama-models' formula, where its inputs make sense (else the check says so)
-    if all(isinstance(x, int) and x > 0 for x in (dim, mult)) and (not ffn or isinstance(ffn, (int, float)) and ffn > 0):
+    sane = lambda x, kind=int: isinstance(x, kind) and not isinstance(x, bool) and x > 0
+    if sane(dim) and sane(mult) and (not ffn or sane(ffn, (int, float))):
         hidden = int(2 * 4 * dim / 3)
         if ffn:
             hidden = int(ffn * hidden)
