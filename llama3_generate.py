@@ -37,13 +37,14 @@ Map, top to bottom:
     cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
     The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer;
                         fuse_pointwise, fuse_projections (the GPU's kernel-count savers)
-    Weights             GGUF (default), Meta and Hugging Face loaders; to_transformers (the peer in tests)
+    Weights             GGUF (default), Meta and Hugging Face loaders, each checked before the model is built
+                        (check_checkpoint); to_transformers (the peer in tests)
     Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
     The decode loop     sample (06's), generate (a static batch through any backend)
     The engine          SamplingParams, Seq (05's Req), Engine over 05's Scheduler (02's preemption): warm_up,
-                        add, prepare, step, multi-step, sample, jump-forward, finish
+                        add, prepare, step, multi-step, sample, jump-forward, finish, events
     Batch-1 GPU path    fused_decode (six Triton kernels per layer), argmax, CudaGraphDecoder
-    Command line        bench, bench_engine, kv_pool_size, main
+    Command line        bench, bench_engine, kv_pool_size, progress_bar, print_events, main
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
@@ -679,8 +680,10 @@ class Tokenizer:
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         return [self.ranks[p] for p in parts]
 
-    def decode(self, ids) -> str:
-        return self.enc.decode([i for i in ids if i < self.vocab_size])
+    def decode(self, ids, special: bool = True) -> str:
+        """Token ids -> text; special=False leaves out special tokens (<|im_end|>, <|eot_id|>, ...)."""
+        skip = () if special else set(self.special.values())
+        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
 
     def token_bytes(self, i: int) -> bytes:
         return self.enc.decode_single_token_bytes(i)
@@ -861,7 +864,8 @@ class Engine:
     retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
     02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
     tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
-    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode.
+    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode. Every
+    scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens), as it is made.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
     host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k
