@@ -76,10 +76,17 @@ import time
 
 import torch
 
+NEEDS_TRITON = ("04_triton_token_attn needs Triton, which has wheels for Linux only (pip install -r requirements.txt "
+                "on Linux); the model, the CLI and lessons 01-03, 05, 06 run without it")
 if not torch.cuda.is_available():  # before triton.jit runs below: the interpreter is picked at decoration time
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # macOS, Windows: one line, not a traceback (the engine then runs its PyTorch paths)
+    if __name__ == "__main__":
+        sys.exit(f"error: {NEEDS_TRITON}")
+    raise ImportError(NEEDS_TRITON) from None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 GDC = tl.constexpr(not INTERPRET)
@@ -400,6 +407,233 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     return out
 
 
+# ----------------------------------------------------------------------------------------------
+# The whole decode step at batch 1: six kernels per layer (the engine's GPU fast path)
+# ----------------------------------------------------------------------------------------------
+# One token's decode step reads every weight once and does 2 FLOPs per weight: a chain of matrix-vector
+# products, bound by memory bandwidth. The plain model spends ~20 kernels per layer on it (three GEMVs for
+# q, k, v; norms, RoPE, KV scatter and residual adds apart), and cuBLAS's GEMVs on the 1B shape's small
+# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-4 per program,
+# thousands of programs) and everything elementwise rides along in the same pass:
+#
+#   _embed      h = tok_embeddings[token]
+#   _qkv_rope   xn = rms_norm(h)  ->  q, k, v rows  ->  RoPE on q, k  ->  q to a buffer, k, v into the pool slot
+#   04's kernel attention over req_to_token (two launches when it splits the context)
+#   _gemv       h += wo @ attn                     (residual add in the epilogue)
+#   _gemv       act = silu(w1 @ xn) * (w3 @ xn)    (norm in the prologue: sum of squares in the same loop)
+#   _gemv       h += w2 @ act
+#
+# The RMS scale is applied after the dot (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once.
+#
+# Each kernel is a small wave with a ramp and a tail, so the boundaries between them cost. On a GPU every launch
+# uses programmatic dependent launch (PDL): a kernel lets the next one start at once (gdc_launch_dependents);
+# the next loads its first weight tile (weights never depend on the previous kernel) and only then waits for
+# it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
+# H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
+# _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
+# 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
+# (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
+# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent
+# one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost ~1.65 us and the phases
+# streamed no faster than separate kernels), L2 bulk prefetches instead of loads, and loading the residual or
+# the slot before the loop in the 1-D kernels (+9 to +18 us).
+
+
+
+@triton.jit
+def _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM: tl.constexpr, GLU: tl.constexpr):
+    """One BLOCK_K-wide step of _gemv: x (and its sum of squares) at cols, times the weight tile(s)."""
+    x = tl.load(X + cols).to(tl.float32)
+    if NORM:
+        ss += x * x
+        x *= tl.load(G + cols).to(tl.float32)
+    acc += w.to(tl.float32) * x[None, :]
+    if GLU:
+        acc3 += w3.to(tl.float32) * x[None, :]
+    return acc, acc3, ss
+
+
+@triton.jit
+def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn).
+    PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the previous kernel."""
+    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    start: tl.constexpr = BLOCK_K if PDL else 0
+    if PDL:  # the next kernel may start launching; weights do not depend on this one's inputs, x does
+        pdl_launch_next(PDL)
+        w = tl.load(W + rows[:, None] * K + cols[None, :])
+        w3 = tl.load(W3 + rows[:, None] * K + cols[None, :]) if GLU else w
+        pdl_wait(PDL)  # the previous kernel has finished and its writes are visible
+        acc, acc3, ss = _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM, GLU)
+    for k0 in range(start, K, BLOCK_K):
+        w = tl.load(W + rows[:, None] * K + (k0 + cols)[None, :])
+        w3 = tl.load(W3 + rows[:, None] * K + (k0 + cols)[None, :]) if GLU else w
+        acc, acc3, ss = _gemv_tile(acc, acc3, ss, w, w3, X + k0, G + k0, cols, NORM, GLU)
+    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps) if NORM else 1.0
+    y = tl.sum(acc, 1) * scale
+    if GLU:
+        y = y / (1 + tl.exp(-y)) * (tl.sum(acc3, 1) * scale)
+    if RESID:  # OUT may be RES: each program reads its own rows before writing them
+        y += tl.load(RES + rows).to(tl.float32)
+    tl.store(OUT + rows, y.to(OUT.dtype.element_ty))
+
+
+@triton.jit
+def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
+              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs RoPE rotates
+    together -- so the rotation and the KV write need no second kernel. The slot to write is req_to_token[row,
+    pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
+    first = tl.program_id(0) * BLOCK_P                  # the program's first pair; BLOCK_P divides HALF
+    head = (first // HALF) * 2 * HALF                   # its head's first row in [wq; wk; wv]
+    j = first % HALF + tl.arange(0, BLOCK_P)            # (BLOCK_P,) pairs within the head
+    if head < q_rows:
+        w, dst = WQ + head * K, Q + head
+    elif head < q_rows + kv_rows:
+        w, dst = WK + (head - q_rows) * K, KP + (head - q_rows)
+    else:
+        w, dst = WV + (head - q_rows - kv_rows) * K, VP + (head - q_rows - kv_rows)
+    cols = tl.arange(0, BLOCK_K)
+    w += j[:, None].to(tl.int64) * K + cols[None, :]  # (BLOCK_P, BLOCK_K) tiles of rows j; + HALF * K: rows j + HALF
+    acc1 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
+    ss = tl.zeros([BLOCK_K], tl.float32)
+    start: tl.constexpr = BLOCK_K if PDL else 0
+    if PDL:
+        w1, w2 = tl.load(w), tl.load(w + HALF * K)
+        pdl_wait(PDL)
+        pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
+    pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
+    slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
+    rotate = head < q_rows + kv_rows  # v is not rotated
+    cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
+    sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)
+    if PDL:
+        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, w1, w2, X, G, cols, True, True)
+    for k0 in range(start, K, BLOCK_K):
+        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, tl.load(w + k0), tl.load(w + HALF * K + k0), X + k0, G + k0, cols,
+                                    True, True)
+    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
+    y1, y2 = tl.sum(acc1, 1) * scale, tl.sum(acc2, 1) * scale
+    if head >= q_rows:  # k and v go to the pool slot
+        dst += slot * kv_rows
+    tl.store(dst + j, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
+    tl.store(dst + j + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """OUT = E[TOK[0]]: the embedding lookup as a PDL link (torch's kernel would break the chain)."""
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
+
+
+@triton.jit
+def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
+            ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
+    """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
+    index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
+    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
+    ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
+    b, c = tl.program_id(0), tl.program_id(1)
+    pdl_launch_next(PDL)
+    pdl_wait(PDL)
+    offs = c * BLOCK + tl.arange(0, BLOCK)
+    if FINISH:
+        keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
+        best = tl.max(tl.where(offs < CHUNKS, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
+        token = V - (best & 0xFFFFFFFF)
+        tl.store(X + b, token)
+        if ADVANCE:
+            pos = tl.load(POS + b)
+            tl.store(HIST + b * HK + pos % HK, token)
+            live = (tl.load(ROWS + b) != pad_row).to(pos.dtype)  # padding rows stay on their scratch slot
+            tl.store(POS + b, pos + live)
+            tl.store(LENS + b, tl.load(LENS + b) + live.to(tl.int32))
+    else:
+        x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # fp32 bits below
+        m = tl.max(x, 0)
+        i = tl.min(tl.where(x == m, offs, V), 0)
+        bits = m.to(tl.int32, bitcast=True)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (V - i)
+        tl.store(PART + b * CHUNKS + c, key)
+
+
+def argmax(logits, out, advance=None, pdl=False):
+    """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,)
+    int64, lens (B,) int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
+    B, V = logits.shape
+    block = 4096
+    chunks = triton.cdiv(V, block)
+    part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
+    _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, BLOCK=block, FINISH=False,
+                         ADVANCE=False, HK=1, **pdl_kw(pdl))
+    pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
+    _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
+                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
+    return out
+
+
+def fused_decode_ok(model) -> bool:
+    a = model.args
+    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
+
+
+# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
+FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
+                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
+
+
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
+    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
+    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
+    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
+    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
+                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
+                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
+                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
+    return out
+
+
+def fused_decode(model, kv, tokens, positions, pdl=None):
+    """One decode step of one sequence through the token backend (03's pool, 04's attention) in six kernels per
+    layer: the same function as model(tokens, positions, kv) at batch 1. kv.batch_rows, batch_lens hold the step's
+    request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
+    logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see above); None = on a GPU."""
+    a, attn = model.args, token_decode_attention
+    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
+    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
+    block = math.gcd(a.dim, 256)
+    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
+    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
+    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
+    for i, layer in enumerate(model.layers):
+        at, ff = layer.attention, layer.feed_forward
+        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
+            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
+            positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
+            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
+            num_warps=cfg["qkv"][2], **pdl_kw(pdl))
+        attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl)
+        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
+        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
+             pdl=pdl)
+        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
+    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
+    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
+                pdl=pdl)[None]
+
+
 def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None):
     """Float64, one request at a time: query i of request b attends to its keys at positions <= prefix_b + i."""
     T, H, D = q.shape
@@ -632,13 +866,13 @@ decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached 
               f"{TOLERANCE[getattr(torch, r['dtype'])]:.0e})  {'ok' if r['ok'] else 'FAIL'}")
     where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
     print(f"""What the decode kernel does on a GPU{where}:
-a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per (kv head, chunk of the context, request) streams its chunk's
-K/V through req_to_token once for all the query heads of its group (GQA: one load, not one per query head),
-keeping a running softmax; a second launch merges the chunks' partial outputs by their log-sum-exp. The split
-count (choose_num_splits) fills the SMs when batch x kv heads would leave them idle: batch 1 x 4k tokens on an
-H200 runs 64 splits, 1.56x flash-attn's paged kernel; big batches run unsplit at up to 4,350 GB/s, the copy
-bandwidth (README; `--bench` measures it on a GPU). The extend kernel tiles like flash-attention: whole K/V
-tiles before a block's first query run unmasked, only the diagonal pays for the causal mask.""")
+a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
+(kv head, chunk of the context, request) streams its chunk's K/V through req_to_token once for all the query
+heads of its group (GQA: one load, not one per query head), keeping a running softmax; a second launch merges
+the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
+kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
+big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
+extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the diagonal pays for the causal mask.""")
 
 
 def main(argv=None):

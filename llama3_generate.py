@@ -31,7 +31,9 @@ Bottom half: `generate` (a static batch through any backend: what the lessons' p
     sampling: 06's temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
     GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops and
          stacked q/k/v and gate/up projections;
-         batch 1 in six Triton kernels per layer (`fused_decode`); greedy batches k steps per host sync
+         batch 1 in six Triton kernels per layer (04's `fused_decode`); greedy batches k steps per host sync.
+         Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows; it has
+         wheels for Linux only) the model, the CLI and every backend run their PyTorch paths
 
 Map, top to bottom:
     cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
@@ -43,7 +45,7 @@ Map, top to bottom:
     The decode loop     sample (06's), generate (a static batch through any backend)
     The engine          SamplingParams, Seq (05's Req), Engine over 05's Scheduler (02's preemption): warm_up,
                         add, prepare, step, multi-step, sample, jump-forward, finish, events
-    Batch-1 GPU path    fused_decode (six Triton kernels per layer), argmax, CudaGraphDecoder
+    GPU decode          CudaGraphDecoder (04's fused_decode at batch 1 and its argmax kernel)
     Command line        bench, bench_engine, kv_pool_size, progress_bar, print_events, main
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
@@ -77,7 +79,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def cli_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed before torch and triton load (seconds): --help and bad numbers answer at once."""
+    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
                                  "lessons' KV caches.", formatter_class=DefaultsOnce)
     add = ap.add_argument
@@ -138,13 +140,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-if not torch.cuda.is_available():  # before triton.jit runs below (as in 04): on a CPU the kernels are interpreted
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
 
 class UserError(Exception):
     """Bad input (path, prompt, option): the CLI prints the message and exits with status 2."""
@@ -153,6 +148,16 @@ class UserError(Exception):
 def lesson(name: str):
     """Numbered files cannot be imported by name: lesson("01_kv_cache") -> the module."""
     return importlib.import_module(name)
+
+
+def triton_kernels():
+    """04, where every Triton kernel lives (the GPU fast paths: attention, prefill, batch-1 decode, argmax), or
+    None where Triton is missing (it has wheels for Linux only): one line says so, and the PyTorch paths run."""
+    try:
+        return lesson("04_triton_token_attn")
+    except ImportError as e:
+        print(f"note: {e}", file=sys.stderr)
+        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -889,10 +894,7 @@ class Engine:
             blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
             self.kv = m02.PagedKVCache.for_model(model, blocks, block_size)
         elif backend == "token":     # 03 + 04 (Triton decode and prefill attention on CUDA)
-            m03, m04 = lesson("03_token_allocator"), lesson("04_triton_token_attn")
-            self.kv = m03.TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
-            if dev.type == "cuda":
-                self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
+            self.kv = lesson("03_token_allocator").TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
         else:
             raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
         if policy not in R05.POLICIES:
@@ -912,7 +914,10 @@ class Engine:
         self.finish_reasons = {}      # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
         self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.graphs = CudaGraphDecoder(self, fused=fused) if graphs and backend == "token" else None
+        m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
+        if m04 and dev.type == "cuda" and backend == "token":
+            self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
+        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if m04 and graphs and backend == "token" else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
@@ -1162,234 +1167,8 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------------
-# Batch-1 decode in six kernels per layer (GPU)
+# GPU decode: CUDA graphs, greedy multi-step
 # ----------------------------------------------------------------------------------------------
-# One token's decode step reads every weight once and does 2 FLOPs per weight: a chain of matrix-vector
-# products, bound by memory bandwidth. The plain model spends ~20 kernels per layer on it (three GEMVs for
-# q, k, v; norms, RoPE, KV scatter and residual adds apart), and cuBLAS's GEMVs on the 1B shape's small
-# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-4 per program,
-# thousands of programs) and everything elementwise rides along in the same pass:
-#
-#   _embed      h = tok_embeddings[token]
-#   _qkv_rope   xn = rms_norm(h)  ->  q, k, v rows  ->  RoPE on q, k  ->  q to a buffer, k, v into the pool slot
-#   04's kernel attention over req_to_token (two launches when it splits the context)
-#   _gemv       h += wo @ attn                     (residual add in the epilogue)
-#   _gemv       act = silu(w1 @ xn) * (w3 @ xn)    (norm in the prologue: sum of squares in the same loop)
-#   _gemv       h += w2 @ act
-#
-# The RMS scale is applied after the dot (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once.
-#
-# Each kernel is a small wave with a ramp and a tail, so the boundaries between them cost. On a GPU every launch
-# uses programmatic dependent launch (PDL): a kernel lets the next one start at once (gdc_launch_dependents);
-# the next loads its first weight tile (weights never depend on the previous kernel) and only then waits for
-# it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
-# H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
-# _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
-# 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
-# (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
-# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent
-# one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost ~1.65 us and the phases
-# streamed no faster than separate kernels), L2 bulk prefetches instead of loads, and loading the residual or
-# the slot before the loop in the 1-D kernels (+9 to +18 us).
-
-pdl_kw, pdl_launch_next, pdl_wait = (getattr(lesson("04_triton_token_attn"), n)  # see fused_decode
-                                     for n in ("pdl_kw", "pdl_launch_next", "pdl_wait"))
-
-
-@triton.jit
-def _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM: tl.constexpr, GLU: tl.constexpr):
-    """One BLOCK_K-wide step of _gemv: x (and its sum of squares) at cols, times the weight tile(s)."""
-    x = tl.load(X + cols).to(tl.float32)
-    if NORM:
-        ss += x * x
-        x *= tl.load(G + cols).to(tl.float32)
-    acc += w.to(tl.float32) * x[None, :]
-    if GLU:
-        acc3 += w3.to(tl.float32) * x[None, :]
-    return acc, acc3, ss
-
-
-@triton.jit
-def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn).
-    PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the previous kernel."""
-    rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    acc3 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    start: tl.constexpr = BLOCK_K if PDL else 0
-    if PDL:  # the next kernel may start launching; weights do not depend on this one's inputs, x does
-        pdl_launch_next(PDL)
-        w = tl.load(W + rows[:, None] * K + cols[None, :])
-        w3 = tl.load(W3 + rows[:, None] * K + cols[None, :]) if GLU else w
-        pdl_wait(PDL)  # the previous kernel has finished and its writes are visible
-        acc, acc3, ss = _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM, GLU)
-    for k0 in range(start, K, BLOCK_K):
-        w = tl.load(W + rows[:, None] * K + (k0 + cols)[None, :])
-        w3 = tl.load(W3 + rows[:, None] * K + (k0 + cols)[None, :]) if GLU else w
-        acc, acc3, ss = _gemv_tile(acc, acc3, ss, w, w3, X + k0, G + k0, cols, NORM, GLU)
-    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps) if NORM else 1.0
-    y = tl.sum(acc, 1) * scale
-    if GLU:
-        y = y / (1 + tl.exp(-y)) * (tl.sum(acc3, 1) * scale)
-    if RESID:  # OUT may be RES: each program reads its own rows before writing them
-        y += tl.load(RES + rows).to(tl.float32)
-    tl.store(OUT + rows, y.to(OUT.dtype.element_ty))
-
-
-@triton.jit
-def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
-    """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs RoPE rotates
-    together -- so the rotation and the KV write need no second kernel. The slot to write is req_to_token[row,
-    pos], read here: multi-step graphs advance pos on the device. PDL as in _gemv."""
-    first = tl.program_id(0) * BLOCK_P                  # the program's first pair; BLOCK_P divides HALF
-    head = (first // HALF) * 2 * HALF                   # its head's first row in [wq; wk; wv]
-    j = first % HALF + tl.arange(0, BLOCK_P)            # (BLOCK_P,) pairs within the head
-    if head < q_rows:
-        w, dst = WQ + head * K, Q + head
-    elif head < q_rows + kv_rows:
-        w, dst = WK + (head - q_rows) * K, KP + (head - q_rows)
-    else:
-        w, dst = WV + (head - q_rows - kv_rows) * K, VP + (head - q_rows - kv_rows)
-    cols = tl.arange(0, BLOCK_K)
-    w += j[:, None].to(tl.int64) * K + cols[None, :]  # (BLOCK_P, BLOCK_K) tiles of rows j; + HALF * K: rows j + HALF
-    acc1 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
-    acc2 = tl.zeros([BLOCK_P, BLOCK_K], tl.float32)
-    ss = tl.zeros([BLOCK_K], tl.float32)
-    start: tl.constexpr = BLOCK_K if PDL else 0
-    if PDL:
-        w1, w2 = tl.load(w), tl.load(w + HALF * K)
-        pdl_wait(PDL)
-        pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
-    pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
-    slot = tl.load(R2T + tl.load(ROW).to(tl.int64) * s_r2t + pos).to(tl.int64)
-    rotate = head < q_rows + kv_rows  # v is not rotated
-    cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
-    sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)
-    if PDL:
-        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, w1, w2, X, G, cols, True, True)
-    for k0 in range(start, K, BLOCK_K):
-        acc1, acc2, ss = _gemv_tile(acc1, acc2, ss, tl.load(w + k0), tl.load(w + HALF * K + k0), X + k0, G + k0, cols,
-                                    True, True)
-    scale = tl.rsqrt(tl.sum(ss, 0) / K + eps)
-    y1, y2 = tl.sum(acc1, 1) * scale, tl.sum(acc2, 1) * scale
-    if head >= q_rows:  # k and v go to the pool slot
-        dst += slot * kv_rows
-    tl.store(dst + j, (y1 * cos - y2 * sin).to(dst.dtype.element_ty))
-    tl.store(dst + j + HALF, (y2 * cos + y1 * sin).to(dst.dtype.element_ty))
-
-
-@triton.jit
-def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """OUT = E[TOK[0]]: the embedding lookup as a PDL link (torch's kernel would break the chain)."""
-    pdl_launch_next(PDL)
-    pdl_wait(PDL)
-    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
-
-
-@triton.jit
-def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
-            ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
-    """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
-    index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
-    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
-    ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
-    b, c = tl.program_id(0), tl.program_id(1)
-    pdl_launch_next(PDL)
-    pdl_wait(PDL)
-    offs = c * BLOCK + tl.arange(0, BLOCK)
-    if FINISH:
-        keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
-        best = tl.max(tl.where(offs < CHUNKS, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
-        token = V - (best & 0xFFFFFFFF)
-        tl.store(X + b, token)
-        if ADVANCE:
-            pos = tl.load(POS + b)
-            tl.store(HIST + b * HK + pos % HK, token)
-            live = (tl.load(ROWS + b) != pad_row).to(pos.dtype)  # padding rows stay on their scratch slot
-            tl.store(POS + b, pos + live)
-            tl.store(LENS + b, tl.load(LENS + b) + live.to(tl.int32))
-    else:
-        x = tl.load(X + b * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)  # fp32 bits below
-        m = tl.max(x, 0)
-        i = tl.min(tl.where(x == m, offs, V), 0)
-        bits = m.to(tl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (V - i)
-        tl.store(PART + b * CHUNKS + c, key)
-
-
-def argmax(logits, out, advance=None, pdl=False):
-    """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,)
-    int64, lens (B,) int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
-    B, V = logits.shape
-    block = 4096
-    chunks = triton.cdiv(V, block)
-    part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
-    _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, BLOCK=block, FINISH=False,
-                         ADVANCE=False, HK=1, **pdl_kw(pdl))
-    pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
-    _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
-                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
-    return out
-
-
-def fused_decode_ok(model) -> bool:
-    a = model.args
-    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
-
-
-# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
-FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
-                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
-
-
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
-    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
-    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
-    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
-    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
-                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
-                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
-    return out
-
-
-def fused_decode(model, kv, tokens, positions, pdl=None):
-    """One decode step of one sequence through the token backend (03's pool, 04's attention) in six kernels per
-    layer: the same function as model(tokens, positions, kv) at batch 1. kv.batch_rows, batch_lens hold the step's
-    request row and length (CudaGraphDecoder's static buffers); the slot comes from req_to_token. Returns fp32
-    logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see above); None = on a GPU."""
-    a, attn = model.args, lesson("04_triton_token_attn").token_decode_attention
-    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
-    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
-    block = math.gcd(a.dim, 256)
-    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
-    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
-    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
-    for i, layer in enumerate(model.layers):
-        at, ff = layer.attention, layer.feed_forward
-        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
-            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.batch_rows, kv.req_to_token, kv.req_to_token.stride(0), q, kv.k_pool[i], kv.v_pool[i],
-            a.dim, a.norm_eps, q_rows, kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim),
-            num_warps=cfg["qkv"][2], **pdl_kw(pdl))
-        attn(q[None], kv.k_pool[i], kv.v_pool[i], kv.req_to_token, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl)
-        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
-        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
-             pdl=pdl)
-        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
-    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
-                pdl=pdl)[None]
-
-
 
 class CudaGraphDecoder:
     """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
@@ -1404,12 +1183,12 @@ class CudaGraphDecoder:
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
-    def __init__(self, engine, buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256), fused=True):
-        self.e, kv = engine, engine.kv
+    def __init__(self, engine, m04, buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256), fused=True):
+        self.e, kv, self.m04 = engine, engine.kv, m04  # 04: fused_decode and argmax
         self.buckets = [b for b in buckets if b <= engine.max_batch] or [engine.max_batch]
         if self.buckets[-1] < engine.max_batch:
             self.buckets.append(engine.max_batch)
-        self.fused = fused and fused_decode_ok(engine.model)
+        self.fused = fused and m04.fused_decode_ok(engine.model)
         self.graphs, self.pad_slot = {}, int(kv.allocator.alloc(1)[0])  # scratch slot for padded rows
         self.pad_row = kv.req_pool.alloc()
         kv.req_to_token[self.pad_row] = self.pad_slot  # any position of the padding row is the scratch slot
@@ -1438,9 +1217,10 @@ class CudaGraphDecoder:
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.req_to_token[self.rows[:b], positions]
-            out = fused_decode(model, kv, tokens, positions) if fused else model(tokens, positions, kv, fp32=False)
-            argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
-                   pdl=fused and self.cuda)
+            out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
+                model(tokens, positions, kv, fp32=False)
+            self.m04.argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
+                           pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
         if b == 1 and k == 1 and self.e.multi_step > 1:  # also batch 1's k steps in one graph: no gap between

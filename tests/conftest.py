@@ -1,16 +1,25 @@
-"""Shared fixtures. GPU tests skip cleanly without CUDA; the default model loads once per session."""
+"""Shared fixtures. GPU tests skip cleanly without CUDA, Triton tests without Triton (it has wheels for Linux
+only: `PYTHONPATH=tests/without_triton python -m pytest` runs the suite as on macOS or Windows); the default model
+loads once per session."""
+import importlib.util
 import os
 
 import pytest
 import torch
 
 
+HAVE_TRITON = importlib.util.find_spec("triton") is not None
+if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; set before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)
+
+
 def pytest_collection_modifyitems(config, items):
-    if not torch.cuda.is_available():
-        skip = pytest.mark.skip(reason="needs a CUDA GPU")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+    for marker, missing, reason in (("gpu", not torch.cuda.is_available(), "needs a CUDA GPU"),
+                                    ("triton", not HAVE_TRITON, "needs Triton (Linux only)")):
+        if missing:
+            for item in items:
+                if marker in item.keywords:
+                    item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

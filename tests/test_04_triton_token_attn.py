@@ -8,7 +8,10 @@ import json
 import pytest
 import torch
 
-m = importlib.import_module("04_triton_token_attn")
+try:
+    m = importlib.import_module("04_triton_token_attn")
+except ImportError as e:  # no Triton (macOS, Windows): skipped with 04's one line
+    pytest.skip(str(e), allow_module_level=True)
 LENS = [1, 2, 15, 16, 17, 300]  # the tile edges (BLOCK_N=64 >= 16) and a multi-tile, multi-split request
 ATOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}  # elementwise, outputs are O(1)
 

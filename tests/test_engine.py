@@ -124,13 +124,15 @@ def tiny_model(seed=0, **kw):
     return model
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("pdl", [False, True])
 def test_fused_decode_matches_the_model(pdl, monkeypatch):
     """fused_decode (six kernels per layer, interpreted on a CPU) == model(...) through the token backend: the
     same logits and the same K/V written to the new slot (pools poisoned with NaN elsewhere). pdl: the GPU's
     kernel variants (first weight tile loaded before the wait; the interpreter has no launch control). 16-wide
     tiles, so every GEMV loops over several."""
-    monkeypatch.setattr(L, "FUSED_CONFIG", {k: (rows, 16, warps) for k, (rows, _, warps) in L.FUSED_CONFIG.items()})
+    m04 = L.lesson("04_triton_token_attn")
+    monkeypatch.setattr(m04, "FUSED_CONFIG", {k: (rows, 16, warps) for k, (rows, _, warps) in m04.FUSED_CONFIG.items()})
     model = tiny_model(seed=int(torch.randint(0, 1000, ())))
     m03 = L.lesson("03_token_allocator")
     kvs = [m03.TokenKVCache.for_model(model, 64, 2, 64) for _ in range(2)]
@@ -141,24 +143,27 @@ def test_fused_decode_matches_the_model(pdl, monkeypatch):
     token = prompt[-1:]
     for _ in range(2):
         ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
-        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]), pdl=pdl)
+        out = m04.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]), pdl=pdl)
         assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
         token = ref.argmax(-1)
     for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
         assert torch.allclose(a, b, atol=1e-5, equal_nan=True)
 
 
+@pytest.mark.triton
 def test_argmax_kernel_matches_torch():
     """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included,
     fp32 and bf16."""
+    m04 = L.lesson("04_triton_token_attn")
     for B, V in ((1, 300), (3, int(torch.randint(4097, 20000, ()))), (2, 7)):
         x = torch.randn(B, V) * 5 - 30 * torch.rand(B, 1)
         x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie
         for dtype in (torch.float32, torch.bfloat16):  # the graphs hand it the weights' dtype
             out = torch.full((B,), -1)
-            assert L.argmax(x.to(dtype), out).tolist() == x.to(dtype).argmax(-1).tolist()
+            assert m04.argmax(x.to(dtype), out).tolist() == x.to(dtype).argmax(-1).tolist()
 
 
+@pytest.mark.triton
 def test_multi_step_decoding_matches_one_step(monkeypatch):
     """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU; the next k queued before the last k
     are read, also when the batch shrinks) write the same tokens as one step at a time, stop at the same EOS (the
@@ -195,6 +200,7 @@ def test_multi_step_decoding_matches_one_step(monkeypatch):
     assert fused == one and e.graphs.fused and (1, 3) in e.graphs.graphs  # batch 1's 3 steps as one graph
 
 
+@pytest.mark.triton
 def test_multi_step_random_workloads_match_one_step():
     """Random batches through the multi-step path (graphs run eagerly on a CPU): sequences stop at an EOS met
     mid-chunk and at random lengths, so chunks in flight land after their batch changed -- and the run must end
@@ -286,9 +292,9 @@ def test_gpu_fused_decode_matches_the_model():
     token = prompt[-1:]
     for _ in range(4):
         ref = model(token, kvs[0].prepare([0], [1]), kvs[0])
-        out = L.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
+        out = m04.fused_decode(model, kvs[1], token, kvs[1].prepare([0], [1]))
         assert (out - ref).norm() / ref.norm() < 2e-2
-        assert L.argmax(out, torch.empty(1, dtype=torch.long, device="cuda")).item() == out.argmax().item()
+        assert m04.argmax(out, torch.empty(1, dtype=torch.long, device="cuda")).item() == out.argmax().item()
         slot = kvs[1].tok_slots
         for a, b in ((kvs[0].k_pool, kvs[1].k_pool), (kvs[0].v_pool, kvs[1].v_pool)):
             assert (a[:, slot] - b[:, slot]).float().norm() / a[:, slot].float().norm() < 2e-2
