@@ -872,7 +872,8 @@ heads of its group (GQA: one load, not one per query head), keeping a running so
 the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
 kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
 big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
-extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the diagonal pays for the causal mask.""")
+extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the
+diagonal pays for the causal mask.""")
 
 
 def main(argv=None):
