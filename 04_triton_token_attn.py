@@ -855,15 +855,16 @@ def print_check(rows, name, cuda):
 What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
 (prefill: new tokens over a cached prefix) -- against attention computed in float64 by PyTorch from the same
 K/V, gathered through req_to_token. Every request's tokens sit at random slots of the pool and every other slot
-holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. Lengths 1, 2,
-15, 16, 17 and 300 sit on both sides of a 16-token tile edge; decode is split over the context (below), and the
-split must not change the answer. Passing means: on a GPU, the engine's tokens come from exactly this attention.
+holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. The lengths
+(a single token, ragged tails, 300 tokens over several chunks) run in one batch; decode is split over the context
+(below), and the split must not change the answer. Passing means: on a GPU the engine's tokens come from exactly
+this attention.
 decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
     for r in rows:
         split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
         print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
               f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
-              f"{TOLERANCE[getattr(torch, r['dtype'])]:.0e})  {'ok' if r['ok'] else 'FAIL'}")
+              f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
     where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
     print(f"""What the decode kernel does on a GPU{where}:
 a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
