@@ -41,7 +41,7 @@ import argparse
 import functools
 import importlib
 import json
-from collections import Counter, deque
+from collections import Counter, deque, namedtuple
 
 import numpy as np
 import torch
@@ -371,13 +371,25 @@ class Request:
         return len(self.prompt) + len(self.output) - self.kv_len
 
 
+Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)
+EVENTS = {  # kind: what `tokens` counts
+    "admit": "prompt tokens already cached (its KV held from the start)", "hold_back": "0 (admitted, did not fit)",
+    "prefill": "tokens computed into its KV", "decode": "tokens computed into its KV (k in a multi-step chunk)",
+    "evict": "cached tokens evicted (rid None: the pool's, 05)", "preempt": "tokens of KV dropped (recompute later)",
+    "swap_out": "tokens of KV copied to CPU memory", "swap_in": "tokens of KV copied back",
+    "requeue": "tokens of KV dropped (jump-forward changed tokens in it, the engine)", "finish": "output tokens"}
+
+
 class Scheduler:
     """Continuous batching (nano-vllm's scheduler, cut down). Each step either prefills the requests admit() lets in,
     or decodes one token of every running request (vLLM's prefill-first order). When the pool cannot hold a step,
     prepare() first lets make_room() free something (05 evicts cached prefixes there), then holds the newest admitted
     request back, then preempts the newest running one: recompute (free its KV now, prefill prompt + output so far
     later) or swap (copy its blocks to CPU memory, copy them back when they fit). 05's Scheduler and the engine in
-    llama3_generate.py are this class with another admit()."""
+    llama3_generate.py are this class with another admit().
+
+    Every decision is logged to `events` as it is made: Event(step, kind, rid, tokens), kinds in EVENTS (step: the
+    forward it belongs to, counting from 0). A tuple appended per request and step: cheap enough to stay on."""
 
     def __init__(self, kv, max_running: int = 64, preempt: str = "recompute"):
         """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to simulate a trace
@@ -387,7 +399,8 @@ class Scheduler:
             raise ValueError(f"preempt must be 'recompute' or 'swap' (swap needs a PagedKVCache), not {preempt!r}")
         self.kv, self.max_running, self.preempt_mode = kv, max_running, preempt
         self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
-        self.stats = dict(preemptions=0)
+        self.stats = dict(preemptions=0, steps=0)
+        self.events = []      # Event per scheduling decision
         self.decode_log = []  # (running, live tokens, used blocks, anyone waiting) per decode step
 
     def swap_in(self):
@@ -398,6 +411,7 @@ class Scheduler:
             self.kv.swap_in(req.rid, saved)
             req.in_kv = True
             self.running.append(req)
+            self.log("swap_in", req, req.kv_len)
 
     def admit(self) -> list:
         """vLLM's admission, after swap_in(): first come first served, while the prompt's blocks fit above the
@@ -410,7 +424,11 @@ class Scheduler:
                 break
             taken += cdiv(n, m.block_size)
             batch.append(self.waiting.popleft())
+            self.log("admit", batch[-1], 0)
         return batch
+
+    def log(self, kind, req, tokens):
+        self.events.append(Event(self.stats["steps"], kind, None if req is None else req.rid, tokens))
 
     def prepare(self, batch):
         """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one list). When
@@ -435,6 +453,7 @@ class Scheduler:
                         self.running.remove(victim)
                     self.preempt(victim)
                 else:  # held back: it waits at the head of the queue
+                    self.log("hold_back", victim, 0)
                     self.release(victim)
                     self.waiting.appendleft(victim)
                 if not batch:  # nothing new fits next to the running ones: decode them instead
@@ -446,6 +465,7 @@ class Scheduler:
 
     def preempt(self, req):
         self.stats["preemptions"] += 1
+        self.log("swap_out" if self.preempt_mode == "swap" else "preempt", req, req.kv_len)
         if self.preempt_mode == "swap":
             self.swapped.append((req, self.kv.swap_out(req.rid)))  # keeps kv_len: swap_in restores those tokens
             req.in_kv = False
@@ -475,13 +495,17 @@ class Scheduler:
                 self.decode_log.append((len(batch), live, m.num_blocks - m.num_free, anyone_waiting))
             else:
                 self.running += batch
+            kind = "decode" if batch is self.running else "prefill"
             for r, n, t in zip(list(batch), n_new, forward(batch, n_new, positions)):
                 r.kv_len += n
                 r.output.append(t)
+                self.log(kind, r, n)
                 if t in r.stop_ids or len(r.output) >= r.max_new:
                     self.running.remove(r)
                     self.release(r)
                     self.finished.append(r)
+                    self.log("finish", r, len(r.output))
+            self.stats["steps"] += 1
         return [r.output for r in sorted(self.finished, key=lambda r: r.rid)]
 
 

@@ -389,6 +389,7 @@ class Scheduler(P02.Scheduler):
                 self.stats["cached_tokens"] += cached
             r.admitted += 1
             new.append(r)
+            self.log("admit", r, cached)
             prefill += extend
         if new:
             taken = set(map(id, new))
@@ -401,6 +402,8 @@ class Scheduler(P02.Scheduler):
             return 0
         evicted = self.tree.evict(n_tokens - self.kv.allocator.available())
         self.stats["evicted_tokens"] += evicted
+        if evicted:
+            self.log("evict", None, evicted)
         return evicted
 
     def computed(self, r, n):
@@ -444,13 +447,16 @@ class Scheduler(P02.Scheduler):
             next_ids = [r.target[len(r.output)] for r in batch]
         else:
             next_ids = forward([t for r in batch for t in r.tokens[r.kv_len:]], positions, n_new)
+        admitted = set(map(id, new))
         for r, n, t in zip(batch, n_new, next_ids):
             r.reserve -= n
             self.computed(r, n)
             r.output.append(t)
+            self.log("prefill" if id(r) in admitted else "decode", r, n)
             r.done = len(r.output) >= r.max_new or t in r.stop_ids
             if r.done:
                 self.release(r)  # its KV goes to the tree: prompt + output but the last token (never fed back)
+                self.log("finish", r, len(r.output))
         keep = batch if self.mixed or batch is self.running else self.running + batch
         self.running = [r for r in keep if not r.done]
         self.stats["steps"] += 1

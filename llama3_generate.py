@@ -40,13 +40,14 @@ Map, top to bottom:
     cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
     The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer;
                         fuse_pointwise, fuse_projections (the GPU's kernel-count savers)
-    Weights             GGUF (default), Meta and Hugging Face loaders; to_transformers (the peer in tests)
+    Weights             GGUF (default), Meta and Hugging Face loaders, each checked before the model is built
+                        (check_checkpoint); to_transformers (the peer in tests)
     Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
     The decode loop     sample (06's), generate (a static batch through any backend)
     The engine          SamplingParams, Seq (05's Req), Engine over 05's Scheduler (02's preemption): warm_up,
-                        add, prepare, step, multi-step, sample, jump-forward, finish
+                        add, prepare, step, multi-step, sample, jump-forward, finish, events
     GPU decode          CudaGraphDecoder (04's fused_decode at batch 1 and its argmax kernel)
-    Command line        bench, bench_engine, kv_pool_size, main
+    Command line        bench, bench_engine, kv_pool_size, progress_bar, print_events, main
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
@@ -70,12 +71,22 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
+
+    def _get_help_string(self, action):
+        if "default" in action.help or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def cli_args(argv=None) -> argparse.Namespace:
     """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
-                                 "lessons' KV caches.", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
     add = ap.add_argument
-    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched)")
+    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
+        "default: 'What is the capital of France?')")
     add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
     add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
     add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
@@ -102,8 +113,11 @@ def cli_args(argv=None) -> argparse.Namespace:
         "kernels per layer")
     add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
     add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
-    add("--json", action="store_true", help="one JSON object per completion (prompt, sample, text, token_ids, "
-        "finish_reason); with --bench or --bench-engine, the figures as one JSON object")
+    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
+        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
+        "tokens; with --json, one JSON object per event")
+    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
+        "token_ids, finish_reason); with --bench or --bench-engine, the figures as one JSON object")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     add("--bench", action="store_true", help="batch-1 decode speed of the engine vs transformers on the same weights")
@@ -361,6 +375,68 @@ def _require(path: str) -> str:
     return path
 
 
+PER_LAYER = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
+             "feed_forward.w3", "attention_norm", "ffn_norm")
+
+
+def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
+    """Before the model is built: the config agrees with itself and with the tensors, or one line names what is
+    wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor name -> its shape, for every
+    tensor the file holds; theirs(our name) -> the file's name of that tensor (for the message)."""
+    def bad(msg):
+        raise UserError(f"{path}: {msg}")
+
+    def say(*names):
+        return ", ".join(f"{field[n]} = {getattr(a, n)}" for n in names)
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
+        v = getattr(a, k)
+        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive integer")
+    for k, v in (("norm_eps", a.norm_eps), ("rope_theta", a.rope_theta),
+                 ("rope_scaling", (a.rope_scaling or {"factor": 1.0}).get("factor"))):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive number")
+    if a.dim % a.n_heads:
+        bad(f"{field['n_heads']} = {a.n_heads} does not divide {say('dim')} (the heads split the width)")
+    if a.n_heads % a.n_kv_heads:
+        bad(f"{field['n_kv_heads']} = {a.n_kv_heads} does not divide {say('n_heads')} (grouped-query attention)")
+    if a.head_dim % 2:
+        bad(f"{say('dim', 'n_heads')} give heads of odd width {a.head_dim} (RoPE rotates pairs)")
+    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim
+    want = {"tok_embeddings.weight": ((a.vocab_size, d), ("vocab_size", "dim")), "norm.weight": ((d,), ("dim",))}
+    if not a.tie_embeddings:
+        want["output.weight"] = ((a.vocab_size, d), ("vocab_size", "dim"))
+    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": ((kv, d), ("n_kv_heads", "n_heads", "dim")),
+             "attention.wv": ((kv, d), ("n_kv_heads", "n_heads", "dim")), "attention.wo": ((d, q), ("dim",)),
+             "feed_forward.w1": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
+             "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
+    assert set(layer) == set(PER_LAYER)
+    found = layers_found(shapes, "layers.")
+    if found != a.n_layers:
+        bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
+    want.update({f"layers.{i}.{k}.weight": v for i in range(a.n_layers) for k, v in layer.items()})
+    for name, (shape, names) in want.items():
+        if name not in shapes:
+            bad(f"tensor {theirs(name) or name} is missing")
+        if tuple(shapes[name]) != shape:
+            bad(f"tensor {theirs(name)} is {tuple(shapes[name])}, but {say(*names)} make it {shape}")
+
+
+def layers_found(names, prefix: str) -> int:
+    """How many layers a checkpoint's tensor names hold (prefix "blk.", "model.layers." or "layers.")."""
+    idx = [n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)]
+    return 1 + max((int(i) for i in idx if i.isdigit()), default=-1)
+
+
+def check_norms(path: str, sd: dict, theirs):
+    """NaN or infinite norm weights poison every activation after them: refused by name."""
+    for name, w in sd.items():
+        if "norm" in name and not torch.isfinite(w).all():
+            raise UserError(f"{path}: tensor {theirs(name)} holds non-finite values (NaN or inf)")
+
+
 def load_gguf(path: str):
     import gguf
     try:
@@ -380,23 +456,28 @@ def load_gguf(path: str):
                      max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
     if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
         raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
+    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "output.weight": "output.weight"}  # ours -> GGUF's
+    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
+                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
+                 "feed_forward.w2": "ffn_down", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+    for i in range(layers_found(tensors, "blk.")):
+        names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
+    field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
+                 n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
+                 hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
+                 rope_theta="llama.rope.freq_base", max_seq_len="llama.context_length", rope_scaling="rope scaling")
+    check_checkpoint(path, args, field, {ours: [int(d) for d in reversed(tensors[theirs].shape)]
+                                         for ours, theirs in names.items() if theirs in tensors}, names.get)
 
     def tensor(name):
         t = tensors[name]
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's (cols, rows)
         return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
 
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
-    if not args.tie_embeddings:
-        names["output.weight"] = "output.weight"
-    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
-                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
-                 "feed_forward.w2": "ffn_down",
-                 "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-    sd = {ours: tensor(theirs) for ours, theirs in names.items()}
+    sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}  # checked: no more, no less
+    check_norms(path, sd, names.get)
     for i in range(args.n_layers):
-        for ours, theirs in per_layer.items():
-            sd[f"layers.{i}.{ours}.weight"] = tensor(f"blk.{i}.{theirs}.weight")
         for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):  # llama.cpp stores Q/K in Meta's pair order
             sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
     return args, sd, gguf_tokenizer(reader)
@@ -408,11 +489,14 @@ def load_meta(path: str):
     shards = sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))
     if not shards:
         raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
-    dim, n_heads = p["dim"], p["n_heads"]
-    hidden = int(2 * 4 * dim / 3)
-    if p.get("ffn_dim_multiplier"):
-        hidden = int(p["ffn_dim_multiplier"] * hidden)
-    hidden = p.get("multiple_of", 256) * ((hidden + p.get("multiple_of", 256) - 1) // p.get("multiple_of", 256))
+    dim, n_heads, mult, ffn = p.get("dim"), p.get("n_heads"), p.get("multiple_of", 256), p.get("ffn_dim_multiplier")
+    hidden = 0  # the SwiGLU width: llama-models' formula, where its inputs make sense (else the check says so)
+    sane = lambda x, kind=int: isinstance(x, kind) and not isinstance(x, bool) and x > 0
+    if sane(dim) and sane(mult) and (not ffn or sane(ffn, (int, float))):
+        hidden = int(2 * 4 * dim / 3)
+        if ffn:
+            hidden = int(ffn * hidden)
+        hidden = mult * ((hidden + mult - 1) // mult)
     scaling = None
     if p.get("use_scaled_rope"):  # llama-models' apply_scaling: factor 8 unless params.json says otherwise
         scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -428,11 +512,20 @@ def load_meta(path: str):
     cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
     sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
           for k in parts[0] if not k.startswith("rope")}
-    args = ModelArgs(dim=dim, n_layers=p["n_layers"], n_heads=n_heads, n_kv_heads=p.get("n_kv_heads") or n_heads,
-                     vocab_size=sd["tok_embeddings.weight"].shape[0], hidden_dim=hidden,
+    rows = sd["tok_embeddings.weight"].shape[0] if "tok_embeddings.weight" in sd else None
+    args = ModelArgs(dim=dim, n_layers=p.get("n_layers"), n_heads=n_heads,
+                     n_kv_heads=n_heads if p.get("n_kv_heads") is None else p["n_kv_heads"],
+                     vocab_size=p["vocab_size"] if p.get("vocab_size", -1) != -1 else rows, hidden_dim=hidden,
                      norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
                      max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
                      tie_embeddings="output.weight" not in sd)
+    field = {k: k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
+                            "max_seq_len")}
+    field.update(hidden_dim="the SwiGLU width (from dim, multiple_of and ffn_dim_multiplier)",
+                 rope_scaling="rope_scaling_factor")
+    check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
+                     lambda k: k)
+    check_norms(path, sd, lambda k: k)
     for i in range(args.n_layers):
         for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
             sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
@@ -484,14 +577,26 @@ def load_hf(path: str):
         hf.update(load_file(f))
     rs = c.get("rope_scaling") or c.get("rope_parameters")
     scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
-    args = ModelArgs(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=c["num_attention_heads"],
-                     n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"], vocab_size=c["vocab_size"],
-                     hidden_dim=c["intermediate_size"], norm_eps=c.get("rms_norm_eps", 1e-5),
-                     rope_theta=c.get("rope_theta") or (rs or {}).get("rope_theta", 10000.0), rope_scaling=scaling,
+    kv_heads = c.get("num_key_value_heads")
+    args = ModelArgs(dim=c.get("hidden_size"), n_layers=c.get("num_hidden_layers"),
+                     n_heads=c.get("num_attention_heads"),
+                     n_kv_heads=c.get("num_attention_heads") if kv_heads is None else kv_heads,
+                     vocab_size=c.get("vocab_size"), hidden_dim=c.get("intermediate_size"),
+                     norm_eps=c.get("rms_norm_eps", 1e-5),
+                     rope_theta=c["rope_theta"] if "rope_theta" in c else (rs or {}).get("rope_theta", 10000.0),
+                     rope_scaling=scaling,
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    names = hf_names(args.n_layers)
+    names = hf_names(layers_found(hf, "model.layers."))
+    field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                 n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
+                 norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
+                 rope_scaling="rope_scaling.factor")
+    theirs = {v: k for k, v in names.items()}.get
+    check_checkpoint(os.path.join(path, "config.json"), args, field,
+                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
+    check_norms(path, sd, theirs)
     return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
 
 
@@ -509,6 +614,9 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
             raise UserError(f"{path}: neither params.json (Meta checkpoint) nor config.json (Hugging Face) found")
     else:
         args, sd, tok = load_gguf(path)
+    if tok.vocab_size > args.vocab_size:  # a token id past the embedding table would index out of it
+        raise UserError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model's vocabulary only "
+                        f"{args.vocab_size}")
     with torch.device("meta"):
         model = Transformer(args)
     if args.tie_embeddings:
@@ -579,8 +687,10 @@ class Tokenizer:
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         return [self.ranks[p] for p in parts]
 
-    def decode(self, ids) -> str:
-        return self.enc.decode([i for i in ids if i < self.vocab_size])
+    def decode(self, ids, special: bool = True) -> str:
+        """Token ids -> text; special=False leaves out special tokens (<|im_end|>, <|eot_id|>, ...)."""
+        skip = () if special else set(self.special.values())
+        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
 
     def token_bytes(self, i: int) -> bytes:
         return self.enc.decode_single_token_bytes(i)
@@ -761,7 +871,8 @@ class Engine:
     retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
     02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
     tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
-    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode.
+    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode. Every
+    scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens), as it is made.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
     host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k
@@ -840,6 +951,7 @@ class Engine:
             self.sched.tree.evict(self.kv.allocator.size)
         self.finished, self.finish_reasons, self.n_seqs = {}, {}, 0
         self.stats = self.sched.stats = self.new_stats()
+        self.sched.events.clear()
         self.sched.rng.seed(self.seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -863,11 +975,14 @@ class Engine:
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
 
-    def run(self, on_token=None) -> dict:
+    def run(self, on_token=None, on_step=None) -> dict:
         """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
-        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output)."""
+        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output);
+        on_step(engine) after every step (the CLI's progress bar)."""
         while self.sched.waiting or self.sched.running or self.sched.swapped:
             self.step(on_token)
+            if on_step:
+                on_step(self)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
     # -- scheduling: 05's admission, 02's allocation and preemption ----------------------------------------
@@ -909,28 +1024,32 @@ class Engine:
         next_ids = self._sample(batch, logits)  # the host sync of the step
         self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
         self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
-        self.stats["steps"] += 1
         self._advance(batch, n_new, [[t] for t in next_ids], on_token)
+        self.stats["steps"] += 1  # after: the events of a step carry its index
 
     def _advance(self, batch, n_new, new_ids, on_token) -> int:
         """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
         fed the one before). Append them until the sequence is done, then retire it, keep it running or requeue
         it. Returns how many tokens were appended."""
-        sched = self.sched
+        sched, kind = self.sched, "decode" if batch is self.sched.running else "prefill"
         sched.running = [] if batch is sched.running else sched.running  # a prefill step leaves the running ones be
         appended = 0
         for s, n, ids in zip(batch, n_new, new_ids):
+            held, k = s.kv_len, 0
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 sched.computed(s, fed)  # once its prompt is in, siblings and look-alikes reuse it (05)
                 self._append(s, t, on_token)
-                appended += 1
+                k += 1
                 if s.done:
                     break
+            appended += k
+            sched.log(kind, s, n + k - 1)  # tokens computed into its KV
             if s.done:
                 self._finish(s)
             elif s.in_kv:
                 sched.running.append(s)
             else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
+                sched.log("requeue", s, held + n + k - 1)
                 sched.waiting.appendleft(s)
         return appended
 
@@ -1045,6 +1164,13 @@ class Engine:
         self.sched.release(s)
         s.done = True
         self.finished[s.rid], self.finish_reasons[s.rid] = s.output, s.finish
+        self.sched.log("finish", s, len(s.output))
+
+    @property
+    def events(self) -> list:
+        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
+        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
+        return self.sched.events
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1463,6 +1589,31 @@ def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = N
     return min(want, limit)
 
 
+def progress_bar(total: int, quiet: bool):
+    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
+    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def decode_rate(engine) -> str:
+    st = engine.stats
+    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
+
+
+def print_events(events, as_json=False):
+    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
+    for e in events:
+        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
+              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
     if args.bench_engine:
@@ -1483,6 +1634,9 @@ def main(argv=None):
             regex = lesson("06_jump_forward_fsm").schema_to_regex(schema)
         if regex is not None:
             lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
+        if args.n > 1 and args.temperature == 0 and not args.quiet:
+            print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
+                  f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
         device = parse_device(args.device)
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
@@ -1519,13 +1673,22 @@ def main(argv=None):
             shown[0] = now
 
     single = len(ids) * args.n == 1 and not args.quiet and not args.json
+    bar = progress_bar(len(ids) * args.n, quiet=args.quiet or single)
+
+    def advance(e):  # the progress bar: sequences done, decode rate
+        bar.update(len(e.finished) - bar.n)
+        bar.set_postfix_str(decode_rate(e), refresh=False)
     try:
-        outs = engine.run(stream if single else None)
+        outs = engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
         sys.exit(f"error: {e}")
+    finally:
+        if bar:
+            bar.close()
     if args.json:
         for sid, o in outs.items():
-            print(json.dumps({"prompt": sid // args.n, "sample": sid % args.n, "text": text(o), "token_ids": o,
+            print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],
+                              "sample": sid % args.n, "text": text(o), "token_ids": o,
                               "finish_reason": engine.finish_reasons[sid]}))
     elif single:
         print(text(outs[0])[len(shown[0]):])
@@ -1541,13 +1704,16 @@ def main(argv=None):
                 print(f"warning: completion {sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''} was cut "
                       f"by --max-new-tokens before it matched the {'schema' if args.json_schema else 'regex'}: it is "
                       f"not valid output", file=sys.stderr)
+    if args.events:
+        print_events(engine.events, args.json)
     if not args.quiet:
         st = engine.stats
-        rate = lambda phase: (f"{st[phase + '_tokens']} tokens in {st[phase + '_s']:.3f} s "
+        rate = lambda phase: (f"{plural(st[phase + '_tokens'], 'token')} in {st[phase + '_s']:.3f} s "
                               f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
+        hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
         print(f"[prefill {rate('prefill')}, decode {rate('decode')}, "
-              f"{len(outs)} sequences, radix hit rate {st['cached_tokens'] / max(1, st['prompt_tokens']):.0%}, "
-              f"{st['preemptions']} preemptions, {st['jump_forward_tokens']} jump-forward tokens, "
+              f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
+              f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
               f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)
 
 

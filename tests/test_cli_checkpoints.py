@@ -217,7 +217,7 @@ def refs(checkpoints):
 
 def tokens(outs):
     """--json completions -> token ids per (prompt, sample), in prompt order."""
-    outs = sorted(outs, key=lambda o: (o["prompt"], o["sample"]))
+    outs = sorted(outs, key=lambda o: (o["prompt_index"], o["sample"]))
     return [o["token_ids"] for o in outs]
 
 
@@ -352,3 +352,107 @@ def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype):
     runs = [cli("--model", model, "--json", "--dtype", dtype, "--temperature", "1.0", "--n", "3", "--seed", "7",
                 "--max-new-tokens", "16", *PROMPTS[:2], device="cuda")[0] for _ in range(2)]
     assert tokens(runs[0]) == tokens(runs[1]) and len(runs[0]) == 6  # seeded: reproducible
+
+
+# ---- a checkpoint whose config disagrees with itself or its tensors: one line naming the field ---------------
+
+def mutate_gguf(path, key, value):
+    """Set a numeric field of a GGUF file in place, or (key "tensor:NAME") rename a tensor or poison it with NaN."""
+    import gguf
+    r = gguf.GGUFReader(path, "r+")
+    if key.startswith("tensor:"):
+        t = next(t for t in r.tensors if t.name == key[7:])
+        if value == "nan":
+            t.data[...] = float("nan")
+        else:  # same length: the name bytes are overwritten in place
+            t.field.parts[1][:] = list(value.encode())
+    else:
+        f = r.fields[key]
+        f.parts[f.data[0]][0] = value
+    del r
+
+
+def mutate_dir(path, fmt, key, value):
+    """params.json / config.json: set (None: delete) a field; "tensor:NAME": drop the tensor, or make it NaN."""
+    if key.startswith("tensor:"):
+        name = key[7:]
+        if fmt == "meta":
+            f = os.path.join(path, "consolidated.00.pth")
+            sd = torch.load(f)
+            sd[name] = sd[name] * float("nan") if value == "nan" else sd.pop(name)[:0]
+            sd = {k: v for k, v in sd.items() if v.numel()}
+            torch.save(sd, f)
+        else:
+            from safetensors.torch import load_file, save_file
+            f = os.path.join(path, "model.safetensors")
+            sd = load_file(f)
+            if value == "nan":
+                sd[name] = sd[name] * float("nan")
+            else:
+                del sd[name]
+            save_file(sd, f, metadata={"format": "pt"})
+        return
+    f = os.path.join(path, "params.json" if fmt == "meta" else "config.json")
+    cfg = json.load(open(f))
+    if value is None:
+        del cfg[key]
+    else:
+        cfg[key] = value
+    json.dump(cfg, open(f, "w"))
+
+
+# (field, bad value, what the one line must name) per format; the written checkpoints are the "smol" shape:
+# width 576, 9 query / 3 KV heads, 2 layers, SwiGLU 1536, tied embeddings
+MUTATIONS = {
+    "gguf": [(k, v, k) for k, v in [("llama.block_count", 0), ("llama.block_count", 1), ("llama.block_count", 3),
+                                    ("llama.embedding_length", 0), ("llama.embedding_length", 512),
+                                    ("llama.attention.head_count", 0), ("llama.attention.head_count", 7),
+                                    ("llama.attention.head_count", 18), ("llama.attention.head_count_kv", 0),
+                                    ("llama.attention.head_count_kv", 2), ("llama.attention.head_count_kv", 9),
+                                    ("llama.feed_forward_length", 0), ("llama.feed_forward_length", 1000),
+                                    ("llama.context_length", 0), ("llama.attention.layer_norm_rms_epsilon", 0.0),
+                                    ("llama.attention.layer_norm_rms_epsilon", float("nan")),
+                                    ("llama.rope.freq_base", -1.0), ("llama.rope.freq_base", float("inf"))]]
+    + [("tensor:blk.1.attn_v.weight", "blk.1.attn_w.weight", "blk.1.attn_v.weight"),
+       ("tensor:blk.1.ffn_norm.weight", "nan", "blk.1.ffn_norm.weight")],
+    "meta": [(k, v, k) for k, v in [("dim", 0), ("dim", 512), ("dim", None), ("n_layers", 0), ("n_layers", 1),
+                                    ("n_layers", 3), ("n_layers", "2"), ("n_heads", 0), ("n_heads", 7),
+                                    ("n_heads", 18), ("n_kv_heads", 0), ("n_kv_heads", 2), ("n_kv_heads", 9),
+                                    ("multiple_of", 0), ("multiple_of", 1024), ("norm_eps", 0), ("norm_eps", -1e-5),
+                                    ("rope_theta", 0), ("max_seq_len", 0), ("vocab_size", 100)]]
+    + [("tensor:layers.1.attention.wv.weight", "drop", "layers.1.attention.wv.weight"),
+       ("tensor:layers.0.attention_norm.weight", "nan", "layers.0.attention_norm.weight")],
+    "hf": [(k, v, k) for k, v in [("hidden_size", 0), ("hidden_size", 512), ("num_hidden_layers", 0),
+                                  ("num_hidden_layers", 1), ("num_hidden_layers", 3), ("num_attention_heads", None),
+                                  ("num_attention_heads", 7), ("num_attention_heads", 18),
+                                  ("num_key_value_heads", 0), ("num_key_value_heads", 2),
+                                  ("num_key_value_heads", 9), ("intermediate_size", 0), ("intermediate_size", 1000),
+                                  ("vocab_size", 100), ("vocab_size", 1000), ("rms_norm_eps", 0),
+                                  ("rope_theta", 0), ("max_position_embeddings", 0)]]
+    + [("tensor:model.layers.0.mlp.down_proj.weight", "drop", "model.layers.0.mlp.down_proj.weight"),
+       ("tensor:model.norm.weight", "nan", "model.norm.weight")],
+}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_checkpoint_that_disagrees_with_itself_is_one_line(checkpoints, tmp_path, fmt):
+    """Each field of a written checkpoint set, one at a time, to a value that does not fit the rest (zero, a
+    width the heads do not divide, more or fewer layers than the tensors hold, a missing field or tensor, a NaN
+    norm): loading refuses it with one line naming that field or tensor, never another exception. The untouched
+    copy loads; one mutated copy runs through the CLI: exit status 1, one line on stderr."""
+    import shutil
+    src = checkpoints["smol"][0][fmt]
+    for i, (key, value, named) in enumerate(MUTATIONS[fmt]):
+        path = str(tmp_path / f"{i}{'.gguf' if fmt == 'gguf' else ''}")
+        (shutil.copy if fmt == "gguf" else shutil.copytree)(src, path)
+        if i == 0:
+            L.load_model(path)  # the copy itself is fine
+        mutate_gguf(path, key, value) if fmt == "gguf" else mutate_dir(path, fmt, key, value)
+        with pytest.raises(L.UserError) as e:
+            L.load_model(path)
+        msg = str(e.value)
+        assert named in msg and "\n" not in msg, (key, value, msg)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--model", path, "Hi"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and named in p.stderr, \
+        p.stderr

@@ -361,7 +361,8 @@ def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
     L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "6", "--n", "2", "Describe a person."])
     cap = capsys.readouterr()
     outs = [json.loads(line) for line in cap.out.splitlines()]
-    assert [(o["prompt"], o["sample"], o["finish_reason"]) for o in outs] == [(0, 0, "length"), (0, 1, "length")]
+    assert [(o["prompt_index"], o["sample"], o["finish_reason"]) for o in outs] == [(0, 0, "length"),
+                                                                                    (0, 1, "length")]
     assert cap.err.count("cut by --max-new-tokens") == 2
     L.main(["--json", "--regex", "(yes|no)", "--max-new-tokens", "8", "Is the sky blue?", "Is fire cold?"])
     cap = capsys.readouterr()
@@ -418,3 +419,136 @@ def test_policy_orders_admission_and_changes_no_output():
         L.Engine(model, tok, "token", kv_tokens=64, policy="shortest")
     assert [L.cli_args(["--policy", p]).policy for p in R.POLICIES] == list(R.POLICIES)  # the CLI offers each
     assert L.cli_args([]).policy == "lpm"
+
+
+def check_events(events, finished, stats, capacity=None):
+    """A brute-force account of a run from its scheduling events alone (02's Event(step, kind, rid, tokens)):
+    every request walks waiting -> admit -> prefill -> decode* -> finish, with preempt / requeue / hold_back back to
+    waiting and swap_out -> swap_in; the KV each holds, rebuilt from the events, is what each event says it drops
+    and, at its finish, its prompt and output but the last token. finished: rid -> (prompt length, output length).
+    The totals equal the scheduler's own counters; capacity: no step holds more KV than the pool (paged)."""
+    state, kv, cached, steps = {}, {}, 0, [e.step for e in events]
+    moves = {"admit": ("waiting",), "hold_back": ("admitted",), "prefill": ("admitted",), "decode": ("running",),
+             "preempt": ("running",), "requeue": ("running",), "swap_out": ("running",), "swap_in": ("swapped",),
+             "finish": ("running",)}
+    after = {"admit": "admitted", "hold_back": "waiting", "prefill": "running", "decode": "running",
+             "preempt": "waiting", "requeue": "waiting", "swap_out": "swapped", "swap_in": "running", "finish": "done"}
+    totals, held_at = {k: 0 for k in moves}, {}
+    assert steps == sorted(steps) and set(e.kind for e in events) <= set(L.lesson("02_paged_cache_manager").EVENTS)
+    for e in events:
+        if e.kind == "evict":
+            assert e.rid is None and e.tokens > 0
+            totals["evict"] = totals.get("evict", 0) + e.tokens
+            continue
+        s = state.get(e.rid, "waiting")
+        assert s in moves[e.kind], (e, s)
+        totals[e.kind] += e.tokens
+        if e.kind == "admit":
+            cached += e.tokens if e.rid not in kv else 0  # the hit rate counts first admissions
+            kv[e.rid] = e.tokens
+        elif e.kind in ("prefill", "decode"):
+            assert e.tokens >= 1, e
+            kv[e.rid] += e.tokens
+        elif e.kind == "finish":
+            p, n = finished[e.rid]
+            assert e.tokens == n and kv[e.rid] == p + n - 1, (e, kv[e.rid], p, n)  # the last token is never fed
+            kv[e.rid] = 0
+        elif e.kind == "swap_in":
+            assert e.tokens == kv[e.rid], e
+        else:  # hold_back, preempt, requeue, swap_out: the KV it held goes (swap_out: to CPU memory)
+            assert e.tokens == kv[e.rid] or e.kind == "hold_back", (e, kv[e.rid])
+            kv[e.rid] = e.tokens if e.kind == "swap_out" else 0
+        state[e.rid] = after[e.kind]
+        held_at[e.step] = sum(kv[r] for r, st in state.items() if st in ("admitted", "running"))
+    assert state == {rid: "done" for rid in finished}  # every request admitted finishes, once
+    assert sum(e.kind in ("preempt", "swap_out") for e in events) == stats["preemptions"]
+    assert totals.get("evict", 0) == stats.get("evicted_tokens", 0)
+    if "prefill_tokens" in stats:  # the engine's (it counts a step of one-token prefills as decode: the sum)
+        assert totals["prefill"] + totals["decode"] == stats["prefill_tokens"] + stats["decode_tokens"]
+    if "cached_tokens" in stats:
+        assert cached == stats["cached_tokens"]
+    assert not events or max(steps) < stats["steps"]
+    if capacity is not None:
+        assert max(held_at.values()) <= capacity
+    return totals
+
+
+@pytest.mark.parametrize("backend,preempt,graphs", [("token", "recompute", False), ("token", "recompute", True),
+                                                    ("paged", "recompute", False), ("paged", "swap", False)])
+def test_events_account_for_a_run_under_memory_pressure(backend, preempt, graphs):
+    """Random requests through a pool too small for them (tiny random model; graphs: multi-step chunks, run eagerly
+    on a CPU): the engine's events (Engine.events) agree with a brute-force account of the run (check_events),
+    and something was preempted."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    prompts = [rand(0, 256, rand(4, 30)) for _ in range(8)]
+    max_new = rand(8, 40, len(prompts))
+    longest = max(len(p) + n for p, n in zip(prompts, max_new))
+    e = L.Engine(model, tok, backend, kv_tokens=longest + 40, max_batch=6, block_size=4, preempt=preempt,
+                 cuda_graphs=graphs, multi_step=4, fused=False)
+    sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, max_new)]
+    outs = e.run()
+    finished = {sid: (len(p), len(outs[sid])) for sid, p in zip(sids, prompts)}
+    check_events(e.events, finished, e.stats, e.kv_capacity() if backend == "paged" else None)
+    assert e.stats["preemptions"] > 0
+    assert any(ev.kind == ("swap_out" if preempt == "swap" else "preempt") for ev in e.events)
+
+
+def test_lesson_schedulers_log_the_same_events():
+    """02's and 05's own loops (their simulations, no model) log events the same account agrees with."""
+    P, R = L.lesson("02_paged_cache_manager"), L.lesson("05_radix_scheduler")
+    rng = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    prompt, output = torch.randint(1, 200, (300,), generator=rng).tolist(), torch.randint(1, 300, (300,), generator=rng)
+    sched = P.simulate(prompt, output.tolist(), num_blocks=400, block_size=16)
+    finished = {r.rid: (len(r.prompt), len(r.output)) for r in sched.finished}
+    assert check_events(sched.events, finished, sched.stats, 400 * 16)["preempt"] > 0
+    import numpy as np
+    reqs = R.chat_workload(np.random.default_rng(int(torch.randint(0, 10**6, ()))))
+    longest = max(len(p) + len(o) for p, o, _ in reqs)
+    kv = R.T.TokenKVCache(1, 3 * longest, 1, 1, 8, longest)
+    s = R.Scheduler(kv, "lpm", 8, reserve=False)
+    made = [s.add(p, len(o), target=o) for p, o, _ in reqs]
+    s.run()
+    check_events(s.events, {r.rid: (len(r.prompt), len(r.output)) for r in made}, s.stats)
+    assert any(ev.kind == "evict" for ev in s.events)
+
+
+def test_cli_progress_on_a_terminal_only(smollm, capsys, monkeypatch):
+    """Several prompts: a progress bar (sequences done / total, decode rate) on stderr when it is a terminal, none
+    when it is not or under --quiet; the stats line counts in the singular where it is one; --events prints one
+    line per scheduling event, as many as the engine logged."""
+    import sys
+    argv = ["--max-new-tokens", "3", "Hi", "Name a color."]
+    L.main(argv)
+    err = capsys.readouterr().err
+    assert "serving" not in err and "2 sequences, " in err and "0 preemptions" in err
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    L.main(argv)
+    err = capsys.readouterr().err
+    assert re.search(r"serving: .*2/2 .*decode [\d,.]+ tok/s", err), err
+    L.main(argv + ["--quiet"])
+    assert capsys.readouterr().err == ""
+    monkeypatch.undo()
+    L.main(["--max-new-tokens", "3", "--events", "Hi"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split()[2] for line in lines] == ["admit", "prefill", "decode", "decode", "finish"], err
+    assert "1 sequence, " in err
+    L.main(["--n", "2", "--max-new-tokens", "2", "--json", "Hi"])
+    cap = capsys.readouterr()
+    assert "warning: --n 2 at --temperature 0 (greedy) gives 2 identical samples" in cap.err
+    import json
+    outs = [json.loads(line) for line in cap.out.splitlines()]
+    assert [(o["prompt_index"], o["prompt"], o["sample"]) for o in outs] == [(0, "Hi", 0), (0, "Hi", 1)]
+
+
+def test_help_says_each_default_once(capsys):
+    with pytest.raises(SystemExit):
+        L.cli_args(["--help"])
+    text = capsys.readouterr().out
+    blocks = re.split(r"\n  (?=[-a-z])", text.split("options:")[1])  # one block per flag
+    twice = [b for b in blocks if b.count("default") > 1]
+    assert len(blocks) > 20 and not twice, twice
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: 16)" in text

@@ -1,0 +1,118 @@
+"""The README's measured figures are what the commands beside them print: each lesson's `--json` runs here and the
+figures the README quotes from it are formatted as the README writes them and looked up in its table row. A change
+that moves a figure fails this test until the README says the new one.
+
+Only the seeded, deterministic figures are checked (the simulations of 01, 02, 03 and 05, and the model's parity
+with transformers). Timed figures -- 03's alloc + free ratio, --bench, the GPU rows -- depend on the machine: the
+README gives them as ranges measured over several runs and names the machine."""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def readme_row(lesson: str, what: str, path=os.path.join(ROOT, "README.md")) -> dict:
+    """The row of the README's "Measured results" table whose lesson cell is `lesson` and whose "what" cell starts
+    with `what`: {"what", "command", "measured"}."""
+    table = open(path).read().split("## Measured results")[1]
+    rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table.splitlines()
+            if line.startswith("| ")]
+    found = [r for r in rows if r[0] == lesson and r[1].startswith(what)]
+    assert len(found) == 1, f"README: {len(found)} rows for lesson {lesson!r}, what {what!r}"
+    return dict(zip(("what", "command", "measured"), found[0][1:]))
+
+
+def lesson_json(script: str, *flags) -> dict:
+    """`python SCRIPT --json FLAGS` as the README's reader runs it (flags only skip work that prints no figure
+    checked here, like the real-model demos)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--json", *flags], capture_output=True, text=True,
+                       cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout)
+
+
+pct = lambda x: f"{x:.1%}"
+pct0 = lambda x: f"{x:.0%}"
+
+
+def figures_01(j):
+    live = j["live_fraction"]
+    return {"": [f"{pct(live['max_len'])} / {pct(live['pow2'])} / {pct(live['oracle'])}"]}
+
+
+def figures_02(j):
+    live, batch, saved = j["live_fraction"], j["batch"], j["sharing_saved"]
+    return {"live share with blocks": [" / ".join(pct(live[b]) for b in ("1", "16", "256")),
+                                       f"{batch['16'] / j['batch_max_len']:.0f}x the running requests of 01"],
+            "memory saved by sharing": [" / ".join(f"{100 * saved['parallel'][w]:.1f}" for w in "246") + "%",
+                                        " / ".join(f"{100 * saved['beam'][w]:.0f}" for w in "246") + "%"]}
+
+
+def figures_03(j):
+    return {"live share of the token pool": [pct0(j["live_fraction"])]}
+
+
+def figures_05(j):
+    w = j["workloads"]["generated-shared-prefix"]
+    sizes = list(w["cache_sizes"])[:2]  # the README quotes the two smaller pools
+    runs = [w["cache_sizes"][s] for s in sizes]
+    lpm, fcfs = (" / ".join(pct(r[p]["hit_rate"]) for r in runs) for p in ("lpm", "fcfs"))
+    return {"": [f"lpm {lpm} vs fcfs {fcfs} (optimum {pct(w['optimal_hit_rate'])})",
+                 f"lpm reaches {pct(j['lpm_of_optimal_mean'])} of optimal"],
+            "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"]}
+
+
+# (lesson cell, start of the "what" cell, script and flags, its --json -> {README cell: strings it must hold}; the
+# key "" is the "measured" cell, "what" the "what" cell, any other key the start of another row of that lesson)
+FIGURES = [
+    ("01", "live share of a KV pool", ("01_kv_cache.py", "--no-model", "--plot", ""), figures_01),
+    ("02", "live share with blocks", ("02_paged_cache_manager.py", "--no-model"), figures_02),
+    ("03", "live share of the token pool", ("03_token_allocator.py",), figures_03),
+    ("05", "radix-cache hit rate", ("05_radix_scheduler.py",), figures_05),
+    # 06: its forward passes, masking only vs jump-forward, go here (06's helper adds the row and its figures_06)
+]
+
+
+def expected(figures, row, lesson):
+    """[(README cell text, string it must hold)] for one FIGURES entry."""
+    out = []
+    for key, strings in figures.items():
+        cell = row["measured"] if key == "" else row["what"] if key == "what" else readme_row(lesson, key)["measured"]
+        out += [(cell, s) for s in strings]
+    return out
+
+
+@pytest.mark.parametrize("lesson,what,command,figures", FIGURES, ids=[f[0] for f in FIGURES])
+def test_readme_quotes_what_the_lesson_prints(lesson, what, command, figures):
+    row = readme_row(lesson, what)
+    assert row["command"].startswith(f"`python {command[0]}"), row["command"]
+    missing = [f"{s!r} (README has: {cell!r})" for cell, s in expected(figures(lesson_json(*command)), row, lesson)
+               if s not in cell]
+    assert not missing, f"README, lesson {lesson}: the command prints " + "; ".join(missing)
+
+
+def test_readme_quotes_the_models_parity(smollm, hf_smollm):
+    """The model row: greedy tokens identical to transformers' on the real SmolLM2 (fp32, same GGUF), and the
+    largest logit difference over that sequence, to its order of magnitude (~1e-4)."""
+    import llama3_generate as L
+    (model, tok), hf = smollm, hf_smollm[0]
+    ids = tok.chat("What is the capital of France?")
+    x = torch.tensor([ids])
+    ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=32, do_sample=False,
+                      suppress_tokens=tok.stop_ids)[0, len(ids):].tolist()
+    ban = lambda rows, logits: logits.index_fill_(1, torch.tensor(tok.stop_ids), -math.inf)  # as transformers'
+    ours = L.generate(model, L.lesson("01_kv_cache").ContiguousKVCache.for_model(model, 1, 128), [ids], 32,
+                      process_logits=ban)[0]
+    with torch.no_grad():
+        diff = float((model(torch.tensor(ids + ref), torch.arange(len(ids) + 32), L.NoCache()) -
+                      hf(torch.tensor([ids + ref])).logits[0]).abs().max())
+    row = readme_row("model", "SmolLM2-135M greedy tokens and logits vs transformers")
+    figure = f"identical tokens, max logit diff ~1e{round(math.log10(diff))}"
+    assert ours == ref and figure in row["measured"], (figure, row["measured"], diff)
