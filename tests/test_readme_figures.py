@@ -2,8 +2,8 @@
 figures the README quotes from it are formatted as the README writes them and looked up in its table row. A change
 that moves a figure fails this test until the README says the new one.
 
-Only the seeded, deterministic figures are checked (the simulations of 01, 02, 03 and 05, and the model's parity
-with transformers). Timed figures -- 03's alloc + free ratio, --bench, the GPU rows -- depend on the machine: the
+Only the seeded, deterministic figures are checked (the simulations of 01, 02, 03 and 05, 06's greedy decodes on
+the real model, and the model's parity with transformers). Timed figures -- 03's alloc + free ratio, --bench, the GPU rows -- depend on the machine: the
 README gives them as ranges measured over several runs and names the machine."""
 import json
 import math
@@ -69,6 +69,14 @@ def figures_05(j):
             "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"]}
 
 
+def figures_06(j):
+    (regex, pydantic), ratio = j["runs"], lambda r: f"{r['forward_passes']['masking_only']} vs " \
+        f"{r['forward_passes']['jump_forward']} ({r['forward_pass_ratio']:.1f}x"
+    replayed = pydantic["optional_cost"]["replayed_forward_passes"]
+    return {"": [ratio(regex) + " fewer)", ratio(pydantic) + ")",
+                 f"{replayed['as_given']} vs {replayed['every_property_required']} forward passes"]}
+
+
 # (lesson cell, start of the "what" cell, script and flags, its --json -> {README cell: strings it must hold}; the
 # key "" is the "measured" cell, "what" the "what" cell, any other key the start of another row of that lesson)
 FIGURES = [
@@ -76,7 +84,7 @@ FIGURES = [
     ("02", "live share with blocks", ("02_paged_cache_manager.py", "--no-model"), figures_02),
     ("03", "live share of the token pool", ("03_token_allocator.py",), figures_03),
     ("05", "radix-cache hit rate", ("05_radix_scheduler.py",), figures_05),
-    # 06: its forward passes, masking only vs jump-forward, go here (06's helper adds the row and its figures_06)
+    ("06", "forward passes, masking only vs jump-forward", ("06_jump_forward_fsm.py",), figures_06),
 ]
 
 
