@@ -99,7 +99,7 @@ def _negate(ranges):
 
 
 class _Parser:
-    """Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*.
+    r"""Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*.
     AST: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None). schema=True: a
     JSON-schema pattern, read by validators with Unicode \d \w \s; our ASCII ones are subsets, but their
     complements (\D, [^\d], ...) supersets that would let through what a validator rejects: refused."""
