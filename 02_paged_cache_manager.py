@@ -360,6 +360,7 @@ class Request:
         self.output = []                 # token ids generated so far
         self.kv_len = 0                  # tokens[:kv_len] have K/V in the backend
         self.in_kv = False               # the backend holds a row (or block table) for it
+        self.chunk = None                # chunked prefill (05): the next step feeds at most this many tokens
         self.done = False
 
     @property
@@ -367,8 +368,9 @@ class Request:
         return self.prompt + self.output
 
     @property
-    def n_new(self) -> int:  # tokens the next step feeds
-        return len(self.prompt) + len(self.output) - self.kv_len
+    def n_new(self) -> int:  # tokens the next step feeds: all that its KV lacks, or a chunk of them
+        n = len(self.prompt) + len(self.output) - self.kv_len
+        return n if self.chunk is None else min(n, self.chunk)
 
 
 Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)

@@ -302,17 +302,30 @@ class Scheduler(P02.Scheduler):
                     recompute is mostly a cache hit, as the preempted request's computed tokens stay in the tree).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
-      radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs."""
+      chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
+                    many tokens (mixed: decode tokens count too); a prompt that does not fit what is left of the
+                    step's budget is cut there and continued next step (`chunked`, at most one request at a time,
+                    goes first), its KV and its tree path growing chunk by chunk. None: a prompt runs whole
+                    (max_prefill_tokens bounds a step, but the first request admitted is taken whatever its size).
+      radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs.
+
+    The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
+      prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d    every stream waits for all of L
+      prefill-first, chunks  d d d [PPPP] [PPPP] [PPPP] [PPPP] d d d    the same wait, in four steps
+      mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d    a token to every stream each step"""
 
     def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0, radix=True, reserve=True,
-                 mixed=True, preempt="recompute"):
+                 mixed=True, preempt="recompute", chunk_tokens=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         if reserve and not radix:
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
         self.tree = RadixCache(kv.allocator) if radix else None
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 (or None), not {chunk_tokens}")
         self.policy, self.reserve, self.mixed, self.max_prefill_tokens = policy, reserve, mixed, max_prefill_tokens
+        self.chunk_tokens, self.chunked = chunk_tokens, None  # chunked: the request whose prompt is part-way in
         self.rng, self.n_req, self.min_new = random.Random(seed), 0, 1 << 62
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
 
@@ -338,16 +351,24 @@ class Scheduler(P02.Scheduler):
         the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
         one token for each running request); lock their prefixes, open their rows."""
         self.swap_in()
-        room, tree = self.max_running - len(self.running), self.tree
+        room, tree, new, prefill = self.max_running - len(self.running), self.tree, [], 0
+        step = self.max_prefill_tokens if self.chunk_tokens is None else \
+            self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
+        if self.chunked is not None:  # a prompt part-way in goes first; it holds its KV and its lock already
+            r, rest = self.chunked, len(self.chunked.tokens) - self.chunked.kv_len  # rest: what its KV still lacks
+            r.chunk = max(1, step) if rest > step else None
+            new, prefill, room = [r], r.n_new, room - 1
+            if r.chunk is not None:
+                return new
         if room <= 0 or self.swapped or not self.waiting:
-            return []
+            return new
         if self.reserve:
-            budget = tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running)
+            budget = tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running + new)
             if budget < self.min_new:
-                return []  # nothing can be admitted: skip the matching
+                return new  # nothing can be admitted: skip the matching
         else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
-            budget = self.free_tokens()
-            budget = None if budget is None else budget - len(self.running)  # the running ones' next tokens first
+            budget = self.free_tokens()  # the running ones' next tokens first, and the rest of the chunked prompt
+            budget = None if budget is None else budget - len(self.running) - prefill
         block = self.m.block_size if self.m is not None else 1
         ready = [r for r in self.waiting if r.ready]
         aware = tree is not None and self.policy in CACHE_AWARE
@@ -356,15 +377,16 @@ class Scheduler(P02.Scheduler):
                 r.prefix, r.node = tree.match_prefix(r.tokens)
         if aware or self.policy not in CACHE_AWARE:
             ready = POLICIES[self.policy](tree, self.rng, ready)
-        new, batch, prefill = [], RadixCache(), 0  # batch: prompts admitted this step (in-batch prefix caching)
+        batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
         for r in ready:
-            if len(new) == room:
+            if len(new) - first == room:
                 break
             if tree is not None and not aware:
                 r.prefix, r.node = tree.match_prefix(r.tokens)
             cached = len(r.prefix) if tree is not None else 0
             extend = len(r.prompt) + len(r.output) - cached
-            if new and prefill + extend > self.max_prefill_tokens:
+            cut = self.chunk_tokens is not None and prefill + extend > step  # it would overflow the step: chunk it
+            if (cut and step - prefill < 1) or (new and prefill + extend > step and not cut):
                 break
             if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
@@ -388,10 +410,14 @@ class Scheduler(P02.Scheduler):
                 self.stats["prompt_tokens"] += len(r.prompt)
                 self.stats["cached_tokens"] += cached
             r.admitted += 1
+            r.chunk = step - prefill if cut else None
             new.append(r)
             self.log("admit", r, cached)
-            prefill += extend
-        if new:
+            prefill += r.n_new
+            if cut:  # the step is full
+                self.chunked = r
+                break
+        if len(new) > first:
             taken = set(map(id, new))
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
@@ -407,19 +433,23 @@ class Scheduler(P02.Scheduler):
         return evicted
 
     def computed(self, r, n):
-        """r's KV now holds n more tokens. The step that completes its prompt shares it from then on, while r is
-        still decoding (the engine calls this too, once per token of a multi-step chunk)."""
+        """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
+        still prefills or decodes (the engine calls this too, once per token of a multi-step chunk)."""
         r.kv_len += n
-        if self.tree is not None and r.kv_len >= len(r.prompt) > r.kv_len - n:
+        if r is self.chunked and r.kv_len >= len(r.tokens):  # its last chunk: it runs with the others from now on
+            self.chunked, r.chunk = None, None
+        if self.tree is not None and len(r.prompt) > r.kv_len - n:
             self.cache_prompt(r)
 
     def cache_prompt(self, r):
-        """Right after r's prefill, put its prompt into the tree and move r's lock down to it, so requests arriving
-        while r decodes (its n > 1 siblings first) hit it. Where the tree already held some of it (a cached prompt's
-        last token is computed again, for its logits), r switches to the tree's slots and its duplicates go back to
-        the pool: the lock must not cost a slot that admit() counted as evictable."""
-        self.tree.insert(r.prompt, self.kv.slots(r.rid))
-        slots, node = self.tree.match_prefix(r.prompt, compute_last=False)
+        """Right after a prefill step, put r's prompt (as much of it as its KV holds: chunked prefill) into the tree
+        and move r's lock down to it, so requests arriving while r decodes (its n > 1 siblings first) hit it. Where
+        the tree already held some of it (a cached prompt's last token is computed again, for its logits), r switches
+        to the tree's slots and its duplicates go back to the pool: the lock must not cost a slot that admit()
+        counted as evictable."""
+        prompt = r.prompt[:r.kv_len]
+        self.tree.insert(prompt, self.kv.slots(r.rid))
+        slots, node = self.tree.match_prefix(prompt, compute_last=False)
         self.kv.share_prefix(r.rid, slots)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(r.node)
@@ -433,6 +463,8 @@ class Scheduler(P02.Scheduler):
             self.tree.dec_lock_ref(r.node)
         super().release(r)  # the request's references go; its duplicates of tree slots return to the pool
         r.node = None
+        if r is self.chunked:  # held back or preempted part-way: it starts over (from the tree, where there is one)
+            self.chunked, r.chunk = None, None
 
     def step(self, forward=None):
         """One iteration: admit, allocate (02's prepare: evicting, holding back, preempting if short), run, cache.
@@ -441,35 +473,39 @@ class Scheduler(P02.Scheduler):
         new = self.admit()
         if not (new or self.running):
             raise RuntimeError("nothing can run: a waiting request does not fit next to the cached prefixes")
-        batch, positions = self.prepare(new + self.running if self.mixed else new or self.running)
+        batch, positions = self.prepare(self.running + new if self.mixed and new else new or self.running)
         n_new = [r.n_new for r in batch]
+        ends = [r.kv_len + n == len(r.tokens) for r, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
         if forward is None:
-            next_ids = [r.target[len(r.output)] for r in batch]
+            next_ids = [r.target[len(r.output)] if e else None for r, e in zip(batch, ends)]
         else:
-            next_ids = forward([t for r in batch for t in r.tokens[r.kv_len:]], positions, n_new)
-        admitted = set(map(id, new))
-        for r, n, t in zip(batch, n_new, next_ids):
+            next_ids = forward([t for r, n in zip(batch, n_new) for t in r.tokens[r.kv_len:r.kv_len + n]], positions,
+                               n_new)
+        running = set(map(id, self.running))
+        for r, n, t, end in zip(batch, n_new, next_ids, ends):
             r.reserve -= n
             self.computed(r, n)
+            self.log("decode" if id(r) in running else "prefill", r, n)
+            if not end:
+                continue  # nothing to sample yet: the rest of its prompt comes next step
             r.output.append(t)
-            self.log("prefill" if id(r) in admitted else "decode", r, n)
             r.done = len(r.output) >= r.max_new or t in r.stop_ids
             if r.done:
                 self.release(r)  # its KV goes to the tree: prompt + output but the last token (never fed back)
                 self.log("finish", r, len(r.output))
-        keep = batch if self.mixed or batch is self.running else self.running + batch
-        self.running = [r for r in keep if not r.done]
+        keep = batch if batch is self.running or self.mixed and new else self.running + batch
+        self.running = [r for r in keep if not r.done and r is not self.chunked]
         self.stats["steps"] += 1
         return [r for r in batch if r.done]
 
     def run(self, forward=None, check=False):
-        while self.waiting or self.running or self.swapped:
+        while self.waiting or self.running or self.swapped or self.chunked:
             self.step(forward)
             if check:
                 self.check()
 
     def check(self):
-        self.tree.check(held=[self.kv.slots(r.rid) for r in self.running])
+        self.tree.check(held=[self.kv.slots(r.rid) for r in self.running + ([self.chunked] if self.chunked else [])])
 
     def hit_rate(self):
         return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
@@ -566,6 +602,45 @@ def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, 
                 prompt_tokens=prompt_tokens, steps=s.stats["steps"], evicted_tokens=s.stats["evicted_tokens"])
 
 
+SCHEDULES = {"prefill-first": dict(mixed=False), "prefill-first, chunked": dict(mixed=False, chunked=True),
+             "mixed, chunked": dict(mixed=True, chunked=True)}
+
+
+def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
+    """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step computes, and how
+    long the decoding requests wait between two of their tokens, counted in tokens computed meanwhile (a step's
+    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False)."""
+    rng = np.random.default_rng(seed)
+    shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
+    long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
+    out = {}
+    for name, opt in SCHEDULES.items():
+        kv = T.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
+        s = Scheduler(kv, "fcfs", n_short + 1, reserve=False, mixed=opt["mixed"],
+                      chunk_tokens=chunk_tokens if opt.get("chunked") else None)
+        reqs = [s.add(p, len(o), target=o) for p, o in shorts]
+        work, last, waits, steps, first_token = 0, {}, [], [], None
+        while s.waiting or s.running or s.chunked or len(reqs) == n_short:
+            if s.stats["steps"] == arrive:
+                reqs.append(s.add(*long_req[:1], len(long_req[1]), target=long_req[1]))
+                t_arrive = work
+            had, logged = [len(r.output) for r in reqs], len(s.events)
+            s.step()
+            steps.append(sum(e.tokens for e in s.events[logged:] if e.kind in ("prefill", "decode")))
+            work += steps[-1]
+            for r, n in zip(reqs, had):
+                if len(r.output) > n:
+                    if r.rid in last:
+                        waits.append(work - last[r.rid])
+                    last[r.rid] = work
+            if first_token is None and len(reqs) > n_short and reqs[-1].output:
+                first_token = work - t_arrive
+        out[name] = dict(steps=len(steps), step_tokens=steps[arrive:arrive + 12], max_step_tokens=max(steps),
+                         max_wait_tokens=max(waits), median_wait_tokens=float(np.median(waits)),
+                         long_prompt_first_token_after=first_token)
+    return dict(chunk_tokens=chunk_tokens, long_prompt=long_prompt, decoding=n_short, schedules=out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The real model through the same scheduler
 # ----------------------------------------------------------------------------------------------
@@ -623,10 +698,12 @@ def main(argv=None):
             w["cache_sizes"][size] = runs
         w["hit_rate"] = {p: float(np.mean([runs[p]["hit_rate"] for runs in w["cache_sizes"].values()]))
                          for p in policies}  # mean over the pool sizes
+    chunking = chunking_timeline()
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
     first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
     summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"], workloads=report,
-                   lpm_of_optimal_mean=float(np.mean(aware)) if aware else None, seconds=time.perf_counter() - t0)
+                   lpm_of_optimal_mean=float(np.mean(aware)) if aware else None, chunking=chunking,
+                   seconds=time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary))
         return summary
@@ -641,6 +718,15 @@ def main(argv=None):
             for p, r in runs.items():
                 print(f"  {size:>10}  {p:<11}{r['hit_rate']:>9.1%}{r['of_optimal']:>11.1%}{r['prefill_tokens']:>12}"
                       f"{r['evicted_tokens']:>9}{r['steps']:>7}")
+    c = chunking
+    print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
+          f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")
+    print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}")
+    for name, r in c["schedules"].items():
+        print(f"  {name:<24}{' '.join(map(str, r['step_tokens'][:9])):<36}{r['max_wait_tokens']:>13}"
+              f"{r['long_prompt_first_token_after']:>16}")
+    print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
+          "token every chunk.")
     if aware:
         print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
               f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")

@@ -211,9 +211,14 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
             next_ids.append(r.target[len(r.output)])
         return next_ids
 
+    def depth(node):
+        return 0 if node.parent is None else len(node.key) + depth(node.parent)
+
     def check():
         s.check()
-        for r in s.running:
+        if s.chunked:  # its chunks are in the tree as they are computed, under its lock
+            assert depth(s.chunked.node) == min(s.chunked.kv_len, len(s.chunked.prompt))
+        for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
             assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
         stack = [(s.tree.root, ())]
@@ -223,7 +228,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
                 key = path + c.key
                 assert [written[x] for x in c.value.tolist()] == [key[:len(path) + i + 1] for i in range(len(c.key))]
                 stack.append((c, key))
-    while s.waiting or s.running:
+    while s.waiting or s.running or s.chunked:
         s.step(forward)
         check()
     assert [r.output for r in made] == [o for _, o, _ in reqs]
@@ -231,7 +236,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
     return s
 
 
-def random_workload(rng, n_max=8, vocab=3):
+def random_workload(rng, n_max=8, vocab=3, prompt_max=6):
     """Prompts from few tokens (they share prefixes, repeat whole and nest), n > 1 siblings of an earlier prompt
     (after = the first sample: they wait for its prefill), follow-ups (an earlier prompt + its output + more)."""
     reqs = []
@@ -244,28 +249,44 @@ def random_workload(rng, n_max=8, vocab=3):
         elif kind < 0.45:
             reqs.append((reqs[j][0] + reqs[j][1] + rng.integers(0, vocab, int(rng.integers(1, 4))).tolist(), out, j))
         else:
-            reqs.append((rng.integers(0, vocab, int(rng.integers(1, 7))).tolist(), out, None))
+            reqs.append((rng.integers(0, vocab, int(rng.integers(1, prompt_max + 1))).tolist(), out, None))
     return reqs
 
 
-@pytest.mark.parametrize("reserve,mixed", [(True, True), (False, False), (False, True)],
-                         ids=["paper", "engine", "preempt-mixed"])
-def test_scheduler_options_keep_every_slot_right(reserve, mixed):
+@pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, False),
+                                                   (True, True, True), (False, False, True), (False, True, True)],
+                         ids=["paper", "engine", "preempt-mixed", "paper-chunked", "engine-chunked", "mixed-chunked"])
+def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     """The paper's scheduler (reserve up front) and the engine's (prefill-first, admit optimistically, evict then
     preempt through 02's Scheduler) on random workloads in pools from the largest request alone up: every request
-    finishes with its own tokens, through radix hits, n > 1 siblings and preemptions (the engine's cases)."""
+    finishes with its own tokens, through radix hits, n > 1 siblings and preemptions (the engine's cases); chunked:
+    prompts cut at a random per-step budget of 1-6 tokens, held back or preempted part-way, their KV and tree paths
+    growing chunk by chunk."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
-    totals = dict(preemptions=0, cached_tokens=0)
-    for _ in range(40):
-        reqs = random_workload(rng)
+    totals = dict(preemptions=0, cached_tokens=0, cut=0, cut_preempted=0)
+    for _ in range(200 if chunked else 40):
+        reqs = random_workload(rng, prompt_max=12 if chunked else 6)
         longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
         policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        chunk = dict(chunk_tokens=int(rng.integers(1, 7))) if chunked else {}
         s = run_checking_every_slot(reqs, longest + int(rng.integers(0, 4)), policy, int(rng.integers(1, 5)),
-                                    reserve=reserve, mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)))
-        for k in totals:
+                                    reserve=reserve, mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)), **chunk)
+        for k in ("preemptions", "cached_tokens"):
             totals[k] += s.stats[k]
+        fed = {}  # rid -> tokens computed since its admission; a prefill short of the whole is a cut
+        for e in s.events:
+            if e.kind == "admit":
+                fed[e.rid] = e.tokens
+            elif e.kind == "prefill":  # (a request's id is its index in reqs)
+                fed[e.rid] += e.tokens
+                totals["cut"] += fed[e.rid] < len(reqs[e.rid][0])
+            elif e.kind in ("preempt", "hold_back"):
+                totals["cut_preempted"] += 0 < fed.get(e.rid, 0) < len(reqs[e.rid][0])
+                fed[e.rid] = 0
     assert totals["cached_tokens"] > 0
     assert (totals["preemptions"] > 0) != reserve  # reserving up front never preempts; the engine's way does
+    assert (totals["cut"] > 0) == chunked
+    assert (totals["cut_preempted"] > 0) == (chunked and mixed and not reserve)  # mixed: decodes outgrow the pool
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
@@ -310,6 +331,13 @@ def test_cli_json(capsys):
     assert set(w["hit_rate"]) == set(R.POLICIES) and 0 < w["optimal_hit_rate"] < 1
     assert all(0 <= h <= w["optimal_hit_rate"] + 1e-12 for h in w["hit_rate"].values())
     assert printed["lpm_of_optimal_mean"] == out["lpm_of_optimal_mean"]
+    c = printed["chunking"]  # the chunked-prefill timeline: what each schedule does to the decoding streams
+    first, chunked, mixed = (c["schedules"][k] for k in R.SCHEDULES)
+    assert first["max_step_tokens"] >= c["long_prompt"] and first["max_wait_tokens"] > c["long_prompt"]
+    assert chunked["max_step_tokens"] == mixed["max_step_tokens"] == c["chunk_tokens"]
+    assert chunked["max_wait_tokens"] > c["long_prompt"]  # prefill-first: chunks one after another, streams wait
+    assert mixed["max_wait_tokens"] <= c["chunk_tokens"]
+    assert first["long_prompt_first_token_after"] == chunked["long_prompt_first_token_after"] == c["long_prompt"]
 
 
 @pytest.fixture
@@ -349,3 +377,45 @@ def test_real_model_same_tokens_with_and_without_cache(smollm, one_thread):
     assert sched.stats["cached_tokens"] - before > len(shared)
     sched.check()
     assert sched.kv.allocator.available() + sched.tree.evictable_size() == sched.kv.allocator.size
+
+
+def leaf_paths(tree):
+    """Every token sequence the tree caches whole (root to leaf), however its edges are cut."""
+    out, stack = [], [(tree.root, ())]
+    while stack:
+        node, path = stack.pop()
+        out += [path] if not node.children and path else []
+        stack += [(c, path + c.key) for c in node.children.values()]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
+def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
+    """A random model through the scheduler, unchunked and then chunked at a tiny and a medium budget: the same
+    tokens, the same cached sequences in the tree, and their K, V equal (one chunk boundary falls inside the shared
+    prefix that lpm serves from the cache, and the repeats' prompts come from it whole)."""
+    import llama3_generate as L
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                                      max_seq_len=512)).eval()
+    shared = [rng.randrange(97) for _ in range(40)]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(5)]
+    prompts += [[rng.randrange(97) for _ in range(rng.randint(20, 60))], list(prompts[0])]
+
+    def run(**kw):
+        sched = R.Scheduler(T.TokenKVCache.for_model(model, 2048, 4), "lpm", 4, mixed=mixed, **kw)
+        return R.generate_cached(model, prompts, 8, sched=sched)
+    want, s0 = run()
+    for chunk in (rng.randint(1, 7), rng.randint(8, 40)):
+        got, s1 = run(chunk_tokens=chunk)
+        assert got == want, chunk
+        assert max(e.tokens for e in s1.events if e.kind == "prefill") <= chunk
+        assert leaf_paths(s1.tree) == leaf_paths(s0.tree)
+        s1.check()
+        for p, out in zip(prompts, want):
+            seq = p + out[:-1]  # all but the last token were fed back: cached at the end
+            a, b = s0.tree.match_prefix(seq, compute_last=False)[0], s1.tree.match_prefix(seq, compute_last=False)[0]
+            assert len(a) == len(b) == len(seq)
+            for pool in ("k_pool", "v_pool"):
+                torch.testing.assert_close(getattr(s1.kv, pool)[:, b], getattr(s0.kv, pool)[:, a])
