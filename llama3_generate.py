@@ -67,7 +67,7 @@ import os
 import pickle
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 
@@ -108,6 +108,11 @@ def cli_args(argv=None) -> argparse.Namespace:
         "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
     add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
         "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
+    add("--schedule", default="prefill-first", choices=["prefill-first", "mixed"], help="a step that admits "
+        "prompts prefills them alone (vLLM's v0 order: running streams wait) or with one decode token of every "
+        "running sequence (SGLang's mixed steps)")
+    add("--chunk-tokens", type=int, default=None, help="chunked prefill (05): no step feeds more than this many "
+        "tokens; a longer prompt is prefilled over several steps (default: a prompt runs whole)")
     add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
     add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
         "kernels per layer")
@@ -117,11 +122,15 @@ def cli_args(argv=None) -> argparse.Namespace:
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
         "tokens; with --json, one JSON object per event")
     add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
-        "token_ids, finish_reason); with --bench or --bench-engine, the figures as one JSON object")
+        "token_ids, finish_reason, ttft_s: seconds from its admission to its first token, tok_s: its tokens per "
+        "second after that); with --bench or --bench-engine, the figures as one JSON object")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     add("--bench", action="store_true", help="batch-1 decode speed of the engine vs transformers on the same weights")
     add("--bench-engine", action="store_true", help="GPU: serving benchmark on random Llama 3 shapes")
+    add("--bench-serve", action="store_true", help="GPU: latency under Poisson arrivals (TTFT, inter-token latency) "
+        "for prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
+    add("--plot", help="with --bench-serve: save its latency plot (PNG) here")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
     for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
@@ -129,7 +138,8 @@ def cli_args(argv=None) -> argparse.Namespace:
                            ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
                            ("--multi-step", args.multi_step >= 1, ">= 1"),
                            ("--block-size", args.block_size >= 1, ">= 1"),
-                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1")):
+                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
+                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
         if not ok:
             ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
     return args
@@ -843,6 +853,7 @@ class SamplingParams:
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
+SCHEDULES = ("prefill-first", "mixed")  # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
 
 
 R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests and its scheduler
@@ -861,6 +872,7 @@ class Seq(R05.Req):
         self.fsm = 0            # the regex DFA's state after the output so far
         self.text = b""         # the bytes the output has matched
         self.finish = None      # "stop" or "length", once done
+        self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
 
 
 class Engine:
@@ -881,7 +893,7 @@ class Engine:
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute"):
+                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None):
         a, dev, radix_on = model.args, model.tok_embeddings.weight.device, radix and backend == "token"
         self.model = model
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
@@ -909,8 +921,11 @@ class Engine:
             raise UserError(f"unknown policy {policy!r}: {', '.join(R05.POLICIES)}")
         if preempt not in ("recompute", "swap") or (preempt == "swap" and backend != "paged"):
             raise UserError(f"preempt must be recompute, or swap with the paged backend, not {preempt!r}")
+        if schedule not in SCHEDULES or (chunk_tokens is not None and chunk_tokens < 1):
+            raise UserError(f"schedule must be one of {', '.join(SCHEDULES)} (not {schedule!r}), chunk tokens >= 1")
         self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, radix=radix_on,
-                                     reserve=False, mixed=False, preempt=preempt)  # .waiting, .running, .tree
+                                     reserve=False, mixed=schedule == "mixed", preempt=preempt,
+                                     chunk_tokens=chunk_tokens)  # .waiting, .running, .chunked, .tree
         self.backend = backend
         self.max_len = max_len        # prompt + output tokens one sequence may hold
         self.device = dev
@@ -920,6 +935,7 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.finished = {}            # seq id -> output token ids
         self.finish_reasons = {}      # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
+        self.timings = {}             # seq id -> what its user felt: time to first token, tokens per second after it
         self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
         self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
@@ -932,14 +948,14 @@ class Engine:
     def new_stats() -> dict:
         return dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
                     evicted_tokens=0, jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0,
-                    peak_live_tokens=0, peak_running=0)
+                    peak_live_tokens=0, peak_running=0, mixed_tokens=0, mixed_s=0.0)  # mixed: steps of both kinds
 
     def warm_up(self, n_seqs: int = 1) -> float:
         """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
         kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
         of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
         queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.sched.waiting or self.sched.running or self.finished), "warm_up() comes before add()"
+        assert not (self.busy or self.finished), "warm_up() comes before add()"
         t0 = time.perf_counter()
         if self.graphs is not None:
             for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
@@ -947,15 +963,20 @@ class Engine:
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
         self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
+        self.reset()
+        return time.perf_counter() - t0
+
+    def reset(self):
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        assert not self.busy, "reset() between runs"
         if self.sched.tree:
             self.sched.tree.evict(self.kv.allocator.size)
-        self.finished, self.finish_reasons, self.n_seqs = {}, {}, 0
+        self.finished, self.finish_reasons, self.timings, self.n_seqs = {}, {}, {}, 0
         self.stats = self.sched.stats = self.new_stats()
         self.sched.events.clear()
         self.sched.rng.seed(self.seed)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0
 
     def add(self, prompt, params: SamplingParams | None = None) -> list:
         """Queue a request; returns the sequence ids of its params.n samples."""
@@ -979,23 +1000,31 @@ class Engine:
         """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
         is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output);
         on_step(engine) after every step (the CLI's progress bar)."""
-        while self.sched.waiting or self.sched.running or self.sched.swapped:
+        while self.busy:
             self.step(on_token)
             if on_step:
                 on_step(self)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill)."""
+        sched = self.sched
+        return bool(sched.waiting or sched.running or sched.swapped or sched.chunked)
+
     # -- scheduling: 05's admission, 02's allocation and preemption ----------------------------------------
     def _prepare(self, new):
-        """Room in the KV pool for this step: the new sequences (prefill first, vLLM's order), else every running
-        one; 02's prepare() evicts, holds back or preempts when memory is short. Returns (batch, positions)."""
+        """Room in the KV pool for this step: the new sequences (prefill-first, vLLM's order; mixed: with every
+        running one, SGLang's), else every running one; 02's prepare() evicts, holds back or preempts when memory
+        is short. Returns (batch, positions)."""
+        running = self.sched.running
         try:
-            batch, positions = self.sched.prepare(new or self.sched.running)
+            batch, positions = self.sched.prepare(running + new if new and self.sched.mixed else new or running)
         except OutOfBlocks as e:
             raise UserError(f"{e} (sequence ids are request ids)") from None
-        live = sum(s.kv_len for s in self.sched.running)  # tokens the running sequences hold, plus the new ones
-        live += 0 if batch is self.sched.running else sum(len(s.prompt) + len(s.output) for s in batch)
-        self._peaks(live, len(self.sched.running) + (0 if batch is self.sched.running else len(batch)))
+        ids = set(map(id, batch))  # tokens the running sequences hold, plus the new ones
+        live = sum(s.kv_len for s in self.sched.running if id(s) not in ids) + sum(s.kv_len + s.n_new for s in batch)
+        self._peaks(live, len(ids | set(map(id, self.sched.running))))
         return batch, positions
 
     def _peaks(self, live_tokens: int, running: int):
@@ -1005,37 +1034,46 @@ class Engine:
             self.stats[key] = max(self.stats[key], now)
 
     def step(self, on_token=None):
-        t0 = time.perf_counter()
-        if self.inflight and self.sched.waiting:  # admission may change the batch: land the tokens in flight first
-            self._read(self.inflight, on_token)
+        t0, sched = time.perf_counter(), self.sched
+        if self.inflight and (sched.waiting or sched.chunked):  # admission may change the batch: land the tokens
+            self._read(self.inflight, on_token)                  # in flight first
             self.inflight = None
-        new = self.sched.admit()
+        new = sched.admit()
         if not new and self._multi_step(t0, on_token):
             return
         batch, positions = self._prepare(new)
         n_new = [s.n_new for s in batch]
-        decode = all(n == 1 for n in n_new)
-        if decode and self.graphs is not None:
+        ends = [s.kv_len + n == len(s.prompt) + len(s.output) for s, n in zip(batch, n_new)]  # False: a chunk short of its end
+        if all(n == 1 for n in n_new) and all(ends) and self.graphs is not None:
             logits = self.graphs.forward(batch, positions)
         else:
-            tokens = torch.tensor([t for s in batch for t in s.tokens[s.kv_len:]], device=self.device)
-            last = torch.tensor(n_new, device=self.device).cumsum(0) - 1
-            logits = self.model(tokens, positions, self.kv, logits_at=last)
-        next_ids = self._sample(batch, logits)  # the host sync of the step
-        self.stats["decode_s" if decode else "prefill_s"] += time.perf_counter() - t0
-        self.stats["decode_tokens" if decode else "prefill_tokens"] += sum(n_new)
-        self._advance(batch, n_new, [[t] for t in next_ids], on_token)
+            tokens = torch.tensor([t for s, n in zip(batch, n_new) for t in s.tokens[s.kv_len:s.kv_len + n]])
+            last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(ends, dtype=torch.bool)]  # rows that sample
+            logits = self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
+        next_ids = iter(self._sample([s for s, e in zip(batch, ends) if e], logits))  # the host sync of the step
+        running = set(map(id, sched.running))
+        fed = dict(prefill=sum(n for s, n in zip(batch, n_new) if id(s) not in running))
+        fed["decode"] = sum(n_new) - fed["prefill"]
+        kind = "mixed" if fed["prefill"] and fed["decode"] else "prefill" if fed["prefill"] else "decode"
+        self.stats[f"{kind}_s"] += time.perf_counter() - t0
+        self.stats[f"{kind}_tokens"] += sum(n_new)
+        self._advance(batch, n_new, [[next(next_ids)] if e else [] for e in ends], on_token)
         self.stats["steps"] += 1  # after: the events of a step carry its index
 
     def _advance(self, batch, n_new, new_ids, on_token) -> int:
         """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
-        fed the one before). Append them until the sequence is done, then retire it, keep it running or requeue
-        it. Returns how many tokens were appended."""
-        sched, kind = self.sched, "decode" if batch is self.sched.running else "prefill"
-        sched.running = [] if batch is sched.running else sched.running  # a prefill step leaves the running ones be
+        fed the one before; none after a chunk short of its prompt's end). Append them until the sequence is done,
+        then retire it, keep it running or requeue it. Returns how many tokens were appended."""
+        sched, stepped = self.sched, set(map(id, batch))
+        running = set(map(id, sched.running))
+        sched.running = [s for s in sched.running if id(s) not in stepped]  # prefill-first leaves the running be
         appended = 0
         for s, n, ids in zip(batch, n_new, new_ids):
-            held, k = s.kv_len, 0
+            held, k, kind = s.kv_len, 0, "decode" if id(s) in running else "prefill"
+            if not ids:  # part of a prompt in: the next step feeds the rest (05's `chunked`)
+                sched.computed(s, n)
+                sched.log(kind, s, n)
+                continue
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 sched.computed(s, fed)  # once its prompt is in, siblings and look-alikes reuse it (05)
                 self._append(s, t, on_token)
@@ -1134,6 +1172,8 @@ class Engine:
     def _append(self, s, t, on_token):
         p, eos = s.params, t in self.tok.stop_ids
         s.output.append(t)
+        s.t_last = time.perf_counter()
+        s.t_first = s.t_first or s.t_last
         if s.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
             s.fsm, s.text = s.index.step(s.fsm, t), s.text + self.tok.token_bytes(t)
             self._jump_forward(s)
@@ -1164,6 +1204,9 @@ class Engine:
         self.sched.release(s)
         s.done = True
         self.finished[s.rid], self.finish_reasons[s.rid] = s.output, s.finish
+        after = s.t_last - s.t_first  # the tokens after the first, streamed over this long
+        self.timings[s.rid] = dict(ttft_s=s.t_first - s.t_added,
+                                   tok_s=(len(s.output) - 1) / after if len(s.output) > 1 and after > 0 else None)
         self.sched.log("finish", s, len(s.output))
 
     @property
@@ -1569,6 +1612,109 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
+SERVE_SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, True),
+                   "mixed, chunked": (True, True)}  # (mixed, chunked): 05's Scheduler options
+
+
+def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
+    """Requests arrive at the given times (seconds from now) while the engine steps, as a server's would. What
+    each user feels: time to first token (TTFT, from its arrival) and the gap between deliveries (a step that hands
+    a request tokens, however many: inter-token latency as vLLM's bench_serving counts it; multi-step decoding
+    delivers up to 16 at once)."""
+    got, start, seen = set(), {}, {}
+    on_token = lambda sid, out: got.add(sid)
+    t0, i = time.perf_counter(), 0
+    while i < len(prompts) or engine.busy:
+        now = time.perf_counter() - t0
+        while i < len(prompts) and arrivals[i] <= now:
+            sid = engine.add(prompts[i], SamplingParams(max_new_tokens=lens[i][1], ignore_eos=True))[0]
+            start[sid], i = arrivals[i], i + 1
+        if not engine.busy:
+            time.sleep(max(0.0, arrivals[i] - now))
+            continue
+        engine.step(on_token)
+        now = time.perf_counter() - t0
+        for sid in got:
+            seen.setdefault(sid, []).append(now)
+        got.clear()
+    pct = lambda xs, q: torch.tensor(xs, dtype=torch.float64).quantile(q / 100).item() * 1e3  # ms
+    ttft = [seen[sid][0] - start[sid] for sid in start]
+    gaps = [b - a for d in seen.values() for a, b in zip(d, d[1:])]
+    tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
+    out_tokens = sum(n for _, n in lens)
+    return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50),
+                itl_p99_ms=pct(gaps, 99), itl_max_ms=max(gaps) * 1e3, tpot_p50_ms=pct(tpot, 50),
+                tpot_p99_ms=pct(tpot, 99), outputs=engine.run())
+
+
+def bench_serve(device="cuda", rates=(8, 16, 32, 64), n_seqs=160, lengths=(100, 1024), long=(8192, 16384),
+                long_prompts=4, chunk_tokens=2048, shape="llama-3.2-1b", args=None, plot=None,
+                log=lambda msg: None) -> dict:
+    """Issue 34's latency benchmark: Poisson arrivals at each rate, prompt and output lengths as --bench-engine's
+    draw (uniform in [100, 1024]) with long_prompts of the prompts 8k-16k tokens; prefill-first, prefill-first
+    chunked and mixed chunked (SERVE_SCHEDULES) take turns on one warm engine, the radix cache emptied between
+    runs. args: a model shape other than LLAMA_SHAPES[shape] (the CPU test's tiny one); plot: a PNG of ITL p99 and
+    TTFT p99 against the rate, per schedule."""
+    rng = torch.Generator().manual_seed(0)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
+    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
+        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
+    longest, args = max(p + n for p, n in lens), args or LLAMA_SHAPES[shape]
+    model = random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
+                         torch.bfloat16 if device == "cuda" else torch.float32)
+    prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    e = Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs), max_seq_len=longest)
+    e.warm_up(e.max_batch)
+    r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
+         "long_prompts": sorted(p for p, _ in lens if p > lengths[1]), "chunk_tokens": chunk_tokens, "rates": {}}
+    for rate in rates:
+        arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()  # Poisson: exp. gaps
+        runs = r["rates"][rate] = {}
+        for name, (mixed, chunked) in SERVE_SCHEDULES.items():
+            e.sched.mixed, e.sched.chunk_tokens = mixed, chunk_tokens if chunked else None
+            runs[name] = serve_arrivals(e, prompts, lens, arrivals)
+            e.reset()
+            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name].items()
+                                                      if k != "outputs"))
+        outs = [runs[name].pop("outputs") for name in runs]
+        r["same_tokens"] = r.get("same_tokens", True) and all(o == outs[0] for o in outs)
+    if plot:
+        serve_plot(r, plot)
+    return r
+
+
+def serve_plot(r: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    rates = list(r["rates"])
+    for name in SERVE_SCHEDULES:
+        for ax, key in zip(axes, ("itl_p99_ms", "ttft_p99_ms")):
+            ax.plot(rates, [r["rates"][q][name][key] for q in rates], marker="o", label=name)
+    for ax, title in zip(axes, ("inter-token latency p99 (ms)", "time to first token p99 (ms)")):
+        ax.set(xlabel="request rate (req/s, Poisson)", title=title, xscale="log", yscale="log")
+        ax.set_xticks(rates, [str(q) for q in rates])
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{r['requests']} requests on a random {r['shape']} (bf16), {len(r['long_prompts'])} of them "
+                 f"{min(r['long_prompts']):,}-{max(r['long_prompts']):,} tokens long; {r['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def serve_report(r: dict) -> str:
+    lines = [f"{'rate':>5}  {'schedule':<23}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99/max ms':>21}"
+             f"{'TPOT p50/p99 ms':>17}"]
+    for rate, runs in r["rates"].items():
+        lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
+                  f"{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
+                  f"{x['tpot_p50_ms']:>10.2f} /{x['tpot_p99_ms']:>5.2f}" for name, x in runs.items()]
+    return "\n".join(lines + [f"same tokens in every schedule: {r['same_tokens']}"])
+
+
 def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
     """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
     engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
@@ -1622,6 +1768,12 @@ def main(argv=None):
         r = bench_engine()
         print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
         return
+    if args.bench_serve:
+        if not torch.cuda.is_available():
+            sys.exit("error: --bench-serve needs a CUDA GPU")
+        r = bench_serve(plot=args.plot, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        print(json.dumps(r) if args.json else serve_report(r))
+        return
     try:
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")
@@ -1650,7 +1802,8 @@ def main(argv=None):
         kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
-                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt)
+                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
+                        schedule=args.schedule, chunk_tokens=args.chunk_tokens)
         warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:
@@ -1689,7 +1842,7 @@ def main(argv=None):
         for sid, o in outs.items():
             print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],
                               "sample": sid % args.n, "text": text(o), "token_ids": o,
-                              "finish_reason": engine.finish_reasons[sid]}))
+                              "finish_reason": engine.finish_reasons[sid], **engine.timings[sid]}))
     elif single:
         print(text(outs[0])[len(shown[0]):])
     elif args.quiet:  # completions may hold newlines: one JSON string per line keeps them apart
@@ -1711,7 +1864,10 @@ def main(argv=None):
         rate = lambda phase: (f"{plural(st[phase + '_tokens'], 'token')} in {st[phase + '_s']:.3f} s "
                               f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
         hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
-        print(f"[prefill {rate('prefill')}, decode {rate('decode')}, "
+        mixed = f", mixed steps {rate('mixed')}" if st["mixed_tokens"] else ""
+        ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
+        ttft = f"{ttft[0]:.0f} ms" if len(ttft) == 1 else f"{ttft[len(ttft) // 2]:.0f} / {ttft[-1]:.0f} ms (median / max)"
+        print(f"[prefill {rate('prefill')}, decode {rate('decode')}{mixed}, first token after {ttft}, "
               f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
               f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
               f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)

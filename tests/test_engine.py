@@ -242,6 +242,59 @@ def test_multi_step_random_workloads_match_one_step(kw):
         assert run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6)) == one, (prompts, max_new, tok.stop_ids)
 
 
+SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed", chunk_tokens=7),
+              dict(schedule="mixed", chunk_tokens=1)]
+
+
+@pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.triton)], ids=["eager", "graphs"])
+@pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
+def test_chunked_and_mixed_steps_write_the_same_tokens(kw, graphs):
+    """Greedy fp32, tiny random model: mixed steps and chunked prefill (prefill-first and mixed, budgets down to one
+    token) write the same tokens as whole prompts prefilled alone, on every backend (graphs: decode-only steps
+    through the multi-step path, run eagerly on a CPU). Prompts share a prefix that the radix cache serves (token
+    backend), so chunk boundaries fall inside cached prefixes; the pool is small enough that mixed steps hold back
+    or preempt prompts part-way in. The events account for every run (check_events), and nothing leaks."""
+    model = tiny_model()
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    cut = 0  # prompts held back or preempted part-way in
+
+    def run(prompts, max_new, pool, late=0, **opts):  # late: the last prompt arrives after two steps
+        e = L.Engine(model, tok, kv_tokens=pool, max_batch=4, max_seq_len=64, cuda_graphs=graphs,
+                     multi_step=3, fused=False, **kw, **opts)
+        sids = []
+        for i, (p, n) in enumerate(zip(prompts, max_new)):
+            for _ in range(2 * (late and i == len(prompts) - 1)):
+                e.step()
+            sids += e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))
+        outs = e.run()
+        check_events(e.events, {sid: (len(p), len(outs[sid])) for sid, p in zip(sids, prompts)}, e.stats)
+        assert kv_left(e) == 0
+        fed = {}
+        for ev in e.events:
+            fed[ev.rid] = ev.tokens if ev.kind == "admit" else fed.get(ev.rid, 0) + ev.tokens * (ev.kind == "prefill")
+            if ev.kind in ("hold_back", "preempt") and 0 < fed[ev.rid] < len(prompts[ev.rid]):
+                nonlocal cut
+                cut += 1
+        return list(outs.values())
+
+    for _ in range(6):
+        shared = rand(0, 256, rand(8, 20))
+        prompts = [shared + rand(0, 256, rand(1, 12)) for _ in range(rand(2, 5))] + [rand(0, 256, rand(20, 40))]
+        max_new = rand(2, 16, len(prompts))
+        pool = max(len(p) + n for p, n in zip(prompts, max_new)) + rand(0, 24)
+        want = run(prompts, max_new, 256)
+        for opts in SCHEDULING:
+            assert run(prompts, max_new, pool, **opts) == want, (opts, prompts, max_new, pool)
+    # a 40-token prompt arrives while two sequences decode, into 60 slots: admitted, it fits, but the two grow by a
+    # token per mixed step (its chunks: 4 - 2 tokens) until it no longer does: held back, or preempted, part-way in
+    prompts, max_new = [rand(0, 256, 4), rand(0, 256, 4), rand(0, 256, 40)], [40, 40, 4]
+    want, cut = run(prompts, max_new, 256, late=1), 0
+    assert run(prompts, max_new, 60, late=1, schedule="mixed", chunk_tokens=4) == want
+    assert cut > 0 or kw["backend"] == "contiguous"  # (its rows are reserved whole: one sequence at a time here)
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_warm_up_leaves_no_trace(graphs):
     """Engine.warm_up (the CLI's, before serving on a GPU) captures the buckets it is asked for, then the engine
@@ -423,7 +476,8 @@ def test_policy_orders_admission_and_changes_no_output():
 
 def check_events(events, finished, stats, capacity=None):
     """A brute-force account of a run from its scheduling events alone (02's Event(step, kind, rid, tokens)):
-    every request walks waiting -> admit -> prefill -> decode* -> finish, with preempt / requeue / hold_back back to
+    every request walks waiting -> admit -> prefill+ -> decode* -> finish (prefill+: a prompt in chunks, one step
+    after another), with preempt / requeue / hold_back back to
     waiting and swap_out -> swap_in; the KV each holds, rebuilt from the events, is what each event says it drops
     and, at its finish, its prompt and output but the last token. finished: rid -> (prompt length, output length).
     The totals equal the scheduler's own counters; capacity: no step holds more KV than the pool (paged)."""
@@ -433,7 +487,7 @@ def check_events(events, finished, stats, capacity=None):
              "finish": ("running",)}
     after = {"admit": "admitted", "hold_back": "waiting", "prefill": "running", "decode": "running",
              "preempt": "waiting", "requeue": "waiting", "swap_out": "swapped", "swap_in": "running", "finish": "done"}
-    totals, held_at = {k: 0 for k in moves}, {}
+    totals, held_at, last = {k: 0 for k in moves}, {}, {}
     assert steps == sorted(steps) and set(e.kind for e in events) <= set(L.lesson("02_paged_cache_manager").EVENTS)
     for e in events:
         if e.kind == "evict":
@@ -441,7 +495,10 @@ def check_events(events, finished, stats, capacity=None):
             totals["evict"] = totals.get("evict", 0) + e.tokens
             continue
         s = state.get(e.rid, "waiting")
+        if s == "running" and last.get(e.rid) == "prefill" and e.kind in ("prefill", "hold_back"):
+            s = "admitted"  # part-way through its prompt (chunked prefill): the next chunk, or held back
         assert s in moves[e.kind], (e, s)
+        last[e.rid] = e.kind
         totals[e.kind] += e.tokens
         if e.kind == "admit":
             cached += e.tokens if e.rid not in kv else 0  # the hit rate counts first admissions
@@ -464,7 +521,7 @@ def check_events(events, finished, stats, capacity=None):
     assert sum(e.kind in ("preempt", "swap_out") for e in events) == stats["preemptions"]
     assert totals.get("evict", 0) == stats.get("evicted_tokens", 0)
     if "prefill_tokens" in stats:  # the engine's (it counts a step of one-token prefills as decode: the sum)
-        assert totals["prefill"] + totals["decode"] == stats["prefill_tokens"] + stats["decode_tokens"]
+        assert totals["prefill"] + totals["decode"] == sum(stats[f"{k}_tokens"] for k in ("prefill", "decode", "mixed"))
     if "cached_tokens" in stats:
         assert cached == stats["cached_tokens"]
     assert not events or max(steps) < stats["steps"]
@@ -552,3 +609,37 @@ def test_help_says_each_default_once(capsys):
     twice = [b for b in blocks if b.count("default") > 1]
     assert len(blocks) > 20 and not twice, twice
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: 16)" in text
+
+
+def test_cli_chunked_and_mixed_steps_answer_alike_with_timings(smollm, capsys):
+    """Real weights, fp32 greedy: --schedule mixed and --chunk-tokens (chunks cut the chat template, which the
+    second prompt finds cached, and the prompts themselves) answer the same tokens as the default schedule; --json
+    reports each completion's time to first token and tokens per second; a bad budget is one line."""
+    import json
+    prompts = ["What is the capital of France?", "Name three primary colors and say why they are primary."]
+    got = []
+    for flags in ([], ["--schedule", "mixed", "--chunk-tokens", "7"]):
+        L.main(["--json", "--max-new-tokens", "6", *flags, *prompts])
+        outs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        got.append([o["token_ids"] for o in outs])
+        assert all(o["ttft_s"] > 0 and o["tok_s"] > 0 for o in outs), outs
+    assert got[1] == got[0]
+    with pytest.raises(SystemExit) as e:
+        L.main(["--chunk-tokens", "0", "hi"])
+    assert "--chunk-tokens must be >= 1" in str(e.value.code)
+
+
+def test_bench_serve_machinery_on_a_cpu(tmp_path):
+    """--bench-serve's loop on a tiny random model: Poisson arrivals, every request served whole, the three
+    schedules (chunks of 16 tokens cut the long prompts) writing the same tokens, the percentiles in order, the plot
+    written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
+    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
+    plot = tmp_path / "serve.png"
+    r = L.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
+                      chunk_tokens=16, args=args, shape="tiny", plot=str(plot))
+    assert r["same_tokens"] and len(r["long_prompts"]) == 2 and plot.stat().st_size > 10_000
+    assert list(r["rates"][50]) == list(L.SERVE_SCHEDULES)
+    for x in r["rates"][50].values():
+        assert x["requests"] == 10 and x["output_tok_s"] > 0
+        assert x["ttft_p50_ms"] <= x["ttft_p99_ms"] and x["itl_p50_ms"] <= x["itl_p99_ms"] <= x["itl_max_ms"]
+    assert "same tokens in every schedule: True" in L.serve_report(r)
