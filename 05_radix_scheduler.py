@@ -37,13 +37,16 @@ reserves every slot a request will take (prompt suffix + max_new - 1), so the ru
 stays below the optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
 and a small pool evicts prefixes that concurrently running requests could not all keep.
 
-The same class schedules llama3_generate.py's engine, with two options (see Scheduler): reserve=False admits without
+The same class schedules llama3_generate.py's engine, with three options (see Scheduler): reserve=False admits without
 reserving decode slots and, when the pool runs short, evicts and then preempts through 02's Scheduler, which this one
-extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able.
+extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able;
+chunk_tokens cuts long prompts into chunks (Sarathi-Serve's chunked prefill), so that with mixed=True no running
+request waits longer than one chunk's step for its next token -- the report's last table shows the step timeline.
 
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
-caching); mini-sglang for the invariant style. Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
+caching, chunked requests); Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
+Sarathi-Serve" (chunked prefill, stall-free batching); mini-sglang for the invariant style. Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
 """
 from __future__ import annotations
 

@@ -876,11 +876,13 @@ class Seq(R05.Req):
 
 
 class Engine:
-    """The lessons' scheduler drives it: 05's Scheduler (on 02's) with reserve=False and mixed=False. Requests
-    enter its `waiting` queue; a step either prefills what it admits (05's policy: longest cached prefix first by
-    default) or, when none is admitted, decodes one token of every running sequence -- continuous batching with
-    vLLM's prefill-first order, which keeps every decode step a pure, CUDA-graph-able batch. Finished sequences
-    retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
+    """The lessons' scheduler drives it: 05's Scheduler (on 02's) with reserve=False. Requests enter its `waiting`
+    queue; a step either prefills what it admits (05's policy: longest cached prefix first by default) or, when none
+    is admitted, decodes one token of every running sequence -- continuous batching with vLLM's prefill-first order,
+    which keeps every decode step a pure, CUDA-graph-able batch. schedule="mixed" runs an admitting step with one
+    decode token of every running sequence (SGLang's mixed steps, eager: running streams are not stalled by a
+    prefill); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked prefill, 05).
+    Finished sequences retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
     02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
     tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
     decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode. Every

@@ -64,9 +64,11 @@ def figures_05(j):
     sizes = list(w["cache_sizes"])[:2]  # the README quotes the two smaller pools
     runs = [w["cache_sizes"][s] for s in sizes]
     lpm, fcfs = (" / ".join(pct(r[p]["hit_rate"]) for r in runs) for p in ("lpm", "fcfs"))
+    waits = " / ".join(f"{r['max_wait_tokens']:,}" for r in j["chunking"]["schedules"].values())
     return {"": [f"lpm {lpm} vs fcfs {fcfs} (optimum {pct(w['optimal_hit_rate'])})",
                  f"lpm reaches {pct(j['lpm_of_optimal_mean'])} of optimal"],
-            "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"]}
+            "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"],
+            "chunked prefill": [f"{waits} tokens"]}
 
 
 def figures_06(j):
