@@ -1288,9 +1288,13 @@ class CudaGraphDecoder:
                 run()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                for _ in range(k):
-                    out = run()
+            gc.disable()  # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    for _ in range(k):
+                        out = run()
+            finally:
+                gc.enable()
             self.pool = g.pool()
             self.graphs[key] = lambda: (g.replay(), out)[1]
         for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
@@ -1614,8 +1618,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
-SERVE_SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, True),
-                   "mixed, chunked": (True, True)}  # (mixed, chunked): 05's Scheduler options
+SERVE_SCHEDULES = {"prefill-first": (False, None), "prefill-first, chunked": (False, 2048),
+                   "mixed, chunked": (True, 2048)}  # (mixed, chunk_tokens): 05's Scheduler options
 
 
 def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
@@ -1651,13 +1655,14 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
 
 
 def bench_serve(device="cuda", rates=(8, 16, 32, 64), n_seqs=160, lengths=(100, 1024), long=(8192, 16384),
-                long_prompts=4, chunk_tokens=2048, shape="llama-3.2-1b", args=None, plot=None,
+                long_prompts=4, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
                 log=lambda msg: None) -> dict:
     """Issue 34's latency benchmark: Poisson arrivals at each rate, prompt and output lengths as --bench-engine's
     draw (uniform in [100, 1024]) with long_prompts of the prompts 8k-16k tokens; prefill-first, prefill-first
     chunked and mixed chunked (SERVE_SCHEDULES) take turns on one warm engine, the radix cache emptied between
-    runs. args: a model shape other than LLAMA_SHAPES[shape] (the CPU test's tiny one); plot: a PNG of ITL p99 and
-    TTFT p99 against the rate, per schedule."""
+    runs. multi_step: greedy decode steps per delivery, for every schedule (at 150 running sequences a delivery of
+    16 steps is itself a gap of over 100 ms on an H100). args: a model shape other than LLAMA_SHAPES[shape] (the
+    CPU test's tiny one); plot: a PNG of ITL p99 and TTFT p99 against the rate, per schedule."""
     rng = torch.Generator().manual_seed(0)
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
     for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
@@ -1667,15 +1672,17 @@ def bench_serve(device="cuda", rates=(8, 16, 32, 64), n_seqs=160, lengths=(100, 
                          torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    e = Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs), max_seq_len=longest)
+    e = Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs), max_seq_len=longest,
+               multi_step=multi_step)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
-         "long_prompts": sorted(p for p, _ in lens if p > lengths[1]), "chunk_tokens": chunk_tokens, "rates": {}}
+         "long_prompts": sorted(p for p, _ in lens if p > lengths[1]), "schedules": schedules,
+         "multi_step": e.multi_step, "rates": {}}
     for rate in rates:
         arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()  # Poisson: exp. gaps
         runs = r["rates"][rate] = {}
-        for name, (mixed, chunked) in SERVE_SCHEDULES.items():
-            e.sched.mixed, e.sched.chunk_tokens = mixed, chunk_tokens if chunked else None
+        for name, (mixed, chunk_tokens) in schedules.items():
+            e.sched.mixed, e.sched.chunk_tokens = mixed, chunk_tokens
             runs[name] = serve_arrivals(e, prompts, lens, arrivals)
             e.reset()
             log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name].items()
@@ -1693,7 +1700,7 @@ def serve_plot(r: dict, path: str):
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     rates = list(r["rates"])
-    for name in SERVE_SCHEDULES:
+    for name in r["schedules"]:
         for ax, key in zip(axes, ("itl_p99_ms", "ttft_p99_ms")):
             ax.plot(rates, [r["rates"][q][name][key] for q in rates], marker="o", label=name)
     for ax, title in zip(axes, ("inter-token latency p99 (ms)", "time to first token p99 (ms)")):

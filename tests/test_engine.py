@@ -635,8 +635,9 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
     written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
     args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
     plot = tmp_path / "serve.png"
+    schedules = {name: (mixed, chunk and 16) for name, (mixed, chunk) in L.SERVE_SCHEDULES.items()}
     r = L.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
-                      chunk_tokens=16, args=args, shape="tiny", plot=str(plot))
+                      schedules=schedules, args=args, shape="tiny", plot=str(plot))
     assert r["same_tokens"] and len(r["long_prompts"]) == 2 and plot.stat().st_size > 10_000
     assert list(r["rates"][50]) == list(L.SERVE_SCHEDULES)
     for x in r["rates"][50].values():
