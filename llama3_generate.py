@@ -1618,8 +1618,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
-SERVE_SCHEDULES = {"prefill-first": (False, None), "prefill-first, chunked": (False, 2048),
-                   "mixed, chunked": (True, 2048)}  # (mixed, chunk_tokens): 05's Scheduler options
+SERVE_SCHEDULES = {"prefill-first": (False, None), "prefill-first, chunked": (False, 4096),
+                   "mixed, chunked": (True, 4096)}  # (mixed, chunk_tokens): 05's Scheduler options
 
 
 def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
@@ -1654,8 +1654,8 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
                 tpot_p99_ms=pct(tpot, 99), outputs=engine.run())
 
 
-def bench_serve(device="cuda", rates=(8, 16, 32, 64), n_seqs=160, lengths=(100, 1024), long=(8192, 16384),
-                long_prompts=4, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
+def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
+                long_prompts=8, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
                 log=lambda msg: None) -> dict:
     """Issue 34's latency benchmark: Poisson arrivals at each rate, prompt and output lengths as --bench-engine's
     draw (uniform in [100, 1024]) with long_prompts of the prompts 8k-16k tokens; prefill-first, prefill-first
@@ -1704,8 +1704,9 @@ def serve_plot(r: dict, path: str):
         for ax, key in zip(axes, ("itl_p99_ms", "ttft_p99_ms")):
             ax.plot(rates, [r["rates"][q][name][key] for q in rates], marker="o", label=name)
     for ax, title in zip(axes, ("inter-token latency p99 (ms)", "time to first token p99 (ms)")):
-        ax.set(xlabel="request rate (req/s, Poisson)", title=title, xscale="log", yscale="log")
-        ax.set_xticks(rates, [str(q) for q in rates])
+        ax.set(xlabel="request rate (req/s, Poisson)", title=title, xscale="log", ylim=(0, None))
+        ax.set_xticks(rates, [str(q) for q in rates], minor=False)
+        ax.set_xticks([], minor=True)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{r['requests']} requests on a random {r['shape']} (bf16), {len(r['long_prompts'])} of them "
