@@ -297,17 +297,27 @@ def test_gpu_engine_paths(checkpoints, refs, prompts, flags, capsys):
 
 @gpu
 def test_gpu_streaming_prints_the_completion(checkpoints, refs, capsys):
-    """A single completion streams to stdout; with --quiet the process prints it and nothing else, on either stream
-    (its own process: whatever Python, torch or Triton would print at start-up shows)."""
+    """A single completion streams to stdout; with --quiet it is all the CLI prints."""
     ref = refs("gqa4", "meta", "cuda")
     out = ref.greedy(PROMPTS[4:5])[0]
     want = ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n"
-    _, err, stdout = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), PROMPTS[4],
-                         device="cuda", capsys=capsys)
+    argv = ("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW))
+    _, err, stdout = cli(*argv, PROMPTS[4], device="cuda", capsys=capsys)
     assert stdout == want and "warm-up" in err and "decode" in err
-    _, err, stdout = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), "--quiet",
-                         PROMPTS[4], device="cuda")
+    _, err, stdout = cli(*argv, "--quiet", PROMPTS[4], device="cuda", capsys=capsys)
     assert stdout == want and err == ""
+
+
+@gpu
+def test_gpu_cli_process_is_quiet_and_seeded(checkpoints, capsys):
+    """`python llama3_generate.py` as a process of its own (the GPU suite's one: each pays for starting Python, torch,
+    Triton and torch.compile): with --quiet it prints the completions (several: one JSON string per line) and nothing
+    else on either stream, a warning at start-up included; seeded bf16 sampling draws what this process drew."""
+    argv = ("--model", checkpoints["smol"][0]["hf"], "--quiet", "--dtype", "bfloat16", "--temperature", "1.0", "--n",
+            "3", "--seed", "7", "--max-new-tokens", "16", *PROMPTS[:2])
+    _, _, here = cli(*argv, device="cuda", capsys=capsys)
+    _, err, there = cli(*argv, device="cuda")
+    assert there == here and len(there.splitlines()) == 6 and err == ""
 
 
 @gpu
@@ -347,8 +357,7 @@ def test_gpu_bf16_backends(checkpoints, refs, backend, flags, capsys):
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype, capsys):
-    """One-step decode paths: a regex, a JSON schema (jump-forward), temperature sampling with --n; seeded: a fresh
-    process samples what this one did."""
+    """One-step decode paths: a regex, a JSON schema (jump-forward), temperature sampling with --n; seeded."""
     model = checkpoints["smol"][0]["hf"]
     pattern = r"(yes|no), [a-z]{2,8}\."
     outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--regex", pattern, "--n", "2", "--temperature",
@@ -366,7 +375,7 @@ def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype, capsys):
             v = json.loads(o["text"])
             assert isinstance(v["ok"], bool) and isinstance(v["n"], int), o
     runs = [cli("--model", model, "--json", "--dtype", dtype, "--temperature", "1.0", "--n", "3", "--seed", "7",
-                "--max-new-tokens", "16", *PROMPTS[:2], device="cuda", capsys=here)[0] for here in (capsys, None)]
+                "--max-new-tokens", "16", *PROMPTS[:2], device="cuda", capsys=capsys)[0] for _ in range(2)]
     assert tokens(runs[0]) == tokens(runs[1]) and len(runs[0]) == 6  # seeded: reproducible
 
 

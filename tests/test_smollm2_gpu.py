@@ -23,14 +23,16 @@ BACKENDS = {"token": ("token",), "paged16": ("paged",), "paged256": ("paged", "-
 
 @pytest.fixture(scope="module", autouse=True)
 def load_once(smollm):
-    """Each CLI run here loads the model through load_model once per device and dtype: read and dequantised anew,
-    the 98 MB GGUF would cost seconds a run. The session's CPU copy (tokenizer, references) comes in first."""
-    loaded, load = {(L.default_model_path(), "cpu", torch.float32): smollm}, L.load_model
+    """The CLI runs here read the GGUF once: load_model(path, device, dtype) is its CPU load moved to device and
+    dtype, so each device and dtype gets a copy of the session's CPU model (read and dequantised anew, the 98 MB
+    file costs seconds a run)."""
+    loaded = {}
 
     def once(path=None, device="cpu", dtype=torch.float32):
-        key = (path or L.default_model_path(), str(device), dtype)
+        assert path in (None, L.default_model_path()), path
+        key = (str(device), dtype)
         if key not in loaded:
-            loaded[key] = load(path, device, dtype)
+            loaded[key] = copy.deepcopy(smollm[0]).to(device=device, dtype=dtype).eval(), smollm[1]
         return loaded[key]
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(L, "load_model", once)
