@@ -6,9 +6,9 @@ the same weights; bf16 tokens must be transformers' argmax up to bf16 noise.
 
 On CUDA (`pytest -m gpu`) every backend, dtype and engine path runs: multi-step and one-step decode, fused and
 unfused batch-1 decode, CUDA graphs and eager, preemption, radix hits, --n, --regex, --json-schema, streaming.
-There most runs call the CLI's `main(argv)` in this process (Triton kernels, torch.compile and CUDA init paid once
-per test run, not once per command), and a few run it as its own process. On a CPU a few cases run the same way
-(each format, two prompts), each as its own process."""
+There the runs call the CLI's `main(argv)` in this process (Triton kernels, torch.compile and CUDA init paid once
+per test run, not once per command), and one runs it as a process of its own. On a CPU a few cases run the same
+way (each format, two prompts), each as its own process."""
 import copy
 import json
 import os
