@@ -6,7 +6,10 @@ the same weights; bf16 tokens must be transformers' argmax up to bf16 noise.
 
 On CUDA (`pytest -m gpu`) every backend, dtype and engine path runs: multi-step and one-step decode, fused and
 unfused batch-1 decode, CUDA graphs and eager, preemption, radix hits, --n, --regex, --json-schema, streaming.
-On a CPU a few cases run the same way (each format, two prompts)."""
+There the runs call the CLI's `main(argv)` in this process (Triton kernels, torch.compile and CUDA init paid once
+per test run, not once per command), and one runs it as a process of its own. On a CPU a few cases run the same
+way (each format, two prompts), each as its own process."""
+import copy
 import json
 import os
 import re
@@ -156,23 +159,30 @@ def checkpoints(tmp_path_factory):
     return {shape: write_checkpoints(str(root), shape, seed + i) for i, shape in enumerate(SHAPES)}
 
 
-def cli(*argv, device, check=True):
-    """Run llama3_generate.py; returns (completions from --json: one dict per line, stderr)."""
-    cmd = [sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--device", device, *argv]
-    p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-    if check:
+def cli(*argv, device, capsys=None):
+    """Run the command line: `python llama3_generate.py ...` as its own process, or, given capsys, its main(argv) in
+    this one. Returns (completions from --json: one dict per line, stderr, stdout)."""
+    if capsys is not None:
+        L.main(["--device", device, *argv])  # an error exits (SystemExit): the test fails with its message
+        cap = capsys.readouterr()
+        out, err = cap.out, cap.err
+    else:
+        cmd = [sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--device", device, *argv]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert p.returncode == 0 and "Traceback" not in p.stderr, (argv, p.stderr[-3000:])
-    outs = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")] if "--json" in argv else None
-    return outs, p.stderr, p
+        out, err = p.stdout, p.stderr
+    outs = [json.loads(line) for line in out.splitlines() if line.startswith("{")] if "--json" in argv else None
+    return outs, err, out
 
 
 class Reference:
     """transformers' greedy generate on the same weights, prompt by prompt (batch 1, no padding), cut after the
-    first stop token; prompt ids from our tokenizer (the one the CLI uses) of that checkpoint."""
+    first stop token; prompt ids from our tokenizer (the one the CLI uses) of that checkpoint. hf: transformers'
+    model on `device`, memo: its answers so far, both shared by the formats of one shape (same weights)."""
 
-    def __init__(self, path, hf, device):
+    def __init__(self, path, hf, device, memo):
         self.model, self.tok = L.load_model(path)  # CPU: tokenizer and the prompt encoding the CLI applies
-        self.hf, self.device = hf.to(device), device
+        self.hf, self.device, self.memo = hf, device, memo
 
     def ids(self, prompts):
         return L.encode_prompts(self.tok, prompts, True, MAX_NEW, self.model.args.max_seq_len)
@@ -180,37 +190,40 @@ class Reference:
     def greedy(self, prompts, n=MAX_NEW):
         out = []
         for ids in self.ids(prompts):
-            x = torch.tensor([ids], device=self.device)
-            with torch.no_grad():
-                y = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                     eos_token_id=self.tok.stop_ids, pad_token_id=0)[0, len(ids):].tolist()
-            cut = next((i + 1 for i, t in enumerate(y) if t in self.tok.stop_ids), len(y))
-            out.append(y[:cut])
+            key = (tuple(ids), n, tuple(self.tok.stop_ids))
+            if key not in self.memo:
+                x = torch.tensor([ids], device=self.device)
+                with torch.no_grad():
+                    y = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
+                                         eos_token_id=self.tok.stop_ids, pad_token_id=0)[0, len(ids):].tolist()
+                self.memo[key] = y[:next((i + 1 for i, t in enumerate(y) if t in self.tok.stop_ids), len(y))]
+            out.append(self.memo[key])
         return out
 
     def near_argmax(self, prompts, outs, dtype, tol=0.15):
         """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype
         (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05)."""
-        hf = self.hf.to(dtype)
-        try:
-            for ids, out in zip(self.ids(prompts), outs):
-                x = torch.tensor([ids + out], device=self.device)
-                with torch.no_grad():
-                    ref = hf(x).logits[0, len(ids) - 1:-1].float()  # (len(out), vocab)
-                gap = ref.max(-1).values - ref[torch.arange(len(out)), torch.tensor(out, device=self.device)]
-                assert (gap <= tol * ref.std()).all(), (gap / ref.std()).max()
-        finally:
-            self.hf.float()
+        hf = copy.deepcopy(self.hf).to(dtype)  # a copy: rounding the shared model would change later fp32 answers
+        for ids, out in zip(self.ids(prompts), outs):
+            x = torch.tensor([ids + out], device=self.device)
+            with torch.no_grad():
+                ref = hf(x).logits[0, len(ids) - 1:-1].float()  # (len(out), vocab)
+            gap = ref.max(-1).values - ref[torch.arange(len(out)), torch.tensor(out, device=self.device)]
+            assert (gap <= tol * ref.std()).all(), (gap / ref.std()).max()
 
 
 @pytest.fixture(scope="module")
 def refs(checkpoints):
-    cache = {}
+    """refs(shape, fmt, device) -> Reference; transformers answers each prompt once per test run and device."""
+    cache, peers = {}, {}
 
     def get(shape, fmt, device):
         if (shape, fmt, device) not in cache:
             paths, hf = checkpoints[shape]
-            cache[shape, fmt, device] = Reference(paths[fmt], hf, device)
+            if (shape, device) not in peers:  # a copy per device: moving the one model would move it under others
+                peers[shape, device] = copy.deepcopy(hf).to(device), {}
+            peer, memo = peers[shape, device]
+            cache[shape, fmt, device] = Reference(paths[fmt], peer, device, memo)
         return cache[shape, fmt, device]
     return get
 
@@ -221,10 +234,10 @@ def tokens(outs):
     return [o["token_ids"] for o in outs]
 
 
-def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags):
+def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags, capsys=None):
     ref = refs(shape, fmt, device)
     outs, err, _ = cli("--model", checkpoints[shape][0][fmt], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
-                       *prompts, device=device)
+                       *prompts, device=device, capsys=capsys)
     assert tokens(outs) == ref.greedy(prompts), (shape, fmt, flags)
     return outs, err
 
@@ -244,19 +257,19 @@ gpu = pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_gpu_token_backend_every_format(checkpoints, refs, shape, fmt):
+def test_gpu_token_backend_every_format(checkpoints, refs, shape, fmt, capsys):
     """The default backend (token pool, 04's kernels, CUDA graphs, multi-step; the last sequence fused batch-1)."""
-    check_greedy(checkpoints, refs, shape, fmt, "cuda", PROMPTS)
+    check_greedy(checkpoints, refs, shape, fmt, "cuda", PROMPTS, capsys=capsys)
 
 
 @gpu
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("flags", [("paged",), ("paged", "--block-size", "256"), ("contiguous",)],
                          ids=["paged16", "paged256", "contiguous"])
-def test_gpu_other_backends(checkpoints, refs, shape, flags):
+def test_gpu_other_backends(checkpoints, refs, shape, flags, capsys):
     """Paged (04's kernel with 16- and 256-slot pages: fp32 leaves flash-attn out) and contiguous (a row as one
     page), through the same CUDA graphs and multi-step decoding as the token backend."""
-    check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", *flags)
+    check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", *flags, capsys=capsys)
 
 
 @gpu
@@ -273,70 +286,82 @@ def test_gpu_other_backends(checkpoints, refs, shape, flags):
     (PROMPTS[:1] * 3, ("--n", "2", "--backend", "paged", "--block-size", "256")),
     (PROMPTS[:1] * 3, ("--n", "2", "--backend", "contiguous")),
 ])
-def test_gpu_engine_paths(checkpoints, refs, prompts, flags):
+def test_gpu_engine_paths(checkpoints, refs, prompts, flags, capsys):
     ref = refs("smol", "gguf", "cuda")
     outs, _, _ = cli("--model", checkpoints["smol"][0]["gguf"], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
-                     *prompts, device="cuda")
+                     *prompts, device="cuda", capsys=capsys)
     n = int(flags[1]) if flags[:1] == ("--n",) else 1
     expect = [r for r in ref.greedy(prompts) for _ in range(n)]
     assert tokens(outs) == expect, flags
 
 
 @gpu
-def test_gpu_streaming_prints_the_completion(checkpoints, refs):
+def test_gpu_streaming_prints_the_completion(checkpoints, refs, capsys):
+    """A single completion streams to stdout; with --quiet it is all the CLI prints."""
     ref = refs("gqa4", "meta", "cuda")
-    _, err, p = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), PROMPTS[4],
-                    device="cuda")
     out = ref.greedy(PROMPTS[4:5])[0]
-    assert p.stdout == ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n"
-    assert "warm-up" in err and "decode" in err
-    _, err, p = cli("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW), "--quiet",
-                    PROMPTS[4], device="cuda")
-    assert p.stdout == ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n" and err == ""
+    want = ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n"
+    argv = ("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW))
+    _, err, stdout = cli(*argv, PROMPTS[4], device="cuda", capsys=capsys)
+    assert stdout == want and "warm-up" in err and "decode" in err
+    _, err, stdout = cli(*argv, "--quiet", PROMPTS[4], device="cuda", capsys=capsys)
+    assert stdout == want and err == ""
+
+
+@gpu
+def test_gpu_cli_process_is_quiet_and_seeded(checkpoints, capsys):
+    """`python llama3_generate.py` as a process of its own (the GPU suite's one: each pays for starting Python, torch,
+    Triton and torch.compile): with --quiet it prints the completions (several: one JSON string per line) and nothing
+    else on either stream, a warning at start-up included; seeded bf16 sampling draws what this process drew."""
+    argv = ("--model", checkpoints["smol"][0]["hf"], "--quiet", "--dtype", "bfloat16", "--temperature", "1.0", "--n",
+            "3", "--seed", "7", "--max-new-tokens", "16", *PROMPTS[:2])
+    _, _, here = cli(*argv, device="cuda", capsys=capsys)
+    _, err, there = cli(*argv, device="cuda")
+    assert there == here and len(there.splitlines()) == 6 and err == ""
 
 
 @gpu
 @pytest.mark.parametrize("flags", [("token",), ("paged",), ("paged", "--preempt", "swap"),
                                    ("paged", "--block-size", "256", "--preempt", "swap")],
                          ids=["token", "paged16", "paged16-swap", "paged256-swap"])
-def test_gpu_small_pool_preempts(checkpoints, refs, flags):
+def test_gpu_small_pool_preempts(checkpoints, refs, flags, capsys):
     """A pool holding about two sequences: requests wait for room or are preempted (recompute, or swap: blocks to
     CPU memory and back into other blocks, the graphs' table rows rewritten), the pool fills, and the tokens do
     not change."""
     ref = refs("gqa4", "hf", "cuda")
     longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
     _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", *flags,
-                          "--kv-tokens", str(2 * longest + 16))
+                          "--kv-tokens", str(2 * longest + 16), capsys=capsys)
     assert int(re.search(r"peak KV use (\d+)%", err).group(1)) >= 80, err
 
 
 @gpu
-def test_gpu_shared_prefix_hits_the_radix_cache(checkpoints, refs):
+def test_gpu_shared_prefix_hits_the_radix_cache(checkpoints, refs, capsys):
     doc = "The quick brown fox jumps over the lazy dog. " * 10
     prompts = [doc + q for q in ("Who jumps?", "Who is lazy?", "What color is the fox?")]
-    _, err = check_greedy(checkpoints, refs, "smol", "hf", "cuda", prompts)
+    _, err = check_greedy(checkpoints, refs, "smol", "hf", "cuda", prompts, capsys=capsys)
     assert int(re.search(r"radix hit rate (\d+)%", err).group(1)) > 0, err
 
 
 @gpu
 @pytest.mark.parametrize("backend,flags", [("token", ()), ("paged", ("--block-size", "256")), ("contiguous", ())])
-def test_gpu_bf16_backends(checkpoints, refs, backend, flags):
+def test_gpu_bf16_backends(checkpoints, refs, backend, flags, capsys):
     """bf16 on every backend (paged with 256-token blocks: flash-attn's paged kernel where installed)."""
     ref = refs("gqa4", "gguf", "cuda")
     outs, _, _ = cli("--model", checkpoints["gqa4"][0]["gguf"], "--json", "--dtype", "bfloat16", "--backend", backend,
-                     "--max-new-tokens", str(MAX_NEW), *flags, *PROMPTS, device="cuda")
+                     "--max-new-tokens", str(MAX_NEW), *flags, *PROMPTS, device="cuda", capsys=capsys)
     assert len(outs) == len(PROMPTS)
     ref.near_argmax(PROMPTS, [[t for t in o if t not in ref.tok.stop_ids] for o in tokens(outs)], torch.bfloat16)
 
 
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype):
+def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype, capsys):
     """One-step decode paths: a regex, a JSON schema (jump-forward), temperature sampling with --n; seeded."""
     model = checkpoints["smol"][0]["hf"]
     pattern = r"(yes|no), [a-z]{2,8}\."
     outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--regex", pattern, "--n", "2", "--temperature",
-                     "0.9", "--max-new-tokens", "32", *PROMPTS[:3], device="cuda")
+                     "0.9", "--max-new-tokens", "32", *PROMPTS[:3], device="cuda", capsys=capsys)
     assert len(outs) == 6
     for o in outs:
         assert o["finish_reason"] == "length" or re.fullmatch(pattern, o["text"]), o
@@ -344,13 +369,13 @@ def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype):
     schema.write_text(json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"},
                                                                    "n": {"type": "integer"}}, "required": ["ok", "n"]}))
     outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--json-schema", str(schema), "--max-new-tokens",
-                     "48", *PROMPTS[:2], device="cuda")
+                     "48", *PROMPTS[:2], device="cuda", capsys=capsys)
     for o in outs:
         if o["finish_reason"] != "length":
             v = json.loads(o["text"])
             assert isinstance(v["ok"], bool) and isinstance(v["n"], int), o
     runs = [cli("--model", model, "--json", "--dtype", dtype, "--temperature", "1.0", "--n", "3", "--seed", "7",
-                "--max-new-tokens", "16", *PROMPTS[:2], device="cuda")[0] for _ in range(2)]
+                "--max-new-tokens", "16", *PROMPTS[:2], device="cuda", capsys=capsys)[0] for _ in range(2)]
     assert tokens(runs[0]) == tokens(runs[1]) and len(runs[0]) == 6  # seeded: reproducible
 
 

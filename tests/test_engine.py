@@ -314,13 +314,19 @@ def test_warm_up_leaves_no_trace(graphs):
     assert outs[0] == outs[1] and list(outs[1][0]) == [0, 1, 2]
 
 
+@pytest.fixture(scope="module")
+def llama_1b():
+    """A random Llama-3.2-1B shape in bf16 on the GPU and transformers' model on the same weights, built once."""
+    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
+    return model, L.to_transformers(model)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,max_batch", [("token", 4), ("token", 1), ("paged", 4), ("contiguous", 4)])
-def test_gpu_bf16_decode_matches_transformers(backend, max_batch):
+def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
     """Random Llama-3.2-1B shape in bf16 (token backend: CUDA graphs, 04's kernel, multi-step; at batch 1
     fused_decode): every greedy token is transformers' argmax up to bf16 noise, and the prefill logits agree."""
-    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
-    hf = L.to_transformers(model)
+    model, hf = llama_1b
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 77, 300)]
