@@ -336,6 +336,19 @@ def test_gpu_small_pool_preempts(checkpoints, refs, flags, capsys):
 
 
 @gpu
+@pytest.mark.parametrize("backend", ["token", "paged", "contiguous"])
+def test_gpu_chunked_and_mixed_steps(checkpoints, refs, backend, capsys):
+    """Issue 34: chunked prefill (prefill-first and mixed steps, on 04's extend kernel over each backend's table)
+    gives transformers' tokens; the chat template the prompts share is a radix hit that chunks cut (token backend),
+    and a pool of about two sequences makes mixed steps hold back or preempt prompts part-way in."""
+    ref = refs("gqa4", "hf", "cuda")
+    longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
+    for flags in (("--chunk-tokens", "5"), ("--schedule", "mixed", "--chunk-tokens", "7"),
+                  ("--schedule", "mixed", "--chunk-tokens", "6", "--kv-tokens", str(2 * longest + 16))):
+        check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", backend, *flags, capsys=capsys)
+
+
+@gpu
 def test_gpu_shared_prefix_hits_the_radix_cache(checkpoints, refs, capsys):
     doc = "The quick brown fox jumps over the lazy dog. " * 10
     prompts = [doc + q for q in ("Who jumps?", "Who is lazy?", "What color is the fox?")]
