@@ -200,9 +200,10 @@ class Reference:
             out.append(self.memo[key])
         return out
 
-    def near_argmax(self, prompts, outs, dtype, tol=0.15):
+    def near_argmax(self, prompts, outs, dtype, tol=0.25):
         """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype
-        (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05)."""
+        (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05, and a near-tie
+        by up to 0.16 seen on an H100; a wrong token sits a whole std or more below)."""
         hf = copy.deepcopy(self.hf).to(dtype)  # a copy: rounding the shared model would change later fp32 answers
         for ids, out in zip(self.ids(prompts), outs):
             x = torch.tensor([ids + out], device=self.device)
