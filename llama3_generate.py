@@ -65,6 +65,7 @@ import json
 import math
 import os
 import pickle
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -882,9 +883,9 @@ class Engine:
     which keeps every decode step a pure, CUDA-graph-able batch. schedule="mixed" runs an admitting step with one
     decode token of every running sequence (SGLang's mixed steps, eager: running streams are not stalled by a
     prefill); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked prefill, 05).
-    Finished sequences retire into the radix cache. Admission lets in only prompts the pool can hold now; when decoding outgrows it,
-    02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
-    tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
+    Finished sequences retire into the radix cache. Admission lets in only prompts the pool can hold now; when
+    decoding outgrows it, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
+    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
     decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode. Every
     scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens), as it is made.
 
@@ -1045,7 +1046,8 @@ class Engine:
             return
         batch, positions = self._prepare(new)
         n_new = [s.n_new for s in batch]
-        ends = [s.kv_len + n == len(s.prompt) + len(s.output) for s, n in zip(batch, n_new)]  # False: a chunk short of its end
+        ends = [s.kv_len + n == len(s.prompt) + len(s.output)  # False: a chunk short of its prompt's end
+                for s, n in zip(batch, n_new)]
         if all(n == 1 for n in n_new) and all(ends) and self.graphs is not None:
             logits = self.graphs.forward(batch, positions)
         else:
@@ -1876,7 +1878,8 @@ def main(argv=None):
         hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
         mixed = f", mixed steps {rate('mixed')}" if st["mixed_tokens"] else ""
         ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
-        ttft = f"{ttft[0]:.0f} ms" if len(ttft) == 1 else f"{ttft[len(ttft) // 2]:.0f} / {ttft[-1]:.0f} ms (median / max)"
+        ttft = f"{ttft[0]:.0f} ms" if len(ttft) == 1 else \
+            f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
         print(f"[prefill {rate('prefill')}, decode {rate('decode')}{mixed}, first token after {ttft}, "
               f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
               f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
