@@ -885,9 +885,10 @@ class Engine:
     prefill); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked prefill, 05).
     Finished sequences retire into the radix cache. Admission lets in only prompts the pool can hold now; when
     decoding outgrows it, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
-    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
-    decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and multi-step decode. Every
-    scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens), as it is made.
+    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory).
+    The engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and
+    multi-step decode. Every scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens),
+    as it is made.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
     host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k
