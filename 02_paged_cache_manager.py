@@ -368,9 +368,12 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def missing(self) -> int:  # tokens its KV lacks
+        return len(self.prompt) + len(self.output) - self.kv_len
+
+    @property
     def n_new(self) -> int:  # tokens the next step feeds: all that its KV lacks, or a chunk of them
-        n = len(self.prompt) + len(self.output) - self.kv_len
-        return n if self.chunk is None else min(n, self.chunk)
+        return self.missing if self.chunk is None else min(self.missing, self.chunk)
 
 
 Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)

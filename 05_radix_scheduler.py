@@ -46,7 +46,8 @@ request waits longer than one chunk's step for its next token -- the report's la
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
 caching, chunked requests); Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
-Sarathi-Serve" (chunked prefill, stall-free batching); mini-sglang for the invariant style. Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
+Sarathi-Serve" (chunked prefill, stall-free batching); mini-sglang for the invariant style.
+Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
 """
 from __future__ import annotations
 
@@ -358,8 +359,8 @@ class Scheduler(P02.Scheduler):
         step = self.max_prefill_tokens if self.chunk_tokens is None else \
             self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
         if self.chunked is not None:  # a prompt part-way in goes first; it holds its KV and its lock already
-            r, rest = self.chunked, len(self.chunked.tokens) - self.chunked.kv_len  # rest: what its KV still lacks
-            r.chunk = max(1, step) if rest > step else None
+            r = self.chunked
+            r.chunk = max(1, step) if r.missing > step else None
             new, prefill, room = [r], r.n_new, room - 1
             if r.chunk is not None:
                 return new
@@ -439,7 +440,7 @@ class Scheduler(P02.Scheduler):
         """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
         still prefills or decodes (the engine calls this too, once per token of a multi-step chunk)."""
         r.kv_len += n
-        if r is self.chunked and r.kv_len >= len(r.tokens):  # its last chunk: it runs with the others from now on
+        if r is self.chunked and not r.missing:  # its last chunk: it runs with the others from now on
             self.chunked, r.chunk = None, None
         if self.tree is not None and len(r.prompt) > r.kv_len - n:
             self.cache_prompt(r)
@@ -478,7 +479,7 @@ class Scheduler(P02.Scheduler):
             raise RuntimeError("nothing can run: a waiting request does not fit next to the cached prefixes")
         batch, positions = self.prepare(self.running + new if self.mixed and new else new or self.running)
         n_new = [r.n_new for r in batch]
-        ends = [r.kv_len + n == len(r.tokens) for r, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
+        ends = [n == r.missing for r, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
         if forward is None:
             next_ids = [r.target[len(r.output)] if e else None for r, e in zip(batch, ends)]
         else:
@@ -605,8 +606,8 @@ def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, 
                 prompt_tokens=prompt_tokens, steps=s.stats["steps"], evicted_tokens=s.stats["evicted_tokens"])
 
 
-SCHEDULES = {"prefill-first": dict(mixed=False), "prefill-first, chunked": dict(mixed=False, chunked=True),
-             "mixed, chunked": dict(mixed=True, chunked=True)}
+SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, True),
+             "mixed, chunked": (True, True)}  # (mixed, chunked): the options compared here and in --bench-serve
 
 
 def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
@@ -617,15 +618,15 @@ def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
     shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
     long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
     out = {}
-    for name, opt in SCHEDULES.items():
+    for name, (mixed, chunked) in SCHEDULES.items():
         kv = T.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
-        s = Scheduler(kv, "fcfs", n_short + 1, reserve=False, mixed=opt["mixed"],
-                      chunk_tokens=chunk_tokens if opt.get("chunked") else None)
+        s = Scheduler(kv, "fcfs", n_short + 1, reserve=False, mixed=mixed,
+                      chunk_tokens=chunk_tokens if chunked else None)
         reqs = [s.add(p, len(o), target=o) for p, o in shorts]
         work, last, waits, steps, first_token = 0, {}, [], [], None
         while s.waiting or s.running or s.chunked or len(reqs) == n_short:
             if s.stats["steps"] == arrive:
-                reqs.append(s.add(*long_req[:1], len(long_req[1]), target=long_req[1]))
+                reqs.append(s.add(long_req[0], len(long_req[1]), target=long_req[1]))
                 t_arrive = work
             had, logged = [len(r.output) for r in reqs], len(s.events)
             s.step()

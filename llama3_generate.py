@@ -1047,8 +1047,7 @@ class Engine:
             return
         batch, positions = self._prepare(new)
         n_new = [s.n_new for s in batch]
-        ends = [s.kv_len + n == len(s.prompt) + len(s.output)  # False: a chunk short of its prompt's end
-                for s, n in zip(batch, n_new)]
+        ends = [n == s.missing for s, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
         if all(n == 1 for n in n_new) and all(ends) and self.graphs is not None:
             logits = self.graphs.forward(batch, positions)
         else:
@@ -1057,9 +1056,8 @@ class Engine:
             logits = self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
         next_ids = iter(self._sample([s for s, e in zip(batch, ends) if e], logits))  # the host sync of the step
         running = set(map(id, sched.running))
-        fed = dict(prefill=sum(n for s, n in zip(batch, n_new) if id(s) not in running))
-        fed["decode"] = sum(n_new) - fed["prefill"]
-        kind = "mixed" if fed["prefill"] and fed["decode"] else "prefill" if fed["prefill"] else "decode"
+        prefill = sum(n for s, n in zip(batch, n_new) if id(s) not in running)  # the rest: running ones' decode
+        kind = "decode" if not prefill else "prefill" if prefill == sum(n_new) else "mixed"
         self.stats[f"{kind}_s"] += time.perf_counter() - t0
         self.stats[f"{kind}_tokens"] += sum(n_new)
         self._advance(batch, n_new, [[next(next_ids)] if e else [] for e in ends], on_token)
@@ -1621,8 +1619,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
-SERVE_SCHEDULES = {"prefill-first": (False, None), "prefill-first, chunked": (False, 4096),
-                   "mixed, chunked": (True, 4096)}  # (mixed, chunk_tokens): 05's Scheduler options
+SERVE_SCHEDULES = {name: (mixed, 4096 if chunked else None)  # (mixed, chunk_tokens): 05's Scheduler options
+                   for name, (mixed, chunked) in R05.SCHEDULES.items()}
 
 
 def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
