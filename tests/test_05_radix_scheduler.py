@@ -211,13 +211,15 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
             next_ids.append(r.target[len(r.output)])
         return next_ids
 
-    def depth(node):
-        return 0 if node.parent is None else len(node.key) + depth(node.parent)
+    def key_of(node):
+        return () if node.parent is None else key_of(node.parent) + tuple(node.key)
 
     def check():
         s.check()
-        if s.chunked:  # its chunks are in the tree as they are computed, under its lock
-            assert depth(s.chunked.node) == min(s.chunked.kv_len, len(s.chunked.prompt))
+        if s.chunked:  # its chunks are in the tree as they are computed, under its lock (which may lie deeper: a
+            r = s.chunked  # preempted request recomputing its output matched some of that output in the tree)
+            locked = key_of(r.node)
+            assert locked == tuple(r.tokens[:len(locked)]) and min(r.kv_len, len(r.prompt)) <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
             assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
