@@ -1627,8 +1627,9 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     """Requests arrive at the given times (seconds from now) while the engine steps, as a server's would. What
     each user feels: time to first token (TTFT, from its arrival) and the gap between deliveries (a step that hands
     a request tokens, however many: inter-token latency as vLLM's bench_serving counts it; multi-step decoding
-    delivers up to 16 at once)."""
-    got, start, seen = set(), {}, {}
+    delivers up to 16 at once). itl_max_steps: what the longest gap was made of, [tokens fed by kind, ms] per step
+    and the time outside any step (arrivals queued, Python)."""
+    got, start, seen, steps = set(), {}, {}, []  # steps: (end, tokens fed by kind, seconds) each
     on_token = lambda sid, out: got.add(sid)
     t0, i = time.perf_counter(), 0
     while i < len(prompts) or engine.busy:
@@ -1639,20 +1640,28 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
         if not engine.busy:
             time.sleep(max(0.0, arrivals[i] - now))
             continue
+        fed, began = {k: engine.stats[f"{k}_tokens"] for k in ("prefill", "decode", "mixed")}, time.perf_counter()
         engine.step(on_token)
-        now = time.perf_counter() - t0
+        end = time.perf_counter()
+        now = end - t0
+        steps.append((now, ", ".join(f"{k} {engine.stats[f'{k}_tokens'] - n:,}" for k, n in fed.items()
+                                     if engine.stats[f"{k}_tokens"] > n) or "tokens in flight landed", end - began))
         for sid in got:
             seen.setdefault(sid, []).append(now)
         got.clear()
     pct = lambda xs, q: torch.tensor(xs, dtype=torch.float64).quantile(q / 100).item() * 1e3  # ms
     ttft = [seen[sid][0] - start[sid] for sid in start]
-    gaps = [b - a for d in seen.values() for a, b in zip(d, d[1:])]
+    gaps = [(b - a, a, b) for d in seen.values() for a, b in zip(d, d[1:])]
+    longest, a, b = max(gaps)
+    inside = [[fed, s * 1e3] for end, fed, s in steps if a < end <= b]  # what the longest gap was made of
+    gaps = [g for g, _, _ in gaps]
     tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
     out_tokens = sum(n for _, n in lens)
     return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
                 ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50),
-                itl_p99_ms=pct(gaps, 99), itl_max_ms=max(gaps) * 1e3, tpot_p50_ms=pct(tpot, 50),
-                tpot_p99_ms=pct(tpot, 99), outputs=engine.run())
+                itl_p99_ms=pct(gaps, 99), itl_max_ms=longest * 1e3, tpot_p50_ms=pct(tpot, 50),
+                tpot_p99_ms=pct(tpot, 99), outputs=engine.run(),
+                itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]])
 
 
 def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
@@ -1687,7 +1696,7 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
             runs[name] = serve_arrivals(e, prompts, lens, arrivals)
             e.reset()
             log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name].items()
-                                                      if k != "outputs"))
+                                                      if isinstance(v, float | int)))
         outs = [runs[name].pop("outputs") for name in runs]
         r["same_tokens"] = r.get("same_tokens", True) and all(o == outs[0] for o in outs)
     if plot:
@@ -1723,6 +1732,10 @@ def serve_report(r: dict) -> str:
         lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
                   f"{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
                   f"{x['tpot_p50_ms']:>10.2f} /{x['tpot_p99_ms']:>5.2f}" for name, x in runs.items()]
+    lines += ["the longest gap, steps inside it (tokens fed, ms) and the time outside any step:"]
+    lines += [f"{rate:>5}  {name:<23}{x['itl_max_ms']:>5.0f} ms = " + " + ".join(f"[{what}] {ms:.0f}" for what, ms in
+                                                                         x["itl_max_steps"])
+              for rate, runs in r["rates"].items() for name, x in runs.items()]
     return "\n".join(lines + [f"same tokens in every schedule: {r['same_tokens']}"])
 
 

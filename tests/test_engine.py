@@ -649,4 +649,7 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
     for x in r["rates"][50].values():
         assert x["requests"] == 10 and x["output_tok_s"] > 0
         assert x["ttft_p50_ms"] <= x["ttft_p99_ms"] and x["itl_p50_ms"] <= x["itl_p99_ms"] <= x["itl_max_ms"]
+        parts = x["itl_max_steps"]  # the longest gap's steps and the time outside them add up to it
+        assert len(parts) >= 2 and parts[-1][0] == "outside steps" and parts[-1][1] > -1e-6
+        assert abs(sum(ms for _, ms in parts) - x["itl_max_ms"]) < 1e-6 and all(ms > 0 for _, ms in parts[:-1])
     assert "same tokens in every schedule: True" in L.serve_report(r)
