@@ -17,6 +17,8 @@ NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 def test_notebook_runs(path):
     if "04_triton" in path and importlib.util.find_spec("triton") is None:
         pytest.skip("needs Triton (Linux only)")
+    if importlib.util.find_spec("ipykernel") is None:  # the python3 kernel the notebooks name
+        pytest.skip("needs a Jupyter kernel (pip install ipykernel)")
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
 
