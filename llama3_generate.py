@@ -289,6 +289,9 @@ def fuse_pointwise():
     """On a GPU, each of rms_norm, apply_rope and swiglu is a handful of tiny kernels; at batch 1 their launches
     cost more than the weights take to read. torch.compile fuses each into one kernel (the model is unchanged)."""
     global rms_norm, apply_rope, swiglu
+    # one graph each for every step shape: else a step of 1 token or 0 or 1 sampled rows, or of as many tokens as
+    # there are heads (equal sizes get one symbol), compiles anew mid-serving, a stall of every stream
+    torch.fx.experimental._config.backed_size_oblivious, torch.fx.experimental._config.use_duck_shape = True, False
     if not hasattr(rms_norm, "_torchdynamo_orig_callable"):
         rms_norm, apply_rope, swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, apply_rope, swiglu))
 
