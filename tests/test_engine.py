@@ -350,6 +350,32 @@ def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
 
 
 @pytest.mark.gpu
+def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b):
+    """A compile mid-serving stalls every stream (issue 34). After warm_up, steps of 1 token and of as many tokens
+    as the 1B shape has KV heads, heads, head dims or model width (8, 32, 64, 2,048), chunks of a lone prompt
+    (steps that sample no row) and mixed steps add no torch.compile graph (without fuse_pointwise's size settings
+    the lone chunks compile one more: tried on a CPU with the 1B shape's heads)."""
+    from torch._dynamo.utils import counters
+    model, _ = llama_1b
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    e = L.Engine(model, tok, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
+    e.warm_up(8)
+    graphs, g = counters["stats"]["unique_graphs"], torch.Generator().manual_seed(2)
+    prompt = lambda n: torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
+    for n in (1, 8, 32, 64, 2048):  # prefill-first: one prompt per step
+        e.add(prompt(n), L.SamplingParams(max_new_tokens=3, ignore_eos=True))
+        e.run()
+    e.sched.chunk_tokens = 50  # a prompt alone in chunks: steps that sample no row
+    e.add(prompt(300), L.SamplingParams(max_new_tokens=3, ignore_eos=True))
+    e.run()
+    e.sched.mixed = True
+    for n in (5, 300, 120):  # the later prompts in chunks of at most 50 tokens, beside the first one's decoding
+        e.add(prompt(n), L.SamplingParams(max_new_tokens=40, ignore_eos=True))
+    e.run()
+    assert e.stats["mixed_tokens"] > 0 and counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.gpu
 def test_gpu_fused_decode_matches_the_model():
     """bf16, random Llama-3.2-1B shape: fused_decode's logits and K/V against the plain model's, step by step."""
     model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
