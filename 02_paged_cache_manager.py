@@ -375,6 +375,10 @@ class Request:
     def n_new(self) -> int:  # tokens the next step feeds: all that its KV lacks, or a chunk of them
         return self.missing if self.chunk is None else min(self.missing, self.chunk)
 
+    @property
+    def samples(self) -> bool:  # the next step feeds all its KV lacks, so a token is sampled after it
+        return self.chunk is None or self.chunk >= self.missing
+
 
 Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)
 EVENTS = {  # kind: what `tokens` counts

@@ -470,6 +470,11 @@ class Scheduler(P02.Scheduler):
         if r is self.chunked:  # held back or preempted part-way: it starts over (from the tree, where there is one)
             self.chunked, r.chunk = None, None
 
+    def batch(self, new):
+        """This step's requests: the admitted ones (prefill-first), with every running one (mixed), or, when none
+        was admitted, the running ones."""
+        return self.running + new if self.mixed and new else new or self.running
+
     def step(self, forward=None):
         """One iteration: admit, allocate (02's prepare: evicting, holding back, preempting if short), run, cache.
         forward(tokens, positions, n_new) -> next token per request; None = simulation, where each request's next
@@ -477,9 +482,9 @@ class Scheduler(P02.Scheduler):
         new = self.admit()
         if not (new or self.running):
             raise RuntimeError("nothing can run: a waiting request does not fit next to the cached prefixes")
-        batch, positions = self.prepare(self.running + new if self.mixed and new else new or self.running)
+        batch, positions = self.prepare(self.batch(new))
         n_new = [r.n_new for r in batch]
-        ends = [n == r.missing for r, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
+        ends = [r.samples for r in batch]  # False: a chunk short of its prompt's end
         if forward is None:
             next_ids = [r.target[len(r.output)] if e else None for r, e in zip(batch, ends)]
         else:

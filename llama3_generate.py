@@ -1024,9 +1024,8 @@ class Engine:
         """Room in the KV pool for this step: the new sequences (prefill-first, vLLM's order; mixed: with every
         running one, SGLang's), else every running one; 02's prepare() evicts, holds back or preempts when memory
         is short. Returns (batch, positions)."""
-        running = self.sched.running
         try:
-            batch, positions = self.sched.prepare(running + new if new and self.sched.mixed else new or running)
+            batch, positions = self.sched.prepare(self.sched.batch(new))
         except OutOfBlocks as e:
             raise UserError(f"{e} (sequence ids are request ids)") from None
         ids = set(map(id, batch))  # tokens the running sequences hold, plus the new ones
@@ -1050,7 +1049,7 @@ class Engine:
             return
         batch, positions = self._prepare(new)
         n_new = [s.n_new for s in batch]
-        ends = [n == s.missing for s, n in zip(batch, n_new)]  # False: a chunk short of its prompt's end
+        ends = [s.samples for s in batch]  # False: a chunk short of its prompt's end
         if all(n == 1 for n in n_new) and all(ends) and self.graphs is not None:
             logits = self.graphs.forward(batch, positions)
         else:
@@ -1647,8 +1646,7 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
         engine.step(on_token)
         end = time.perf_counter()
         now = end - t0
-        steps.append((now, ", ".join(f"{k} {engine.stats[f'{k}_tokens'] - n:,}" for k, n in fed.items()
-                                     if engine.stats[f"{k}_tokens"] > n) or "tokens in flight landed", end - began))
+        steps.append((now, {k: engine.stats[f"{k}_tokens"] - n for k, n in fed.items()}, end - began))
         for sid in got:
             seen.setdefault(sid, []).append(now)
         got.clear()
@@ -1656,7 +1654,8 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     ttft = [seen[sid][0] - start[sid] for sid in start]
     gaps = [(b - a, a, b) for d in seen.values() for a, b in zip(d, d[1:])]
     longest, a, b = max(gaps)
-    inside = [[fed, s * 1e3] for end, fed, s in steps if a < end <= b]  # what the longest gap was made of
+    inside = [[", ".join(f"{k} {n:,}" for k, n in fed.items() if n) or "tokens in flight landed", s * 1e3]
+              for end, fed, s in steps if a < end <= b]  # what the longest gap was made of
     gaps = [g for g, _, _ in gaps]
     tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
     out_tokens = sum(n for _, n in lens)
