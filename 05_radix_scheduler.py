@@ -326,12 +326,17 @@ class Scheduler(P02.Scheduler):
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
         self.tree = RadixCache(kv.allocator) if radix else None
-        if chunk_tokens is not None and chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1 (or None), not {chunk_tokens}")
-        self.policy, self.reserve, self.mixed, self.max_prefill_tokens = policy, reserve, mixed, max_prefill_tokens
-        self.chunk_tokens, self.chunked = chunk_tokens, None  # chunked: the request whose prompt is part-way in
+        self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
+        self.set_schedule(mixed, chunk_tokens)
+        self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
         self.rng, self.n_req, self.min_new = random.Random(seed), 0, 1 << 62
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
+
+    def set_schedule(self, mixed: bool, chunk_tokens=None):
+        """The step's shape (see the class docstring); between runs, so one warm engine can serve under each."""
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 (or None), not {chunk_tokens}")
+        self.mixed, self.chunk_tokens = mixed, chunk_tokens
 
     def add(self, prompt, max_new, target=None, after=None, stop_ids=()):
         longest = len(prompt) + max_new - 1

@@ -1694,7 +1694,7 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
         arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()  # Poisson: exp. gaps
         runs = r["rates"][rate] = {}
         for name, (mixed, chunk_tokens) in schedules.items():
-            e.sched.mixed, e.sched.chunk_tokens = mixed, chunk_tokens
+            e.sched.set_schedule(mixed, chunk_tokens)
             runs[name] = serve_arrivals(e, prompts, lens, arrivals)
             e.reset()
             log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name].items()

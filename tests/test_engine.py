@@ -365,10 +365,10 @@ def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b):
     for n in (1, 8, 32, 64, 2048):  # prefill-first: one prompt per step
         e.add(prompt(n), L.SamplingParams(max_new_tokens=3, ignore_eos=True))
         e.run()
-    e.sched.chunk_tokens = 50  # a prompt alone in chunks: steps that sample no row
+    e.sched.set_schedule(False, 50)  # a prompt alone in chunks: steps that sample no row
     e.add(prompt(300), L.SamplingParams(max_new_tokens=3, ignore_eos=True))
     e.run()
-    e.sched.mixed = True
+    e.sched.set_schedule(True, 50)
     for n in (5, 300, 120):  # the later prompts in chunks of at most 50 tokens, beside the first one's decoding
         e.add(prompt(n), L.SamplingParams(max_new_tokens=40, ignore_eos=True))
     e.run()
