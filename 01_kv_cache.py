@@ -55,13 +55,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# -------- Attention over cached K/V: the reference every backend's PyTorch path calls -------------------
+# ---- The seam: the model hands each layer's q, k, v to a KV cache and never knows where they live -------
 
 def attend_dense(q, k, v):
     """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v (L, Hkv, D).
 
-    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H.
-    Every backend's PyTorch path gathers a request's K/V and calls this."""
+    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H."""
     n, L = q.shape[0], k.shape[0]
     mask = None
     if n > 1:
@@ -80,21 +79,85 @@ def attend_decode(q, k, v, seq_lens):
     return out[:, :, 0]
 
 
-TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}  # mean prompt / output tokens of the two public traces
-SCHEMES = ("max_len", "pow2", "oracle")
-CATEGORIES = ("live", "future", "internal", "external")
+def attend_table(q, k_pool, v_pool, table, rows, seq_lens, page: int = 1):
+    """Decode attention read through a table (the PyTorch twin of 04's kernel): q (B, H, D), one query per request;
+    k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): each request's table row and length."""
+    i = torch.arange(int(seq_lens.max()), device=q.device)            # (L,) columns past a length are stale
+    slots = table[rows.long()][:, i // page].long() * page + i % page  # (B, L)
+    return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, H, D)
 
 
-def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_seq_len: int = 2048, sigma: float = 1.0):
-    """Request lengths drawn from log-normals with ShareGPT-like or Alpaca-like means (no download).
+class KVCache:
+    """The seam between the model and its KV memory. Every backend (01 rows, 02 blocks, 03 token slots) is one:
 
-    Returns (prompt_lens, output_lens), int64 numpy arrays of n requests, each >= 1, prompt + output <= max_seq_len."""
-    mean_in, mean_out = TRACES[kind]
-    rng = np.random.default_rng(seed)
-    draw = lambda mean: rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)  # log-normal with that mean
-    prompt = np.clip(np.rint(draw(mean_in)), 1, max_seq_len // 2).astype(np.int64)
-    output = np.clip(np.rint(draw(mean_out)), 1, max_seq_len - prompt).astype(np.int64)
-    return prompt, output
+        positions = kv.prepare(seq_ids, n_new)  # before a forward: room for n_new[i] tokens of seq_ids[i]
+        out = kv.attend(layer, q, k, v)         # in every layer: store k, v; attend over all that is visible
+        kv.free(seq_id)                         # a request is done (or preempted)
+
+    All keep one picture, so one kernel (04) and one CUDA graph (the engine's) read them all: table row r's token i
+    lives in slot table[r, i // page] * page + i % page of layer_pools(layer) -- 01: a row is one page of
+    max_seq_len; 02: a block table, page = block size; 03: req_to_token, page 1. prepare() leaves the step here:
+    tok_slots (T,) where its tokens go, batch (rows, starts, n_new) on the host, batch_rows and batch_lens (B,)
+    on the device. A backend implements prepare, free, layer_pools, pad_row, used and capacity."""
+    page: int
+    table: torch.Tensor               # (rows, pages per row) int32
+    decode_attn = extend_attn = None  # 04's kernels (use_kernels); None: the PyTorch path through the table
+
+    def prepare(self, seq_ids, n_new) -> torch.Tensor:
+        """Room for n_new[i] more tokens of seq_ids[i], all or nothing (02's OutOfBlocks when full, nothing
+        changed); returns each new token's position in its request, (T,)."""
+        raise NotImplementedError
+
+    def free(self, seq_id):
+        """Drop a request's KV."""
+        raise NotImplementedError
+
+    def layer_pools(self, layer):
+        """K and V of one layer as flat pools of slots, (slots, n_kv_heads, head_dim) each."""
+        raise NotImplementedError
+
+    def pad_row(self) -> int:
+        """A table row of scratch slots for CUDA graphs' padding rows (they write there and read one token)."""
+        raise NotImplementedError
+
+    def used(self) -> int:
+        """KV slots taken now (reserved rows, whole blocks or single slots)."""
+        raise NotImplementedError
+
+    def capacity(self) -> int:
+        """KV slots in all."""
+        raise NotImplementedError
+
+    def room(self) -> int | None:
+        """Tokens new requests may take now without preempting anyone; None: only the number of rows limits."""
+        return None
+
+    def use_kernels(self, decode, extend=None):
+        """Attend through 04's Triton kernels (or any function of their signature): decode, and prefill (extend)."""
+        self.decode_attn, self.extend_attn = decode, extend
+
+    def bind_decode(self, slots, rows, lens):
+        """A CUDA graph's decode step: its static buffers (slots to write, table rows, lengths) become the step's
+        metadata, so that a replay reads what the host wrote into them."""
+        n = len(rows)
+        self.batch, self.tok_slots, self.batch_rows, self.batch_lens = ([0] * n, [0] * n, [1] * n), slots, rows, lens
+
+    def attend(self, layer, q, k, v):
+        kp, vp = self.layer_pools(layer)
+        kp[self.tok_slots], vp[self.tok_slots] = k, v  # the whole cache write: one scatter per step
+        rows, starts, n_new = self.batch
+        if all(n == 1 for n in n_new):  # decode: one query per request, batched
+            decode = self.decode_attn or attend_table
+            return decode(q, kp, vp, self.table, self.batch_rows, self.batch_lens, page=self.page)
+        if self.extend_attn is not None:  # prefill in one launch
+            return self.extend_attn(q, kp, vp, self.table, self.batch_rows, starts, n_new, page=self.page)
+        outs, t, P = [], 0, self.page
+        for r, p, n in zip(rows, starts, n_new):  # prefill: gather each request's slots, one request at a time
+            i = torch.arange(p + n, device=q.device)
+            idx = self.table[r, i // P].long() * P + i % P
+            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
+            t += n
+        return torch.cat(outs)
 
 
 # ---- Caching K and V: (a) none, (b) one request, (c) a batch through the model's seam ------------
@@ -124,15 +187,11 @@ class StaticKVCache:
         self.len = 0
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(KVCache):
     """gpt-fast's static cache for a batch: each request owns one row of max_seq_len slots, reserved up front.
 
-    k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim)
-
-    For a GPU's CUDA graphs (llama3_generate's CudaGraphDecoder) a row is also one page of max_seq_len slots in a
-    block table with one column: slot = row * max_seq_len + position, the page-size-P case of 02's table that
-    04's kernels read. The step's rows and lengths are device tensors (batch_rows, batch_lens, tok_slots).
-    """
+    k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim). A row is one page of max_seq_len
+    slots in a table of one column: slot = row * max_seq_len + position."""
 
     def __init__(self, n_layers, max_batch, max_seq_len, n_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
         shape = (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim)
@@ -142,18 +201,20 @@ class ContiguousKVCache:
         self.free_rows = list(range(max_batch))
         self.rows: dict = {}  # seq_id -> row
         self.lens = [0] * max_batch  # tokens stored in each row
-        self.page = max_seq_len   # a row is one page: the table below maps row r to page r
+        self.page = max_seq_len   # a row is one page: the table maps row r to page r
         self.table = torch.arange(max_batch, dtype=torch.int32, device=device)[:, None]  # (max_batch, 1)
-        self.decode_attn = None   # 04's token_decode_attention(page=max_seq_len) on a GPU; None: attend_decode
-        self.extend_attn = None   # 04's token_extend_attention likewise; None: attend_dense per request
 
     def layer_pools(self, layer):
-        """(max_batch * max_seq_len, n_kv_heads, head_dim) K and V of one layer: slot = row * max_seq_len + pos."""
-        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)
+        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)  # slot = row * max_seq_len + i
 
     def pad_row(self) -> int:
-        """A row for CUDA graphs' padding: batch entries that write their K/V there and read one token of it."""
         return self.free_rows.pop()
+
+    def used(self) -> int:
+        return len(self.rows) * self.max_seq_len
+
+    def capacity(self) -> int:
+        return self.k_cache.shape[1] * self.max_seq_len
 
     @classmethod
     def for_model(cls, model, max_batch: int, max_seq_len: int | None = None):
@@ -167,7 +228,8 @@ class ContiguousKVCache:
             raise ValueError(f"duplicate request ids in one batch: {list(seq_ids)}")
         new = [s for s in seq_ids if s not in self.rows]
         if len(new) > len(self.free_rows):
-            raise ValueError(f"no free cache row for request {new[len(self.free_rows)]}: all {len(self.rows)} rows are reserved")
+            raise ValueError(f"no free cache row for request {new[len(self.free_rows)]}: "
+                             f"all {len(self.rows)} rows are reserved")
         for s, n in zip(seq_ids, n_new):
             have = self.lens[self.rows[s]] if s in self.rows else 0
             if have + n > self.max_seq_len:
@@ -180,33 +242,11 @@ class ContiguousKVCache:
         self.batch = (rows, starts, list(n_new))
         tok_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(n_new))
         self.tok_slots = (tok_rows * self.max_seq_len + positions).to(self.device)  # (T,) flat slot of each token
-        self.tok_pos = positions.to(self.device)
-        self.batch_rows, self.batch_lens = torch.tensor(  # (B,) each: what decode_attn reads, in one copy
+        self.batch_rows, self.batch_lens = torch.tensor(  # (B,) each, in one copy
             [rows, [p + n for p, n in zip(starts, n_new)]], dtype=torch.int32).to(self.device)
         for r, n in zip(rows, n_new):
             self.lens[r] += n
-        return self.tok_pos
-
-    def attend(self, layer, q, k, v):
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-        k_pool, v_pool = self.layer_pools(layer)
-        k_pool[self.tok_slots] = k  # the whole cache update: write this step's k, v at their slots
-        v_pool[self.tok_slots] = v
-        rows, starts, n_new = self.batch
-        if all(n == 1 for n in n_new) and self.decode_attn is not None:  # a GPU kernel; CUDA graphs replay this
-            return self.decode_attn(q, k_pool, v_pool, self.table, self.batch_rows, self.batch_lens, page=self.page)
-        if all(n == 1 for n in n_new):  # decode: one query per request, batched over a length mask
-            L = max(starts) + 1
-            sel = slice(rows[0], rows[0] + 1) if len(rows) == 1 else torch.tensor(rows, device=q.device)  # alone: a view
-            return attend_decode(q, k_cache[sel, :L], v_cache[sel, :L], self.tok_pos + 1)  # (B, L, Hkv, D) rows
-        if self.extend_attn is not None:  # prefill in one launch
-            return self.extend_attn(q, k_pool, v_pool, self.table, self.batch_rows, starts, n_new, page=self.page)
-        # prefill: one request at a time
-        outs, t = [], 0
-        for r, p, n in zip(rows, starts, n_new):
-            outs.append(attend_dense(q[t:t + n], k_cache[r, :p + n], v_cache[r, :p + n]))
-            t += n
-        return torch.cat(outs)
+        return positions.to(self.device)
 
     def free(self, seq_id):
         row = self.rows.pop(seq_id)
@@ -259,6 +299,23 @@ def step_ms(model, position: int, cached: bool, repeats: int = 3) -> float:
 
 
 # ---- Where the reserved memory goes --------------------------------------------------------------
+
+TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}  # mean prompt / output tokens of the two public traces
+SCHEMES = ("max_len", "pow2", "oracle")
+CATEGORIES = ("live", "future", "internal", "external")
+
+
+def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_seq_len: int = 2048, sigma: float = 1.0):
+    """Request lengths drawn from log-normals with ShareGPT-like or Alpaca-like means (no download).
+
+    Returns (prompt_lens, output_lens), int64 numpy arrays of n requests, each >= 1, prompt + output <= max_seq_len."""
+    mean_in, mean_out = TRACES[kind]
+    rng = np.random.default_rng(seed)
+    draw = lambda mean: rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)  # log-normal with that mean
+    prompt = np.clip(np.rint(draw(mean_in)), 1, max_seq_len // 2).astype(np.int64)
+    output = np.clip(np.rint(draw(mean_out)), 1, max_seq_len - prompt).astype(np.int64)
+    return prompt, output
+
 
 def reservation(scheme: str, prompt, output, max_seq_len: int):
     """Slots each request reserves at admission."""

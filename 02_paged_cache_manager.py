@@ -216,8 +216,8 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
     return torch.cat(outs)
 
 
-class PagedKVCache:
-    """The paged backend for llama3_generate's seam: prepare(seq_ids, n_new) -> positions, attend, free.
+class PagedKVCache(kv01.KVCache):
+    """The paged backend behind 01's seam (KVCache): prepare(seq_ids, n_new) -> positions, attend, free.
 
     The block tables live on the device as well, one fixed row per sequence: table (max_seqs, max_blocks) int32,
     what flash-attn and 04's kernels read, and what the engine's CUDA graphs capture. The BlockManager stays the
@@ -240,7 +240,6 @@ class PagedKVCache:
         self.rows = {}            # seq_id -> its row of self.table
         self.written = {}         # row -> (blocks the device row holds, the last of them): what the next write skips
         self.lens = self.manager.num_tokens  # seq_id -> tokens stored (the manager's own dict)
-        self.decode_attn = self.extend_attn = None  # 04's kernels with page=block_size (the engine, on CUDA)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw):
@@ -274,7 +273,6 @@ class PagedKVCache:
         self.tok_slots = self.table[per_token(row_t), positions // B].long() * B + positions % B  # (T,) flat slot
         self.batch = (rows, starts, list(n_new))
         self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what the kernels read
-        self.max_blocks = cdiv(max(p + n for p, n in zip(starts, n_new)), B) if rows else 0  # the eager paths' width
         return positions
 
     def pad_row(self) -> int:
@@ -303,19 +301,27 @@ class PagedKVCache:
             w = torch.tensor(where).to(self.device, non_blocking=True)  # (changes, 2)
             self.table[w[:, 0], w[:, 1]] = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
 
+    def used(self) -> int:
+        return (self.manager.num_blocks - self.manager.num_free) * self.block_size
+
+    def capacity(self) -> int:
+        return self.manager.num_blocks * self.block_size
+
+    def room(self) -> int:
+        return (self.manager.num_free - self.manager.watermark_blocks) * self.block_size  # above the watermark
+
     def attend(self, layer, q, k, v):
+        """01's attend (04's kernels, or PyTorch through the table), or flash-attn's paged kernels where they run:
+        decode (and a prefill without 04's extend kernel) with path="auto", everything with path="flash"."""
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
+        n_new = self.batch[2]
+        decode = all(n == 1 for n in n_new)
+        auto = flash_ok(k_cache) and (decode or self.extend_attn is None)
+        if not (self.path == "flash" or (self.path == "auto" and auto)):
+            return super().attend(layer, q, k, v)
         k_pool, v_pool = self.layer_pools(layer)
         k_pool[self.tok_slots], v_pool[self.tok_slots] = k, v        # write this step's k, v into their slots
-        rows, starts, n_new = self.batch
-        decode = all(n == 1 for n in n_new)
-        flash = self.path == "flash" or (self.path == "auto" and flash_ok(k_cache) and decode)
-        if not flash and self.decode_attn is not None and decode:  # 04's Triton kernels read the table as it is
-            return self.decode_attn(q, k_pool, v_pool, self.table, self.batch_rows, self.batch_lens, page=self.page)
-        if not flash and self.extend_attn is not None and not decode:
-            return self.extend_attn(q, k_pool, v_pool, self.table, self.batch_rows, starts, n_new, page=self.page)
-        # flash-attn gets the full width (the same in every CUDA graph); PyTorch gathers only the blocks in use
-        table = self.table[self.batch_rows.long()] if flash else self.table[self.batch_rows.long(), :self.max_blocks]
+        table = self.table[self.batch_rows.long()]  # the full width: the same in every CUDA graph
         return paged_attention(q, k_cache, v_cache, table, self.batch_lens, n_new, self.path)
 
     def free(self, seq_id):
@@ -360,7 +366,6 @@ class Request:
         self.output = []                 # token ids generated so far
         self.kv_len = 0                  # tokens[:kv_len] have K/V in the backend
         self.in_kv = False               # the backend holds a row (or block table) for it
-        self.chunk = None                # chunked prefill (05): the next step feeds at most this many tokens
         self.done = False
 
     @property
@@ -372,12 +377,17 @@ class Request:
         return len(self.prompt) + len(self.output) - self.kv_len
 
     @property
-    def n_new(self) -> int:  # tokens the next step feeds: all that its KV lacks, or a chunk of them
-        return self.missing if self.chunk is None else min(self.missing, self.chunk)
+    def n_new(self) -> int:  # tokens the next step feeds (05's chunked prefill feeds a part)
+        return self.missing
 
     @property
     def samples(self) -> bool:  # the next step feeds all its KV lacks, so a token is sampled after it
-        return self.chunk is None or self.chunk >= self.missing
+        return True
+
+    def append(self, token):
+        """A sampled token; it may end the request (the engine's requests add constraints and jump-forward)."""
+        self.output.append(token)
+        self.done = token in self.stop_ids or len(self.output) >= self.max_new
 
 
 Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)
@@ -390,12 +400,17 @@ EVENTS = {  # kind: what `tokens` counts
 
 
 class Scheduler:
-    """Continuous batching (nano-vllm's scheduler, cut down). Each step either prefills the requests admit() lets in,
-    or decodes one token of every running request (vLLM's prefill-first order). When the pool cannot hold a step,
-    prepare() first lets make_room() free something (05 evicts cached prefixes there), then holds the newest admitted
-    request back, then preempts the newest running one: recompute (free its KV now, prefill prompt + output so far
-    later) or swap (copy its blocks to CPU memory, copy them back when they fit). 05's Scheduler and the engine in
-    llama3_generate.py are this class with another admit().
+    """Continuous batching (nano-vllm's scheduler, cut down): the one step loop of 02, 05 and the engine.
+
+        batch, positions = sched.schedule()       # admit(), then room in the KV for the step (prepare)
+        ids = forward(batch, tokens, positions)   # the model (or a stand-in): a next token per request
+        sched.postprocess(batch, ids)             # append, finish, keep running or requeue
+
+    Each step either prefills the requests admit() lets in, or decodes one token of every running request (vLLM's
+    prefill-first order; 05 adds mixed steps). When the pool cannot hold a step, prepare() first lets make_room()
+    free something (05 evicts cached prefixes there), then holds the newest admitted request back, then preempts the
+    newest running one: recompute (free its KV now, prefill prompt + output so far later) or swap (copy its blocks
+    to CPU memory, copy them back when they fit). 05's Scheduler is this class with another admit().
 
     Every decision is logged to `events` as it is made: Event(step, kind, rid, tokens), kinds in EVENTS (step: the
     forward it belongs to, counting from 0). A tuple appended per request and step: cheap enough to stay on."""
@@ -404,13 +419,23 @@ class Scheduler:
         """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to simulate a trace
         without tensors; swap needs swap_out / swap_in (PagedKVCache)."""
         self.m = kv if isinstance(kv, BlockManager) else getattr(kv, "manager", None)
-        if preempt not in ("recompute", "swap") or (preempt == "swap" and not hasattr(kv, "swap_out")):
+        if preempt not in ("recompute", "swap") or (preempt == "swap" and not isinstance(kv, PagedKVCache)):
             raise ValueError(f"preempt must be 'recompute' or 'swap' (swap needs a PagedKVCache), not {preempt!r}")
         self.kv, self.max_running, self.preempt_mode = kv, max_running, preempt
         self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
         self.stats = dict(preemptions=0, steps=0)
         self.events = []      # Event per scheduling decision
-        self.decode_log = []  # (running, live tokens, used blocks, anyone waiting) per decode step
+        self.decode_log = []  # (running, live tokens, used blocks, anyone waiting) per decode step (a BlockManager)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def reset(self):
+        """Forget the last run: counters, events, finished requests (between runs of one warm engine)."""
+        assert not self.busy, "reset() between runs"
+        self.stats = dict.fromkeys(self.stats, 0)
+        self.events, self.finished, self.decode_log = [], [], []
 
     def swap_in(self):
         """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again)."""
@@ -438,6 +463,23 @@ class Scheduler:
 
     def log(self, kind, req, tokens):
         self.events.append(Event(self.stats["steps"], kind, None if req is None else req.rid, tokens))
+
+    def batch(self, new):
+        """This step's requests: the admitted ones (prefill-first), else the running ones (05 adds mixed steps)."""
+        return new or self.running
+
+    def schedule(self, new=None):
+        """This step's batch, with room in the KV: (batch, positions). new: what admit() let in (None: admit now)."""
+        new = self.admit() if new is None else new
+        if not (new or self.running):
+            n = self.waiting[0].n_new if self.waiting else self.swapped[0][0].kv_len if self.swapped else 0
+            raise OutOfBlocks(f"nothing can run: a request of {n} tokens cannot fit next to what the pool holds")
+        batch, positions = self.prepare(self.batch(new))
+        if batch is self.running and self.m is not None:
+            live = sum(self.m.num_tokens[r.rid] for r in batch)
+            busy = bool(self.waiting or self.swapped)
+            self.decode_log.append((len(batch), live, self.m.num_blocks - self.m.num_free, busy))
+        return batch, positions
 
     def prepare(self, batch):
         """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one list). When
@@ -488,33 +530,58 @@ class Scheduler:
             self.kv.free(req.rid)
         req.kv_len, req.in_kv = 0, False
 
-    def run(self, forward):
-        """forward(batch, n_new, positions) -> next token per request. Returns the outputs in rid order."""
-        while self.waiting or self.running or self.swapped:
-            new = self.admit()
-            if not (new or self.running):
-                n, m = (self.waiting[0].n_new if self.waiting else self.swapped[0][0].kv_len), self.m
-                raise OutOfBlocks(f"a request of {n} tokens cannot fit: {m.num_blocks} blocks of {m.block_size}, "
-                                  f"watermark {m.watermark_blocks}")
-            batch, positions = self.prepare(new or self.running)
-            n_new = [r.n_new for r in batch]
-            if batch is self.running:
-                m, anyone_waiting = self.m, bool(self.waiting or self.swapped)
-                live = sum(m.num_tokens[r.rid] for r in batch)
-                self.decode_log.append((len(batch), live, m.num_blocks - m.num_free, anyone_waiting))
-            else:
-                self.running += batch
-            kind = "decode" if batch is self.running else "prefill"
-            for r, n, t in zip(list(batch), n_new, forward(batch, n_new, positions)):
-                r.kv_len += n
-                r.output.append(t)
+    def computed(self, req, n: int):
+        """req's KV now holds n more tokens (05 also caches its prompt in the radix tree)."""
+        req.kv_len += n
+
+    def postprocess(self, batch, new_ids, steps: int = 1):
+        """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k ids after k decode
+        steps, each fed the one before; none after a chunk short of its prompt's end). Append them until the request
+        is done, then finish it, keep it running, or requeue it (jump-forward changed tokens in its KV)."""
+        was_running, stepped = set(map(id, self.running)), set(map(id, batch))
+        self.running = [r for r in self.running if id(r) not in stepped]  # prefill-first leaves the running be
+        for r, ids in zip(batch, new_ids):
+            n, held, k = r.n_new, r.kv_len, 0
+            kind = "decode" if id(r) in was_running else "prefill"
+            if not ids:  # part of a prompt in: the next step feeds the rest (05's chunked prefill)
+                self.computed(r, n)
                 self.log(kind, r, n)
-                if t in r.stop_ids or len(r.output) >= r.max_new:
-                    self.running.remove(r)
-                    self.release(r)
-                    self.finished.append(r)
-                    self.log("finish", r, len(r.output))
-            self.stats["steps"] += 1
+                continue
+            for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
+                self.computed(r, fed)
+                r.append(t)
+                k += 1
+                if r.done:
+                    break
+            self.log(kind, r, n + k - 1)  # tokens computed into its KV
+            if r.done:
+                self.finish(r)
+            elif r.in_kv:
+                self.running.append(r)
+            else:  # jump-forward re-tokenized tokens already in its KV: recompute them (05's tree keeps the rest)
+                self.log("requeue", r, held + n + k - 1)
+                self.waiting.appendleft(r)
+        self.stats["steps"] += steps
+
+    def finish(self, req):
+        self.release(req)
+        req.done = True
+        self.finished.append(req)
+        self.log("finish", req, len(req.output))
+
+    def step(self, forward):
+        """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a stand-in for
+        the model in the simulations; its value is ignored where a chunk ends short of its prompt's end)."""
+        batch, positions = self.schedule()
+        tokens = [t for r in batch for t in r.tokens[r.kv_len:r.kv_len + r.n_new]]
+        samples = [r.samples for r in batch]
+        ids = forward(batch, tokens, positions)
+        self.postprocess(batch, [[t] if s else [] for t, s in zip(ids, samples)])
+
+    def run(self, forward):
+        """Step until every request is done. Returns the outputs in rid order."""
+        while self.busy:
+            self.step(forward)
         return [r.output for r in sorted(self.finished, key=lambda r: r.rid)]
 
 
@@ -523,13 +590,17 @@ def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="re
     kv = PagedKVCache.for_model(model, num_blocks, block_size)
     sched = Scheduler(kv, max_running, preempt)
     sched.waiting.extend(Request(i, list(p), max_new_tokens, stop_ids) for i, p in enumerate(prompts))
+    return sched.run(greedy_forward(model, kv)), sched
+
+
+def greedy_forward(model, kv):
+    """The model as a scheduler's forward: one ragged forward, logits only at each request's last new token."""
     device = model.tok_embeddings.weight.device
 
-    def forward(batch, n_new, positions):
-        tokens = torch.tensor([t for r, n in zip(batch, n_new) for t in r.tokens[-n:]], device=device)
-        last = torch.tensor(n_new, device=device).cumsum(0) - 1  # logits only at each request's last token
-        return model(tokens, positions, kv, logits_at=last).argmax(-1).tolist()
-    return sched.run(forward), sched
+    def forward(batch, tokens, positions):
+        last = torch.tensor([r.n_new for r in batch], device=device).cumsum(0) - 1
+        return model(torch.tensor(tokens, device=device), positions, kv, logits_at=last).argmax(-1).tolist()
+    return forward
 
 
 def simulate(prompt_lens, output_lens, num_blocks, block_size=16, max_running=1024, watermark=0.01):
@@ -537,7 +608,7 @@ def simulate(prompt_lens, output_lens, num_blocks, block_size=16, max_running=10
     block manager alone allows. Returns the scheduler, holding its statistics."""
     sched = Scheduler(BlockManager(num_blocks, block_size, watermark), max_running)
     sched.waiting.extend(Request(i, [0] * int(p), int(o)) for i, (p, o) in enumerate(zip(prompt_lens, output_lens)))
-    sched.run(lambda batch, n_new, positions: [0] * len(batch))
+    sched.run(lambda batch, tokens, positions: [0] * len(batch))
     return sched
 
 

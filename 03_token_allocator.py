@@ -50,7 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-K01 = importlib.import_module("01_kv_cache")  # attend_dense / attend_decode: the reference attention
+K01 = importlib.import_module("01_kv_cache")  # KVCache: the seam and its attention through the table
 P02 = importlib.import_module("02_paged_cache_manager")  # OutOfBlocks: a token is a block of size 1
 
 
@@ -148,25 +148,14 @@ class ReqToTokenPool:
         self.free_rows.append(row)
 
 
-def torch_decode_attn(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page=1):
-    """Decode attention through req_to_token (the PyTorch path 04's Triton kernel replaces).
-
-    q (B, n_heads, head_dim) one query per request; k_pool, v_pool (size, n_kv_heads, head_dim) of one layer;
-    req_rows (B,) rows of req_to_token; seq_lens (B,) tokens each request sees, the new one included. page > 1:
-    req_to_token is a table of pages, token i at slot table[row, i // page] * page + i % page (02's block tables,
-    01's rows: the engine reads every backend this way)."""
-    i = torch.arange(int(seq_lens.max()), device=q.device)           # (L,) columns past a length are stale
-    slots = req_to_token[req_rows.long()][:, i // page].long() * page + i % page  # (B, L)
-    return K01.attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, n_heads, head_dim)
-
-
 class PoolExhausted(P02.OutOfBlocks):
     """prepare() found too few free slots or request rows; nothing was allocated, the caller may preempt and retry
     (02's Scheduler does: to it a slot is a block of one token)."""
 
 
-class TokenKVCache:
-    """The token-pool backend (prepare / attend / free): K/V live in slots anywhere in one shared pool."""
+class TokenKVCache(K01.KVCache):
+    """The token-pool backend behind 01's seam (prepare / attend / free): K/V live in slots anywhere in one pool;
+    req_to_token is 01's table with pages of one slot, so 01's attend reads it (04's kernels on a GPU)."""
 
     def __init__(self, n_layers, size, n_kv_heads, head_dim, max_requests, max_seq_len,
                  dtype=torch.float32, device="cpu"):
@@ -177,12 +166,19 @@ class TokenKVCache:
         self.req_to_token = self.req_pool.req_to_token           # (max_requests, max_seq_len) int32
         self.max_seq_len, self.device = max_seq_len, torch.device(device)
         self.rows, self.lens = {}, {}                            # seq_id -> row of req_to_token, tokens stored
-        self.decode_attn = torch_decode_attn                     # swap in 04's kernel: same signature
-        self.extend_attn = None  # prefill: None = gather + SDPA per request below; 04's token_extend_attention fits
         self.table, self.page = self.req_to_token, 1             # 02's block table with blocks of one slot
 
     def layer_pools(self, layer):
         return self.k_pool[layer], self.v_pool[layer]            # (size, n_kv_heads, head_dim) each
+
+    def used(self) -> int:
+        return self.allocator.size - self.allocator.available()
+
+    def capacity(self) -> int:
+        return self.allocator.size
+
+    def room(self) -> int:
+        return self.allocator.available()
 
     def pad_row(self) -> int:
         """A req_to_token row for CUDA graphs' padding: every entry is one scratch slot taken from the pool."""
@@ -230,21 +226,6 @@ class TokenKVCache:
         self.batch, self.tok_slots = (rows, starts, n_new), slots
         self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what decode_attn reads
         return pos
-
-    def attend(self, layer, q, k, v):
-        kp, vp = self.k_pool[layer], self.v_pool[layer]         # (size, n_kv_heads, head_dim)
-        kp[self.tok_slots], vp[self.tok_slots] = k, v           # the whole cache write: one scatter per step
-        rows, starts, n_new = self.batch
-        if all(n == 1 for n in n_new):                          # decode: one query per request, batched
-            return self.decode_attn(q, kp, vp, self.req_to_token, self.batch_rows, self.batch_lens)
-        if self.extend_attn is not None:                        # prefill in one launch, reading through the table
-            return self.extend_attn(q, kp, vp, self.req_to_token, self.batch_rows, starts, n_new)
-        outs, t = [], 0
-        for r, p, n in zip(rows, starts, n_new):
-            idx = self.req_to_token[r, :p + n].long()
-            outs.append(K01.attend_dense(q[t:t + n], kp[idx], vp[idx]))  # prefill: gather each request's slots
-            t += n
-        return torch.cat(outs)
 
     def slots(self, seq_id) -> torch.Tensor:
         """The request's slot indices in token order, LongTensor (len,) (e.g. to insert into a radix tree)."""

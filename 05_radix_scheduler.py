@@ -260,6 +260,15 @@ class Req(P02.Request):
         self.node = None        # the tree node it locks (its prefix, then its prompt)
         self.reserve = 0        # reserve=True: slots still reserved for its remaining steps
         self.admitted = 0       # admissions so far (> 1 after a preemption)
+        self.chunk = None       # chunked prefill: the next step feeds at most this many tokens
+
+    @property
+    def n_new(self) -> int:  # tokens the next step feeds: all that its KV lacks, or a chunk of them
+        return self.missing if self.chunk is None else min(self.missing, self.chunk)
+
+    @property
+    def samples(self) -> bool:  # the step feeds all its KV lacks, so a token is sampled after it
+        return self.chunk is None or self.chunk >= self.missing
 
     @property
     def ready(self) -> bool:  # `after` computed this prompt (a sibling sample), or finished (a follow-up turn)
@@ -329,8 +338,19 @@ class Scheduler(P02.Scheduler):
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
-        self.rng, self.n_req, self.min_new = random.Random(seed), 0, 1 << 62
+        self.seed, self.rng, self.n_req, self.min_new = seed, random.Random(seed), 0, 1 << 62
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
+
+    @property
+    def busy(self) -> bool:
+        return super().busy or self.chunked is not None
+
+    def reset(self):
+        """Forget the last run, its cached prefixes too (a warm engine's runs start alike)."""
+        super().reset()
+        if self.tree:
+            self.tree.evict(self.kv.capacity())
+        self.rng.seed(self.seed)
 
     def set_schedule(self, mixed: bool, chunk_tokens=None):
         """The step's shape (see the class docstring); between runs, so one warm engine can serve under each."""
@@ -340,9 +360,9 @@ class Scheduler(P02.Scheduler):
 
     def add(self, prompt, max_new, target=None, after=None, stop_ids=()):
         longest = len(prompt) + max_new - 1
-        if not prompt or max_new < 1 or longest > min(self.kv.allocator.size, self.kv.max_seq_len):
+        if not prompt or max_new < 1 or longest > min(self.kv.capacity(), self.kv.max_seq_len):
             raise ValueError(f"request of {len(prompt)} + {max_new} tokens cannot fit this pool "
-                             f"({self.kv.allocator.size} slots, max_seq_len {self.kv.max_seq_len})")
+                             f"({self.kv.capacity()} slots, max_seq_len {self.kv.max_seq_len})")
         r = Req(self.n_req, prompt, max_new, target, after, stop_ids)
         self.n_req, self.min_new = self.n_req + 1, min(self.min_new, max_new)  # every request needs >= max_new
         self.waiting.append(r)
@@ -351,9 +371,8 @@ class Scheduler(P02.Scheduler):
     def free_tokens(self):
         """KV tokens new requests may take now without preempting anyone: 03's free slots plus what the tree may
         evict, or 02's free blocks above its watermark; None where only max_running limits (01's reserved rows)."""
-        if hasattr(self.kv, "allocator"):
-            return self.kv.allocator.available() + (self.tree.evictable_size() if self.tree else 0)
-        return None if self.m is None else (self.m.num_free - self.m.watermark_blocks) * self.m.block_size
+        room = self.kv.room()
+        return None if room is None else room + (self.tree.evictable_size() if self.tree else 0)
 
     def admit(self):
         """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy, take them while
@@ -372,13 +391,13 @@ class Scheduler(P02.Scheduler):
         if room <= 0 or self.swapped or not self.waiting:
             return new
         if self.reserve:
-            budget = tree.evictable_size() + self.kv.allocator.available() - sum(r.reserve for r in self.running + new)
+            budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
             if budget < self.min_new:
                 return new  # nothing can be admitted: skip the matching
         else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
             budget = self.free_tokens()  # the running ones' next tokens first, and the rest of the chunked prompt
             budget = None if budget is None else budget - len(self.running) - prefill
-        block = self.m.block_size if self.m is not None else 1
+        block = self.kv.page  # 03's slot, 02's block (01 has no budget: its rows limit)
         ready = [r for r in self.waiting if r.ready]
         aware = tree is not None and self.policy in CACHE_AWARE
         if aware:
@@ -435,7 +454,7 @@ class Scheduler(P02.Scheduler):
         """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
         if self.tree is None:
             return 0
-        evicted = self.tree.evict(n_tokens - self.kv.allocator.available())
+        evicted = self.tree.evict(n_tokens - self.kv.room())
         self.stats["evicted_tokens"] += evicted
         if evicted:
             self.log("evict", None, evicted)
@@ -444,7 +463,7 @@ class Scheduler(P02.Scheduler):
     def computed(self, r, n):
         """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
         still prefills or decodes (the engine calls this too, once per token of a multi-step chunk)."""
-        r.kv_len += n
+        r.kv_len, r.reserve = r.kv_len + n, r.reserve - n
         if r is self.chunked and not r.missing:  # its last chunk: it runs with the others from now on
             self.chunked, r.chunk = None, None
         if self.tree is not None and len(r.prompt) > r.kv_len - n:
@@ -481,39 +500,11 @@ class Scheduler(P02.Scheduler):
         return self.running + new if self.mixed and new else new or self.running
 
     def step(self, forward=None):
-        """One iteration: admit, allocate (02's prepare: evicting, holding back, preempting if short), run, cache.
-        forward(tokens, positions, n_new) -> next token per request; None = simulation, where each request's next
-        token is read from its target."""
-        new = self.admit()
-        if not (new or self.running):
-            raise RuntimeError("nothing can run: a waiting request does not fit next to the cached prefixes")
-        batch, positions = self.prepare(self.batch(new))
-        n_new = [r.n_new for r in batch]
-        ends = [r.samples for r in batch]  # False: a chunk short of its prompt's end
-        if forward is None:
-            next_ids = [r.target[len(r.output)] if e else None for r, e in zip(batch, ends)]
-        else:
-            next_ids = forward([t for r, n in zip(batch, n_new) for t in r.tokens[r.kv_len:r.kv_len + n]], positions,
-                               n_new)
-        running = set(map(id, self.running))
-        for r, n, t, end in zip(batch, n_new, next_ids, ends):
-            r.reserve -= n
-            self.computed(r, n)
-            self.log("decode" if id(r) in running else "prefill", r, n)
-            if not end:
-                continue  # nothing to sample yet: the rest of its prompt comes next step
-            r.output.append(t)
-            r.done = len(r.output) >= r.max_new or t in r.stop_ids
-            if r.done:
-                self.release(r)  # its KV goes to the tree: prompt + output but the last token (never fed back)
-                self.log("finish", r, len(r.output))
-        keep = batch if batch is self.running or self.mixed and new else self.running + batch
-        self.running = [r for r in keep if not r.done and r is not self.chunked]
-        self.stats["steps"] += 1
-        return [r for r in batch if r.done]
+        """02's step; forward None: a simulation, where each request's next token is read from its target."""
+        super().step(forward or (lambda batch, tokens, positions: [r.target[len(r.output)] for r in batch]))
 
     def run(self, forward=None, check=False):
-        while self.waiting or self.running or self.swapped or self.chunked:
+        while self.busy:
             self.step(forward)
             if check:
                 self.check()
@@ -666,12 +657,8 @@ def generate_cached(model, prompts, max_new_tokens=32, sched=None, pool_size=409
     if sched is None:
         sched = Scheduler(T.TokenKVCache.for_model(model, pool_size, max_running), policy, max_running)
 
-    def forward(tokens, positions, n_new):  # one ragged forward: prefill chunks of the new + a token per running
-        last = torch.tensor(n_new, device=positions.device).cumsum(0) - 1  # logits at each request's last token
-        logits = model(torch.tensor(tokens, device=positions.device), positions, sched.kv, logits_at=last)
-        return logits.argmax(-1).tolist()
     reqs = [sched.add(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
-    sched.run(forward)
+    sched.run(P02.greedy_forward(model, sched.kv))  # prefill chunks of the new + a token per running, one forward
     return [r.output for r in reqs], sched
 
 

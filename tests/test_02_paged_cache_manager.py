@@ -241,7 +241,8 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
     sched = P.Scheduler(kv, 64, preempt)
     sched.waiting.extend(P.Request(i, [0] * int(pi), int(oi)) for i, (pi, oi) in enumerate(zip(p, o)))
 
-    def forward(batch, n_new, positions):
+    def forward(batch, tokens, positions):
+        n_new = [r.n_new for r in batch]
         seq = torch.tensor([r.rid for r, n in zip(batch, n_new) for _ in range(n)])
         kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
@@ -280,7 +281,7 @@ def test_random_traces_finish_in_a_pool_the_largest_request_fits(preempt):
             kv = P.PagedKVCache(1, blocks, B, 1, 1, watermark=watermark)
             sched = P.Scheduler(kv, rng.randint(1, 4), "swap")
             sched.waiting.extend(P.Request(i, [0] * pi, oi) for i, (pi, oi) in enumerate(zip(p, o)))
-            sched.run(lambda batch, n_new, positions: [0] * len(batch))
+            sched.run(lambda batch, tokens, positions: [0] * len(batch))
         assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o, (p, o, B, watermark)
     for args in (([1, 5], [3, 3], 8, 1, 4, 0.25), ([1, 197], [3, 3], 200, 1, 4)):  # the two traces
         assert len(P.simulate(*args).finished) == 2

@@ -197,7 +197,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
         return out, positions
     s.prepare = prepare_checked
 
-    def forward(tokens, positions, n_new):  # what a model would write: the KV of tokens[:position + 1]
+    def forward(batch, tokens, positions):  # what a model would write: the KV of tokens[:position + 1]
         by_row.update({row: r for r in made if r.in_kv for row in [kv.rows.get(r.rid)] if row is not None})
         rows, starts, ns = kv.batch
         slots, t = kv.tok_slots.tolist(), 0
