@@ -662,20 +662,21 @@ def test_cli_chunked_and_mixed_steps_answer_alike_with_timings(smollm, capsys):
 
 
 def test_bench_serve_machinery_on_a_cpu(tmp_path):
-    """--bench-serve's loop on a tiny random model: Poisson arrivals, every request served whole, the three
-    schedules (chunks of 16 tokens cut the long prompts) writing the same tokens, the percentiles in order, the plot
-    written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
+    """`python tests/bench_engine.py serve`'s loop on a tiny random model: Poisson arrivals, every request served
+    whole, the three schedules (chunks of 16 tokens cut the long prompts) writing the same tokens, the percentiles in
+    order, the plot written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
+    import bench_engine as B  # tests/bench_engine.py (pytest puts tests/ on sys.path)
     args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
     plot = tmp_path / "serve.png"
-    schedules = {name: (mixed, chunk and 16) for name, (mixed, chunk) in L.SERVE_SCHEDULES.items()}
-    r = L.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
+    schedules = {name: (mixed, chunk and 16) for name, (mixed, chunk) in B.SERVE_SCHEDULES.items()}
+    r = B.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
                       schedules=schedules, args=args, shape="tiny", plot=str(plot))
     assert r["same_tokens"] and len(r["long_prompts"]) == 2 and plot.stat().st_size > 10_000
-    assert list(r["rates"][50]) == list(L.SERVE_SCHEDULES)
+    assert list(r["rates"][50]) == list(B.SERVE_SCHEDULES)
     for x in r["rates"][50].values():
         assert x["requests"] == 10 and x["output_tok_s"] > 0
         assert x["ttft_p50_ms"] <= x["ttft_p99_ms"] and x["itl_p50_ms"] <= x["itl_p99_ms"] <= x["itl_max_ms"]
         parts = x["itl_max_steps"]  # the longest gap's steps and the time outside them add up to it
         assert len(parts) >= 2 and parts[-1][0] == "outside steps" and parts[-1][1] > -1e-6
         assert abs(sum(ms for _, ms in parts) - x["itl_max_ms"]) < 1e-6 and all(ms > 0 for _, ms in parts[:-1])
-    assert "same tokens in every schedule: True" in L.serve_report(r)
+    assert "same tokens in every schedule: True" in B.serve_report(r)

@@ -3,7 +3,7 @@ figures the README quotes from it are formatted as the README writes them and lo
 that moves a figure fails this test until the README says the new one.
 
 Only the seeded, deterministic figures are checked (the simulations of 01, 02, 03 and 05, 06's greedy decodes on
-the real model, and the model's parity with transformers). Timed figures -- 03's alloc + free ratio, --bench, the GPU rows -- depend on the machine: the
+the real model, and the model's parity with transformers). Timed figures -- 03's alloc + free ratio, bench_engine.py decode, the GPU rows -- depend on the machine: the
 README gives them as ranges measured over several runs and names the machine."""
 import json
 import math

@@ -1,0 +1,380 @@
+"""
+bench_engine.py -- the engine's benchmarks, moved out of llama3_generate.py (which keeps the model, the engine
+and the command line that serves prompts). Run from the repository root:
+
+    python tests/bench_engine.py decode [PROMPT ...]   # batch-1 decode of a loaded model vs transformers
+    python tests/bench_engine.py engine                # GPU: serving benchmark on random Llama 3 shapes
+    python tests/bench_engine.py serve [--plot FILE]   # GPU: latency under Poisson arrivals, per schedule
+
+Each prints a report, or with --json its figures as one JSON object. They use only the engine's public API
+(Engine, SamplingParams, warm_up, add, step, run, stats) and transformers' generate on the same weights.
+"""
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+
+import torch  # noqa: E402
+
+import llama3_generate as L  # noqa: E402
+
+
+def seconds(fn, *args):
+    """Wall time of fn(*args), the GPU (if any) synchronised before and after."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    fn(*args)
+    sync()
+    return time.perf_counter() - t0
+
+
+def hf_generate(hf, x, n: int, mask=None, **kw):
+    """transformers' greedy generate of exactly n new tokens after x (batch, len): the peer in every benchmark."""
+    with torch.inference_mode():
+        return hf.generate(x, attention_mask=torch.ones_like(x) if mask is None else mask, max_new_tokens=n,
+                           min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+
+
+def copy_bandwidth(device) -> float:
+    """GB/s of a large device-to-device copy, bytes read plus written: the most a weight-bound decode step gets."""
+    x = torch.empty(2**30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    return 2 * 20 * x.numel() / seconds(lambda: [y.copy_(x) for _ in range(20)]) / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes one batch-1 decode step must read: every weight (the embedding table only where it is also the head)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n != "tok_embeddings.weight" or model.args.tie_embeddings)
+
+
+def engine_decode_tok_s(model, tok, prompt, n: int, rounds: int = 2, **kw):
+    """Batch-1 decode through a warm engine, as the command line runs it: whole requests of n new tokens minus
+    1 new token (so prefill cancels), best of `rounds`. Returns (tok/s, prefill tok/s, the engine)."""
+    e = L.Engine(model, tok, "token", kv_tokens=len(prompt) + n + 16, max_batch=1, radix=False, **kw)
+    e.warm_up()
+    run = lambda k: (e.add(prompt, L.SamplingParams(max_new_tokens=k, ignore_eos=True)), e.run())
+    t1, tn = math.inf, math.inf
+    for _ in range(rounds):
+        t1, tn = min(t1, seconds(run, 1)), min(tn, seconds(run, n))
+    return (n - 1) / (tn - t1), len(prompt) / t1, e
+
+
+def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 2, log=lambda msg: None) -> dict:
+    """`decode`: the engine's batch-1 decode vs transformers' generate on the same weights (eager; on a GPU also
+    its static cache, compiled), per prompt; on a GPU each also as a share of the weight-read limit."""
+    dev, n = model.tok_embeddings.weight.device, max_new_tokens
+    hf = L.to_transformers(model)
+    r = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "new_tokens": n,
+         "prompts": len(prompt_ids)}
+    ours = prefill = 0.0
+    for i, ids in enumerate(prompt_ids):
+        log(f"bench: engine, prompt {i + 1}/{len(prompt_ids)} (warm-up, then {rounds} rounds)")
+        tok_s, pre_s, _ = engine_decode_tok_s(model, tok, ids, n, rounds)
+        ours, prefill = ours + (n - 1) / tok_s, prefill + len(ids) / pre_s  # seconds, summed over prompts
+    r["decode_tok_s"], r["prefill_tok_s"] = len(prompt_ids) * (n - 1) / ours, sum(map(len, prompt_ids)) / prefill
+    peers = {"transformers": {}}
+    if dev.type == "cuda":
+        peers["transformers_static_compiled"] = {"cache_implementation": "static"}  # generate compiles its forward
+    for name, kw in peers.items():
+        total = 0.0
+        for i, ids in enumerate(prompt_ids):
+            log(f"bench: {name}, prompt {i + 1}/{len(prompt_ids)}")
+            x = torch.tensor([ids], device=dev)
+            gen = lambda k: hf_generate(hf, x, k, **kw)
+            gen(1), gen(n)  # warm-up (the static cache compiles once per cache length)
+            t = [(seconds(gen, 1), seconds(gen, n)) for _ in range(rounds)]
+            total += min(tn for _, tn in t) - min(t1 for t1, _ in t)
+        r[f"{name}_decode_tok_s"] = len(prompt_ids) * (n - 1) / total
+        r[f"speedup_vs_{name}"] = r["decode_tok_s"] / r[f"{name}_decode_tok_s"]
+    if dev.type == "cuda":
+        r["copy_GBps"] = copy_bandwidth(dev)
+        r["weight_read_limit_tok_s"] = r["copy_GBps"] * 1e9 / weight_bytes(model)
+        for name in ["decode"] + [f"{p}_decode" for p in peers]:
+            r[f"{name}_share_of_limit"] = r[f"{name}_tok_s"] / r["weight_read_limit_tok_s"]
+    return r
+
+
+def bench_report(r: dict, dtype: str) -> str:
+    limit = r.get("weight_read_limit_tok_s")
+    share = lambda name: f" ({r[name + '_share_of_limit']:.0%} of the weight-read limit)" if limit else ""
+    lines = [f"batch-1 decode, {r['new_tokens']} new tokens, {r['prompts']} prompt(s), {r['device']}, {dtype}:",
+             f"  ours (the engine, as the CLI runs it)    {r['decode_tok_s']:8.1f} tok/s{share('decode')}"]
+    for peer, label in (("transformers", "transformers generate, eager"),
+                        ("transformers_static_compiled", "transformers, static cache, compiled")):
+        if f"{peer}_decode_tok_s" in r:
+            lines.append(f"  {label:<39} {r[peer + '_decode_tok_s']:8.1f} tok/s{share(peer + '_decode')}"
+                         f"  -> ours {r['speedup_vs_' + peer]:.2f}x")
+    if limit:
+        lines.append(f"  weight-read limit {limit:,.0f} tok/s (copy bandwidth {r['copy_GBps']:,.0f} GB/s)")
+    lines.append(f"  prefill (ours) {r['prefill_tok_s']:,.0f} tok/s")
+    return "\n".join(lines)
+
+
+def serve(model, tok, prompts, lens, backend, kv_tokens, **kw) -> dict:
+    """One warm engine serving the workload (output lengths fixed: EOS ignored); its throughput and memory use."""
+    e = L.Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
+    e.warm_up(len(prompts))  # every bucket's graph captured, the kernels compiled, before timing
+    for p, (_, n) in zip(prompts, lens):
+        e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))
+    elapsed = seconds(e.run)
+    st, out_tokens = e.stats, sum(n for _, n in lens)
+    return dict(seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens, output_tokens=out_tokens,
+                seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
+                decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
+                kv_tokens=e.kv_capacity(), peak_kv_used=st["peak_kv_used"] / e.kv_capacity(),
+                peak_live_tokens=st["peak_live_tokens"] / e.kv_capacity(),
+                radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
+
+
+BENCH_BACKENDS = {"token": dict(backend="token"), "paged 16": dict(backend="paged", block_size=16),
+                  "paged 256": dict(backend="paged", block_size=256), "contiguous": dict(backend="contiguous")}
+
+
+def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equal KV memory", 512))) -> dict:
+    """Every backend on the same workload, for each (name, KV tokens per sequence) of `pools`: the same pool, and
+    equal KV memory (contiguous still reserves a 2,048-slot row, so it runs fewer rows; the others preempt)."""
+    out = {}
+    for pool, per_seq in pools:
+        rows = {}
+        for name, kw in BENCH_BACKENDS.items():
+            rows[name] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
+            gc.collect()  # an engine and its graph decoder hold each other: free its pool before the next
+            torch.cuda.empty_cache()
+        for row in rows.values():
+            row["vs_token"] = row["tok_s"] / rows["token"]["tok_s"]
+        out[pool] = rows
+    return out
+
+
+def backends_report(backends: dict) -> str:
+    lines = []
+    for pool, rows in backends.items():
+        lines += [f"{pool}:", f"  {'backend':<11}{'KV tokens':>10}{'tok/s':>9}{'prefill':>9}{'decode':>9}"
+                  f"{'running':>8}{'live':>6}{'vs token':>9}"]
+        lines += [f"  {name:<11}{r['kv_tokens']:>10,}{r['tok_s']:>9,.0f}{r['prefill_tok_s']:>9,.0f}"
+                  f"{r['decode_tok_s']:>9,.0f}{r['peak_running']:>8}{r['peak_live_tokens']:>6.0%}{r['vs_token']:>8.2f}x"
+                  for name, r in rows.items()]
+    return "\n".join(lines)
+
+
+def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
+    """`engine`: nano-vllm's workload (n_seqs requests, prompt and output lengths uniform in [100, 1024], EOS
+    ignored) on a random Llama-3.2-1B shape, every backend, and batch-1 decode on 1B and 8B shapes; transformers'
+    generate on the same weights in the same run."""
+    r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device)
+    rng = torch.Generator().manual_seed(0)
+    lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
+    prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
+
+    r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
+    r["backends"] = bench_backends(model, tok, prompts, lens)
+    hf = L.to_transformers(model)
+    batch = prompts[:hf_batch]
+    width = max(map(len, batch))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
+    pad = torch.tensor([width - len(p) for p in batch], device=device)  # (batch,) left padding
+    mask = (torch.arange(width, device=device) >= pad[:, None]).long()
+    hf_new = 256
+    hf_generate(hf, ids[:2, -16:], 4, mask[:2, -16:])  # warm-up
+    r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / seconds(hf_generate, hf, ids, hf_new, mask)
+    r["serve_speedup_vs_transformers"] = r["serve_1b"]["tok_s"] / r["transformers_1b_batch64_tok_s"]
+
+    def batch1(model, hf, name, n=256):
+        """Wall time of whole requests (128-token prompt), n tokens minus 1 token."""
+        decode_tok_s = lambda **kw: engine_decode_tok_s(model, tok, prompts[1][:128], n, **kw)[0::2]
+        ours, e = decode_tok_s()
+        limit = r["copy_GBps"] * 1e9 / weight_bytes(model)
+        g = e.graphs  # the GPU-side floor of a step: replays back to back, no host work between, on the padding
+        g.rows[0], g.positions[0], g.lens[0] = g.pad_row, 128, 129  # row (which stays put) at a 129-token context
+        k = e.multi_step  # replays of batch 1's k-step graph
+        replay_tok_s = 4 * k / seconds(lambda: [g.graphs[1, k]() for _ in range(4)])
+        x = torch.tensor([prompts[1][:128]], device=device)
+        t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
+        r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
+                                   graph_replay_tok_s=replay_tok_s,
+                                   one_step_per_sync_tok_s=decode_tok_s(multi_step=1)[0],
+                                   unfused_tok_s=decode_tok_s(fused=False)[0], transformers_tok_s=32 / (t[33] - t[1]))
+
+    batch1(model, hf, "1b")
+    del model, hf
+    torch.cuda.empty_cache()
+    model = L.random_model(L.LLAMA_SHAPES["llama-3-8b"], device)
+    hf = L.to_transformers(model)
+    batch1(model, hf, "8b")
+    return r
+
+
+SERVE_SCHEDULES = {name: (mixed, 4096 if chunked else None)  # (mixed, chunk_tokens): 05's Scheduler options
+                   for name, (mixed, chunked) in L.lesson("05_radix_scheduler").SCHEDULES.items()}
+
+
+def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
+    """Requests arrive at the given times (seconds from now) while the engine steps, as at a server: time to first
+    token (TTFT) and the gap between deliveries (inter-token latency as vLLM's bench_serving counts it).
+    itl_max_steps: the longest gap's steps, [tokens fed by kind, ms] each, and the time outside any step."""
+    got, start, seen, steps = set(), {}, {}, []  # steps: (end, tokens fed by kind, seconds) each
+    on_token = lambda sid, out: got.add(sid)
+    t0, i = time.perf_counter(), 0
+    while i < len(prompts) or engine.busy:
+        now = time.perf_counter() - t0
+        while i < len(prompts) and arrivals[i] <= now:
+            sid = engine.add(prompts[i], L.SamplingParams(max_new_tokens=lens[i][1], ignore_eos=True))[0]
+            start[sid], i = arrivals[i], i + 1
+        if not engine.busy:
+            time.sleep(max(0.0, arrivals[i] - now))
+            continue
+        fed, began = {k: engine.stats[f"{k}_tokens"] for k in ("prefill", "decode", "mixed")}, time.perf_counter()
+        engine.step(on_token)
+        end = time.perf_counter()
+        now = end - t0
+        steps.append((now, {k: engine.stats[f"{k}_tokens"] - n for k, n in fed.items()}, end - began))
+        for sid in got:
+            seen.setdefault(sid, []).append(now)
+        got.clear()
+    pct = lambda xs, q: torch.tensor(xs, dtype=torch.float64).quantile(q / 100).item() * 1e3  # ms
+    ttft = [seen[sid][0] - start[sid] for sid in start]
+    gaps = [(b - a, a, b) for d in seen.values() for a, b in zip(d, d[1:])]
+    longest, a, b = max(gaps)
+    inside = [[", ".join(f"{k} {n:,}" for k, n in fed.items() if n) or "tokens in flight landed", s * 1e3]
+              for end, fed, s in steps if a < end <= b]  # what the longest gap was made of
+    gaps = [g for g, _, _ in gaps]
+    tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
+    out_tokens = sum(n for _, n in lens)
+    return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50),
+                itl_p99_ms=pct(gaps, 99), itl_max_ms=longest * 1e3, tpot_p50_ms=pct(tpot, 50),
+                tpot_p99_ms=pct(tpot, 99), outputs=engine.run(),
+                itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]])
+
+
+def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
+                long_prompts=8, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
+                log=lambda msg: None) -> dict:
+    """`serve`: Poisson arrivals at each rate, lengths drawn as `engine`'s with long_prompts of them `long`
+    tokens; the schedules take turns on one warm engine, its radix cache emptied between runs. multi_step: greedy
+    decode steps per delivery; args: a shape other than L.LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
+    rng = torch.Generator().manual_seed(0)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
+    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
+        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
+    longest, args = max(p + n for p, n in lens), args or L.LLAMA_SHAPES[shape]
+    model = L.random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
+                           torch.bfloat16 if device == "cuda" else torch.float32)
+    prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
+                 max_seq_len=longest, multi_step=multi_step)
+    e.warm_up(e.max_batch)
+    r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
+         "long_prompts": sorted(p for p, _ in lens if p > lengths[1]), "schedules": schedules,
+         "multi_step": e.multi_step, "rates": {}}
+    for rate in rates:
+        arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()  # Poisson: exp. gaps
+        runs = r["rates"][rate] = {}
+        for name, (mixed, chunk_tokens) in schedules.items():
+            e.sched.set_schedule(mixed, chunk_tokens)
+            runs[name] = serve_arrivals(e, prompts, lens, arrivals)
+            e.reset()
+            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in runs[name].items()
+                                                      if isinstance(v, float | int)))
+        outs = [runs[name].pop("outputs") for name in runs]
+        r["same_tokens"] = r.get("same_tokens", True) and all(o == outs[0] for o in outs)
+    if plot:
+        serve_plot(r, plot)
+    return r
+
+
+def serve_plot(r: dict, path: str):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    rates = list(r["rates"])
+    for name in r["schedules"]:
+        for ax, key in zip(axes, ("itl_p99_ms", "ttft_p99_ms")):
+            ax.plot(rates, [r["rates"][q][name][key] for q in rates], marker="o", label=name)
+    for ax, title in zip(axes, ("inter-token latency p99 (ms)", "time to first token p99 (ms)")):
+        ax.set(xlabel="request rate (req/s, Poisson)", title=title, xscale="log", ylim=(0, None))
+        ax.set_xticks(rates, [str(q) for q in rates], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{r['requests']} requests on a random {r['shape']} (bf16), {len(r['long_prompts'])} of them "
+                 f"{min(r['long_prompts']):,}-{max(r['long_prompts']):,} tokens long; {r['device']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def serve_report(r: dict) -> str:
+    lines = [f"{'rate':>5}  {'schedule':<23}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99/max ms':>21}"
+             f"{'TPOT p50/p99 ms':>17}"]
+    for rate, runs in r["rates"].items():
+        lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
+                  f"{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
+                  f"{x['tpot_p50_ms']:>10.2f} /{x['tpot_p99_ms']:>5.2f}" for name, x in runs.items()]
+    lines += ["the longest gap, steps inside it (tokens fed, ms) and the time outside any step:"]
+    lines += [f"{rate:>5}  {name:<23}{x['itl_max_ms']:>5.0f} ms = " + " + ".join(f"[{what}] {ms:.0f}" for what, ms in
+                                                                         x["itl_max_steps"])
+              for rate, runs in r["rates"].items() for name, x in runs.items()]
+    return "\n".join(lines + [f"same tokens in every schedule: {r['same_tokens']}"])
+
+
+def cli_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="The engine's benchmarks.")
+    sub = ap.add_subparsers(dest="command", required=True)
+    dec = sub.add_parser("decode", help="batch-1 decode speed of the engine vs transformers on the same weights")
+    dec.add_argument("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts "
+                     "(each timed alone; default: 'What is the capital of France?')")
+    dec.add_argument("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir "
+                     "(default: SmolLM2-135M-Instruct)")
+    dec.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    dec.add_argument("--dtype", default="float32", choices=list(L.DTYPES),
+                     help="weights and activations (default: float32)")
+    dec.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per request (default: 128)")
+    dec.add_argument("--no-chat", action="store_true", help="raw text prompts instead of the chat template")
+    sub.add_parser("engine", help="GPU: serving benchmark on random Llama 3 shapes")
+    srv = sub.add_parser("serve", help="GPU: latency under Poisson arrivals (TTFT, inter-token latency) for "
+                         "prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
+    srv.add_argument("--plot", help="save its latency plot (PNG) here")
+    for p in sub.choices.values():
+        p.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    args = ap.parse_args(argv)
+    if args.command == "decode" and args.max_new_tokens < 2:
+        ap.error(f"--max-new-tokens must be >= 2 (decode is timed as n tokens minus 1), got {args.max_new_tokens}")
+    return args
+
+
+def main(argv=None):
+    args = cli_args(argv)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    if args.command in ("engine", "serve") and not torch.cuda.is_available():
+        sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
+    if args.command == "engine":
+        r = bench_engine()
+        print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
+    elif args.command == "serve":
+        r = bench_serve(plot=args.plot, log=log)
+        print(json.dumps(r) if args.json else serve_report(r))
+    else:
+        try:
+            model, tok = L.load_model(args.model, L.parse_device(args.device), L.DTYPES[args.dtype])
+            ids = L.encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+        except (L.UserError, ValueError) as e:
+            sys.exit(f"error: {e}")
+        r = bench(model, tok, ids, args.max_new_tokens, log=log)
+        print(json.dumps(r) if args.json else bench_report(r, args.dtype))
+
+
+if __name__ == "__main__":
+    main()
