@@ -660,29 +660,28 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
                 pdl=pdl)[None]
 
 
+# ----------------------------------------------------------------------------------------------
+# References and checks: float64 attention through the same table, random problems, the CLI's check
+# ----------------------------------------------------------------------------------------------
 def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
     """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot."""
     i = torch.arange(n, device=table.device)
     return table[row, i // page].long() * page + i % page
 
 
-def paged_problem(problem, page: int, seed: int = 0):
-    """The same attention problem (make_problem's, or the tests' extend problems) with each request's token-table
-    row copied into pages of `page` slots at random pages: 02's block table (one page of max_len: 01's contiguous
-    rows). Unused pages hold NaN and unused table entries point at one, as unused slots do in make_problem, so a
-    kernel that reads past a request's tokens poisons its output. Returns the tuple with pools and table replaced."""
-    q, k_pool, v_pool, r2t, rows = problem[:5]
-    g = torch.Generator(k_pool.device).manual_seed(seed)
-    width, dev = -(-r2t.shape[1] // page), k_pool.device
-    pages = torch.randperm(len(rows) * width + 3, generator=g, device=dev)
-    kp = torch.full((len(pages) * page, *k_pool.shape[1:]), float("nan"), dtype=k_pool.dtype, device=dev)
-    vp = torch.full_like(kp, float("nan"))                  # (num_pages * page, n_kv_heads, head_dim)
-    table = torch.full((r2t.shape[0], width), int(pages[-1]), dtype=torch.int32, device=dev)
-    for i, r in enumerate(rows.tolist()):
-        table[r] = pages[i * width:(i + 1) * width].int()
-        slots = table_slots(table, r, r2t.shape[1], page)   # token j of row r moves from r2t[r, j] to here
-        kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
-    return (q, kp, vp, table, *problem[4:])
+def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
+    """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
+    B, H, D = q.shape
+    G = H // k_pool.shape[1]
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
+    for b in range(B):
+        slots = table_slots(req_to_token, int(req_rows[b]), int(seq_lens[b]), page)  # (L,)
+        k = k_pool[slots].double().repeat_interleave(G, dim=1)                      # (L, H, D)
+        v = v_pool[slots].double().repeat_interleave(G, dim=1)
+        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)      # (H, L)
+        out[b] = torch.einsum("hl,lhd->hd", p, v)
+    return out
 
 
 def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
@@ -700,21 +699,6 @@ def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix
         visible = torch.arange(p + n, device=q.device)[None, :] <= (p + torch.arange(n, device=q.device))[:, None]
         out[t:t + n] = torch.einsum("htl,lhd->thd", s.masked_fill(~visible, float("-inf")).softmax(-1), v)
         t += n
-    return out
-
-
-def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
-    """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
-    B, H, D = q.shape
-    G = H // k_pool.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
-    for b in range(B):
-        slots = table_slots(req_to_token, int(req_rows[b]), int(seq_lens[b]), page)  # (L,)
-        k = k_pool[slots].double().repeat_interleave(G, dim=1)                      # (L, H, D)
-        v = v_pool[slots].double().repeat_interleave(G, dim=1)
-        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)      # (H, L)
-        out[b] = torch.einsum("hl,lhd->hd", p, v)
     return out
 
 
@@ -743,6 +727,25 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
         start += n
     q = torch.randn(B, n_q_heads, D, generator=g, **kw)  # (batch, n_q_heads, head_dim)
     return q, k_pool, v_pool, req_to_token, req_rows, torch.tensor(seq_lens, dtype=torch.int32, device=device)
+
+
+def paged_problem(problem, page: int, seed: int = 0):
+    """The same attention problem (make_problem's, or the tests' extend problems) with each request's token-table
+    row copied into pages of `page` slots at random pages: 02's block table (one page of max_len: 01's contiguous
+    rows). Unused pages hold NaN and unused table entries point at one, as unused slots do in make_problem, so a
+    kernel that reads past a request's tokens poisons its output. Returns the tuple with pools and table replaced."""
+    q, k_pool, v_pool, r2t, rows = problem[:5]
+    g = torch.Generator(k_pool.device).manual_seed(seed)
+    width, dev = -(-r2t.shape[1] // page), k_pool.device
+    pages = torch.randperm(len(rows) * width + 3, generator=g, device=dev)
+    kp = torch.full((len(pages) * page, *k_pool.shape[1:]), float("nan"), dtype=k_pool.dtype, device=dev)
+    vp = torch.full_like(kp, float("nan"))                  # (num_pages * page, n_kv_heads, head_dim)
+    table = torch.full((r2t.shape[0], width), int(pages[-1]), dtype=torch.int32, device=dev)
+    for i, r in enumerate(rows.tolist()):
+        table[r] = pages[i * width:(i + 1) * width].int()
+        slots = table_slots(table, r, r2t.shape[1], page)   # token j of row r moves from r2t[r, j] to here
+        kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
+    return (q, kp, vp, table, *problem[4:])
 
 
 def rel_err(out, ref) -> float:
@@ -774,6 +777,37 @@ def check(device, lens=(1, 2, 15, 16, 17, 300)):
     return rows
 
 
+def print_check(rows, name, cuda):
+    """The report of check(): what was compared, why it matters, what the kernels do on a GPU."""
+    print(f"""device: {name}
+What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
+(prefill: new tokens over a cached prefix) -- against attention computed in float64 by PyTorch from the same
+K/V, gathered through req_to_token. Every request's tokens sit at random slots of the pool and every other slot
+holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. The lengths
+(a single token, ragged tails, 300 tokens over several chunks) run in one batch; decode is split over the context
+(below), and the split must not change the answer. Passing means: on a GPU the engine's tokens come from exactly
+this attention.
+decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
+    for r in rows:
+        split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
+        print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
+              f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
+              f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
+    where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
+    print(f"""What the decode kernel does on a GPU{where}:
+a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
+(kv head, chunk of the context, request) streams its chunk's K/V through req_to_token once for all the query
+heads of its group (GQA: one load, not one per query head), keeping a running softmax; a second launch merges
+the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
+kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
+big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
+extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the
+diagonal pays for the causal mask.""")
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU benchmark (--bench) and the command line
+# ----------------------------------------------------------------------------------------------
 BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))
 
 
@@ -908,34 +942,6 @@ def print_bench(results, name):
         for k, d in (("flash", f), ("sdpa", s)):
             if "why" in d:
                 print(f"      {k}: {d['why']}")
-
-
-def print_check(rows, name, cuda):
-    """The report of check(): what was compared, why it matters, what the kernels do on a GPU."""
-    print(f"""device: {name}
-What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
-(prefill: new tokens over a cached prefix) -- against attention computed in float64 by PyTorch from the same
-K/V, gathered through req_to_token. Every request's tokens sit at random slots of the pool and every other slot
-holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. The lengths
-(a single token, ragged tails, 300 tokens over several chunks) run in one batch; decode is split over the context
-(below), and the split must not change the answer. Passing means: on a GPU the engine's tokens come from exactly
-this attention.
-decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
-    for r in rows:
-        split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
-        print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
-              f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
-              f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
-    where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
-    print(f"""What the decode kernel does on a GPU{where}:
-a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
-(kv head, chunk of the context, request) streams its chunk's K/V through req_to_token once for all the query
-heads of its group (GQA: one load, not one per query head), keeping a running softmax; a second launch merges
-the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
-kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
-big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
-extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the
-diagonal pays for the causal mask.""")
 
 
 def main(argv=None):
