@@ -2,7 +2,7 @@
 04_triton_token_attn.py -- token attention in Triton: flash-decoding for a decode step, and the prefill (extend)
 kernel for many new tokens over a cached prefix, both reading K/V through the token table.
 
-    python 04_triton_token_attn.py            # CPU (Triton interpreter) or GPU: kernel vs float64 reference
+    python 04_triton_token_attn.py            # CPU (Triton interpreter) or GPU: kernels vs float64 reference
     python 04_triton_token_attn.py --bench    # GPU: time, GB/s, vs flash-attn (paged) and SDPA (contiguous)
 
 03's token pool stores K and V one slot per token, anywhere in the pool; `req_to_token[row, i]` says which
@@ -21,53 +21,23 @@ into chunks across programs, and merge:
         online softmax over its chunk  ->  partial output o_s (G, D) and log-sum-exp lse_s (G,)
     stage 2, program (q head, request b):  out = sum_s o_s * exp(lse_s - lse) with lse = logsumexp_s(lse_s)
 
-GQA done right: the G = n_q_heads / n_kv_heads query heads of a group share one load of each K/V tile
-(one `tl.dot` over a 16-row tile), instead of re-reading K/V once per query head (G times the bytes).
-The split count comes from batch size and length (`choose_num_splits`): none while batch x kv_heads
-already covers the SMs (then stage 1 writes the answer and stage 2 is skipped), else one wave of about
-4 resident programs per SM, never chunks under 64 tokens. Launch order puts kv heads fastest, so the
-programs running side by side read the 8 neighbouring 256-byte pieces of each slot's 2 KB K row.
-A CUDA graph fixes the split count for the longest context it may see; at a short one, the splits past
-the last token return at once and stage 2 merges only those that hold tokens (H200, batch 1, 200 tokens,
-64 splits: 5.6 us for both launches, was 6.2 us when empty splits wrote an empty partial). With pdl (the
-engine's batch-1 decode), stage 1 reads lengths, slots and its first K/V tile before waiting for the kernel
-that writes q and the newest token, so that read overlaps that kernel (see token_decode_attention).
+GQA: the G = n_q_heads / n_kv_heads query heads of a group share one load of each K/V tile (one `tl.dot`
+over a 16-row tile) instead of re-reading K/V once per query head. `choose_num_splits`: no split while
+batch x kv_heads covers the SMs (stage 1 writes the answer, stage 2 is skipped), else one wave of about 4
+resident programs per SM, never chunks under 64 tokens. Kv heads go fastest in launch order, so programs
+running side by side read neighbouring pieces of each slot's K row. Splits past a short request's last token
+return at once, so a CUDA graph may fix the split count for the longest context it will see.
 
-Every backend, one kernel: the table the kernels read maps token i of row r to slot table[r, i // P] * P + i % P
-(`_slot`). P = 1 is 03's token pool (req_to_token holds slots); P = block size is 02's paged pool (block tables);
-P = max_len is 01's contiguous cache (a row is one page). The engine's CUDA graphs decode all three through it,
-and below the decode and prefill kernels sits the whole batch-1 decode step in six kernels (`fused_decode`).
-This file is also where every Triton kernel of the project lives, so only its users need Triton (Linux).
+Every backend, one kernel: token i of table row r sits at slot table[r, i // P] * P + i % P (`_slot`). P = 1
+is 03's token pool (req_to_token holds slots); P = block size is 02's paged pool (block tables); P = max_len is
+01's contiguous cache (a row is one page). This file holds every Triton kernel of the project, so only their
+users need Triton (Linux): after the two attention kernels, the engine's batch-1 decode step (`fused_decode`).
 
-CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernel in numpy. Its traps: bf16
+CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
 
-Benchmark (`--bench` on an NVIDIA H200, 132 SMs; 32 q / 8 kv heads, d=128, bf16, slots a random permutation
-of the pool; GB/s = K+V bytes / time. eager: triton do_bench median, L2 flushed before each call; graph:
-CUDA-graph replay over rotated input copies. In the same run: flash-attn 2.8.3 flash_attn_with_kvcache on a
-paged copy of the same data (page 256, pages shuffled) and PyTorch SDPA on a contiguous copy):
-
-    copy bandwidth 4,251 GB/s (read + write)
-    batch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | sdpa us | vs flash
-        1    4096     64 |     26.9   623      12.3 1,366 |         597 |     24.6   683      19.1 |    17.3 | 0.91x 1.56x
-       32    1024      1 |     51.0 2,630      36.8 3,651 |       2,785 |     47.6 2,817      37.7 |    45.8 | 0.93x 1.02x
-       32    4096      1 |    138.9 3,866     129.5 4,147 |       3,954 |    137.6 3,901     147.0 |   135.9 | 0.99x 1.14x
-      128    2048      1 |    263.8 4,071     253.1 4,243 |       4,186 |    281.0 3,821     298.8 |   254.9 | 1.07x 1.18x
-        8   16384      8 |    142.0 3,782     130.0 4,130 |       3,880 |    142.8 3,760     146.0 |   139.7 | 1.01x 1.12x
-
-- GPU time (graph), four runs of this kernel: 1.54-1.57x flash-attn at batch 1 (12.3 us; its splits leave
-  SMs idle) and 0.99-1.18x elsewhere; up to 4,350 GB/s, at the copy bandwidth.
-- Eager at batch 1 measures the host, not the GPU: the Python wrapper plus two Triton 3.6 launches take
-  83-117 us of CPU per call on that machine (flash-attn's one C++ launch: 47-53 us) and do_bench's L2 flush
-  hides only 61.5 us of it. Four eager runs gave 19.0, 26.9, 51.1 and 51.8 us (1.28x down to 0.46x of
-  flash-attn). A decode engine replays CUDA graphs, where that cost is gone. At batch >= 8, eager stays within
-  0.93-1.09x of flash-attn in every run.
-- Sweeps (28 tile configs x 3-8 split counts, then graph-timed variants): unsplit when batch x kv_heads >= SMs
-  (32x1024: 36.6 us unsplit, 38.6 us with 2 splits), with 128-token tiles (64: 39.6 us); split kernels use
-  64-token tiles (39 KB of shared memory, 4-5 programs per SM): 8x16384 at 8 splits 130 us, 16 splits 132 us.
-- Scattered slots cost 2-3% against contiguous ones (contig column). SDPA on a contiguous cache, the easy
-  layout, is within 2-4% of us; flash-attn's paged kernel runs slower in graph replay than eager at the large
-  shapes, in every run (not investigated).
+Benchmark: `--bench` times both kernels on a GPU against flash-attn (paged decode, varlen prefill) and PyTorch
+SDPA on the same data; the configs below were tuned that way, and the README keeps the measured figures.
 """
 from __future__ import annotations
 
@@ -236,7 +206,8 @@ def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.cons
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132  # CPU: an H200
+    """The device's SM count; on the CPU an H200's, so the interpreter runs the split counts a GPU would."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def pdl_kw(pdl: bool) -> dict:
@@ -255,8 +226,8 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, sms: int) -> in
     return max(1, min(RESIDENT * sms // programs, triton.cdiv(max_len, MIN_CHUNK), 128))
 
 
-UNSPLIT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2)  # tuned on an H200 (see the docstring): long
-SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # chunks like big tiles, splits want 4+ programs/SM
+UNSPLIT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2)  # tuned on an H200: long chunks like big tiles,
+SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # split ones 64-token tiles (4-5 programs per SM)
 
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
