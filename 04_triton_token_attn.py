@@ -232,20 +232,17 @@ SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # split ones 64-to
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
                            out=None, pdl=False, page=1, **config):
-    """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]].
-    page > 1: req_to_token is a block table of pages of `page` slots (02's paged pool, or 01's contiguous rows as
-    one page each), token i of row r at slot req_to_token[r, i // page] * page + i % page.
+    """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]];
+    page > 1: req_to_token is a block table of `page`-slot pages (02's pool; 01's rows are one page each).
 
     q (batch, n_q_heads, head_dim); k_pool, v_pool (num_slots, n_kv_heads, head_dim) of one layer, each slot's
-    row contiguous; req_to_token (max_requests, max_seq_len) int32/int64; req_rows, seq_lens (batch,) ints
-    (tensors on q's device avoid copies), every seq_len >= 1. Returns (batch, n_q_heads, head_dim) in q's
-    dtype, written into `out` if given. num_splits=None picks one from batch and length: the longest seq_len
-    when seq_lens are on the CPU (or a list), else req_to_token's width (reading a device tensor would sync).
-    `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG (block_n, num_warps, num_stages). pdl: launch with
-    programmatic dependent launch (GPU; the engine's fused batch-1 decode): each kernel lets the next one start,
-    which loads what it can before it waits for ours. Stage 1 reads lengths, slots and the first tile's K/V before
-    its wait, all but the newest token; so the kernel launched before it (which writes q and that token) must
-    start the next kernel only after its own wait, when everything before it is done."""
+    row contiguous; req_to_token (max_requests, width) int32/int64; req_rows, seq_lens (batch,) ints (tensors on
+    q's device avoid copies), every seq_len >= 1. Returns (batch, n_q_heads, head_dim) in q's dtype, in `out` if
+    given. num_splits=None picks one from batch and the longest seq_len, or req_to_token's width when seq_lens
+    are on the device (reading them would sync). `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG.
+    pdl (GPU, the engine's fused batch-1 decode): programmatic dependent launch, each kernel lets the next start.
+    Stage 1 then reads lengths, slots and its first K/V tile, all but the newest token, before it waits; so the
+    kernel before it (which writes q and that token) must let it start only after its own wait."""
     B, H, D = q.shape
     Hkv = k_pool.shape[1]
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
@@ -293,25 +290,22 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 # The other half: prefill (extend) -- many new tokens per request, over a cached prefix
 # ----------------------------------------------------------------------------------------------
 # A prefill step feeds each request its new tokens: a whole prompt, or only the suffix after a radix hit (05).
-# Query i of request b sits at position prefix_b + i and sees every key at positions <= its own: the whole
-# cached prefix, and the new tokens causally. The K/V of the new tokens are already in the pool (attend()
-# writes them first), so everything is read through req_to_token, as in decode -- one code path, and the
-# prefix is never copied out. Now there are many queries per request, so attention is matrix x matrix:
+# Query i of request b sits at position prefix_b + i and sees every key at positions <= its own. The new tokens'
+# K/V are already in the pool (attend() writes them first), so everything is read through req_to_token, as in
+# decode, and the prefix is never copied out. Many queries per request make attention matrix x matrix:
 # compute-bound, the regime flash-attention's tiling was made for.
 #
 #     program (row block j, kv head h):  BLOCK_R rows of one request's (new token, query head of h's group)
-#                                        pairs -- BLOCK_R / GROUP tokens x GROUP heads, one Q tile, so each
-#                                        K/V tile is loaded once for the whole group, and no row is padding
-#     phase 1, keys before the block's first query (the cached prefix and earlier new tokens): all visible,
-#              whole tiles without a mask
+#                                        pairs: one Q tile loads each K/V tile once for the group, no padding
+#     phase 1, keys before the block's first query: all visible, whole tiles without a mask
 #     phase 2, the diagonal, up to the block's last query:  the causal mask  key <= query
 #     online softmax across both phases (running max, sum, output), as in decode's stage 1
 #
 #         keys ->   |<------------- phase 1: no mask ------------->|<-- phase 2 -->|
 #     block j rows  | prefix (cached)      | new tokens before j   | \  causal     |
 #
-# The blocks of all requests go in one launch: the host lists (request, first row) pairs -- it knows every
-# request's new-token count already -- so no device lengths are read to size the grid.
+# All requests' blocks go in one launch: the host lists (request, first row) pairs from the new-token counts it
+# already knows, so no device lengths are read to size the grid.
 
 @triton.jit
 def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
@@ -347,9 +341,8 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
 
-# Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Picked on an H100 (bf16) from 45 configs
-# (rows 64-256, BLOCK_N 32-128, 4 or 8 warps, 2-4 stages) by the worst ratio to flash_attn_varlen_func over the
-# four prefill shapes of EXTEND_SHAPES, timed in the same call; the README has the final figures.
+# Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Tuned on an H100 (bf16) over rows, BLOCK_N,
+# warps and stages by the worst ratio to flash_attn_varlen_func on EXTEND_SHAPES, timed in the same call.
 EXTEND_CONFIG = {128: dict(rows=128, block_n=32, num_warps=4, num_stages=3),
                  64: dict(rows=128, block_n=64, num_warps=4, num_stages=3)}
 
@@ -402,12 +395,11 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 
 
 # ----------------------------------------------------------------------------------------------
-# The whole decode step at batch 1: six kernels per layer (the engine's GPU fast path)
+# GPU decode helpers the engine uses: the batch-1 decode step in six kernels per layer, and argmax
 # ----------------------------------------------------------------------------------------------
-# One token's decode step reads every weight once and does 2 FLOPs per weight: a chain of matrix-vector
-# products, bound by memory bandwidth. The plain model spends ~20 kernels per layer on it (three GEMVs for
-# q, k, v; norms, RoPE, KV scatter and residual adds apart), and cuBLAS's GEMVs on the 1B shape's small
-# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-4 per program,
+# One token's decode step reads every weight once for 2 FLOPs per weight: a chain of matrix-vector products,
+# bound by memory bandwidth. The plain model spends ~20 kernels per layer on it, and cuBLAS's GEMVs on small
+# matrices stay far below the copy bandwidth. Here one program streams whole weight rows (1-4 per program,
 # thousands of programs) and everything elementwise rides along in the same pass:
 #
 #   _embed      h = tok_embeddings[token]
@@ -417,21 +409,12 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 #   _gemv       act = silu(w1 @ xn) * (w3 @ xn)    (norm in the prologue: sum of squares in the same loop)
 #   _gemv       h += w2 @ act
 #
-# The RMS scale is applied after the dot (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once.
-#
-# Each kernel is a small wave with a ramp and a tail, so the boundaries between them cost. On a GPU every launch
-# uses programmatic dependent launch (PDL): a kernel lets the next one start at once (gdc_launch_dependents);
-# the next loads its first weight tile (weights never depend on the previous kernel) and only then waits for
-# it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
-# H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
-# _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
-# 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
-# (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
-# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent
-# one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost ~1.65 us and the phases
-# streamed no faster than separate kernels), L2 bulk prefetches instead of loads, and loading the residual or
-# the slot before the loop in the 1-D kernels (+9 to +18 us).
-
+# The RMS scale is applied after the dot, (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once. Each
+# kernel is a small wave with a ramp and a tail, so on a GPU every launch uses programmatic dependent launch
+# (PDL): a kernel lets the next one start at once, and the next loads its first weight tile (weights never
+# depend on the previous kernel) before it waits. CudaGraphDecoder chains k whole steps, argmax included, so.
+# Tried on an H200 and slower: one persistent kernel per layer with grid barriers (a barrier cost more than a
+# launch), L2 bulk prefetches instead of loads, loading the residual or the slot before the loop.
 
 
 @triton.jit
