@@ -624,18 +624,9 @@ def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
 
 
 def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
-    """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
-    B, H, D = q.shape
-    G = H // k_pool.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
-    for b in range(B):
-        slots = table_slots(req_to_token, int(req_rows[b]), int(seq_lens[b]), page)  # (L,)
-        k = k_pool[slots].double().repeat_interleave(G, dim=1)                      # (L, H, D)
-        v = v_pool[slots].double().repeat_interleave(G, dim=1)
-        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)      # (H, L)
-        out[b] = torch.einsum("hl,lhd->hd", p, v)
-    return out
+    """Float64 ground truth for decode: one new token per request, i.e. extend over seq_len - 1 cached tokens."""
+    return reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, [int(n) - 1 for n in seq_lens],
+                                      [1] * len(q), sm_scale, page)
 
 
 def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
@@ -658,10 +649,9 @@ def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix
 
 def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu",
                  scattered=True, seed=0):
-    """Random decode step over a pool: each request's tokens at random slots (or in one contiguous run).
-
-    Unused pool slots hold NaN and unused req_to_token entries point at one, so reading past a request poisons
-    the output. Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens), all on `device`."""
+    """Random decode step over a pool: each request's tokens at random slots (or in one contiguous run). Unused
+    slots hold NaN and unused req_to_token entries point at one, so reading past a request poisons the output.
+    Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens), all on `device`."""
     g = torch.Generator(device).manual_seed(seed)
     kw = dict(device=device, dtype=dtype)
     B, total, Hkv, D = len(seq_lens), int(sum(seq_lens)), n_kv_heads, head_dim
@@ -684,10 +674,9 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
 
 
 def paged_problem(problem, page: int, seed: int = 0):
-    """The same attention problem (make_problem's, or the tests' extend problems) with each request's token-table
-    row copied into pages of `page` slots at random pages: 02's block table (one page of max_len: 01's contiguous
-    rows). Unused pages hold NaN and unused table entries point at one, as unused slots do in make_problem, so a
-    kernel that reads past a request's tokens poisons its output. Returns the tuple with pools and table replaced."""
+    """The same problem (make_problem's, or the tests' extend problems) with each request's table row copied to
+    random pages of `page` slots: 02's block table (one page of max_len: 01's rows). Unused pages hold NaN and
+    unused entries point at one, as in make_problem. Returns the tuple with pools and table replaced."""
     q, k_pool, v_pool, r2t, rows = problem[:5]
     g = torch.Generator(k_pool.device).manual_seed(seed)
     width, dev = -(-r2t.shape[1] // page), k_pool.device
@@ -711,23 +700,22 @@ CHECKS = [(9, 3, 64), (8, 2, 128)]  # (n_q_heads, n_kv_heads, head_dim): SmolLM2
 
 
 def check(device, lens=(1, 2, 15, 16, 17, 300)):
-    """The CLI's lesson: kernel vs float64 reference for each dtype, on scattered slots."""
+    """The CLI's lesson: both kernels vs the float64 references for each dtype, on scattered slots."""
     rows = []
     for dtype in TOLERANCE:
         for H, Hkv, D in CHECKS:
             P = make_problem(list(lens), H, Hkv, D, dtype, device, seed=len(rows))
             splits = choose_num_splits(len(lens), Hkv, max(lens), num_sms(torch.device(device)))
-            err = rel_err(token_decode_attention(*P, num_splits=splits), reference_decode_attention(*P))
-            rows.append(dict(kernel="decode", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
-                             head_dim=D, num_splits=splits, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            decode_err = rel_err(token_decode_attention(*P, num_splits=splits), reference_decode_attention(*P))
             prefix, extend = [0, 40, 129], [33, 1, 20]  # a prompt, a decode-like token, a suffix after a radix hit
             _, k_pool, v_pool, r2t, req_rows, _ = make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D,
-                                                               dtype, device, seed=len(rows))
+                                                               dtype, device, seed=len(rows) + 1)
             q = torch.randn(sum(extend), H, D, device=device).to(dtype)  # (new tokens, n_q_heads, head_dim)
             E = (q, k_pool, v_pool, r2t, req_rows, prefix, extend)
-            err = rel_err(token_extend_attention(*E), reference_extend_attention(*E))
-            rows.append(dict(kernel="extend", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
-                             head_dim=D, num_splits=None, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            extend_err = rel_err(token_extend_attention(*E), reference_extend_attention(*E))
+            for kernel, n, err in (("decode", splits, decode_err), ("extend", None, extend_err)):
+                rows.append(dict(kernel=kernel, dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
+                                 head_dim=D, num_splits=n, rel_err=err, ok=err <= TOLERANCE[dtype]))
     return rows
 
 
@@ -735,12 +723,10 @@ def print_check(rows, name, cuda):
     """The report of check(): what was compared, why it matters, what the kernels do on a GPU."""
     print(f"""device: {name}
 What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
-(prefill: new tokens over a cached prefix) -- against attention computed in float64 by PyTorch from the same
-K/V, gathered through req_to_token. Every request's tokens sit at random slots of the pool and every other slot
-holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. The lengths
-(a single token, ragged tails, 300 tokens over several chunks) run in one batch; decode is split over the context
-(below), and the split must not change the answer. Passing means: on a GPU the engine's tokens come from exactly
-this attention.
+(prefill: new tokens over a cached prefix) -- against float64 attention over the same K/V, gathered through
+req_to_token. Every request's tokens sit at random slots of the pool and every other slot holds NaN, so a read
+past a request's length, or through a wrong slot, turns the error into NaN. Decode is split over the context,
+and the split must not change the answer. Passing means: on a GPU the engine's tokens come from this attention.
 decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
     for r in rows:
         split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
@@ -748,15 +734,12 @@ decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached 
               f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
               f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
     where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
-    print(f"""What the decode kernel does on a GPU{where}:
-a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
-(kv head, chunk of the context, request) streams its chunk's K/V through req_to_token once for all the query
-heads of its group (GQA: one load, not one per query head), keeping a running softmax; a second launch merges
-the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
-kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
-big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
-extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the
-diagonal pays for the causal mask.""")
+    print(f"""What the kernels do on a GPU{where}:
+decode reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program
+per (kv head, chunk of the context, request) streams its chunk's K/V once for all the query heads of its group,
+keeping a running softmax; a second launch merges the chunks by their log-sum-exp. The split count fills the
+SMs when batch x kv heads would leave them idle (`--bench` compares it with flash-attn on a GPU). Extend tiles
+like flash-attention: whole K/V tiles before a block's first query run unmasked, only the diagonal is masked.""")
 
 
 # ----------------------------------------------------------------------------------------------
