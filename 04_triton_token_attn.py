@@ -745,7 +745,17 @@ like flash-attention: whole K/V tiles before a block's first query run unmasked,
 # ----------------------------------------------------------------------------------------------
 # The GPU benchmark (--bench) and the command line
 # ----------------------------------------------------------------------------------------------
-BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))
+BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))  # decode: (batch, context)
+EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's prefill shapes
+    (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, return_mode="median")  # triton's median ms, L2 flushed before each call
+
+
+def _failed(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:100]  # flash-attn missing, or out of memory: say so, keep benchmarking
 
 
 def _timings(fns):
@@ -790,7 +800,7 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
     dev = torch.device("cuda")
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() / triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") / 1e6  # read+write
+    copy_gbs = 2 * x.numel() / _ms(lambda: y.copy_(x)) / 1e6  # read + write
     del x, y
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     results = []
@@ -808,8 +818,8 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
             try:
                 fns = [maker(P) for P in sets]
                 r[name] = dict(_timings(fns), err_vs_ours=rel_err(fns[0](), ours(sets[0])().double()))
-            except Exception as e:  # flash-attn missing, or out of memory: report, keep going
-                r[name] = dict(why=f"{type(e).__name__}: {e}"[:100])
+            except Exception as e:
+                r[name] = dict(why=_failed(e))
             fns = None
         for t in (r["ours"], r["contig"], r["flash"], r["sdpa"]):
             t.update({k.replace("ms", "gbs"): kv_bytes / t[k] / 1e6 for k in ("ms", "graph_ms") if k in t})
@@ -817,10 +827,6 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
         sets = None
         torch.cuda.empty_cache()
     return results
-
-
-EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's prefill shapes
-    (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
 
 
 def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 64)), dtype=torch.bfloat16, **config):
@@ -834,8 +840,7 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
             _, kp, vp, r2t, rows, _ = make_problem([p + n] * B, H, Hkv, D, dtype, dev)
             q = torch.randn(B * n, H, D, device=dev, dtype=dtype)  # (new tokens, n_q_heads, head_dim)
             ours = lambda: token_extend_attention(q, kp, vp, r2t, rows, [p] * B, [n] * B, **config)
-            r = dict(batch=B, new=n, cached=p, n_q_heads=H, n_kv_heads=Hkv, head_dim=D,
-                     ms=triton.testing.do_bench(ours, return_mode="median"))
+            r = dict(batch=B, new=n, cached=p, n_q_heads=H, n_kv_heads=Hkv, head_dim=D, ms=_ms(ours))
             r["tflops"] = 4 * B * H * D * (n * p + n * (n + 1) / 2) / r["ms"] / 1e9
             try:
                 from flash_attn import flash_attn_varlen_func
@@ -843,20 +848,18 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
                 k, v = kp[slots].flatten(0, 1), vp[slots].flatten(0, 1)     # (B * (p + n), n_kv_heads, D)
                 cu_q = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * n
                 cu_k = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * (p + n)
-                flash = lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, p + n, causal=True)
-                r["flash_ms"] = triton.testing.do_bench(flash, return_mode="median")
+                flash = lambda k, v, **kw: flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, p + n, causal=True, **kw)
+                r["flash_ms"] = _ms(lambda: flash(k, v))
                 r["ratio"] = r["flash_ms"] / r["ms"]  # ours / flash-attn speed
-                r["err_vs_flash"] = rel_err(ours(), flash().double())
+                r["err_vs_flash"] = rel_err(ours(), flash(k, v).double())
                 # the same K/V as 256-slot pages (02's block table): flash-attn's paged varlen path, and ours
                 bt = torch.arange(B * (p + n) // 256, device=dev, dtype=torch.int32).view(B, -1)  # (B, pages)
                 kc, vc = k.view(-1, 256, Hkv, D), v.view(-1, 256, Hkv, D)   # (pages, 256, n_kv_heads, D)
-                r["flash_paged_ms"] = triton.testing.do_bench(lambda: flash_attn_varlen_func(
-                    q, kc, vc, cu_q, cu_k, n, p + n, causal=True, block_table=bt), return_mode="median")
-                r["ours_paged_ms"] = triton.testing.do_bench(lambda: token_extend_attention(
-                    q, k, v, bt, torch.arange(B, device=dev), [p] * B, [n] * B, page=256, **config),
-                    return_mode="median")
-            except Exception as e:  # flash-attn missing: report, keep going
-                r["flash"] = f"{type(e).__name__}: {e}"[:100]
+                r["flash_paged_ms"] = _ms(lambda: flash(kc, vc, block_table=bt))
+                r["ours_paged_ms"] = _ms(lambda: token_extend_attention(q, k, v, bt, torch.arange(B, device=dev),
+                                                                         [p] * B, [n] * B, page=256, **config))
+            except Exception as e:
+                r["flash"] = _failed(e)
             results.append(r)
             print(f"  {H:2d}/{Hkv} d={D:3d} {B:3d} x {n:5d} new over {p:5d} cached | ours {r['ms']:7.3f} ms "
                   f"{r['tflops']:6.1f} TFLOP/s | flash-attn " + (f"{r['flash_ms']:7.3f} ms  ours {r['ratio']:.2f}x "
@@ -866,16 +869,19 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
 
 
 def print_bench(results, name):
-    print(f"\n{name}, copy bandwidth {results[0]['copy_gbs']:,.0f} GB/s (read + write); 32 q / 8 kv heads, d=128, bf16,"
-          " scattered slots\nGB/s = K+V bytes / time; eager: do_bench median, L2 flushed; graph: CUDA-graph replay\n"
-          "batch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | sdpa us | vs flash")
+    """bench()'s table (bench_extend prints its rows as they come); n/a where flash-attn or SDPA failed."""
+    print(f"\n{name}, copy bandwidth {results[0]['copy_gbs']:,.0f} GB/s (read + write); 32 q / 8 kv heads, d=128, "
+          "bf16, scattered slots\nGB/s = K+V bytes / time; eager: do_bench median, L2 flushed; graph: CUDA-graph "
+          "replay\nbatch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | "
+          "sdpa us | vs flash")
+    na = lambda d, w: "" if "ms" in d else f"{'n/a':>{w}}"
     for r in results:
         o, c, f, s = r["ours"], r["contig"], r["flash"], r["sdpa"]
-        na = lambda d, w: "" if "ms" in d else f"{'n/a':>{w}}"
+        flash = na(f, 24) or f"{f['ms'] * 1e3:8.1f} {f['gbs']:5,.0f} {f['graph_ms'] * 1e3:9.1f}"
+        sdpa = na(s, 7) or f"{s['ms'] * 1e3:7.1f}"
+        vs_flash = na(f, 0) or f"{f['ms'] / o['ms']:4.2f}x {f['graph_ms'] / o['graph_ms']:4.2f}x"
         print(f"{r['batch']:5d} {r['context']:7d} {r['num_splits']:6d} | {o['ms'] * 1e3:8.1f} {o['gbs']:5,.0f} "
-              f"{o['graph_ms'] * 1e3:9.1f} {o['graph_gbs']:5,.0f} | {c['gbs']:11,.0f} | " + (na(f, 24) or
-              f"{f['ms'] * 1e3:8.1f} {f['gbs']:5,.0f} {f['graph_ms'] * 1e3:9.1f}") + " | " + (na(s, 7) or
-              f"{s['ms'] * 1e3:7.1f}") + " | " + (na(f, 0) or f"{f['ms'] / o['ms']:4.2f}x {f['graph_ms'] / o['graph_ms']:4.2f}x"))
+              f"{o['graph_ms'] * 1e3:9.1f} {o['graph_gbs']:5,.0f} | {c['gbs']:11,.0f} | {flash} | {sdpa} | {vs_flash}")
         for k, d in (("flash", f), ("sdpa", s)):
             if "why" in d:
                 print(f"      {k}: {d['why']}")
