@@ -412,7 +412,7 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 # The RMS scale is applied after the dot, (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once. Each
 # kernel is a small wave with a ramp and a tail, so on a GPU every launch uses programmatic dependent launch
 # (PDL): a kernel lets the next one start at once, and the next loads its first weight tile (weights never
-# depend on the previous kernel) before it waits. CudaGraphDecoder chains k whole steps, argmax included, so.
+# depend on the previous kernel) before it waits; CudaGraphDecoder chains k whole steps, argmax included, so.
 # Tried on an H200 and slower: one persistent kernel per layer with grid barriers (a barrier cost more than a
 # launch), L2 bulk prefetches instead of loads, loading the residual or the slot before the loop.
 
@@ -513,6 +513,60 @@ def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
 
 
+def fused_decode_ok(model) -> bool:
+    a = model.args
+    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
+
+
+# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
+FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
+                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
+
+
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
+    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
+    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
+    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
+    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
+                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
+                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
+                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
+    return out
+
+
+def fused_decode(model, kv, tokens, positions, pdl=None):
+    """One decode step of one sequence in six kernels per layer: model(tokens, positions, kv) at batch 1, over any
+    backend's pool (kv.layer_pools, kv.table, kv.page). kv.batch_rows, batch_lens hold the step's table row and
+    length (CudaGraphDecoder's static buffers); the slot comes from the table. Returns fp32 logits (1, vocab).
+    pdl: launch every kernel with PDL (see above); None = on a GPU."""
+    a, attn = model.args, token_decode_attention
+    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
+    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
+    block = math.gcd(a.dim, 256)
+    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
+    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
+    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
+    for i, layer in enumerate(model.layers):
+        at, ff = layer.attention, layer.feed_forward
+        kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
+        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
+            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
+            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
+            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
+            **pdl_kw(pdl))
+        attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
+        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
+        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
+             pdl=pdl)
+        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
+    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
+    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
+                pdl=pdl)[None]
+
+
 @triton.jit
 def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
             ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
@@ -557,61 +611,6 @@ def argmax(logits, out, advance=None, pdl=False):
     _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
                     FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
     return out
-
-
-def fused_decode_ok(model) -> bool:
-    a = model.args
-    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
-
-
-# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
-FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
-                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
-
-
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
-    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
-    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
-    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
-    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
-                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
-                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
-    return out
-
-
-def fused_decode(model, kv, tokens, positions, pdl=None):
-    """One decode step of one sequence in six kernels per layer: the same function as model(tokens, positions, kv)
-    at batch 1, over any backend's pool (kv.layer_pools, kv.table and kv.page: 03's token pool, 02's blocks, 01's
-    rows). kv.batch_rows, batch_lens hold the step's table row and length (CudaGraphDecoder's static buffers); the
-    slot comes from the table. Returns fp32 logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see
-    above); None = on a GPU."""
-    a, attn = model.args, token_decode_attention
-    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
-    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
-    block = math.gcd(a.dim, 256)
-    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
-    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
-    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
-    for i, layer in enumerate(model.layers):
-        at, ff = layer.attention, layer.feed_forward
-        kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
-        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
-            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
-            **pdl_kw(pdl))
-        attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
-        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
-        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
-             pdl=pdl)
-        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
-    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
-                pdl=pdl)[None]
 
 
 # ----------------------------------------------------------------------------------------------
