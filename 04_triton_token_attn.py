@@ -22,16 +22,15 @@ into chunks across programs, and merge:
     stage 2, program (q head, request b):  out = sum_s o_s * exp(lse_s - lse) with lse = logsumexp_s(lse_s)
 
 GQA: the G = n_q_heads / n_kv_heads query heads of a group share one load of each K/V tile (one `tl.dot`
-over a 16-row tile) instead of re-reading K/V once per query head. `choose_num_splits`: no split while
-batch x kv_heads covers the SMs (stage 1 writes the answer, stage 2 is skipped), else one wave of about 4
-resident programs per SM, never chunks under 64 tokens. Kv heads go fastest in launch order, so programs
-running side by side read neighbouring pieces of each slot's K row. Splits past a short request's last token
-return at once, so a CUDA graph may fix the split count for the longest context it will see.
+over a 16-row tile) instead of re-reading K/V once per query head. `choose_num_splits` splits only when batch x
+kv_heads leaves SMs idle (else stage 1 writes the answer and stage 2 is skipped): one wave of about 4 resident
+programs per SM, chunks >= 64 tokens. Splits past a short request's last token return at once, so a CUDA graph
+may fix the split count for the longest context it will see.
 
-Every backend, one kernel: token i of table row r sits at slot table[r, i // P] * P + i % P (`_slot`). P = 1
-is 03's token pool (req_to_token holds slots); P = block size is 02's paged pool (block tables); P = max_len is
-01's contiguous cache (a row is one page). This file holds every Triton kernel of the project, so only their
-users need Triton (Linux): after the two attention kernels, the engine's batch-1 decode step (`fused_decode`).
+Every backend, one kernel: token i of table row r sits at slot table[r, i // P] * P + i % P (`_slot`): P = 1 for
+03's token pool (req_to_token holds slots), the block size for 02's paged pool, max_len for 01's contiguous rows.
+This file holds every Triton kernel of the project (the engine's batch-1 decode step too), so only their users
+need Triton (Linux).
 
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
@@ -366,13 +365,10 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
 def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
                            out=None, page=1, **config):
     """Prefill attention over the token pool: out[t] = softmax(q[t] K^T * scale) V over request b's keys at
-    positions <= the query's, for the ragged batch of new tokens.
-
-    q (T, n_q_heads, head_dim), T = sum(extend_lens), request after request; k_pool, v_pool (num_slots,
-    n_kv_heads, head_dim) of one layer, the new tokens' K/V already stored at req_to_token[row,
-    prefix:prefix + extend]; req_rows (B,) rows of req_to_token; prefix_lens, extend_lens (B,) host ints
-    (lists or CPU tensors: they size the grid); page as in token_decode_attention. Returns (T, n_q_heads,
-    head_dim) in q's dtype."""
+    positions <= the query's, for a ragged batch of new tokens. q (T, n_q_heads, head_dim), T = sum(extend_lens),
+    request after request; k_pool, v_pool, req_rows, page as in token_decode_attention, the new tokens' K/V
+    already stored at req_to_token[row, prefix:prefix + extend]; prefix_lens, extend_lens (B,) host ints (lists
+    or CPU tensors: they size the grid). Returns (T, n_q_heads, head_dim) in q's dtype."""
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     prefix_lens, extend_lens = ([int(n) for n in x] for x in (prefix_lens, extend_lens))
