@@ -2,7 +2,7 @@
 04_triton_token_attn.py -- token attention in Triton: flash-decoding for a decode step, and the prefill (extend)
 kernel for many new tokens over a cached prefix, both reading K/V through the token table.
 
-    python 04_triton_token_attn.py            # CPU (Triton interpreter) or GPU: kernel vs float64 reference
+    python 04_triton_token_attn.py            # CPU (Triton interpreter) or GPU: kernels vs float64 reference
     python 04_triton_token_attn.py --bench    # GPU: time, GB/s, vs flash-attn (paged) and SDPA (contiguous)
 
 03's token pool stores K and V one slot per token, anywhere in the pool; `req_to_token[row, i]` says which
@@ -21,53 +21,22 @@ into chunks across programs, and merge:
         online softmax over its chunk  ->  partial output o_s (G, D) and log-sum-exp lse_s (G,)
     stage 2, program (q head, request b):  out = sum_s o_s * exp(lse_s - lse) with lse = logsumexp_s(lse_s)
 
-GQA done right: the G = n_q_heads / n_kv_heads query heads of a group share one load of each K/V tile
-(one `tl.dot` over a 16-row tile), instead of re-reading K/V once per query head (G times the bytes).
-The split count comes from batch size and length (`choose_num_splits`): none while batch x kv_heads
-already covers the SMs (then stage 1 writes the answer and stage 2 is skipped), else one wave of about
-4 resident programs per SM, never chunks under 64 tokens. Launch order puts kv heads fastest, so the
-programs running side by side read the 8 neighbouring 256-byte pieces of each slot's 2 KB K row.
-A CUDA graph fixes the split count for the longest context it may see; at a short one, the splits past
-the last token return at once and stage 2 merges only those that hold tokens (H200, batch 1, 200 tokens,
-64 splits: 5.6 us for both launches, was 6.2 us when empty splits wrote an empty partial). With pdl (the
-engine's batch-1 decode), stage 1 reads lengths, slots and its first K/V tile before waiting for the kernel
-that writes q and the newest token, so that read overlaps that kernel (see token_decode_attention).
+GQA: the G = n_q_heads / n_kv_heads query heads of a group share one load of each K/V tile (one `tl.dot`
+over a 16-row tile) instead of re-reading K/V once per query head. `choose_num_splits` splits only when batch x
+kv_heads leaves SMs idle (else stage 1 writes the answer and stage 2 is skipped): one wave of about 4 resident
+programs per SM, chunks >= 64 tokens. Splits past a short request's last token return at once, so a CUDA graph
+may fix the split count for the longest context it will see.
 
-Every backend, one kernel: the table the kernels read maps token i of row r to slot table[r, i // P] * P + i % P
-(`_slot`). P = 1 is 03's token pool (req_to_token holds slots); P = block size is 02's paged pool (block tables);
-P = max_len is 01's contiguous cache (a row is one page). The engine's CUDA graphs decode all three through it,
-and below the decode and prefill kernels sits the whole batch-1 decode step in six kernels (`fused_decode`).
-This file is also where every Triton kernel of the project lives, so only its users need Triton (Linux).
+Every backend, one kernel: token i of table row r sits at slot table[r, i // P] * P + i % P (`_slot`): P = 1 for
+03's token pool (req_to_token holds slots), the block size for 02's paged pool, max_len for 01's contiguous rows.
+This file holds every Triton kernel of the project (the engine's batch-1 decode step too), so only their users
+need Triton (Linux).
 
-CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernel in numpy. Its traps: bf16
+CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels in numpy. Its traps: bf16
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
 
-Benchmark (`--bench` on an NVIDIA H200, 132 SMs; 32 q / 8 kv heads, d=128, bf16, slots a random permutation
-of the pool; GB/s = K+V bytes / time. eager: triton do_bench median, L2 flushed before each call; graph:
-CUDA-graph replay over rotated input copies. In the same run: flash-attn 2.8.3 flash_attn_with_kvcache on a
-paged copy of the same data (page 256, pages shuffled) and PyTorch SDPA on a contiguous copy):
-
-    copy bandwidth 4,251 GB/s (read + write)
-    batch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | sdpa us | vs flash
-        1    4096     64 |     26.9   623      12.3 1,366 |         597 |     24.6   683      19.1 |    17.3 | 0.91x 1.56x
-       32    1024      1 |     51.0 2,630      36.8 3,651 |       2,785 |     47.6 2,817      37.7 |    45.8 | 0.93x 1.02x
-       32    4096      1 |    138.9 3,866     129.5 4,147 |       3,954 |    137.6 3,901     147.0 |   135.9 | 0.99x 1.14x
-      128    2048      1 |    263.8 4,071     253.1 4,243 |       4,186 |    281.0 3,821     298.8 |   254.9 | 1.07x 1.18x
-        8   16384      8 |    142.0 3,782     130.0 4,130 |       3,880 |    142.8 3,760     146.0 |   139.7 | 1.01x 1.12x
-
-- GPU time (graph), four runs of this kernel: 1.54-1.57x flash-attn at batch 1 (12.3 us; its splits leave
-  SMs idle) and 0.99-1.18x elsewhere; up to 4,350 GB/s, at the copy bandwidth.
-- Eager at batch 1 measures the host, not the GPU: the Python wrapper plus two Triton 3.6 launches take
-  83-117 us of CPU per call on that machine (flash-attn's one C++ launch: 47-53 us) and do_bench's L2 flush
-  hides only 61.5 us of it. Four eager runs gave 19.0, 26.9, 51.1 and 51.8 us (1.28x down to 0.46x of
-  flash-attn). A decode engine replays CUDA graphs, where that cost is gone. At batch >= 8, eager stays within
-  0.93-1.09x of flash-attn in every run.
-- Sweeps (28 tile configs x 3-8 split counts, then graph-timed variants): unsplit when batch x kv_heads >= SMs
-  (32x1024: 36.6 us unsplit, 38.6 us with 2 splits), with 128-token tiles (64: 39.6 us); split kernels use
-  64-token tiles (39 KB of shared memory, 4-5 programs per SM): 8x16384 at 8 splits 130 us, 16 splits 132 us.
-- Scattered slots cost 2-3% against contiguous ones (contig column). SDPA on a contiguous cache, the easy
-  layout, is within 2-4% of us; flash-attn's paged kernel runs slower in graph replay than eager at the large
-  shapes, in every run (not investigated).
+Benchmark: `--bench` times both kernels on a GPU against flash-attn (paged decode, varlen prefill) and PyTorch
+SDPA on the same data; the configs below were tuned that way, and the README keeps the measured figures.
 """
 from __future__ import annotations
 
@@ -236,7 +205,8 @@ def _stage2(MID, OUT, LENS, num_splits, HEAD_DIM: tl.constexpr, BLOCK_S: tl.cons
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132  # CPU: an H200
+    """The device's SM count; on the CPU an H200's, so the interpreter runs the split counts a GPU would."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def pdl_kw(pdl: bool) -> dict:
@@ -255,26 +225,23 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, sms: int) -> in
     return max(1, min(RESIDENT * sms // programs, triton.cdiv(max_len, MIN_CHUNK), 128))
 
 
-UNSPLIT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2)  # tuned on an H200 (see the docstring): long
-SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # chunks like big tiles, splits want 4+ programs/SM
+UNSPLIT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2)  # tuned on an H200: long chunks like big tiles,
+SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # split ones 64-token tiles (4-5 programs per SM)
 
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
                            out=None, pdl=False, page=1, **config):
-    """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]].
-    page > 1: req_to_token is a block table of pages of `page` slots (02's paged pool, or 01's contiguous rows as
-    one page each), token i of row r at slot req_to_token[r, i // page] * page + i % page.
+    """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b], :seq_lens[b]]];
+    page > 1: req_to_token is a block table of `page`-slot pages (02's pool; 01's rows are one page each).
 
     q (batch, n_q_heads, head_dim); k_pool, v_pool (num_slots, n_kv_heads, head_dim) of one layer, each slot's
-    row contiguous; req_to_token (max_requests, max_seq_len) int32/int64; req_rows, seq_lens (batch,) ints
-    (tensors on q's device avoid copies), every seq_len >= 1. Returns (batch, n_q_heads, head_dim) in q's
-    dtype, written into `out` if given. num_splits=None picks one from batch and length: the longest seq_len
-    when seq_lens are on the CPU (or a list), else req_to_token's width (reading a device tensor would sync).
-    `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG (block_n, num_warps, num_stages). pdl: launch with
-    programmatic dependent launch (GPU; the engine's fused batch-1 decode): each kernel lets the next one start,
-    which loads what it can before it waits for ours. Stage 1 reads lengths, slots and the first tile's K/V before
-    its wait, all but the newest token; so the kernel launched before it (which writes q and that token) must
-    start the next kernel only after its own wait, when everything before it is done."""
+    row contiguous; req_to_token (max_requests, width) int32/int64; req_rows, seq_lens (batch,) ints (tensors on
+    q's device avoid copies), every seq_len >= 1. Returns (batch, n_q_heads, head_dim) in q's dtype, in `out` if
+    given. num_splits=None picks one from batch and the longest seq_len, or req_to_token's width when seq_lens
+    are on the device (reading them would sync). `config` overrides UNSPLIT_CONFIG / SPLIT_CONFIG.
+    pdl (GPU, the engine's fused batch-1 decode): programmatic dependent launch, each kernel lets the next start.
+    Stage 1 then reads lengths, slots and its first K/V tile, all but the newest token, before it waits; so the
+    kernel before it (which writes q and that token) must let it start only after its own wait."""
     B, H, D = q.shape
     Hkv = k_pool.shape[1]
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
@@ -322,25 +289,22 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 # The other half: prefill (extend) -- many new tokens per request, over a cached prefix
 # ----------------------------------------------------------------------------------------------
 # A prefill step feeds each request its new tokens: a whole prompt, or only the suffix after a radix hit (05).
-# Query i of request b sits at position prefix_b + i and sees every key at positions <= its own: the whole
-# cached prefix, and the new tokens causally. The K/V of the new tokens are already in the pool (attend()
-# writes them first), so everything is read through req_to_token, as in decode -- one code path, and the
-# prefix is never copied out. Now there are many queries per request, so attention is matrix x matrix:
+# Query i of request b sits at position prefix_b + i and sees every key at positions <= its own. The new tokens'
+# K/V are already in the pool (attend() writes them first), so everything is read through req_to_token, as in
+# decode, and the prefix is never copied out. Many queries per request make attention matrix x matrix:
 # compute-bound, the regime flash-attention's tiling was made for.
 #
 #     program (row block j, kv head h):  BLOCK_R rows of one request's (new token, query head of h's group)
-#                                        pairs -- BLOCK_R / GROUP tokens x GROUP heads, one Q tile, so each
-#                                        K/V tile is loaded once for the whole group, and no row is padding
-#     phase 1, keys before the block's first query (the cached prefix and earlier new tokens): all visible,
-#              whole tiles without a mask
+#                                        pairs: one Q tile loads each K/V tile once for the group, no padding
+#     phase 1, keys before the block's first query: all visible, whole tiles without a mask
 #     phase 2, the diagonal, up to the block's last query:  the causal mask  key <= query
 #     online softmax across both phases (running max, sum, output), as in decode's stage 1
 #
 #         keys ->   |<------------- phase 1: no mask ------------->|<-- phase 2 -->|
 #     block j rows  | prefix (cached)      | new tokens before j   | \  causal     |
 #
-# The blocks of all requests go in one launch: the host lists (request, first row) pairs -- it knows every
-# request's new-token count already -- so no device lengths are read to size the grid.
+# All requests' blocks go in one launch: the host lists (request, first row) pairs from the new-token counts it
+# already knows, so no device lengths are read to size the grid.
 
 @triton.jit
 def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
@@ -376,9 +340,8 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
 
-# Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Picked on an H100 (bf16) from 45 configs
-# (rows 64-256, BLOCK_N 32-128, 4 or 8 warps, 2-4 stages) by the worst ratio to flash_attn_varlen_func over the
-# four prefill shapes of EXTEND_SHAPES, timed in the same call; the README has the final figures.
+# Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Tuned on an H100 (bf16) over rows, BLOCK_N,
+# warps and stages by the worst ratio to flash_attn_varlen_func on EXTEND_SHAPES, timed in the same call.
 EXTEND_CONFIG = {128: dict(rows=128, block_n=32, num_warps=4, num_stages=3),
                  64: dict(rows=128, block_n=64, num_warps=4, num_stages=3)}
 
@@ -402,13 +365,10 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
 def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
                            out=None, page=1, **config):
     """Prefill attention over the token pool: out[t] = softmax(q[t] K^T * scale) V over request b's keys at
-    positions <= the query's, for the ragged batch of new tokens.
-
-    q (T, n_q_heads, head_dim), T = sum(extend_lens), request after request; k_pool, v_pool (num_slots,
-    n_kv_heads, head_dim) of one layer, the new tokens' K/V already stored at req_to_token[row,
-    prefix:prefix + extend]; req_rows (B,) rows of req_to_token; prefix_lens, extend_lens (B,) host ints
-    (lists or CPU tensors: they size the grid); page as in token_decode_attention. Returns (T, n_q_heads,
-    head_dim) in q's dtype."""
+    positions <= the query's, for a ragged batch of new tokens. q (T, n_q_heads, head_dim), T = sum(extend_lens),
+    request after request; k_pool, v_pool, req_rows, page as in token_decode_attention, the new tokens' K/V
+    already stored at req_to_token[row, prefix:prefix + extend]; prefix_lens, extend_lens (B,) host ints (lists
+    or CPU tensors: they size the grid). Returns (T, n_q_heads, head_dim) in q's dtype."""
     T, H, D = q.shape
     Hkv = k_pool.shape[1]
     prefix_lens, extend_lens = ([int(n) for n in x] for x in (prefix_lens, extend_lens))
@@ -431,12 +391,11 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 
 
 # ----------------------------------------------------------------------------------------------
-# The whole decode step at batch 1: six kernels per layer (the engine's GPU fast path)
+# GPU decode helpers the engine uses: the batch-1 decode step in six kernels per layer, and argmax
 # ----------------------------------------------------------------------------------------------
-# One token's decode step reads every weight once and does 2 FLOPs per weight: a chain of matrix-vector
-# products, bound by memory bandwidth. The plain model spends ~20 kernels per layer on it (three GEMVs for
-# q, k, v; norms, RoPE, KV scatter and residual adds apart), and cuBLAS's GEMVs on the 1B shape's small
-# matrices reach 0.8-2.5 TB/s of an H200's ~4.2. Here one program streams whole weight rows (1-4 per program,
+# One token's decode step reads every weight once for 2 FLOPs per weight: a chain of matrix-vector products,
+# bound by memory bandwidth. The plain model spends ~20 kernels per layer on it, and cuBLAS's GEMVs on small
+# matrices stay far below the copy bandwidth. Here one program streams whole weight rows (1-4 per program,
 # thousands of programs) and everything elementwise rides along in the same pass:
 #
 #   _embed      h = tok_embeddings[token]
@@ -446,21 +405,12 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 #   _gemv       act = silu(w1 @ xn) * (w3 @ xn)    (norm in the prologue: sum of squares in the same loop)
 #   _gemv       h += w2 @ act
 #
-# The RMS scale is applied after the dot (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once.
-#
-# Each kernel is a small wave with a ramp and a tail, so the boundaries between them cost. On a GPU every launch
-# uses programmatic dependent launch (PDL): a kernel lets the next one start at once (gdc_launch_dependents);
-# the next loads its first weight tile (weights never depend on the previous kernel) and only then waits for
-# it (gdc_wait). The multi-step graph (CudaGraphDecoder) chains k whole steps, argmax included, this way.
-# H200, 1B shape, CUDA graph of one step: 849.5 us vs 860 us without PDL (three runs); then 2 RoPE pairs per
-# _qkv_rope program in 2 warps (was 1 pair in 1 warp: 5.9 vs 8.2 us per call) and 4 rows per wo / w2 program:
-# 811-813 us. 04's stage 1 also reads the lengths, slots and K/V of all but the newest token before its wait
-# (_qkv_rope, the kernel before it, starts it only after its own wait, when all earlier work is done): 805 us at
-# 129 tokens of context, and at 1024 tokens 814 vs 849 us. Tried and slower there: a persistent
-# one-launch-per-layer kernel with grid barriers (981 us at best: each barrier cost ~1.65 us and the phases
-# streamed no faster than separate kernels), L2 bulk prefetches instead of loads, and loading the residual or
-# the slot before the loop in the 1-D kernels (+9 to +18 us).
-
+# The RMS scale is applied after the dot, (W (x * g)) * rsqrt(mean x^2 + eps), so x is read only once. Each
+# kernel is a small wave with a ramp and a tail, so on a GPU every launch uses programmatic dependent launch
+# (PDL): a kernel lets the next one start at once, and the next loads its first weight tile (weights never
+# depend on the previous kernel) before it waits; CudaGraphDecoder chains k whole steps, argmax included, so.
+# Tried on an H200 and slower: one persistent kernel per layer with grid barriers (a barrier cost more than a
+# launch), L2 bulk prefetches instead of loads, loading the residual or the slot before the loop.
 
 
 @triton.jit
@@ -559,6 +509,60 @@ def _embed(TOK, E, OUT, K, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     tl.store(OUT + cols, tl.load(E + tl.load(TOK).to(tl.int64) * K + cols))
 
 
+def fused_decode_ok(model) -> bool:
+    a = model.args
+    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
+
+
+# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
+FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
+                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
+
+
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
+    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
+    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
+    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
+    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
+                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
+                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
+                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
+    return out
+
+
+def fused_decode(model, kv, tokens, positions, pdl=None):
+    """One decode step of one sequence in six kernels per layer: model(tokens, positions, kv) at batch 1, over any
+    backend's pool (kv.layer_pools, kv.table, kv.page). kv.batch_rows, batch_lens hold the step's table row and
+    length (CudaGraphDecoder's static buffers); the slot comes from the table. Returns fp32 logits (1, vocab).
+    pdl: launch every kernel with PDL (see above); None = on a GPU."""
+    a, attn = model.args, token_decode_attention
+    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
+    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
+    block = math.gcd(a.dim, 256)
+    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
+    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
+    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
+    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
+    for i, layer in enumerate(model.layers):
+        at, ff = layer.attention, layer.feed_forward
+        kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
+        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
+            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
+            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
+            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
+            **pdl_kw(pdl))
+        attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
+        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
+        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
+             pdl=pdl)
+        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
+    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
+    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
+                pdl=pdl)[None]
+
+
 @triton.jit
 def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
             ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
@@ -605,84 +609,19 @@ def argmax(logits, out, advance=None, pdl=False):
     return out
 
 
-def fused_decode_ok(model) -> bool:
-    a = model.args
-    return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
-
-
-# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
-FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
-                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
-
-
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
-    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
-    (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
-    rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
-    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
-                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
-                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
-    return out
-
-
-def fused_decode(model, kv, tokens, positions, pdl=None):
-    """One decode step of one sequence in six kernels per layer: the same function as model(tokens, positions, kv)
-    at batch 1, over any backend's pool (kv.layer_pools, kv.table and kv.page: 03's token pool, 02's blocks, 01's
-    rows). kv.batch_rows, batch_lens hold the step's table row and length (CudaGraphDecoder's static buffers); the
-    slot comes from the table. Returns fp32 logits (1, vocab). pdl: the programmatic-dependent-launch kernels (see
-    above); None = on a GPU."""
-    a, attn = model.args, token_decode_attention
-    cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
-    h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
-    block = math.gcd(a.dim, 256)
-    _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
-    q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    att = torch.empty(1, a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
-    act = torch.empty(a.hidden_dim, dtype=h.dtype, device=h.device)
-    half, q_rows, kv_rows = a.head_dim // 2, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    pairs = math.gcd(half, cfg["qkv"][0])  # RoPE pairs per _qkv_rope program
-    for i, layer in enumerate(model.layers):
-        at, ff = layer.attention, layer.feed_forward
-        kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
-        _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
-            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
-            **pdl_kw(pdl))
-        attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
-        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
-        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
-             pdl=pdl)
-        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
-    logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
-                pdl=pdl)[None]
-
-
+# ----------------------------------------------------------------------------------------------
+# References and checks: float64 attention through the same table, random problems, the CLI's check
+# ----------------------------------------------------------------------------------------------
 def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
     """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot."""
     i = torch.arange(n, device=table.device)
     return table[row, i // page].long() * page + i % page
 
 
-def paged_problem(problem, page: int, seed: int = 0):
-    """The same attention problem (make_problem's, or the tests' extend problems) with each request's token-table
-    row copied into pages of `page` slots at random pages: 02's block table (one page of max_len: 01's contiguous
-    rows). Unused pages hold NaN and unused table entries point at one, as unused slots do in make_problem, so a
-    kernel that reads past a request's tokens poisons its output. Returns the tuple with pools and table replaced."""
-    q, k_pool, v_pool, r2t, rows = problem[:5]
-    g = torch.Generator(k_pool.device).manual_seed(seed)
-    width, dev = -(-r2t.shape[1] // page), k_pool.device
-    pages = torch.randperm(len(rows) * width + 3, generator=g, device=dev)
-    kp = torch.full((len(pages) * page, *k_pool.shape[1:]), float("nan"), dtype=k_pool.dtype, device=dev)
-    vp = torch.full_like(kp, float("nan"))                  # (num_pages * page, n_kv_heads, head_dim)
-    table = torch.full((r2t.shape[0], width), int(pages[-1]), dtype=torch.int32, device=dev)
-    for i, r in enumerate(rows.tolist()):
-        table[r] = pages[i * width:(i + 1) * width].int()
-        slots = table_slots(table, r, r2t.shape[1], page)   # token j of row r moves from r2t[r, j] to here
-        kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
-    return (q, kp, vp, table, *problem[4:])
+def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
+    """Float64 ground truth for decode: one new token per request, i.e. extend over seq_len - 1 cached tokens."""
+    return reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, [int(n) - 1 for n in seq_lens],
+                                      [1] * len(q), sm_scale, page)
 
 
 def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens, sm_scale=None,
@@ -703,27 +642,11 @@ def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix
     return out
 
 
-def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
-    """Float64 gather + softmax, one request at a time: the ground truth for tests and the CLI check."""
-    B, H, D = q.shape
-    G = H // k_pool.shape[1]
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-    out = torch.empty(B, H, D, dtype=torch.float64, device=q.device)
-    for b in range(B):
-        slots = table_slots(req_to_token, int(req_rows[b]), int(seq_lens[b]), page)  # (L,)
-        k = k_pool[slots].double().repeat_interleave(G, dim=1)                      # (L, H, D)
-        v = v_pool[slots].double().repeat_interleave(G, dim=1)
-        p = (torch.einsum("hd,lhd->hl", q[b].double(), k) * scale).softmax(-1)      # (H, L)
-        out[b] = torch.einsum("hl,lhd->hd", p, v)
-    return out
-
-
 def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.float32, device="cpu",
                  scattered=True, seed=0):
-    """Random decode step over a pool: each request's tokens at random slots (or in one contiguous run).
-
-    Unused pool slots hold NaN and unused req_to_token entries point at one, so reading past a request poisons
-    the output. Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens), all on `device`."""
+    """Random decode step over a pool: each request's tokens at random slots (or in one contiguous run). Unused
+    slots hold NaN and unused req_to_token entries point at one, so reading past a request poisons the output.
+    Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens), all on `device`."""
     g = torch.Generator(device).manual_seed(seed)
     kw = dict(device=device, dtype=dtype)
     B, total, Hkv, D = len(seq_lens), int(sum(seq_lens)), n_kv_heads, head_dim
@@ -745,6 +668,24 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
     return q, k_pool, v_pool, req_to_token, req_rows, torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
+def paged_problem(problem, page: int, seed: int = 0):
+    """The same problem (make_problem's, or the tests' extend problems) with each request's table row copied to
+    random pages of `page` slots: 02's block table (one page of max_len: 01's rows). Unused pages hold NaN and
+    unused entries point at one, as in make_problem. Returns the tuple with pools and table replaced."""
+    q, k_pool, v_pool, r2t, rows = problem[:5]
+    g = torch.Generator(k_pool.device).manual_seed(seed)
+    width, dev = -(-r2t.shape[1] // page), k_pool.device
+    pages = torch.randperm(len(rows) * width + 3, generator=g, device=dev)
+    kp = torch.full((len(pages) * page, *k_pool.shape[1:]), float("nan"), dtype=k_pool.dtype, device=dev)
+    vp = torch.full_like(kp, float("nan"))                  # (num_pages * page, n_kv_heads, head_dim)
+    table = torch.full((r2t.shape[0], width), int(pages[-1]), dtype=torch.int32, device=dev)
+    for i, r in enumerate(rows.tolist()):
+        table[r] = pages[i * width:(i + 1) * width].int()
+        slots = table_slots(table, r, r2t.shape[1], page)   # token j of row r moves from r2t[r, j] to here
+        kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
+    return (q, kp, vp, table, *problem[4:])
+
+
 def rel_err(out, ref) -> float:
     return float((out.double() - ref).norm() / ref.norm())  # NaN anywhere gives NaN, which fails every check
 
@@ -754,27 +695,62 @@ CHECKS = [(9, 3, 64), (8, 2, 128)]  # (n_q_heads, n_kv_heads, head_dim): SmolLM2
 
 
 def check(device, lens=(1, 2, 15, 16, 17, 300)):
-    """The CLI's lesson: kernel vs float64 reference for each dtype, on scattered slots."""
+    """The CLI's lesson: both kernels vs the float64 references for each dtype, on scattered slots."""
     rows = []
     for dtype in TOLERANCE:
         for H, Hkv, D in CHECKS:
             P = make_problem(list(lens), H, Hkv, D, dtype, device, seed=len(rows))
             splits = choose_num_splits(len(lens), Hkv, max(lens), num_sms(torch.device(device)))
-            err = rel_err(token_decode_attention(*P, num_splits=splits), reference_decode_attention(*P))
-            rows.append(dict(kernel="decode", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
-                             head_dim=D, num_splits=splits, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            decode_err = rel_err(token_decode_attention(*P, num_splits=splits), reference_decode_attention(*P))
             prefix, extend = [0, 40, 129], [33, 1, 20]  # a prompt, a decode-like token, a suffix after a radix hit
             _, k_pool, v_pool, r2t, req_rows, _ = make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D,
-                                                               dtype, device, seed=len(rows))
+                                                               dtype, device, seed=len(rows) + 1)
             q = torch.randn(sum(extend), H, D, device=device).to(dtype)  # (new tokens, n_q_heads, head_dim)
             E = (q, k_pool, v_pool, r2t, req_rows, prefix, extend)
-            err = rel_err(token_extend_attention(*E), reference_extend_attention(*E))
-            rows.append(dict(kernel="extend", dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
-                             head_dim=D, num_splits=None, rel_err=err, ok=err <= TOLERANCE[dtype]))
+            extend_err = rel_err(token_extend_attention(*E), reference_extend_attention(*E))
+            for kernel, n, err in (("decode", splits, decode_err), ("extend", None, extend_err)):
+                rows.append(dict(kernel=kernel, dtype=str(dtype).split(".")[1], n_q_heads=H, n_kv_heads=Hkv,
+                                 head_dim=D, num_splits=n, rel_err=err, ok=err <= TOLERANCE[dtype]))
     return rows
 
 
-BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))
+def print_check(rows, name, cuda):
+    """The report of check(): what was compared, why it matters, what the kernels do on a GPU."""
+    print(f"""device: {name}
+What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
+(prefill: new tokens over a cached prefix) -- against float64 attention over the same K/V, gathered through
+req_to_token. Every request's tokens sit at random slots of the pool and every other slot holds NaN, so a read
+past a request's length, or through a wrong slot, turns the error into NaN. Decode is split over the context,
+and the split must not change the answer. Passing means: on a GPU the engine's tokens come from this attention.
+decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
+    for r in rows:
+        split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
+        print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
+              f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
+              f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
+    where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
+    print(f"""What the kernels do on a GPU{where}:
+decode reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program
+per (kv head, chunk of the context, request) streams its chunk's K/V once for all the query heads of its group,
+keeping a running softmax; a second launch merges the chunks by their log-sum-exp. The split count fills the
+SMs when batch x kv heads would leave them idle (`--bench` compares it with flash-attn on a GPU). Extend tiles
+like flash-attention: whole K/V tiles before a block's first query run unmasked, only the diagonal is masked.""")
+
+
+# ----------------------------------------------------------------------------------------------
+# The GPU benchmark (--bench) and the command line
+# ----------------------------------------------------------------------------------------------
+BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))  # decode: (batch, context)
+EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's prefill shapes
+    (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, return_mode="median")  # triton's median ms, L2 flushed before each call
+
+
+def _failed(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"[:100]  # flash-attn missing, or out of memory: say so, keep benchmarking
 
 
 def _timings(fns):
@@ -819,7 +795,7 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
     dev = torch.device("cuda")
     x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
     y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() / triton.testing.do_bench(lambda: y.copy_(x), return_mode="median") / 1e6  # read+write
+    copy_gbs = 2 * x.numel() / _ms(lambda: y.copy_(x)) / 1e6  # read + write
     del x, y
     l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     results = []
@@ -837,8 +813,8 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
             try:
                 fns = [maker(P) for P in sets]
                 r[name] = dict(_timings(fns), err_vs_ours=rel_err(fns[0](), ours(sets[0])().double()))
-            except Exception as e:  # flash-attn missing, or out of memory: report, keep going
-                r[name] = dict(why=f"{type(e).__name__}: {e}"[:100])
+            except Exception as e:
+                r[name] = dict(why=_failed(e))
             fns = None
         for t in (r["ours"], r["contig"], r["flash"], r["sdpa"]):
             t.update({k.replace("ms", "gbs"): kv_bytes / t[k] / 1e6 for k in ("ms", "graph_ms") if k in t})
@@ -846,10 +822,6 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
         sets = None
         torch.cuda.empty_cache()
     return results
-
-
-EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's prefill shapes
-    (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
 
 
 def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 64)), dtype=torch.bfloat16, **config):
@@ -863,8 +835,7 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
             _, kp, vp, r2t, rows, _ = make_problem([p + n] * B, H, Hkv, D, dtype, dev)
             q = torch.randn(B * n, H, D, device=dev, dtype=dtype)  # (new tokens, n_q_heads, head_dim)
             ours = lambda: token_extend_attention(q, kp, vp, r2t, rows, [p] * B, [n] * B, **config)
-            r = dict(batch=B, new=n, cached=p, n_q_heads=H, n_kv_heads=Hkv, head_dim=D,
-                     ms=triton.testing.do_bench(ours, return_mode="median"))
+            r = dict(batch=B, new=n, cached=p, n_q_heads=H, n_kv_heads=Hkv, head_dim=D, ms=_ms(ours))
             r["tflops"] = 4 * B * H * D * (n * p + n * (n + 1) / 2) / r["ms"] / 1e9
             try:
                 from flash_attn import flash_attn_varlen_func
@@ -872,20 +843,18 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
                 k, v = kp[slots].flatten(0, 1), vp[slots].flatten(0, 1)     # (B * (p + n), n_kv_heads, D)
                 cu_q = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * n
                 cu_k = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * (p + n)
-                flash = lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, p + n, causal=True)
-                r["flash_ms"] = triton.testing.do_bench(flash, return_mode="median")
+                flash = lambda k, v, **kw: flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, p + n, causal=True, **kw)
+                r["flash_ms"] = _ms(lambda: flash(k, v))
                 r["ratio"] = r["flash_ms"] / r["ms"]  # ours / flash-attn speed
-                r["err_vs_flash"] = rel_err(ours(), flash().double())
+                r["err_vs_flash"] = rel_err(ours(), flash(k, v).double())
                 # the same K/V as 256-slot pages (02's block table): flash-attn's paged varlen path, and ours
                 bt = torch.arange(B * (p + n) // 256, device=dev, dtype=torch.int32).view(B, -1)  # (B, pages)
                 kc, vc = k.view(-1, 256, Hkv, D), v.view(-1, 256, Hkv, D)   # (pages, 256, n_kv_heads, D)
-                r["flash_paged_ms"] = triton.testing.do_bench(lambda: flash_attn_varlen_func(
-                    q, kc, vc, cu_q, cu_k, n, p + n, causal=True, block_table=bt), return_mode="median")
-                r["ours_paged_ms"] = triton.testing.do_bench(lambda: token_extend_attention(
-                    q, k, v, bt, torch.arange(B, device=dev), [p] * B, [n] * B, page=256, **config),
-                    return_mode="median")
-            except Exception as e:  # flash-attn missing: report, keep going
-                r["flash"] = f"{type(e).__name__}: {e}"[:100]
+                r["flash_paged_ms"] = _ms(lambda: flash(kc, vc, block_table=bt))
+                r["ours_paged_ms"] = _ms(lambda: token_extend_attention(q, k, v, bt, torch.arange(B, device=dev),
+                                                                         [p] * B, [n] * B, page=256, **config))
+            except Exception as e:
+                r["flash"] = _failed(e)
             results.append(r)
             print(f"  {H:2d}/{Hkv} d={D:3d} {B:3d} x {n:5d} new over {p:5d} cached | ours {r['ms']:7.3f} ms "
                   f"{r['tflops']:6.1f} TFLOP/s | flash-attn " + (f"{r['flash_ms']:7.3f} ms  ours {r['ratio']:.2f}x "
@@ -895,47 +864,22 @@ def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 
 
 
 def print_bench(results, name):
-    print(f"\n{name}, copy bandwidth {results[0]['copy_gbs']:,.0f} GB/s (read + write); 32 q / 8 kv heads, d=128, bf16,"
-          " scattered slots\nGB/s = K+V bytes / time; eager: do_bench median, L2 flushed; graph: CUDA-graph replay\n"
-          "batch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | sdpa us | vs flash")
+    """bench()'s table (bench_extend prints its rows as they come); n/a where flash-attn or SDPA failed."""
+    print(f"\n{name}, copy bandwidth {results[0]['copy_gbs']:,.0f} GB/s (read + write); 32 q / 8 kv heads, d=128, "
+          "bf16, scattered slots\nGB/s = K+V bytes / time; eager: do_bench median, L2 flushed; graph: CUDA-graph "
+          "replay\nbatch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | "
+          "sdpa us | vs flash")
+    na = lambda d, w: "" if "ms" in d else f"{'n/a':>{w}}"
     for r in results:
         o, c, f, s = r["ours"], r["contig"], r["flash"], r["sdpa"]
-        na = lambda d, w: "" if "ms" in d else f"{'n/a':>{w}}"
+        flash = na(f, 24) or f"{f['ms'] * 1e3:8.1f} {f['gbs']:5,.0f} {f['graph_ms'] * 1e3:9.1f}"
+        sdpa = na(s, 7) or f"{s['ms'] * 1e3:7.1f}"
+        vs_flash = na(f, 0) or f"{f['ms'] / o['ms']:4.2f}x {f['graph_ms'] / o['graph_ms']:4.2f}x"
         print(f"{r['batch']:5d} {r['context']:7d} {r['num_splits']:6d} | {o['ms'] * 1e3:8.1f} {o['gbs']:5,.0f} "
-              f"{o['graph_ms'] * 1e3:9.1f} {o['graph_gbs']:5,.0f} | {c['gbs']:11,.0f} | " + (na(f, 24) or
-              f"{f['ms'] * 1e3:8.1f} {f['gbs']:5,.0f} {f['graph_ms'] * 1e3:9.1f}") + " | " + (na(s, 7) or
-              f"{s['ms'] * 1e3:7.1f}") + " | " + (na(f, 0) or f"{f['ms'] / o['ms']:4.2f}x {f['graph_ms'] / o['graph_ms']:4.2f}x"))
+              f"{o['graph_ms'] * 1e3:9.1f} {o['graph_gbs']:5,.0f} | {c['gbs']:11,.0f} | {flash} | {sdpa} | {vs_flash}")
         for k, d in (("flash", f), ("sdpa", s)):
             if "why" in d:
                 print(f"      {k}: {d['why']}")
-
-
-def print_check(rows, name, cuda):
-    """The report of check(): what was compared, why it matters, what the kernels do on a GPU."""
-    print(f"""device: {name}
-What is checked: the two kernels the engine runs on a GPU -- decode (one new token per request) and extend
-(prefill: new tokens over a cached prefix) -- against attention computed in float64 by PyTorch from the same
-K/V, gathered through req_to_token. Every request's tokens sit at random slots of the pool and every other slot
-holds NaN, so a read past a request's length, or through a wrong slot, turns the error into NaN. The lengths
-(a single token, ragged tails, 300 tokens over several chunks) run in one batch; decode is split over the context
-(below), and the split must not change the answer. Passing means: on a GPU the engine's tokens come from exactly
-this attention.
-decode: lengths 1, 2, 15, 16, 17, 300; extend: new tokens 33, 1, 20 over cached prefixes 0, 40, 129""")
-    for r in rows:
-        split = f"splits {r['num_splits']}" if r["num_splits"] else "        "
-        print(f"  {r['kernel']:>6} {r['dtype']:>8}  q heads {r['n_q_heads']:2d} / kv heads {r['n_kv_heads']}  "
-              f"d={r['head_dim']:3d}  {split}  rel err {r['rel_err']:.2e} (tolerance "
-              f"{TOLERANCE[getattr(torch, r['dtype'])]:g})  {'ok' if r['ok'] else 'FAIL'}")
-    where = "" if cuda else " (here the Triton interpreter runs the same code in numpy, slowly)"
-    print(f"""What the decode kernel does on a GPU{where}:
-a step reads every cached K/V byte once for ~1 FLOP per byte, so its speed is memory bandwidth. One program per
-(kv head, chunk of the context, request) streams its chunk's K/V through req_to_token once for all the query
-heads of its group (GQA: one load, not one per query head), keeping a running softmax; a second launch merges
-the chunks' partial outputs by their log-sum-exp. The split count (choose_num_splits) fills the SMs when batch x
-kv heads would leave them idle: batch 1 x 4k tokens on an H200 runs 64 splits, 1.56x flash-attn's paged kernel;
-big batches run unsplit at up to 4,350 GB/s, the copy bandwidth (README; `--bench` measures it on a GPU). The
-extend kernel tiles like flash-attention: whole K/V tiles before a block's first query run unmasked, only the
-diagonal pays for the causal mask.""")
 
 
 def main(argv=None):
