@@ -81,6 +81,175 @@ import torch
 
 K01 = importlib.import_module("01_kv_cache")
 
+
+# ======== THE IDEA, 1: a token index over the regex's DFA, and the compressed FSM ==================
+
+@dataclass
+class TokenTrie:
+    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's children
+    are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
+    first: np.ndarray     # (n_nodes + 1,) offsets of each node's children
+    byte: np.ndarray      # (n_nodes,) byte on the edge into each node
+    token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
+    token_bytes: list     # token id -> bytes (b"" for special tokens)
+    alphabet: np.ndarray  # (256,) bool: the bytes that are one-byte tokens
+
+
+@functools.lru_cache(maxsize=4)
+def token_trie(tok) -> TokenTrie:
+    special, vocab = set(tok.special.values()), []
+    for i in range(tok.vocab_size):
+        try:
+            vocab.append(b"" if i in special else tok.token_bytes(i))
+        except KeyError:  # an id the vocabulary leaves unused
+            vocab.append(b"")
+    prefixes = sorted({b[:k] for b in vocab for k in range(len(b) + 1)}, key=lambda b: (len(b), b))
+    node = {p: i for i, p in enumerate(prefixes)}
+    parent = np.array([node[p[:-1]] for p in prefixes[1:]])  # non-decreasing: siblings are contiguous
+    token_at = np.full(len(prefixes), -1, np.int32)
+    token_at[[node[b] for b in vocab if b]] = [i for i, b in enumerate(vocab) if b]
+    alphabet = np.zeros(256, bool)
+    alphabet[[b[0] for b in vocab if len(b) == 1]] = True
+    assert alphabet[list(set(b"".join(vocab)))].all(), "a byte inside a token is not itself a token"
+    first = (np.searchsorted(parent, np.arange(len(prefixes) + 1)) + 1).astype(np.int32)
+    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet)
+
+
+class TokenIndex:
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
+    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per
+    (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, for a chunk of start
+    states at once, keeping only the (state, node) pairs still alive: a string state walks most of the
+    trie, a literal state a few nodes. Also holds the compressed FSM: jump(state) -> forced string."""
+
+    def __init__(self, pattern: str, tok, chunk: int = 256):
+        t0 = time.perf_counter()
+        self.trie = trie = token_trie(tok)
+        self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
+        self.dfa = dfa = compile_regex(pattern).restrict(trie.alphabet)
+        if not dfa.accept.any():
+            raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
+        masks = []
+        for c0 in range(0, len(dfa.table), chunk):
+            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
+            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
+            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
+            while len(node):  # one trie level per step: every alive pair to each child of its node
+                n_kids = trie.first[node + 1] - trie.first[node]
+                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
+                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
+                alive = np.flatnonzero(state >= 0)
+                owner, state, node = owner[alive], state[alive], child[alive]
+                token = trie.token_at[node]
+                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
+            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
+            assert allowed.any(1).all(), "a live state without an allowed token"
+            masks.append(np.packbits(allowed, axis=1))
+        self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
+        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
+        self.jumps, self.build_s = {}, time.perf_counter() - t0
+
+    def allowed(self, state: int) -> torch.Tensor:
+        """(vocab,) bool: the tokens allowed in `state`."""
+        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+
+    def step(self, state: int, token: int) -> int:
+        return self.dfa.walk(state, self.trie.token_bytes[token])
+
+    def jump(self, state: int) -> bytes:
+        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if none)."""
+        if state not in self.jumps:
+            out, s = bytearray(), state
+            while self.forced[s]:
+                out.append(int(np.argmax(self.dfa.table[s] >= 0)))
+                s = int(self.dfa.table[s, out[-1]])
+            self.jumps[state] = bytes(out)
+        return self.jumps[state]
+
+    def compressed_edges(self) -> dict:
+        """{head state: jump string} for every maximal chain (heads: forced states no forced state leads to)."""
+        forced, t = np.flatnonzero(self.forced), self.dfa.table
+        inner = {int(t[s][t[s] >= 0][0]) for s in forced}
+        return {int(s): self.jump(int(s)) for s in forced if s not in inner}
+
+
+# ======== THE IDEA, 2: jump-forward decoding ====================================================
+
+def sample(logits, temperature: float, top_p: float, generator=None):
+    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
+    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, idx = probs.sort(-1, descending=True)
+        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
+                       temperature=0.0, seed=0) -> dict:
+    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
+    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
+    stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
+    t0, finished = time.perf_counter(), False
+    while len(ids) - n0 < max_new_tokens:
+        jump = text + (index.jump(state) if jump_forward else b"")
+        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
+        if jump:  # append the forced string, re-tokenize, keep the common token prefix
+            text, state = text + jump, index.dfa.walk(state, jump)
+            new = list(prompt_ids) + tok.encode(text.decode())
+            common = next((i for i, (a, b) in enumerate(zip(ids, new)) if a != b), min(len(ids), len(new)))
+            ids, keep = new, min(keep, common)
+            stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
+        allowed = index.allowed(state)
+        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
+            finished = True
+            break
+        logits = logits_fn(ids, keep)  # (vocab,)
+        stats["forward_passes"] += 1
+        stats["tokens_computed"] += len(ids) - keep
+        keep = len(ids)
+        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
+        ok[:len(allowed)] = allowed
+        t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
+        if t == index.eos:
+            finished = True
+            break
+        ids.append(t)
+        text, state = text + tok.token_bytes(t), index.step(state, t)
+    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
+                seconds=time.perf_counter() - t0, **stats)
+
+
+class RollbackCache(K01.ContiguousKVCache):
+    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last tokens."""
+
+    def truncate(self, seq_id, n):
+        row = self.rows[seq_id]
+        assert 0 <= n <= self.lens[row], (n, self.lens[row])
+        self.lens[row] = n  # slots past n get overwritten by the next prepare()
+
+
+def model_logits_fn(model, max_seq_len=2048):
+    """A logits_fn for constrained_decode running the model through RollbackCache: computes ids[keep:] only."""
+    kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
+    device = model.tok_embeddings.weight.device
+
+    def logits_fn(ids, keep):
+        if 0 in kv.rows:
+            kv.truncate(0, keep)
+        positions = kv.prepare([0], [len(ids) - keep])
+        last = torch.tensor([len(ids) - keep - 1], device=device)
+        return model(torch.tensor(ids[keep:], device=device), positions, kv, logits_at=last)[0]
+    return logits_fn
+
+
+# ======== THE MACHINERY, 1: regex -> byte DFA ====================================================
+
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
 ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, "a": 7}
@@ -381,173 +550,7 @@ def compile_regex(pattern: str) -> DFA:
     return DFA(*_trim(*_determinize(nfa, *nfa.build(_Parser(pattern).parse()))))
 
 
-# -------- Token-level index and the compressed FSM ------------------------------------------------
-
-@dataclass
-class TokenTrie:
-    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's children
-    are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
-    first: np.ndarray     # (n_nodes + 1,) offsets of each node's children
-    byte: np.ndarray      # (n_nodes,) byte on the edge into each node
-    token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
-    token_bytes: list     # token id -> bytes (b"" for special tokens)
-    alphabet: np.ndarray  # (256,) bool: the bytes that are one-byte tokens
-
-
-@functools.lru_cache(maxsize=4)
-def token_trie(tok) -> TokenTrie:
-    special, vocab = set(tok.special.values()), []
-    for i in range(tok.vocab_size):
-        try:
-            vocab.append(b"" if i in special else tok.token_bytes(i))
-        except KeyError:  # an id the vocabulary leaves unused
-            vocab.append(b"")
-    prefixes = sorted({b[:k] for b in vocab for k in range(len(b) + 1)}, key=lambda b: (len(b), b))
-    node = {p: i for i, p in enumerate(prefixes)}
-    parent = np.array([node[p[:-1]] for p in prefixes[1:]])  # non-decreasing: siblings are contiguous
-    token_at = np.full(len(prefixes), -1, np.int32)
-    token_at[[node[b] for b in vocab if b]] = [i for i, b in enumerate(vocab) if b]
-    alphabet = np.zeros(256, bool)
-    alphabet[[b[0] for b in vocab if len(b) == 1]] = True
-    assert alphabet[list(set(b"".join(vocab)))].all(), "a byte inside a token is not itself a token"
-    first = (np.searchsorted(parent, np.arange(len(prefixes) + 1)) + 1).astype(np.int32)
-    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet)
-
-
-class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
-    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per
-    (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, for a chunk of start
-    states at once, keeping only the (state, node) pairs still alive: a string state walks most of the
-    trie, a literal state a few nodes. Also holds the compressed FSM: jump(state) -> forced string."""
-
-    def __init__(self, pattern: str, tok, chunk: int = 256):
-        t0 = time.perf_counter()
-        self.trie = trie = token_trie(tok)
-        self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        self.dfa = dfa = compile_regex(pattern).restrict(trie.alphabet)
-        if not dfa.accept.any():
-            raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
-        masks = []
-        for c0 in range(0, len(dfa.table), chunk):
-            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
-            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
-            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
-            while len(node):  # one trie level per step: every alive pair to each child of its node
-                n_kids = trie.first[node + 1] - trie.first[node]
-                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
-                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
-                alive = np.flatnonzero(state >= 0)
-                owner, state, node = owner[alive], state[alive], child[alive]
-                token = trie.token_at[node]
-                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
-            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
-            assert allowed.any(1).all(), "a live state without an allowed token"
-            masks.append(np.packbits(allowed, axis=1))
-        self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
-        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
-        self.jumps, self.build_s = {}, time.perf_counter() - t0
-
-    def allowed(self, state: int) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`."""
-        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
-
-    def step(self, state: int, token: int) -> int:
-        return self.dfa.walk(state, self.trie.token_bytes[token])
-
-    def jump(self, state: int) -> bytes:
-        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if none)."""
-        if state not in self.jumps:
-            out, s = bytearray(), state
-            while self.forced[s]:
-                out.append(int(np.argmax(self.dfa.table[s] >= 0)))
-                s = int(self.dfa.table[s, out[-1]])
-            self.jumps[state] = bytes(out)
-        return self.jumps[state]
-
-    def compressed_edges(self) -> dict:
-        """{head state: jump string} for every maximal chain (heads: forced states no forced state leads to)."""
-        forced, t = np.flatnonzero(self.forced), self.dfa.table
-        inner = {int(t[s][t[s] >= 0][0]) for s in forced}
-        return {int(s): self.jump(int(s)) for s in forced if s not in inner}
-
-
-# -------- Decoding: masking only, or masking + jump-forward with re-tokenization ------------------
-
-def sample(logits, temperature: float, top_p: float, generator=None):
-    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
-    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        p_sorted, idx = probs.sort(-1, descending=True)
-        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
-                       temperature=0.0, seed=0) -> dict:
-    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
-    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
-    stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
-    t0, finished = time.perf_counter(), False
-    while len(ids) - n0 < max_new_tokens:
-        jump = text + (index.jump(state) if jump_forward else b"")
-        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
-        if jump:  # append the forced string, re-tokenize, keep the common token prefix
-            text, state = text + jump, index.dfa.walk(state, jump)
-            new = list(prompt_ids) + tok.encode(text.decode())
-            common = next((i for i, (a, b) in enumerate(zip(ids, new)) if a != b), min(len(ids), len(new)))
-            ids, keep = new, min(keep, common)
-            stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
-        allowed = index.allowed(state)
-        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
-            finished = True
-            break
-        logits = logits_fn(ids, keep)  # (vocab,)
-        stats["forward_passes"] += 1
-        stats["tokens_computed"] += len(ids) - keep
-        keep = len(ids)
-        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
-        ok[:len(allowed)] = allowed
-        t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
-        if t == index.eos:
-            finished = True
-            break
-        ids.append(t)
-        text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
-                seconds=time.perf_counter() - t0, **stats)
-
-
-class RollbackCache(K01.ContiguousKVCache):
-    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last tokens."""
-
-    def truncate(self, seq_id, n):
-        row = self.rows[seq_id]
-        assert 0 <= n <= self.lens[row], (n, self.lens[row])
-        self.lens[row] = n  # slots past n get overwritten by the next prepare()
-
-
-def model_logits_fn(model, max_seq_len=2048):
-    """A logits_fn for constrained_decode running the model through RollbackCache: computes ids[keep:] only."""
-    kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
-    device = model.tok_embeddings.weight.device
-
-    def logits_fn(ids, keep):
-        if 0 in kv.rows:
-            kv.truncate(0, keep)
-        positions = kv.prepare([0], [len(ids) - keep])
-        last = torch.tensor([len(ids) - keep - 1], device=device)
-        return model(torch.tensor(ids[keep:], device=device), positions, kv, logits_at=last)[0]
-    return logits_fn
-
-
-# -------- JSON schema -> regex --------------------------------------------------------------------
+# ======== THE MACHINERY, 2: JSON schema -> regex ================================================
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = (  # one character of a JSON string: unescaped, a short escape, \uXXXX, or a \uD8xx\uDCxx pair
@@ -895,7 +898,7 @@ def schema_to_regex(schema, path="$") -> str:
         raise ValueError(f"{path}: no document satisfies this schema ({e})") from None
 
 
-# -------- Demo: masking only vs jump-forward, same model, same run --------------------------------
+# ======== DEMO: masking only vs jump-forward, same model, same run ===============================
 
 CHARACTER_REGEX = (  # SGLang's example, examples/frontend_language/usage/json_decode.py
     r"""\{\n    "name": "[\w\d\s]{1,16}",\n    "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)",\n"""
