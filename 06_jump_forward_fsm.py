@@ -27,40 +27,14 @@ emitting far more tokens than the tokenizer would for the same text; the report 
     regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --tokenizer bytes, trim--> TokenIndex
     "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    table (n_states, 256) int32, -1 = dead    masks, jumps
 
-Hand-written: the automaton IS the lesson. Why bytes: BPE tokens are byte strings, and 313 SmolLM2 tokens are
-not valid UTF-8 alone (pieces of emoji, CJK); a byte DFA walks every token alike. Classes are sorted code-
-point ranges (never 1.1M-entry tables) that Thompson compiles to UTF-8 byte-range sequences (RE2's split),
-so the table is 256 wide; jump strings are cut at a character boundary before re-tokenizing. Syntax:
-literals, escapes, [classes] with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...),
-(?:...). \w \d \s are ASCII (re.ASCII), as in interegular, the parser Outlines and SGLang used (Unicode \w,
-~700 ranges, puts hundreds of mid-character states in each repetition of `[\w]{1,16}`); the rest is Unicode.
-
-SmolLM2 lacks 21 byte values (some ASCII controls, 0xF1, 0xF2, bytes UTF-8 never uses): the DFA keeps only
-bytes the vocabulary has, then only states that can still accept. Each kept byte is itself a token, so a
-live byte path is a token path: decoding never reaches a state with no allowed token unless it may stop.
-
-JSON schema -> regex, fixed whitespace policy: json.dumps' layout (one line, ", " between items, ": " after
-keys), properties in schema order -- keys, quotes and separators become jump strings. A schema is the conjunction
-of all its keywords, so the compiler works on a list of schemas that must all hold: $ref (into $defs; recursion
-unrolled 3 deep) and allOf add to the list, an anyOf distributes it over its branches, an enum or const keeps the
-values the rest accepts, and each type left is built from every keyword for it; a part nothing satisfies drops
-out (an optional property, an anyOf branch), else the schema is refused by name. Exact or refused, never ignored:
-type (or a list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes
-unescaped, format uuid/ipv4), integer and number (minimum, maximum, exclusive ones: exact ranges; a bounded number
-is written as a plain decimal), boolean, null, object (properties, required, additionalProperties), array (items,
-minItems/maxItems), enum, const, anyOf, allOf, and annotations (title, default, ...): what Pydantic's
-model_json_schema() writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name.
-Tests sample random schemas' and Pydantic models' DFAs: every document is valid (jsonschema, model_validate_json).
-Optional properties cost jump-forward: one outside `required` may be left out, so where the member before it
-ends, the FSM holds a choice (`, "key": ` or the next key or `}`) only the model can make -- a forward pass where
-a required key would be jumped whole. The report measures it on the demo's Pydantic model.
-
-Subset construction can blow up (`(?:.é|😀+){100}` has 122,600 states): past 20,000 states a regex is refused.
+Read in order: the token index and the compressed FSM, then jump-forward decoding; then the machinery they
+stand on, each part under its heading with its why (regex -> byte DFA, JSON schema -> regex); the demo last.
 
 References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the
 LMSYS blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf,
 "Efficient Guided Generation for LLMs" (Outlines, 2023); Thompson (1968); Russ Cox, "Regular Expression
-Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs.
+Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs; interegular, the regex parser Outlines and
+SGLang used.
 """
 from __future__ import annotations
 
@@ -117,16 +91,19 @@ def token_trie(tok) -> TokenTrie:
 
 class TokenIndex:
     """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
-    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per
-    (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, for a chunk of start
-    states at once, keeping only the (state, node) pairs still alive: a string state walks most of the
-    trie, a literal state a few nodes. Also holds the compressed FSM: jump(state) -> forced string."""
+    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per (regex,
+    tokenizer) by walking the token trie alongside the DFA, breadth-first, a chunk of start states at once,
+    keeping only the (state, node) pairs still alive. The DFA first keeps only bytes that are one-byte tokens
+    (a vocabulary may lack some), then only states that can still accept: a live byte path is then a token
+    path, so decoding never reaches a state with no allowed token unless it may stop. Also holds the
+    compressed FSM: jump(state) -> forced string."""
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
         self.trie = trie = token_trie(tok)
         self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        self.dfa = dfa = compile_regex(pattern).restrict(trie.alphabet)
+        full = compile_regex(pattern)
+        self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
         if not dfa.accept.any():
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
         masks = []
@@ -248,7 +225,13 @@ def model_logits_fn(model, max_seq_len=2048):
     return logits_fn
 
 
-# ======== THE MACHINERY, 1: regex -> byte DFA ====================================================
+# ======== THE MACHINERY, 1: regex -> byte DFA (hand-written: the automaton IS the lesson) ==========
+# Why bytes: BPE tokens are byte strings, and some are not valid UTF-8 alone (pieces of emoji, CJK); a byte DFA
+# walks every token alike. Classes are sorted code-point ranges (never 1.1M-entry tables) that Thompson compiles
+# to UTF-8 byte-range sequences (RE2's split), so the table is 256 wide. Syntax: literals, escapes, [classes]
+# with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...), (?:...). \w \d \s are ASCII
+# (re.ASCII), as in interegular (Unicode \w puts hundreds of mid-character states in each repetition of
+# `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES a regex is refused.
 
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
@@ -359,9 +342,9 @@ class _Parser:
         if c in ESCAPES or (c == "b" and in_class):
             code = ESCAPES.get(c, 8)
         elif c in "xuU":
-            digits = self.p[self.i:self.i + {"x": 2, "u": 4, "U": 8}[c]]
-            if len(digits) < {"x": 2, "u": 4, "U": 8}[c] or any(d not in "0123456789abcdefABCDEF" for d in digits) \
-                    or int(digits, 16) > MAX_CHAR:
+            n = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.p[self.i:self.i + n]
+            if len(digits) < n or any(d not in "0123456789abcdefABCDEF" for d in digits) or int(digits, 16) > MAX_CHAR:
                 self.error(f"incomplete escape \\{c}{digits}")
             self.i, code = self.i + len(digits), int(digits, 16)
         elif c.isascii() and c.isalnum():
@@ -464,9 +447,6 @@ class _NFA:
             self.eps[e].append(end)
         return s, end
 
-    def closure(self, states):
-        return frozenset(_reach(self.eps, states))
-
 
 def _reach(adj, seeds) -> set:
     """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live states)."""
@@ -479,13 +459,13 @@ def _reach(adj, seeds) -> set:
     return seen
 
 
-MAX_DFA_STATES = 20_000  # ~40x the largest automaton the lessons build; a hostile pattern is refused in seconds
+MAX_DFA_STATES = 20_000  # far above what the lessons build; a hostile pattern is refused in seconds, not hours
 
 
 def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
-    be exponentially many (`(?:.é|😀+){100}` has 122,600): past max_states the regex is refused."""
-    sets = [nfa.closure([start])]
+    be exponentially many (nested repeats of overlapping alternatives): past max_states the regex is refused."""
+    sets = [frozenset(_reach(nfa.eps, [start]))]
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         if len(sets) > max_states:
@@ -495,7 +475,7 @@ def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
         row = np.full(256, -1, np.int32)
         cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
         for a, b in zip(cuts, cuts[1:]):
-            targets = nfa.closure({t for lo, hi, t in edges if lo <= a and b - 1 <= hi})
+            targets = frozenset(_reach(nfa.eps, {t for lo, hi, t in edges if lo <= a and b - 1 <= hi}))
             if targets:
                 if targets not in ids:
                     ids[targets] = len(sets)
@@ -539,10 +519,6 @@ class DFA:
         s = self.walk(0, text.encode("utf-8", "surrogatepass"))
         return s >= 0 and bool(self.accept[s])
 
-    def restrict(self, alphabet: np.ndarray) -> "DFA":
-        """Only the bytes alphabet (256,) bool allows, trimmed again."""
-        return DFA(*_trim(np.where(alphabet[None, :], self.table, -1), self.accept))
-
 
 @functools.lru_cache(maxsize=64)
 def compile_regex(pattern: str) -> DFA:
@@ -551,6 +527,15 @@ def compile_regex(pattern: str) -> DFA:
 
 
 # ======== THE MACHINERY, 2: JSON schema -> regex ================================================
+# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys), properties in
+# schema order: keys, quotes and separators become jump strings. Exact or refused, never ignored: type (or a
+# list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes unescaped,
+# format uuid/ipv4), integer and number (exact ranges; a bounded number is written as a plain decimal), boolean,
+# null, object (properties, required, additionalProperties), array (items, minItems/maxItems), enum, const,
+# anyOf, allOf, $ref (recursion unrolled MAX_REF_DEPTH deep) and annotations: what Pydantic's model_json_schema()
+# writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name. Optional properties
+# cost jump-forward: where the member before one ends, the FSM holds a choice (`, "key": `, the next key or `}`)
+# only the model can make -- a forward pass where a required key would be jumped whole.
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = (  # one character of a JSON string: unescaped, a short escape, \uXXXX, or a \uD8xx\uDCxx pair
@@ -611,11 +596,12 @@ def _natural_range(lo: int, hi: int) -> list:
     return out
 
 
-def integer_range(lo: int, hi: int) -> str:
-    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros)."""
-    parts = _natural_range(max(lo, 0), hi) if hi >= 0 else []
-    if lo < 0:
-        parts += ["-(?:" + "|".join(_natural_range(max(-hi, 1), -lo)) + ")"]
+def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
+    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros): the
+    magnitudes' regexes, then "-" before those of the negatives down to `least` (number_range: 0, -0.0 is 0)."""
+    parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
+    if -lo >= least:
+        parts.append("-(?:" + "|".join(magnitudes(max(-hi, least), -lo)) + ")")
     return "(?:" + "|".join(parts) + ")"
 
 
@@ -652,10 +638,7 @@ def number_range(lo: int, hi: int) -> str:
             return [str(ia) + fraction(fa, fb)]
         middle = [f"(?:{'|'.join(_natural_range(ia + 1, ib - 1))})" + fraction(0, scale - 1)] if ib > ia + 1 else []
         return [str(ia) + fraction(fa, scale - 1)] + middle + [str(ib) + fraction(0, fb)]
-    parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
-    if lo <= 0:  # -0 and -0.0 are zero
-        parts.append("-(?:" + "|".join(magnitudes(max(-hi, 0), -lo)) + ")")
-    return "(?:" + "|".join(parts) + ")"
+    return integer_range(lo, hi, magnitudes, least=0)  # signs as for integers; -0 and -0.0 are zero
 
 
 def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
@@ -721,8 +704,9 @@ class _Empty(ValueError):
 class _SchemaCompiler:
     """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that must all hold:
     $ref (its siblings kept), allOf and true/false flatten into that list; an anyOf distributes the rest over its
-    branches (each branch carries its siblings); an enum or const keeps only the values the rest accepts; else
-    each type the list allows is one alternative, built from every member's keywords for that type."""
+    branches; an enum or const keeps only the values the rest accepts; else each type the list allows is one
+    alternative, built from every member's keywords for that type. A part nothing satisfies drops out (an
+    optional property, an anyOf branch), else the schema is refused."""
 
     def __init__(self, root):
         self.root = root
@@ -888,10 +872,8 @@ class _SchemaCompiler:
 
 
 def schema_to_regex(schema, path="$") -> str:
-    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: top
-    docstring), or a ValueError naming what it cannot express, or that no document satisfies it. Layout:
-    json.dumps' (", " and ": "); the named properties in schema order, each optional one present or not; a
-    number with bounds as a plain decimal (at most 16 digits after the point, within +-2**53)."""
+    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: this
+    section's heading), or a ValueError naming what it cannot express, or that no document satisfies it."""
     try:
         return _SchemaCompiler(schema).regex([schema], path)
     except _Empty as e:
