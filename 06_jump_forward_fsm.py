@@ -654,18 +654,6 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
     return (math.ceil(x) if inward else math.floor(x) + 1) if lower else (math.floor(x) if inward else math.ceil(x) - 1)
 
 
-def _members(fields) -> str:
-    """`"key": value` members [(regex, required)] joined by ", " in schema order, any not required left out or
-    not: before the first required member an optional one carries the ", " after it, past it the one before;
-    with none required, an alternative per first member written (quadratic in the members)."""
-    first = next((i for i, (_, required) in enumerate(fields) if required), None)
-    if first is None:
-        alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
-        return f"(?:{'|'.join(alts)})?" if alts else ""
-    return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
-            "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
-
-
 def _json_safe(pattern: str) -> bool:
     """Whether every string the pattern matches is written in JSON as is (no quote, backslash or control byte)."""
     _Parser(pattern, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
@@ -834,7 +822,7 @@ class _SchemaCompiler:
                 raise _Empty(f"{path}: no number with at most {FRACTION} decimals lies in bounds {lows + highs}")
             return number_range(lo, hi)
         if kind == "object":
-            return r"\{" + _members(self.members(parts, path, refs)) + r"\}"
+            return r"\{" + self.members(parts, path, refs) + r"\}"
         if kind == "array":
             lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
             if "items" not in kw:
@@ -851,10 +839,11 @@ class _SchemaCompiler:
             return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
         return {"boolean": "(?:true|false)", "null": "null"}[kind]
 
-    def members(self, parts, path, refs) -> list:
-        """[(regex of `"key": value`, required)] for every property a part names, in order; a key's value must
-        satisfy each part's schema for it (properties, else additionalProperties). An optional key no value
-        satisfies is left out."""
+    def members(self, parts, path, refs) -> str:
+        """The `"key": value` members of every property a part names, in order, joined by ", "; a value must
+        satisfy each part's schema for its key (properties, else additionalProperties). One not required may be
+        left out (and is, if no value satisfies it): before the first required member an optional one carries
+        the ", " after it, past it the one before; with none required, one alternative per first member."""
         names = list(dict.fromkeys(k for p in parts for k in p.get("properties", {})))
         required = {k for p in parts for k in p.get("required", [])}
         for k in required - set(names):
@@ -868,7 +857,12 @@ class _SchemaCompiler:
             except _Empty:
                 if k in required:
                     raise
-        return fields
+        first = next((i for i, (_, required) in enumerate(fields) if required), None)
+        if first is None:
+            alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
+            return f"(?:{'|'.join(alts)})?" if alts else ""
+        return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
+                "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
 
 
 def schema_to_regex(schema, path="$") -> str:
@@ -1014,9 +1008,10 @@ def report(prompt, runs) -> None:
         for mode in MODES:
             g = {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v}
             print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
-                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   jumps {g['jumps']:3d}"
-                  f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
-        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
+                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   "
+                  f"jumps {g['jumps']:3d}   {g['seconds']:6.2f} s   matches: {g['matches']}")
+        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, "
+              f"{r['speedup']:.2f}x less wall time")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
         say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
         say(f"checked, both answers: finished and accepted by the DFA and by Python's re: {ok('matches')}; their "
