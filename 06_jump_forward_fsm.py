@@ -27,40 +27,14 @@ emitting far more tokens than the tokenizer would for the same text; the report 
     regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --tokenizer bytes, trim--> TokenIndex
     "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    table (n_states, 256) int32, -1 = dead    masks, jumps
 
-Hand-written: the automaton IS the lesson. Why bytes: BPE tokens are byte strings, and 313 SmolLM2 tokens are
-not valid UTF-8 alone (pieces of emoji, CJK); a byte DFA walks every token alike. Classes are sorted code-
-point ranges (never 1.1M-entry tables) that Thompson compiles to UTF-8 byte-range sequences (RE2's split),
-so the table is 256 wide; jump strings are cut at a character boundary before re-tokenizing. Syntax:
-literals, escapes, [classes] with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...),
-(?:...). \w \d \s are ASCII (re.ASCII), as in interegular, the parser Outlines and SGLang used (Unicode \w,
-~700 ranges, puts hundreds of mid-character states in each repetition of `[\w]{1,16}`); the rest is Unicode.
-
-SmolLM2 lacks 21 byte values (some ASCII controls, 0xF1, 0xF2, bytes UTF-8 never uses): the DFA keeps only
-bytes the vocabulary has, then only states that can still accept. Each kept byte is itself a token, so a
-live byte path is a token path: decoding never reaches a state with no allowed token unless it may stop.
-
-JSON schema -> regex, fixed whitespace policy: json.dumps' layout (one line, ", " between items, ": " after
-keys), properties in schema order -- keys, quotes and separators become jump strings. A schema is the conjunction
-of all its keywords, so the compiler works on a list of schemas that must all hold: $ref (into $defs; recursion
-unrolled 3 deep) and allOf add to the list, an anyOf distributes it over its branches, an enum or const keeps the
-values the rest accepts, and each type left is built from every keyword for it; a part nothing satisfies drops
-out (an optional property, an anyOf branch), else the schema is refused by name. Exact or refused, never ignored:
-type (or a list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes
-unescaped, format uuid/ipv4), integer and number (minimum, maximum, exclusive ones: exact ranges; a bounded number
-is written as a plain decimal), boolean, null, object (properties, required, additionalProperties), array (items,
-minItems/maxItems), enum, const, anyOf, allOf, and annotations (title, default, ...): what Pydantic's
-model_json_schema() writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name.
-Tests sample random schemas' and Pydantic models' DFAs: every document is valid (jsonschema, model_validate_json).
-Optional properties cost jump-forward: one outside `required` may be left out, so where the member before it
-ends, the FSM holds a choice (`, "key": ` or the next key or `}`) only the model can make -- a forward pass where
-a required key would be jumped whole. The report measures it on the demo's Pydantic model.
-
-Subset construction can blow up (`(?:.é|😀+){100}` has 122,600 states): past 20,000 states a regex is refused.
+Read in order: the token index and the compressed FSM, then jump-forward decoding; then the machinery they
+stand on, each part under its heading with its why (regex -> byte DFA, JSON schema -> regex); the demo last.
 
 References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the
 LMSYS blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf,
 "Efficient Guided Generation for LLMs" (Outlines, 2023); Thompson (1968); Russ Cox, "Regular Expression
-Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs.
+Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs; interegular, the regex parser Outlines and
+SGLang used.
 """
 from __future__ import annotations
 
@@ -80,6 +54,184 @@ import numpy as np
 import torch
 
 K01 = importlib.import_module("01_kv_cache")
+
+
+# ======== THE IDEA, 1: a token index over the regex's DFA, and the compressed FSM ==================
+
+@dataclass
+class TokenTrie:
+    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's children
+    are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
+    first: np.ndarray     # (n_nodes + 1,) offsets of each node's children
+    byte: np.ndarray      # (n_nodes,) byte on the edge into each node
+    token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
+    token_bytes: list     # token id -> bytes (b"" for special tokens)
+    alphabet: np.ndarray  # (256,) bool: the bytes that are one-byte tokens
+
+
+@functools.lru_cache(maxsize=4)
+def token_trie(tok) -> TokenTrie:
+    special, vocab = set(tok.special.values()), []
+    for i in range(tok.vocab_size):
+        try:
+            vocab.append(b"" if i in special else tok.token_bytes(i))
+        except KeyError:  # an id the vocabulary leaves unused
+            vocab.append(b"")
+    prefixes = sorted({b[:k] for b in vocab for k in range(len(b) + 1)}, key=lambda b: (len(b), b))
+    node = {p: i for i, p in enumerate(prefixes)}
+    parent = np.array([node[p[:-1]] for p in prefixes[1:]])  # non-decreasing: siblings are contiguous
+    token_at = np.full(len(prefixes), -1, np.int32)
+    token_at[[node[b] for b in vocab if b]] = [i for i, b in enumerate(vocab) if b]
+    alphabet = np.zeros(256, bool)
+    alphabet[[b[0] for b in vocab if len(b) == 1]] = True
+    assert alphabet[list(set(b"".join(vocab)))].all(), "a byte inside a token is not itself a token"
+    first = (np.searchsorted(parent, np.arange(len(prefixes) + 1)) + 1).astype(np.int32)
+    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet)
+
+
+class TokenIndex:
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
+    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per (regex,
+    tokenizer) by walking the token trie alongside the DFA, breadth-first, a chunk of start states at once,
+    keeping only the (state, node) pairs still alive. The DFA first keeps only bytes that are one-byte tokens
+    (a vocabulary may lack some), then only states that can still accept: a live byte path is then a token
+    path, so decoding never reaches a state with no allowed token unless it may stop. Also holds the
+    compressed FSM: jump(state) -> forced string."""
+
+    def __init__(self, pattern: str, tok, chunk: int = 256):
+        t0 = time.perf_counter()
+        self.trie = trie = token_trie(tok)
+        self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
+        full = compile_regex(pattern)
+        self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
+        if not dfa.accept.any():
+            raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
+        masks = []
+        for c0 in range(0, len(dfa.table), chunk):
+            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
+            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
+            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
+            while len(node):  # one trie level per step: every alive pair to each child of its node
+                n_kids = trie.first[node + 1] - trie.first[node]
+                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
+                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
+                alive = np.flatnonzero(state >= 0)
+                owner, state, node = owner[alive], state[alive], child[alive]
+                token = trie.token_at[node]
+                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
+            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
+            assert allowed.any(1).all(), "a live state without an allowed token"
+            masks.append(np.packbits(allowed, axis=1))
+        self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
+        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
+        self.jumps, self.build_s = {}, time.perf_counter() - t0
+
+    def allowed(self, state: int) -> torch.Tensor:
+        """(vocab,) bool: the tokens allowed in `state`."""
+        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+
+    def step(self, state: int, token: int) -> int:
+        return self.dfa.walk(state, self.trie.token_bytes[token])
+
+    def jump(self, state: int) -> bytes:
+        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if none)."""
+        if state not in self.jumps:
+            out, s = bytearray(), state
+            while self.forced[s]:
+                out.append(int(np.argmax(self.dfa.table[s] >= 0)))
+                s = int(self.dfa.table[s, out[-1]])
+            self.jumps[state] = bytes(out)
+        return self.jumps[state]
+
+    def compressed_edges(self) -> dict:
+        """{head state: jump string} for every maximal chain (heads: forced states no forced state leads to)."""
+        forced, t = np.flatnonzero(self.forced), self.dfa.table
+        inner = {int(t[s][t[s] >= 0][0]) for s in forced}
+        return {int(s): self.jump(int(s)) for s in forced if s not in inner}
+
+
+# ======== THE IDEA, 2: jump-forward decoding ====================================================
+
+def sample(logits, temperature: float, top_p: float, generator=None):
+    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
+    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, idx = probs.sort(-1, descending=True)
+        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
+                       temperature=0.0, seed=0) -> dict:
+    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
+    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
+    gen = torch.Generator().manual_seed(seed)
+    ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
+    stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
+    t0, finished = time.perf_counter(), False
+    while len(ids) - n0 < max_new_tokens:
+        jump = text + (index.jump(state) if jump_forward else b"")
+        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
+        if jump:  # append the forced string, re-tokenize, keep the common token prefix
+            text, state = text + jump, index.dfa.walk(state, jump)
+            new = list(prompt_ids) + tok.encode(text.decode())
+            common = next((i for i, (a, b) in enumerate(zip(ids, new)) if a != b), min(len(ids), len(new)))
+            ids, keep = new, min(keep, common)
+            stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
+        allowed = index.allowed(state)
+        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
+            finished = True
+            break
+        logits = logits_fn(ids, keep)  # (vocab,)
+        stats["forward_passes"] += 1
+        stats["tokens_computed"] += len(ids) - keep
+        keep = len(ids)
+        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
+        ok[:len(allowed)] = allowed
+        t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
+        if t == index.eos:
+            finished = True
+            break
+        ids.append(t)
+        text, state = text + tok.token_bytes(t), index.step(state, t)
+    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
+                seconds=time.perf_counter() - t0, **stats)
+
+
+class RollbackCache(K01.ContiguousKVCache):
+    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last tokens."""
+
+    def truncate(self, seq_id, n):
+        row = self.rows[seq_id]
+        assert 0 <= n <= self.lens[row], (n, self.lens[row])
+        self.lens[row] = n  # slots past n get overwritten by the next prepare()
+
+
+def model_logits_fn(model, max_seq_len=2048):
+    """A logits_fn for constrained_decode running the model through RollbackCache: computes ids[keep:] only."""
+    kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
+    device = model.tok_embeddings.weight.device
+
+    def logits_fn(ids, keep):
+        if 0 in kv.rows:
+            kv.truncate(0, keep)
+        positions = kv.prepare([0], [len(ids) - keep])
+        last = torch.tensor([len(ids) - keep - 1], device=device)
+        return model(torch.tensor(ids[keep:], device=device), positions, kv, logits_at=last)[0]
+    return logits_fn
+
+
+# ======== THE MACHINERY, 1: regex -> byte DFA (hand-written: the automaton IS the lesson) ==========
+# Why bytes: BPE tokens are byte strings, and some are not valid UTF-8 alone (pieces of emoji, CJK); a byte DFA
+# walks every token alike. Classes are sorted code-point ranges (never 1.1M-entry tables) that Thompson compiles
+# to UTF-8 byte-range sequences (RE2's split), so the table is 256 wide. Syntax: literals, escapes, [classes]
+# with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...), (?:...). \w \d \s are ASCII
+# (re.ASCII), as in interegular (Unicode \w puts hundreds of mid-character states in each repetition of
+# `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES a regex is refused.
 
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
@@ -190,9 +342,9 @@ class _Parser:
         if c in ESCAPES or (c == "b" and in_class):
             code = ESCAPES.get(c, 8)
         elif c in "xuU":
-            digits = self.p[self.i:self.i + {"x": 2, "u": 4, "U": 8}[c]]
-            if len(digits) < {"x": 2, "u": 4, "U": 8}[c] or any(d not in "0123456789abcdefABCDEF" for d in digits) \
-                    or int(digits, 16) > MAX_CHAR:
+            n = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.p[self.i:self.i + n]
+            if len(digits) < n or any(d not in "0123456789abcdefABCDEF" for d in digits) or int(digits, 16) > MAX_CHAR:
                 self.error(f"incomplete escape \\{c}{digits}")
             self.i, code = self.i + len(digits), int(digits, 16)
         elif c.isascii() and c.isalnum():
@@ -295,9 +447,6 @@ class _NFA:
             self.eps[e].append(end)
         return s, end
 
-    def closure(self, states):
-        return frozenset(_reach(self.eps, states))
-
 
 def _reach(adj, seeds) -> set:
     """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live states)."""
@@ -310,13 +459,13 @@ def _reach(adj, seeds) -> set:
     return seen
 
 
-MAX_DFA_STATES = 20_000  # ~40x the largest automaton the lessons build; a hostile pattern is refused in seconds
+MAX_DFA_STATES = 20_000  # far above what the lessons build; a hostile pattern is refused in seconds, not hours
 
 
 def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
-    be exponentially many (`(?:.é|😀+){100}` has 122,600): past max_states the regex is refused."""
-    sets = [nfa.closure([start])]
+    be exponentially many (nested repeats of overlapping alternatives): past max_states the regex is refused."""
+    sets = [frozenset(_reach(nfa.eps, [start]))]
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         if len(sets) > max_states:
@@ -326,7 +475,7 @@ def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
         row = np.full(256, -1, np.int32)
         cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
         for a, b in zip(cuts, cuts[1:]):
-            targets = nfa.closure({t for lo, hi, t in edges if lo <= a and b - 1 <= hi})
+            targets = frozenset(_reach(nfa.eps, {t for lo, hi, t in edges if lo <= a and b - 1 <= hi}))
             if targets:
                 if targets not in ids:
                     ids[targets] = len(sets)
@@ -370,10 +519,6 @@ class DFA:
         s = self.walk(0, text.encode("utf-8", "surrogatepass"))
         return s >= 0 and bool(self.accept[s])
 
-    def restrict(self, alphabet: np.ndarray) -> "DFA":
-        """Only the bytes alphabet (256,) bool allows, trimmed again."""
-        return DFA(*_trim(np.where(alphabet[None, :], self.table, -1), self.accept))
-
 
 @functools.lru_cache(maxsize=64)
 def compile_regex(pattern: str) -> DFA:
@@ -381,173 +526,16 @@ def compile_regex(pattern: str) -> DFA:
     return DFA(*_trim(*_determinize(nfa, *nfa.build(_Parser(pattern).parse()))))
 
 
-# -------- Token-level index and the compressed FSM ------------------------------------------------
-
-@dataclass
-class TokenTrie:
-    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's children
-    are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
-    first: np.ndarray     # (n_nodes + 1,) offsets of each node's children
-    byte: np.ndarray      # (n_nodes,) byte on the edge into each node
-    token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
-    token_bytes: list     # token id -> bytes (b"" for special tokens)
-    alphabet: np.ndarray  # (256,) bool: the bytes that are one-byte tokens
-
-
-@functools.lru_cache(maxsize=4)
-def token_trie(tok) -> TokenTrie:
-    special, vocab = set(tok.special.values()), []
-    for i in range(tok.vocab_size):
-        try:
-            vocab.append(b"" if i in special else tok.token_bytes(i))
-        except KeyError:  # an id the vocabulary leaves unused
-            vocab.append(b"")
-    prefixes = sorted({b[:k] for b in vocab for k in range(len(b) + 1)}, key=lambda b: (len(b), b))
-    node = {p: i for i, p in enumerate(prefixes)}
-    parent = np.array([node[p[:-1]] for p in prefixes[1:]])  # non-decreasing: siblings are contiguous
-    token_at = np.full(len(prefixes), -1, np.int32)
-    token_at[[node[b] for b in vocab if b]] = [i for i, b in enumerate(vocab) if b]
-    alphabet = np.zeros(256, bool)
-    alphabet[[b[0] for b in vocab if len(b) == 1]] = True
-    assert alphabet[list(set(b"".join(vocab)))].all(), "a byte inside a token is not itself a token"
-    first = (np.searchsorted(parent, np.arange(len(prefixes) + 1)) + 1).astype(np.int32)
-    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet)
-
-
-class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
-    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per
-    (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, for a chunk of start
-    states at once, keeping only the (state, node) pairs still alive: a string state walks most of the
-    trie, a literal state a few nodes. Also holds the compressed FSM: jump(state) -> forced string."""
-
-    def __init__(self, pattern: str, tok, chunk: int = 256):
-        t0 = time.perf_counter()
-        self.trie = trie = token_trie(tok)
-        self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        self.dfa = dfa = compile_regex(pattern).restrict(trie.alphabet)
-        if not dfa.accept.any():
-            raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
-        masks = []
-        for c0 in range(0, len(dfa.table), chunk):
-            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
-            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
-            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
-            while len(node):  # one trie level per step: every alive pair to each child of its node
-                n_kids = trie.first[node + 1] - trie.first[node]
-                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
-                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
-                alive = np.flatnonzero(state >= 0)
-                owner, state, node = owner[alive], state[alive], child[alive]
-                token = trie.token_at[node]
-                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
-            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
-            assert allowed.any(1).all(), "a live state without an allowed token"
-            masks.append(np.packbits(allowed, axis=1))
-        self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
-        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
-        self.jumps, self.build_s = {}, time.perf_counter() - t0
-
-    def allowed(self, state: int) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`."""
-        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
-
-    def step(self, state: int, token: int) -> int:
-        return self.dfa.walk(state, self.trie.token_bytes[token])
-
-    def jump(self, state: int) -> bytes:
-        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if none)."""
-        if state not in self.jumps:
-            out, s = bytearray(), state
-            while self.forced[s]:
-                out.append(int(np.argmax(self.dfa.table[s] >= 0)))
-                s = int(self.dfa.table[s, out[-1]])
-            self.jumps[state] = bytes(out)
-        return self.jumps[state]
-
-    def compressed_edges(self) -> dict:
-        """{head state: jump string} for every maximal chain (heads: forced states no forced state leads to)."""
-        forced, t = np.flatnonzero(self.forced), self.dfa.table
-        inner = {int(t[s][t[s] >= 0][0]) for s in forced}
-        return {int(s): self.jump(int(s)) for s in forced if s not in inner}
-
-
-# -------- Decoding: masking only, or masking + jump-forward with re-tokenization ------------------
-
-def sample(logits, temperature: float, top_p: float, generator=None):
-    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
-    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        p_sorted, idx = probs.sort(-1, descending=True)
-        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
-        probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
-                       temperature=0.0, seed=0) -> dict:
-    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
-    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
-    gen = torch.Generator().manual_seed(seed)
-    ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
-    stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
-    t0, finished = time.perf_counter(), False
-    while len(ids) - n0 < max_new_tokens:
-        jump = text + (index.jump(state) if jump_forward else b"")
-        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
-        if jump:  # append the forced string, re-tokenize, keep the common token prefix
-            text, state = text + jump, index.dfa.walk(state, jump)
-            new = list(prompt_ids) + tok.encode(text.decode())
-            common = next((i for i, (a, b) in enumerate(zip(ids, new)) if a != b), min(len(ids), len(new)))
-            ids, keep = new, min(keep, common)
-            stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
-        allowed = index.allowed(state)
-        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
-            finished = True
-            break
-        logits = logits_fn(ids, keep)  # (vocab,)
-        stats["forward_passes"] += 1
-        stats["tokens_computed"] += len(ids) - keep
-        keep = len(ids)
-        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
-        ok[:len(allowed)] = allowed
-        t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
-        if t == index.eos:
-            finished = True
-            break
-        ids.append(t)
-        text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
-                seconds=time.perf_counter() - t0, **stats)
-
-
-class RollbackCache(K01.ContiguousKVCache):
-    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last tokens."""
-
-    def truncate(self, seq_id, n):
-        row = self.rows[seq_id]
-        assert 0 <= n <= self.lens[row], (n, self.lens[row])
-        self.lens[row] = n  # slots past n get overwritten by the next prepare()
-
-
-def model_logits_fn(model, max_seq_len=2048):
-    """A logits_fn for constrained_decode running the model through RollbackCache: computes ids[keep:] only."""
-    kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
-    device = model.tok_embeddings.weight.device
-
-    def logits_fn(ids, keep):
-        if 0 in kv.rows:
-            kv.truncate(0, keep)
-        positions = kv.prepare([0], [len(ids) - keep])
-        last = torch.tensor([len(ids) - keep - 1], device=device)
-        return model(torch.tensor(ids[keep:], device=device), positions, kv, logits_at=last)[0]
-    return logits_fn
-
-
-# -------- JSON schema -> regex --------------------------------------------------------------------
+# ======== THE MACHINERY, 2: JSON schema -> regex ================================================
+# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys), properties in
+# schema order: keys, quotes and separators become jump strings. Exact or refused, never ignored: type (or a
+# list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes unescaped,
+# format uuid/ipv4), integer and number (exact ranges; a bounded number is written as a plain decimal), boolean,
+# null, object (properties, required, additionalProperties), array (items, minItems/maxItems), enum, const,
+# anyOf, allOf, $ref (recursion unrolled MAX_REF_DEPTH deep) and annotations: what Pydantic's model_json_schema()
+# writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name. Optional properties
+# cost jump-forward: where the member before one ends, the FSM holds a choice (`, "key": `, the next key or `}`)
+# only the model can make -- a forward pass where a required key would be jumped whole.
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = (  # one character of a JSON string: unescaped, a short escape, \uXXXX, or a \uD8xx\uDCxx pair
@@ -608,11 +596,12 @@ def _natural_range(lo: int, hi: int) -> list:
     return out
 
 
-def integer_range(lo: int, hi: int) -> str:
-    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros)."""
-    parts = _natural_range(max(lo, 0), hi) if hi >= 0 else []
-    if lo < 0:
-        parts += ["-(?:" + "|".join(_natural_range(max(-hi, 1), -lo)) + ")"]
+def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
+    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros): the
+    magnitudes' regexes, then "-" before those of the negatives down to `least` (number_range: 0, -0.0 is 0)."""
+    parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
+    if -lo >= least:
+        parts.append("-(?:" + "|".join(magnitudes(max(-hi, least), -lo)) + ")")
     return "(?:" + "|".join(parts) + ")"
 
 
@@ -649,10 +638,7 @@ def number_range(lo: int, hi: int) -> str:
             return [str(ia) + fraction(fa, fb)]
         middle = [f"(?:{'|'.join(_natural_range(ia + 1, ib - 1))})" + fraction(0, scale - 1)] if ib > ia + 1 else []
         return [str(ia) + fraction(fa, scale - 1)] + middle + [str(ib) + fraction(0, fb)]
-    parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
-    if lo <= 0:  # -0 and -0.0 are zero
-        parts.append("-(?:" + "|".join(magnitudes(max(-hi, 0), -lo)) + ")")
-    return "(?:" + "|".join(parts) + ")"
+    return integer_range(lo, hi, magnitudes, least=0)  # signs as for integers; -0 and -0.0 are zero
 
 
 def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
@@ -666,18 +652,6 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
     half = (Fraction(f) + Fraction(math.nextafter(f, outward))) / 2
     x, inward = half * 10 ** FRACTION, float(half) == f
     return (math.ceil(x) if inward else math.floor(x) + 1) if lower else (math.floor(x) if inward else math.ceil(x) - 1)
-
-
-def _members(fields) -> str:
-    """`"key": value` members [(regex, required)] joined by ", " in schema order, any not required left out or
-    not: before the first required member an optional one carries the ", " after it, past it the one before;
-    with none required, an alternative per first member written (quadratic in the members)."""
-    first = next((i for i, (_, required) in enumerate(fields) if required), None)
-    if first is None:
-        alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
-        return f"(?:{'|'.join(alts)})?" if alts else ""
-    return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
-            "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
 
 
 def _json_safe(pattern: str) -> bool:
@@ -718,8 +692,9 @@ class _Empty(ValueError):
 class _SchemaCompiler:
     """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that must all hold:
     $ref (its siblings kept), allOf and true/false flatten into that list; an anyOf distributes the rest over its
-    branches (each branch carries its siblings); an enum or const keeps only the values the rest accepts; else
-    each type the list allows is one alternative, built from every member's keywords for that type."""
+    branches; an enum or const keeps only the values the rest accepts; else each type the list allows is one
+    alternative, built from every member's keywords for that type. A part nothing satisfies drops out (an
+    optional property, an anyOf branch), else the schema is refused."""
 
     def __init__(self, root):
         self.root = root
@@ -847,7 +822,7 @@ class _SchemaCompiler:
                 raise _Empty(f"{path}: no number with at most {FRACTION} decimals lies in bounds {lows + highs}")
             return number_range(lo, hi)
         if kind == "object":
-            return r"\{" + _members(self.members(parts, path, refs)) + r"\}"
+            return r"\{" + self.members(parts, path, refs) + r"\}"
         if kind == "array":
             lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
             if "items" not in kw:
@@ -864,10 +839,11 @@ class _SchemaCompiler:
             return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
         return {"boolean": "(?:true|false)", "null": "null"}[kind]
 
-    def members(self, parts, path, refs) -> list:
-        """[(regex of `"key": value`, required)] for every property a part names, in order; a key's value must
-        satisfy each part's schema for it (properties, else additionalProperties). An optional key no value
-        satisfies is left out."""
+    def members(self, parts, path, refs) -> str:
+        """The `"key": value` members of every property a part names, in order, joined by ", "; a value must
+        satisfy each part's schema for its key (properties, else additionalProperties). One not required may be
+        left out (and is, if no value satisfies it): before the first required member an optional one carries
+        the ", " after it, past it the one before; with none required, one alternative per first member."""
         names = list(dict.fromkeys(k for p in parts for k in p.get("properties", {})))
         required = {k for p in parts for k in p.get("required", [])}
         for k in required - set(names):
@@ -881,21 +857,24 @@ class _SchemaCompiler:
             except _Empty:
                 if k in required:
                     raise
-        return fields
+        first = next((i for i, (_, required) in enumerate(fields) if required), None)
+        if first is None:
+            alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
+            return f"(?:{'|'.join(alts)})?" if alts else ""
+        return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
+                "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
 
 
 def schema_to_regex(schema, path="$") -> str:
-    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: top
-    docstring), or a ValueError naming what it cannot express, or that no document satisfies it. Layout:
-    json.dumps' (", " and ": "); the named properties in schema order, each optional one present or not; a
-    number with bounds as a plain decimal (at most 16 digits after the point, within +-2**53)."""
+    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: this
+    section's heading), or a ValueError naming what it cannot express, or that no document satisfies it."""
     try:
         return _SchemaCompiler(schema).regex([schema], path)
     except _Empty as e:
         raise ValueError(f"{path}: no document satisfies this schema ({e})") from None
 
 
-# -------- Demo: masking only vs jump-forward, same model, same run --------------------------------
+# ======== DEMO: masking only vs jump-forward, same model, same run ===============================
 
 CHARACTER_REGEX = (  # SGLang's example, examples/frontend_language/usage/json_decode.py
     r"""\{\n    "name": "[\w\d\s]{1,16}",\n    "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)",\n"""
@@ -1029,9 +1008,10 @@ def report(prompt, runs) -> None:
         for mode in MODES:
             g = {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v}
             print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
-                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   jumps {g['jumps']:3d}"
-                  f"   {g['seconds']:6.2f} s   matches: {g['matches']}")
-        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall time")
+                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   "
+                  f"jumps {g['jumps']:3d}   {g['seconds']:6.2f} s   matches: {g['matches']}")
+        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, "
+              f"{r['speedup']:.2f}x less wall time")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
         say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
         say(f"checked, both answers: finished and accepted by the DFA and by Python's re: {ok('matches')}; their "
