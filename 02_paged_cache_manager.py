@@ -537,9 +537,11 @@ class Scheduler:
     def postprocess(self, batch, new_ids, steps: int = 1):
         """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k ids after k decode
         steps, each fed the one before; none after a chunk short of its prompt's end). Append them until the request
-        is done, then finish it, keep it running, or requeue it (jump-forward changed tokens in its KV)."""
+        is done, then finish it, keep it running, or requeue it (jump-forward changed tokens in its KV). Returns
+        how many tokens were appended."""
         was_running, stepped = set(map(id, self.running)), set(map(id, batch))
         self.running = [r for r in self.running if id(r) not in stepped]  # prefill-first leaves the running be
+        appended = 0
         for r, ids in zip(batch, new_ids):
             n, held, k = r.n_new, r.kv_len, 0
             kind = "decode" if id(r) in was_running else "prefill"
@@ -553,6 +555,7 @@ class Scheduler:
                 k += 1
                 if r.done:
                     break
+            appended += k
             self.log(kind, r, n + k - 1)  # tokens computed into its KV
             if r.done:
                 self.finish(r)
@@ -562,6 +565,7 @@ class Scheduler:
                 self.log("requeue", r, held + n + k - 1)
                 self.waiting.appendleft(r)
         self.stats["steps"] += steps
+        return appended
 
     def finish(self, req):
         self.release(req)

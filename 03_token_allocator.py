@@ -156,6 +156,7 @@ class PoolExhausted(P02.OutOfBlocks):
 class TokenKVCache(K01.KVCache):
     """The token-pool backend behind 01's seam (prepare / attend / free): K/V live in slots anywhere in one pool;
     req_to_token is 01's table with pages of one slot, so 01's attend reads it (04's kernels on a GPU)."""
+    shares_prefixes = True  # add_prefix, share_prefix: 05's radix tree hands slots from request to request
 
     def __init__(self, n_layers, size, n_kv_heads, head_dim, max_requests, max_seq_len,
                  dtype=torch.float32, device="cpu"):

@@ -247,10 +247,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wqkv = None  # fuse_projections: wq, wk and wv stacked
 
     def forward(self, x, cos, sin, kv):
         T = x.shape[0]
-        if hasattr(self, "wqkv"):  # fuse_projections: one GEMM
+        if self.wqkv is not None:  # fuse_projections: one GEMM
             kv_width = self.n_kv_heads * self.head_dim
             q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
         else:
@@ -269,9 +270,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
+        self.w13 = None  # fuse_projections: w1 and w3 stacked
 
     def forward(self, x):
-        if hasattr(self, "w13"):  # fuse_projections: one GEMM
+        if self.w13 is not None:  # fuse_projections: one GEMM
             return self.w2(swiglu(*F.linear(x, self.w13).chunk(2, -1)))
         return self.w2(swiglu(self.w1(x), self.w3(x)))
 
@@ -298,7 +300,7 @@ def fuse_projections(model):
     for layer in model.layers:
         for mod, names, stacked in ((layer.attention, ("wq", "wk", "wv"), "wqkv"),
                                     (layer.feed_forward, ("w1", "w3"), "w13")):
-            if hasattr(mod, stacked):
+            if getattr(mod, stacked) is not None:
                 continue
             w = torch.cat([getattr(mod, n).weight.data for n in names])  # (sum of out features, dim)
             rows = 0
@@ -859,98 +861,142 @@ R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests a
 OutOfBlocks = lesson("02_paged_cache_manager").OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
 
 
+def contiguous(model, kv_tokens, max_batch, max_len, pad, block_size):
+    """01: every running sequence reserves a row of max_len slots, so the pool holds kv_tokens // max_len of them."""
+    rows = max(1, min(max_batch, kv_tokens // max_len))
+    return lesson("01_kv_cache").ContiguousKVCache.for_model(model, rows + pad, max_len), rows
+
+
+def paged(model, kv_tokens, max_batch, max_len, pad, block_size):
+    """02: blocks on demand (rounded up: a pool of kv_tokens holds every request add() accepts)."""
+    blocks = -(-kv_tokens // block_size) + pad
+    kv = lesson("02_paged_cache_manager").PagedKVCache.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad,
+                                                                 max_seq_len=max_len)
+    return kv, max_batch
+
+
+def token(model, kv_tokens, max_batch, max_len, pad, block_size):
+    """03: one slot per token, anywhere in the pool (04's kernels read it on a GPU; 05's radix tree shares it)."""
+    return lesson("03_token_allocator").TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len), max_batch
+
+
+BACKENDS = {"contiguous": contiguous, "paged": paged, "token": token}  # --backend: a KV cache (01's KVCache)
+
+
 class Seq(R05.Req):
     """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
     feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, the
     regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
 
-    def __init__(self, rid, prompt, params, index=None, after=None):
+    def __init__(self, rid, prompt, params, engine, index=None, after=None):
         super().__init__(rid, prompt, params.max_new_tokens, after=after)
         self.params = params    # SamplingParams
+        self.engine = engine    # its tokenizer (EOS, bytes, jump-forward's re-tokenization) and counters
         self.index = index      # 06's TokenIndex of the regex, or None
         self.fsm = 0            # the regex DFA's state after the output so far
         self.text = b""         # the bytes the output has matched
         self.finish = None      # "stop" or "length", once done
         self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
 
+    def append(self, t):
+        """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text."""
+        p, eos = self.params, t in self.engine.tok.stop_ids
+        self.output.append(t)
+        self.t_last = time.perf_counter()
+        self.t_first = self.t_first or self.t_last
+        if self.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
+            self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.engine.tok.token_bytes(t)
+            self.jump_forward()
+        stop = eos and (not p.ignore_eos or self.index is not None)
+        if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
+            ok = self.index.allowed(self.fsm)
+            stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
+        self.done = stop or len(self.output) >= p.max_new_tokens
+        self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
+
+    def jump_forward(self):
+        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
+        tok = self.engine.tok
+        jump = self.text + self.index.jump(self.fsm)
+        jump = jump[len(self.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
+        new = tok.encode((self.text + jump).decode()) if jump else []
+        if not jump or len(new) > self.params.max_new_tokens:  # no room: the model writes it token by token
+            return
+        self.fsm, self.text = self.index.dfa.walk(self.fsm, jump), self.text + jump
+        out = self.output
+        common = next((i for i, (a, b) in enumerate(zip(out, new)) if a != b), min(len(out), len(new)))
+        self.engine.counts["jump_forward_tokens"] += len(new) - common
+        if len(self.prompt) + common < self.kv_len:  # tokens in its KV changed: drop the KV (the radix keeps the
+            self.engine.sched.release(self)          # rest), and the scheduler requeues it
+        self.output = new
+
+    def timings(self) -> dict:
+        """What its user felt: time to first token, tokens per second after it."""
+        after = self.t_last - self.t_first  # the tokens after the first, streamed over this long
+        return dict(ttft_s=self.t_first - self.t_added,
+                    tok_s=(len(self.output) - 1) / after if len(self.output) > 1 and after > 0 else None)
+
 
 class Engine:
-    """The lessons' scheduler drives it: 05's Scheduler (on 02's) with reserve=False. Requests enter its `waiting`
-    queue; a step either prefills what it admits (05's policy: longest cached prefix first by default) or, when none
-    is admitted, decodes one token of every running sequence -- continuous batching with vLLM's prefill-first order,
-    which keeps every decode step a pure, CUDA-graph-able batch. schedule="mixed" runs an admitting step with one
-    decode token of every running sequence (SGLang's mixed steps, eager: running streams are not stalled by a
-    prefill); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked prefill, 05).
-    Finished sequences retire into the radix cache. Admission lets in only prompts the pool can hold now; when
-    decoding outgrows it, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
-    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory).
-    The engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward, CUDA graphs and
-    multi-step decode. Every scheduling decision lands in `events` (02's Event: step, kind, sequence id, tokens),
-    as it is made.
+    """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS, with reserve=False. A step either
+    prefills what 05 admits (longest cached prefix first, by default) or, when none is admitted, decodes one token
+    of every running sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode
+    step a pure, CUDA-graph-able batch. schedule="mixed" runs an admitting step with one decode token of every
+    running sequence (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many
+    tokens (chunked prefill, 05). Finished sequences retire into the radix cache. When decoding outgrows the pool,
+    02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
+    tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
+    decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and multi-step decode
+    (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
 
-    max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less per-step
-    host work and fewer launches for the same tokens: --bench-engine's workload on an H100 prefilled at 172-211k
-    tok/s with 8,192, 187-199k with 16,384 and 217-218k with 32,768 (activations of a 32k-token step of the 1B
-    shape: about 2 GB)."""
+    max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
+    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
                  policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None):
-        a, dev, radix_on = model.args, model.tok_embeddings.weight.device, radix and backend == "token"
-        self.model = model
+        a, dev = model.args, model.tok_embeddings.weight.device
+        if backend not in BACKENDS or schedule not in SCHEDULES:
+            raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
+                            f"({', '.join(SCHEDULES)})")
+        self.model, self.device, self.seed = model, dev, seed
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
-        self.max_batch = max_batch    # sequences running at once (contiguous: the rows that fit)
-        max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
+        self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
-        graphs, pad = graphs and m04 is not None, int(graphs and m04 is not None)  # graphs' padding: one row
-        if backend == "contiguous":  # 01: every admitted sequence reserves max_len slots
-            self.max_batch = max(1, min(max_batch, kv_tokens // max_len))
-            self.kv = lesson("01_kv_cache").ContiguousKVCache.for_model(model, self.max_batch + pad, max_len)
-        elif backend == "paged":     # 02: blocks on demand; flash-attn's decode on CUDA with block_size % 256 == 0
-            blocks = -(-kv_tokens // block_size)  # rounded up: a pool of kv_tokens holds every request add() accepts
-            self.kv = lesson("02_paged_cache_manager").PagedKVCache.for_model(
-                model, blocks + pad, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len)
-        elif backend == "token":     # 03 + 04
-            self.kv = lesson("03_token_allocator").TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len)
-        else:
-            raise UserError(f"unknown backend {backend!r}: contiguous, paged or token")
-        if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels, so
-            self.kv.decode_attn, self.kv.extend_attn = m04.token_decode_attention, m04.token_extend_attention
-        elif graphs:  # one CUDA graph serves them all; on a CPU (tests) their PyTorch twin reads the table alike
-            self.kv.decode_attn = lesson("03_token_allocator").torch_decode_attn
-        if policy not in R05.POLICIES:
-            raise UserError(f"unknown policy {policy!r}: {', '.join(R05.POLICIES)}")
-        if preempt not in ("recompute", "swap") or (preempt == "swap" and backend != "paged"):
-            raise UserError(f"preempt must be recompute, or swap with the paged backend, not {preempt!r}")
-        if schedule not in SCHEDULES or (chunk_tokens is not None and chunk_tokens < 1):
-            raise UserError(f"schedule must be one of {', '.join(SCHEDULES)} (not {schedule!r}), chunk tokens >= 1")
-        self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, radix=radix_on,
-                                     reserve=False, mixed=schedule == "mixed", preempt=preempt,
-                                     chunk_tokens=chunk_tokens)  # .waiting, .running, .chunked, .tree
+        graphs = graphs and m04 is not None
+        self.kv, self.max_batch = BACKENDS[backend](model, kv_tokens, max_batch, self.max_len, int(graphs), block_size)
         self.backend = backend
-        self.max_len = max_len        # prompt + output tokens one sequence may hold
-        self.device = dev
-        self.seed = seed
+        if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
+            self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
+        try:
+            self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=False,
+                                       radix=radix and self.kv.shares_prefixes, mixed=schedule == "mixed",
+                                       preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
+        except ValueError as e:
+            raise UserError(str(e)) from None
         self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
         self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
-        self.finished = {}            # seq id -> output token ids
-        self.finish_reasons = {}      # seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)
-        self.timings = {}             # seq id -> what its user felt: time to first token, tokens per second after it
-        self.stats = self.sched.stats = self.new_stats()  # one dict: the scheduler counts admissions, preemptions
+        self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
         self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
-        self.inflight = None  # multi-step chunk queued on the GPU whose tokens the host has not read yet
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise()
             fuse_projections(model)
 
     @staticmethod
-    def new_stats() -> dict:
-        return dict(steps=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0, decode_tokens=0, preemptions=0,
-                    evicted_tokens=0, jump_forward_tokens=0, prefill_s=0.0, decode_s=0.0, peak_kv_used=0,
-                    peak_live_tokens=0, peak_running=0, mixed_tokens=0, mixed_s=0.0)  # mixed: steps of both kinds
+    def new_counts() -> dict:
+        return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
+                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
+
+    def new_stats(self) -> dict:
+        return {**dict.fromkeys(self.sched.stats, 0), **self.new_counts()}
+
+    @property
+    def stats(self) -> dict:
+        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
+        return {**self.sched.stats, **self.counts}
 
     def warm_up(self, n_seqs: int = 1) -> float:
         """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
@@ -961,7 +1007,7 @@ class Engine:
         t0 = time.perf_counter()
         if self.graphs is not None:
             for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs._graph(b)
+                self.graphs.graph(b)
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
         self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
@@ -970,13 +1016,8 @@ class Engine:
 
     def reset(self):
         """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
-        assert not self.busy, "reset() between runs"
-        if self.sched.tree:
-            self.sched.tree.evict(self.kv.allocator.size)
-        self.finished, self.finish_reasons, self.timings, self.n_seqs = {}, {}, {}, 0
-        self.stats = self.sched.stats = self.new_stats()
-        self.sched.events.clear()
-        self.sched.rng.seed(self.seed)
+        self.sched.reset()
+        self.counts, self.n_seqs = self.new_counts(), 0
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -993,163 +1034,66 @@ class Engine:
             index = self.indexes[params.regex]
         first = None
         for _ in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
-            seq = Seq(self.n_seqs, prompt, params, index, after=first if self.sched.tree else None)
+            seq = Seq(self.n_seqs, prompt, params, self, index, after=first if self.sched.tree else None)
             first, self.n_seqs = first or seq, self.n_seqs + 1
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
 
     def run(self, on_token=None, on_step=None) -> dict:
         """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
-        is called after every step (jump-forward may re-tokenize earlier output, so it gets the whole output);
-        on_step(engine) after every step (the CLI's progress bar)."""
+        is called after every step that gave the sequence tokens (jump-forward may re-tokenize earlier output, so
+        it gets the whole output); on_step(engine) after every step (the CLI's progress bar)."""
         while self.busy:
             self.step(on_token)
             if on_step:
                 on_step(self)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
+    def step(self, on_token=None):
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process."""
+        t0 = time.perf_counter()
+        new = self.admit(on_token)
+        if not new and self.graphs is not None and self.graphs.decode_ahead(t0, on_token):
+            return  # greedy decode on the GPU: k steps per host sync, queued ahead of the host
+        batch, positions = self.schedule(new)
+        samples = [s.samples for s in batch]  # False: a chunk short of its prompt's end
+        logits = self.forward(batch, positions, samples)
+        ids = iter(self.sample([s for s, y in zip(batch, samples) if y], logits))  # the host sync of the step
+        self.count(batch, t0)
+        self.sched.postprocess(batch, [[next(ids)] if y else [] for y in samples])
+        self.stream([s for s, y in zip(batch, samples) if y], on_token)
+
     @property
     def busy(self) -> bool:
         """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill)."""
-        sched = self.sched
-        return bool(sched.waiting or sched.running or sched.swapped or sched.chunked)
+        return self.sched.busy
 
-    # -- scheduling: 05's admission, 02's allocation and preemption ----------------------------------------
-    def _prepare(self, new):
-        """Room in the KV pool for this step: the new sequences (prefill-first, vLLM's order; mixed: with every
-        running one, SGLang's), else every running one; 02's prepare() evicts, holds back or preempts when memory
-        is short. Returns (batch, positions)."""
+    def admit(self, on_token=None) -> list:
+        """05's admission (its policy, lpm first by default). It may change the batch: the tokens of a multi-step
+        chunk still in flight land first."""
+        if self.graphs is not None and (self.sched.waiting or self.sched.chunked):
+            self.graphs.land(on_token=on_token)
+        return self.sched.admit()
+
+    def schedule(self, new):
+        """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""
         try:
-            batch, positions = self.sched.prepare(self.sched.batch(new))
+            return self.sched.schedule(new)
         except OutOfBlocks as e:
             raise UserError(f"{e} (sequence ids are request ids)") from None
-        ids = set(map(id, batch))  # tokens the running sequences hold, plus the new ones
-        live = sum(s.kv_len for s in self.sched.running if id(s) not in ids) + sum(s.kv_len + s.n_new for s in batch)
-        self._peaks(live, len(ids | set(map(id, self.sched.running))))
-        return batch, positions
 
-    def _peaks(self, live_tokens: int, running: int):
-        """The most KV slots taken, tokens live in them and sequences running at once, so far."""
-        for key, now in (("peak_kv_used", self.kv_used()), ("peak_live_tokens", live_tokens),
-                         ("peak_running", running)):
-            self.stats[key] = max(self.stats[key], now)
-
-    def step(self, on_token=None):
-        t0, sched = time.perf_counter(), self.sched
-        if self.inflight and (sched.waiting or sched.chunked):  # admission may change the batch: land the tokens
-            self._read(self.inflight, on_token)                  # in flight first
-            self.inflight = None
-        new = sched.admit()
-        if not new and self._multi_step(t0, on_token):
-            return
-        batch, positions = self._prepare(new)
+    def forward(self, batch, positions, samples):
+        """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
+        the rows that sample)."""
         n_new = [s.n_new for s in batch]
-        ends = [s.samples for s in batch]  # False: a chunk short of its prompt's end
-        if all(n == 1 for n in n_new) and all(ends) and self.graphs is not None:
-            logits = self.graphs.forward(batch, positions)
-        else:
-            tokens = torch.tensor([t for s, n in zip(batch, n_new) for t in s.tokens[s.kv_len:s.kv_len + n]])
-            last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(ends, dtype=torch.bool)]  # rows that sample
-            logits = self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
-        next_ids = iter(self._sample([s for s, e in zip(batch, ends) if e], logits))  # the host sync of the step
-        running = set(map(id, sched.running))
-        prefill = sum(n for s, n in zip(batch, n_new) if id(s) not in running)  # the rest: running ones' decode
-        kind = "decode" if not prefill else "prefill" if prefill == sum(n_new) else "mixed"
-        self.stats[f"{kind}_s"] += time.perf_counter() - t0
-        self.stats[f"{kind}_tokens"] += sum(n_new)
-        self._advance(batch, n_new, [[next(next_ids)] if e else [] for e in ends], on_token)
-        self.stats["steps"] += 1  # after: the events of a step carry its index
+        if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
+            return self.graphs.forward(batch, positions)
+        tokens = torch.tensor([t for s, n in zip(batch, n_new) for t in s.tokens[s.kv_len:s.kv_len + n]])
+        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
+        return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
 
-    def _advance(self, batch, n_new, new_ids, on_token) -> int:
-        """After a forward: batch[i] fed n_new[i] tokens and got new_ids[i] (k of them after k decode steps, each
-        fed the one before; none after a chunk short of its prompt's end). Append them until the sequence is done,
-        then retire it, keep it running or requeue it. Returns how many tokens were appended."""
-        sched, stepped = self.sched, set(map(id, batch))
-        running = set(map(id, sched.running))
-        sched.running = [s for s in sched.running if id(s) not in stepped]  # prefill-first leaves the running be
-        appended = 0
-        for s, n, ids in zip(batch, n_new, new_ids):
-            held, k, kind = s.kv_len, 0, "decode" if id(s) in running else "prefill"
-            if not ids:  # part of a prompt in: the next step feeds the rest (05's `chunked`)
-                sched.computed(s, n)
-                sched.log(kind, s, n)
-                continue
-            for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
-                sched.computed(s, fed)  # once its prompt is in, siblings and look-alikes reuse it (05)
-                self._append(s, t, on_token)
-                k += 1
-                if s.done:
-                    break
-            appended += k
-            sched.log(kind, s, n + k - 1)  # tokens computed into its KV
-            if s.done:
-                self._finish(s)
-            elif s.in_kv:
-                sched.running.append(s)
-            else:  # jump-forward re-tokenized tokens already in its KV: recompute them (the radix cache keeps the rest)
-                sched.log("requeue", s, held + n + k - 1)
-                sched.waiting.appendleft(s)
-        return appended
-
-    def _multi_step(self, t0, on_token) -> bool:
-        """Greedy, unconstrained running batch with graphs: k decode steps for one kv.prepare and one host sync
-        (CudaGraphDecoder.steps), k at most the fewest tokens any sequence still may write. While nothing waits
-        to be admitted, the next k steps are queued before the host reads the last k, so the GPU never waits
-        for the host: they continue the chunk in flight on the device, minus the sequences that reach their
-        max_new_tokens at its end (known without reading it) or stopped (EOS) in a chunk read before. A
-        sequence that stops at EOS wastes the steps queued after that; its extra slots are freed with it.
-        False: nothing to do here, take the 1-step path."""
-        prev, chunk = self.inflight, None
-        self.inflight = None
-        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
-        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
-            if prev else self.sched.running
-        if self.graphs and batch and not any(s.params.temperature or s.index is not None for s in batch):
-            k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
-            try:
-                with self.graphs.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
-                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
-            except OutOfBlocks:
-                positions = None  # the 1-step path evicts or preempts
-            if positions is not None:
-                self._peaks(sum(s.kv_len + ahead + k for s in batch), len(batch))
-                going_on = set(map(id, batch))
-                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
-                chunk = self.graphs.steps(batch, positions, k, keep=keep, ahead=ahead)
-        if prev:
-            self._read(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
-        if chunk and (self.sched.waiting or not self.sched.running):
-            self._read(chunk, on_token)
-        else:
-            self.inflight = chunk
-        self.stats["decode_s"] += time.perf_counter() - t0
-        return bool(prev or chunk)
-
-    def _read(self, chunk, on_token):
-        """Append a multi-step chunk's tokens to its sequences still running."""
-        ids = self.graphs.read(chunk)
-        live = [(s, t) for s, t in zip(chunk.batch, ids) if not s.done]
-        self.sched.running = [s for s, _ in live]
-        self.stats["decode_tokens"] += self._advance(self.sched.running, [1] * len(live), [t for _, t in live],
-                                                     on_token)
-        self.stats["steps"] += chunk.k
-
-    def kv_used(self) -> int:
-        """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
-        kv = self.kv
-        if self.backend == "contiguous":
-            return len(kv.rows) * kv.max_seq_len
-        if self.backend == "paged":
-            return (kv.manager.num_blocks - kv.manager.num_free) * kv.block_size
-        return kv.allocator.size - kv.allocator.available()
-
-    def kv_capacity(self) -> int:
-        kv = self.kv
-        return {"contiguous": lambda: kv.k_cache.shape[1] * kv.max_seq_len,
-                "paged": lambda: kv.manager.num_blocks * kv.block_size,
-                "token": lambda: kv.allocator.size}[self.backend]()
-
-    def _sample(self, batch, logits):
+    def sample(self, batch, logits):
+        """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p."""
         if all(s.params.temperature == 0 and s.index is None for s in batch):
             return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
@@ -1169,45 +1113,49 @@ class Engine:
             out[rows_t] = sample(logits[rows_t], temp, top_p, self.gen)
         return out.tolist()
 
-    def _append(self, s, t, on_token):
-        p, eos = s.params, t in self.tok.stop_ids
-        s.output.append(t)
-        s.t_last = time.perf_counter()
-        s.t_first = s.t_first or s.t_last
-        if s.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
-            s.fsm, s.text = s.index.step(s.fsm, t), s.text + self.tok.token_bytes(t)
-            self._jump_forward(s)
-        if on_token:
+    def count(self, batch, t0):
+        """Time and tokens per kind of step (prefill, decode or both: mixed), and the peaks of KV use so far."""
+        running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
+        fed = sum(s.n_new for s in batch)
+        prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
+        kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
+        self.counts[f"{kind}_tokens"] += fed
+        live = sum(s.kv_len for s in self.sched.running if id(s) not in stepped)
+        self.peaks(live + sum(s.kv_len + s.n_new for s in batch), len(running | stepped))
+
+    def peaks(self, live_tokens: int, running: int):
+        """The most KV slots taken, tokens live in them and sequences running at once, so far."""
+        for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live_tokens),
+                         ("peak_running", running)):
+            self.counts[key] = max(self.counts[key], now)
+
+    @staticmethod
+    def stream(batch, on_token):
+        """on_token(seq id, output so far) for each sequence the step gave tokens."""
+        for s in batch if on_token else ():
             on_token(s.rid, s.output)
-        stop = eos and (not p.ignore_eos or s.index is not None)
-        if s.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
-            ok = s.index.allowed(s.fsm)
-            stop = bool(ok[s.index.eos]) and (int(ok.sum()) == 1 or len(s.output) >= p.max_new_tokens)
-        s.done = stop or len(s.output) >= p.max_new_tokens
-        s.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
 
-    def _jump_forward(self, s):
-        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
-        jump = s.text + s.index.jump(s.fsm)
-        jump = jump[len(s.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
-        new = self.tok.encode((s.text + jump).decode()) if jump else []
-        if not jump or len(new) > s.params.max_new_tokens:  # no room for the jump: the model writes it token by token
-            return
-        s.fsm, s.text = s.index.dfa.walk(s.fsm, jump), s.text + jump
-        common = next((i for i, (a, b) in enumerate(zip(s.output, new)) if a != b), min(len(s.output), len(new)))
-        self.stats["jump_forward_tokens"] += len(new) - common
-        if len(s.prompt) + common < s.kv_len:  # tokens already in its KV changed: drop the KV, the radix keeps the rest
-            self.sched.release(s)
-        s.output = new
+    @property
+    def finished(self) -> dict:
+        """seq id -> output token ids, in the order they finished."""
+        return {s.rid: s.output for s in self.sched.finished}
 
-    def _finish(self, s):
-        self.sched.release(s)
-        s.done = True
-        self.finished[s.rid], self.finish_reasons[s.rid] = s.output, s.finish
-        after = s.t_last - s.t_first  # the tokens after the first, streamed over this long
-        self.timings[s.rid] = dict(ttft_s=s.t_first - s.t_added,
-                                   tok_s=(len(s.output) - 1) / after if len(s.output) > 1 and after > 0 else None)
-        self.sched.log("finish", s, len(s.output))
+    @property
+    def finish_reasons(self) -> dict:
+        """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
+        return {s.rid: s.finish for s in self.sched.finished}
+
+    @property
+    def timings(self) -> dict:
+        return {s.rid: s.timings() for s in self.sched.finished}
+
+    def kv_used(self) -> int:
+        """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
+        return self.kv.used()
+
+    def kv_capacity(self) -> int:
+        return self.kv.capacity()
 
     @property
     def events(self) -> list:
@@ -1223,19 +1171,16 @@ class Engine:
 class CudaGraphDecoder:
     """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
 
-    Any backend: each keeps its step's metadata in a table on the device -- kv.table (rows, width) int32, row r's
-    token i in slot table[r, i // page] * page + i % page of kv.layer_pools(layer) (03: req_to_token, page 1; 02:
-    block tables, page = block size; 01: one page of max_len per row) -- and attends through it (kv.decode_attn:
-    04's kernel, or its PyTorch twin). A step's inputs live in static buffers the graph was captured on: last
-    tokens, positions, table rows and lengths; the slots to write are computed from the table on the device.
-    Padded rows use kv.pad_row(), whose pages are scratch, and attend over one token. Batch 1 runs `fused_decode`.
-    Every graph ends by writing its argmax into the token buffer, logging it in `hist` and advancing positions and
-    lengths, so `steps` can replay it k times in a row with nothing from the host between (greedy multi-step
-    decoding; batch 1 also holds its k steps as one graph), and the next k steps can be queued before the host
-    has read these. The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On
-    --bench-engine's workload (H100) every backend now serves within 0.9-1.2x of the token backend with the same
-    pool; at equal KV memory contiguous runs a quarter of the rows (01's lesson). On a CPU (tests) the same buffers
-    and steps run eagerly."""
+    Any backend (01's KVCache): row r's token i is in slot table[r, i // page] * page + i % page of
+    kv.layer_pools(layer), and attend() reads through kv.table (04's kernel, or its PyTorch twin). A step's inputs
+    live in static buffers the graph was captured on (kv.bind_decode): last tokens, positions, table rows and
+    lengths; the slots to write are computed from the table on the device. Padded rows use kv.pad_row(), whose
+    pages are scratch, and attend over one token. Batch 1 runs 04's `fused_decode`. Every graph ends by writing
+    its argmax into the token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can
+    replay it k times in a row with nothing from the host between (greedy multi-step decoding; batch 1 also
+    holds its k steps as one graph), and the next k steps can be queued before the host has read these
+    (decode_ahead). The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On a
+    CPU (tests) the same buffers and steps run eagerly."""
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
@@ -1258,6 +1203,7 @@ class CudaGraphDecoder:
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
         self.pool = None
+        self.inflight = None  # a multi-step chunk queued on the GPU whose tokens the host has not read yet
 
     def _capture(self, b, k=1):
         kv, model = self.e.kv, self.e.model
@@ -1266,19 +1212,18 @@ class CudaGraphDecoder:
         fused = b == 1 and self.fused
 
         def run():
-            kv.batch = ([self.pad_row] * b, [0] * b, [1] * b)  # attend() reads it only to pick the decode path
-            kv.tok_slots, kv.batch_rows, kv.batch_lens = self.slots[:b], self.rows[:b], self.lens[:b]
+            kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
             out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
                 model(tokens, positions, kv, fp32=False)
             self.m04.argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
-                           pdl=fused and self.cuda)
+                            pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
         if b == 1 and k == 1 and self.e.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
-            self._capture(1, self.e.multi_step)          # graph launches, PDL links the steps (H200: -4 us a step)
+            self._capture(1, self.e.multi_step)          # graph launches, PDL links the steps
         if not self.cuda:
             self.graphs[key] = lambda: [run() for _ in range(k)][-1]
         else:
@@ -1298,7 +1243,8 @@ class CudaGraphDecoder:
         for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
             x.copy_(saved)  # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
 
-    def _graph(self, n):
+    def graph(self, n):
+        """The replay function of the smallest bucket that holds n rows (captured on first use), and that bucket."""
         b = next(x for x in self.buckets if x >= n)
         if b not in self.graphs:
             self._capture(b)
@@ -1307,7 +1253,7 @@ class CudaGraphDecoder:
     def _load(self, batch, positions, rows, lens):
         """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
         n = len(batch)
-        replay, b = self._graph(n)
+        replay, b = self.graph(n)
         self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.e.device)
         self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
         self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
@@ -1318,6 +1264,50 @@ class CudaGraphDecoder:
         kv = self.e.kv
         return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)].float()
 
+    def decode_ahead(self, t0, on_token) -> bool:
+        """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
+        at most the fewest tokens any sequence still may write. While nothing waits to be admitted, the next k
+        steps are queued before the host reads the last k, so the GPU never waits for the host: they continue the
+        chunk in flight on the device, minus the sequences that reach their max_new_tokens at its end (known
+        without reading it) or stopped (EOS) in a chunk read before. A sequence that stops at EOS wastes the
+        steps queued after that; its extra slots are freed with it. False: nothing to do here, take one step."""
+        e, prev, chunk = self.e, self.inflight, None
+        self.inflight = None
+        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
+        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
+            if prev else e.sched.running
+        if batch and not any(s.params.temperature or s.index is not None for s in batch):
+            k = min([e.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
+            try:
+                with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
+                    positions = e.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
+            except OutOfBlocks:
+                positions = None  # the 1-step path evicts or preempts
+            if positions is not None:
+                going_on = set(map(id, batch))
+                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
+                chunk = self.steps(batch, positions, k, keep=keep, ahead=ahead)
+                e.peaks(sum(s.kv_len + ahead + k for s in batch), len(batch))
+        if prev:
+            self.land(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
+        if chunk and (e.sched.waiting or not e.sched.running):
+            self.land(chunk, on_token)
+        else:
+            self.inflight = chunk
+        e.counts["decode_s"] += time.perf_counter() - t0
+        return bool(prev or chunk)
+
+    def land(self, chunk=None, on_token=None):
+        """Append a multi-step chunk's tokens (the one in flight by default) to its sequences still running."""
+        if chunk is None:
+            chunk, self.inflight = self.inflight, None
+            if chunk is None:
+                return
+        live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
+        batch = [s for s, _ in live]
+        self.e.counts["decode_tokens"] += self.e.sched.postprocess(batch, [t for _, t in live], steps=chunk.k)
+        self.e.stream(batch, on_token)
+
     def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
         k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
@@ -1327,7 +1317,7 @@ class CudaGraphDecoder:
         if keep is None:
             replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
         else:
-            replay, b = self._graph(n)
+            replay, b = self.graph(n)
             if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
                 idx = torch.tensor(keep).to(self.e.device, non_blocking=True)
                 for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
