@@ -12,10 +12,12 @@ Token n+1 attends over the keys and values (K, V) of tokens 0..n. Generation has
 Without a cache (nanoGPT's generate) each step re-runs the whole prefix: O(n) tokens of work for token n. With
 one (gpt-fast's static KVCache: `k_cache[:, pos] = k`) a step computes only the new token: O(1). Three ways, same
 tokens: (a) `greedy(kv=None)` recomputes; (b) `greedy` on `StaticKVCache`, gpt-fast's cache for one request;
-(c) `ContiguousKVCache`, the same idea for a batch (padded rows, the picture to beat; later lessons go ragged),
-written by the model through its `kv.attend` seam and driven by `llama3_generate.generate`. Attention over the
-cached K/V is `attend_dense` (one request, causal) and `attend_decode` (a batch of newest tokens): the reference
-every later backend's PyTorch path (02, 03) and the model itself call, so imports run one way, 01 -> 06 -> model.
+(c) `ContiguousKVCache`, the same idea for a batch (padded rows, the picture to beat), driven by
+`llama3_generate.generate`. It is the first `KVCache`: the seam every later backend implements (02 paged blocks,
+03 token slots). The model calls kv.prepare before a forward and kv.attend in every layer, and all backends keep
+one picture -- token i of table row r in slot table[r, i // page] * page + i % page -- so one Triton kernel (04)
+and one CUDA graph (the engine's) read them all; `attend_table` is that read in PyTorch. Imports run one way,
+01 -> 06 -> the model.
 
 Every request reserves its whole future at admission:
 
@@ -403,10 +405,12 @@ def plot_pool(results, prompt, output, pool_tokens: int, path: str, width: int =
         rows = -(-pool_tokens // width)
         ax.imshow(colours[np.r_[code, np.full(rows * width - pool_tokens, 6)].reshape(rows, width)],  # (rows, width, 3)
                   aspect="auto", interpolation="nearest")
-        ax.set_title(f"{scheme}: {len(res['snapshot'])} requests, {100 * (cat == 0).mean():.1f}% of the pool live", fontsize=10)
+        live = 100 * (cat == 0).mean()
+        ax.set_title(f"{scheme}: {len(res['snapshot'])} requests, {live:.1f}% of the pool live", fontsize=10)
         ax.set_yticks([]), ax.set_xlabel(f"token slot within a row of {width}", fontsize=8)
     labels = ("live", "", "reserved for future", "", "internal fragmentation", "external fragmentation")
-    fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(colours, labels) if t], loc="lower center", ncol=4, fontsize=8)
+    fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(colours, labels) if t], loc="lower center", ncol=4,
+               fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     return path
@@ -415,7 +419,8 @@ def plot_pool(results, prompt, output, pool_tokens: int, path: str, width: int =
 # ---- The lesson, measured ------------------------------------------------------------------------
 
 def memory_report(n_requests=1000, pool_tokens=32768, max_seq_len=2048, seed=0, plot=None) -> dict:
-    """Every scheme on both traces; `live_fraction` is ShareGPT's (the paper's trace). Draws ShareGPT's pool to `plot`."""
+    """Every scheme on both traces; `live_fraction` is ShareGPT's (the paper's trace). Draws ShareGPT's pool to
+    `plot`."""
     traces = {}
     for kind in TRACES:
         prompt, output = synthetic_trace(kind, n_requests, seed, max_seq_len)
@@ -462,7 +467,8 @@ def print_generation(g: dict):
         print(f"  {r['position']:8d} | {r['position'] + 1:27d} {r['no_cache']:5.0f} | {1:24d} {r['cached']:5.0f} |"
               f" {r['no_cache'] / r['cached']:5.1f}x")
     n, r = g["step_ms"][-1]["position"] + 1, g["step_ms"][-1]
-    print(f"  the {n}-token pass costs {r['no_cache'] / n:.1f} ms per token, {r['cached'] * n / r['no_cache']:.0f}x less"
+    print(f"  the {n}-token pass costs {r['no_cache'] / n:.1f} ms per token, "
+          f"{r['cached'] * n / r['no_cache']:.0f}x less"
           f" than a 1-token decode step: prefill is a GEMM, decode a GEMV reading every weight for one token")
 
 

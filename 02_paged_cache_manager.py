@@ -20,14 +20,14 @@ The pieces, in the order this file defines them:
   paged_attention  one interface, two paths: flash-attn's `flash_attn_with_kvcache(..., block_table=)`
                  on CUDA when block_size % 256 == 0 (FA2's paged-KV rule) and dtype is fp16/bf16, else
                  PyTorch: gather each request's blocks through its table, then attention.
-  PagedKVCache   the backend behind llama3_generate's seam (prepare / attend / free), plus fork and
-                 swap_out / swap_in. Slot mappings are built with tensor ops, not per-token loops. The block
-                 tables also live on the device, one fixed row per sequence, written per step only where
-                 they changed, so CUDA graphs can read them; on a GPU, 04's Triton kernels read them for any
-                 block size (the token pool of 03 is the page-size-1 case: slot = table[pos // B] * B + pos % B).
-  Scheduler      continuous batching: running out of blocks is a scheduling event -- the newest running
-                 request is preempted (recomputed later, or swapped to CPU memory), never a crash. 05's
-                 scheduler and the engine are this class with another admission (`admit`).
+  PagedKVCache   01's KVCache over blocks (prepare / attend / free), plus fork and swap_out / swap_in.
+                 Slot mappings are built with tensor ops, not per-token loops. The block tables also live on
+                 the device, one fixed row per sequence, written per step only where they changed, so CUDA
+                 graphs and 04's kernels read them for any block size (03's pool is the page-size-1 case).
+  Scheduler      continuous batching, the one step loop of the project -- schedule() (admit, then room in the
+                 KV), the model, postprocess() -- that 05 and the engine extend. Running out of blocks is a
+                 scheduling event: the newest running request is preempted (recomputed later, or swapped to
+                 CPU memory), never a crash. simulate() drives it with no model at all.
 
 Run: `python 02_paged_cache_manager.py [--trace alpaca] [--requests N] [--budget SLOTS] [--no-model] [--json]`.
 
@@ -81,7 +81,8 @@ class BlockManager:
 
     def _release(self, block: int):
         if self.ref_count[block] <= 0:
-            raise RuntimeError(f"block {block} released more often than it was taken (refcount {self.ref_count[block]})")
+            raise RuntimeError(f"block {block} released more often than it was taken "
+                               f"(refcount {self.ref_count[block]})")
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             self.free_blocks.append(block)
@@ -161,7 +162,8 @@ class BlockManager:
             (len(set(self.free_blocks)) != self.num_free or any(self.ref_count[b] for b in self.free_blocks),
              "free list holds duplicates or referenced blocks"),
             (self.num_free + used != self.num_blocks, f"free {self.num_free} + used {used} != total {self.num_blocks}"),
-            (any(self.ref_count[b] != owners.get(b, 0) for b in range(self.num_blocks)), "a block's refcount != owners"),
+            (any(self.ref_count[b] != owners.get(b, 0) for b in range(self.num_blocks)),
+             "a block's refcount != owners"),
             (any(len(t) != cdiv(self.num_tokens[s], self.block_size) for s, t in self.block_tables.items()),
              "a block table does not match its token count")] if bad]
         if problems:

