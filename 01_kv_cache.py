@@ -135,6 +135,12 @@ class KVCache:
         """Tokens new requests may take now without preempting anyone; None: only the number of rows limits."""
         return None
 
+    @classmethod
+    def for_pool(cls, model, tokens: int, max_batch: int, max_len: int, pad: int = 0, block_size: int = 16):
+        """The engine's cache: a pool of `tokens` KV slots for at most max_batch sequences of max_len tokens, plus
+        `pad` scratch rows for CUDA graphs' padding. Returns (cache, how many sequences it runs at once)."""
+        raise NotImplementedError
+
     def use_kernels(self, decode, extend=None):
         """Attend through 04's Triton kernels (or any function of their signature): decode, and prefill (extend)."""
         self.decode_attn, self.extend_attn = decode, extend
@@ -223,6 +229,11 @@ class ContiguousKVCache(KVCache):
     def for_model(cls, model, max_batch: int, max_seq_len: int | None = None):
         a, w = model.args, model.tok_embeddings.weight
         return cls(a.n_layers, max_batch, max_seq_len or a.max_seq_len, a.n_kv_heads, a.head_dim, w.dtype, w.device)
+
+    @classmethod
+    def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
+        rows = max(1, min(max_batch, tokens // max_len))  # every running sequence reserves a row of max_len slots
+        return cls.for_model(model, rows + pad, max_len), rows
 
     def prepare(self, seq_ids, n_new):
         """Make room for n_new[i] tokens of seq_ids[i]; returns their positions (T,).

@@ -248,6 +248,11 @@ class PagedKVCache(kv01.KVCache):
         a, w = model.args, model.tok_embeddings.weight
         return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, **kw)
 
+    @classmethod
+    def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
+        blocks = cdiv(tokens, block_size) + pad  # rounded up: the pool holds every request of up to `tokens`
+        return cls.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len), max_batch
+
     def layer_pools(self, layer):
         """(num_blocks * block_size, n_kv_heads, head_dim) K and V of one layer: slot = block * block_size + i."""
         return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)

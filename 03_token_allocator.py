@@ -194,6 +194,10 @@ class TokenKVCache(K01.KVCache):
         return cls(a.n_layers, size, a.n_kv_heads, a.head_dim, max_requests, max_seq_len or min(a.max_seq_len, size),
                    w.dtype, w.device)
 
+    @classmethod
+    def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
+        return cls.for_model(model, tokens, max_batch + 1, max_len), max_batch  # pad_row takes a slot of the pool
+
     def _new_request(self, seq_id):
         row = self.req_pool.alloc()
         if row is None:

@@ -861,25 +861,11 @@ R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests a
 OutOfBlocks = lesson("02_paged_cache_manager").OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
 
 
-def contiguous(model, kv_tokens, max_batch, max_len, pad, block_size):
-    """01: every running sequence reserves a row of max_len slots, so the pool holds kv_tokens // max_len of them."""
-    rows = max(1, min(max_batch, kv_tokens // max_len))
-    return lesson("01_kv_cache").ContiguousKVCache.for_model(model, rows + pad, max_len), rows
-
-
-def paged(model, kv_tokens, max_batch, max_len, pad, block_size):
-    """02: blocks on demand (rounded up: a pool of kv_tokens holds every request add() accepts)."""
-    blocks = -(-kv_tokens // block_size) + pad
-    kv = lesson("02_paged_cache_manager").PagedKVCache
-    return kv.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len), max_batch
-
-
-def token(model, kv_tokens, max_batch, max_len, pad, block_size):
-    """03: one slot per token, anywhere in the pool (04's kernels read it on a GPU; 05's radix tree shares it)."""
-    return lesson("03_token_allocator").TokenKVCache.for_model(model, kv_tokens, max_batch + 1, max_len), max_batch
-
-
-BACKENDS = {"contiguous": contiguous, "paged": paged, "token": token}  # --backend: a KV cache (01's KVCache)
+BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
+    "contiguous": lesson("01_kv_cache").ContiguousKVCache,     # 01: a row of max_len slots per sequence
+    "paged": lesson("02_paged_cache_manager").PagedKVCache,    # 02: blocks on demand
+    "token": lesson("03_token_allocator").TokenKVCache,        # 03: one slot per token (05's radix tree shares them)
+}
 
 
 class Seq(R05.Req):
@@ -964,7 +950,8 @@ class Engine:
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
         m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
         graphs = graphs and m04 is not None
-        self.kv, self.max_batch = BACKENDS[backend](model, kv_tokens, max_batch, self.max_len, int(graphs), block_size)
+        self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
+                                                             block_size)
         self.backend = backend
         if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
             self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
