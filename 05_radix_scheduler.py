@@ -307,8 +307,8 @@ IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one adm
 
 
 class Scheduler(P02.Scheduler):
-    """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its prepare() and
-    preemption): this class admits, 02's allocates. step() runs one iteration. The options, the paper's first:
+    """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its step loop:
+    schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
                     ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
                     and the step's prefill budget; when decoding outgrows the pool, evict, then preempt (02;
