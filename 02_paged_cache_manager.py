@@ -391,6 +391,10 @@ class Request:
     def samples(self) -> bool:  # the next step feeds all its KV lacks, so a token is sampled after it
         return True
 
+    @property
+    def feed(self) -> list:  # the tokens the next step feeds
+        return self.tokens[self.kv_len:self.kv_len + self.n_new]
+
     def append(self, token):
         """A sampled token; it may end the request (the engine's requests add constraints and jump-forward)."""
         self.output.append(token)
@@ -584,7 +588,7 @@ class Scheduler:
         """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a stand-in for
         the model in the simulations; its value is ignored where a chunk ends short of its prompt's end)."""
         batch, positions = self.schedule()
-        tokens = [t for r in batch for t in r.tokens[r.kv_len:r.kv_len + r.n_new]]
+        tokens = [t for r in batch for t in r.feed]
         samples = [r.samples for r in batch]
         ids = forward(batch, tokens, positions)
         self.postprocess(batch, [[t] if s else [] for t, s in zip(ids, samples)])

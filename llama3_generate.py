@@ -1074,7 +1074,7 @@ class Engine:
         n_new = [s.n_new for s in batch]
         if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
             return self.graphs.forward(batch, positions)
-        tokens = torch.tensor([t for s, n in zip(batch, n_new) for t in s.tokens[s.kv_len:s.kv_len + n]])
+        tokens = torch.tensor([t for s in batch for t in s.feed])
         last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
         return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
 
