@@ -142,6 +142,15 @@ def lesson(name: str):
     return importlib.import_module(name)
 
 
+def cpu_threads():
+    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and in processes
+    started from here. Why: a matrix product split over every core waits for its slowest thread, so one core busy
+    elsewhere made 2-core decode 3-20x slower; one thread decodes as fast on a quiet 2-core machine."""
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
+        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
+        torch.set_num_threads(n)
+
+
 def triton_kernels():
     """04, where every Triton kernel lives (the GPU fast paths: attention, prefill, batch-1 decode, argmax), or
     None where Triton is missing (it has wheels for Linux only): one line says so, and the PyTorch paths run."""
@@ -1445,6 +1454,7 @@ def main(argv=None):
             print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
                   f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
         device = parse_device(args.device)
+        cpu_threads()
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
