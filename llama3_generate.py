@@ -107,8 +107,8 @@ def cli_args(argv=None) -> argparse.Namespace:
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
         "tokens; with --json, one JSON object per event")
     add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
-        "token_ids, finish_reason, ttft_s: seconds from its admission to its first token, tok_s: its tokens per "
-        "second after that)")
+        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
+        "its tokens per second after that)")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
@@ -1536,4 +1536,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    try:
+        main(ARGS)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, and the shell's status for it (128 + SIGINT)
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
