@@ -459,6 +459,8 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=200, help="requests in the synthetic trace (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    import llama3_generate as L
+    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 1:
         ap.error("--requests must be >= 1")
     if a.bench and not torch.cuda.is_available():

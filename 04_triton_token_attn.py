@@ -887,6 +887,8 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--bench", action="store_true", help="GPU benchmark vs flash-attn and SDPA")
     args = ap.parse_args(argv)
+    import llama3_generate as L
+    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     cuda = torch.cuda.is_available() and not INTERPRET
     if args.bench and not cuda:
         sys.exit("error: --bench needs a CUDA GPU (this machine runs the kernel through the Triton interpreter)")

@@ -675,6 +675,8 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    import llama3_generate as L
+    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if args.max_running < 1:
         ap.error("--max-running must be >= 1")
     policies = [args.policy] if args.policy else list(POLICIES)

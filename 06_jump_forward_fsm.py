@@ -1047,6 +1047,8 @@ def main(argv=None):
     ap.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    import llama3_generate as L
+    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     try:  # bad input fails here, before the model loads
@@ -1066,7 +1068,6 @@ def main(argv=None):
             compile_regex(task["pattern"])
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         sys.exit(f"error: {e}")
-    import llama3_generate as L
     try:
         model, tok = L.load_model(args.model)
         runs = [compare(model, tok, t["name"], t["pattern"], args.prompt, args.max_new_tokens, t.get("pydantic"))

@@ -107,8 +107,8 @@ def cli_args(argv=None) -> argparse.Namespace:
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
         "tokens; with --json, one JSON object per event")
     add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
-        "token_ids, finish_reason, ttft_s: seconds from its admission to its first token, tok_s: its tokens per "
-        "second after that)")
+        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
+        "its tokens per second after that)")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
@@ -140,6 +140,15 @@ class UserError(Exception):
 def lesson(name: str):
     """Numbered files cannot be imported by name: lesson("01_kv_cache") -> the module."""
     return importlib.import_module(name)
+
+
+def cpu_threads():
+    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and in processes
+    started from here. Why: a matrix product split over every core waits for its slowest thread, so one core busy
+    elsewhere made 2-core decode 3-20x slower; one thread decodes as fast on a quiet 2-core machine."""
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
+        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
+        torch.set_num_threads(n)
 
 
 def triton_kernels():
@@ -1445,6 +1454,7 @@ def main(argv=None):
             print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
                   f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
         device = parse_device(args.device)
+        cpu_threads()
         t0 = time.perf_counter()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
         load_s = time.perf_counter() - t0
@@ -1526,4 +1536,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    try:
+        main(ARGS)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, and the shell's status for it (128 + SIGINT)
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

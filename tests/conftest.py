@@ -15,6 +15,10 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)
 
+import llama3_generate  # noqa: E402 (after TRITON_INTERPRET)
+
+llama3_generate.cpu_threads()  # one thread on 2 cores, for this process and those it starts (why: its docstring)
+
 
 def pytest_collection_modifyitems(config, items):
     for marker, missing, reason in (("gpu", not torch.cuda.is_available(), "needs a CUDA GPU"),

@@ -495,3 +495,17 @@ def test_a_checkpoint_that_disagrees_with_itself_is_one_line(checkpoints, tmp_pa
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and named in p.stderr, \
         p.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT cannot be sent to a process on Windows")
+def test_ctrl_c_is_one_line_and_status_130(checkpoints):
+    """Ctrl-C while the CLI streams a completion: one line on stderr, exit status 130 (the shell's for SIGINT), no
+    traceback."""
+    import signal
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--model",
+                          checkpoints["smol"][0]["gguf"], "--ignore-eos", "--max-new-tokens", "1500", "Hi"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert p.stdout.read(1), "nothing streamed"  # decoding has begun
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.endswith("\ninterrupted\n") and "Traceback" not in err, (p.returncode, err)
