@@ -88,25 +88,26 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _slot(R2T, row, s_r2t, n, nmask, PAGE: tl.constexpr, CACHE: tl.constexpr):
-    """The pool slot of token n of table row `row` (int64), read where nmask (None: everywhere). PAGE 1: 03's
-    req_to_token holds slots; PAGE P: 02's block table holds blocks of P slots, slot = table[n // P] * P + n % P
-    (01's contiguous row is one page of max_len). One kernel serves all three backends."""
-    entry = n if PAGE == 1 else n // PAGE
+def _slot(R2T, row, s_r2t, n, nmask, page, CACHE: tl.constexpr):
+    """The pool slot of token n of table row `row` (int64), read where nmask (None: everywhere). Page 1: 03's
+    req_to_token holds slots; page P: 02's block table holds blocks of P slots, slot = table[n // P] * P + n % P
+    (01's contiguous row is one page of max_len). One kernel serves all three backends: `page` is an argument, not
+    a constexpr, so every page size shares one compilation, and Triton compiles an int argument equal to 1 as the
+    constant 1, so the token pool's `n // 1` and `n % 1` still fold away."""
     if nmask is None:
-        page = tl.load(R2T + row * s_r2t + entry, cache_modifier=CACHE).to(tl.int64)
+        entry = tl.load(R2T + row * s_r2t + n // page, cache_modifier=CACHE).to(tl.int64)
     else:
-        page = tl.load(R2T + row * s_r2t + entry, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)
-    return page if PAGE == 1 else page * PAGE + n % PAGE
+        entry = tl.load(R2T + row * s_r2t + n // page, mask=nmask, other=0, cache_modifier=CACHE).to(tl.int64)
+    return entry * page + n % page
 
 
 @triton.jit
 def _kv_tile(K, V, R2T, row, s_r2t, n, nmask, kvmask, s_ks, s_vs, kvh, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr,
-             PAGE: tl.constexpr):
+             page):
     """K and V rows (BLOCK_N, HEAD_DIM) of kv head kvh for tokens n of table row `row`, read where kvmask;
     CACHE: the loads' cache modifier. Masks None: a whole tile, nothing to check."""
     offs_d = tl.arange(0, HEAD_DIM)
-    slot = _slot(R2T, row, s_r2t, n, nmask, PAGE, CACHE)  # (BLOCK_N,)
+    slot = _slot(R2T, row, s_r2t, n, nmask, page, CACHE)  # (BLOCK_N,)
     if nmask is None:
         k = tl.load(K + slot[:, None] * s_ks + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
         v = tl.load(V + slot[:, None] * s_vs + kvh * HEAD_DIM + offs_d[None, :], cache_modifier=CACHE)
@@ -136,10 +137,9 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PR
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
-def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t,
+def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t, page,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PAGE: tl.constexpr,
-            PDL: tl.constexpr = False):
+            DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # head fastest: neighbours share slots
     pdl_launch_next(PDL)  # programmatic dependent launch (see token_decode_attention): start the next kernel
     H = tl.num_programs(0) * GROUP  # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
@@ -160,21 +160,21 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     nmask = n < end
     if PDL:  # the first tile before the wait: all but the newest token, which the kernel we wait for writes
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask & (n < seq_len - 1), s_ks, s_vs, kvh, HEAD_DIM,
-                        ".cg", PAGE)
+                        ".cg", page)
     pdl_wait(PDL)  # the previous kernel has finished and its writes (q, the newest K/V) are visible
     q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     if PDL:
         new = (n == seq_len - 1)[:, None]
-        last = _slot(R2T, row, s_r2t, seq_len - 1, None, PAGE, "")
+        last = _slot(R2T, row, s_r2t, seq_len - 1, None, page, "")
         k = tl.where(new, tl.load(K + last * s_ks + kvh * HEAD_DIM + offs_d)[None, :], k)
         v = tl.where(new, tl.load(V + last * s_vs + kvh * HEAD_DIM + offs_d)[None, :], v)
         m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     for n0 in range(start + BLOCK_N if PDL else start, end, BLOCK_N):
         n = n0 + offs_n
         nmask = n < end
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask, s_ks, s_vs, kvh, HEAD_DIM, "", page)
         m_i, l_i, acc = _attend(q, k, v, nmask[None, :], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]
     if DIRECT:  # one split, nothing to merge: write the answer
@@ -227,6 +227,10 @@ def choose_num_splits(batch: int, n_kv_heads: int, max_len: int, sms: int) -> in
 
 UNSPLIT_CONFIG = dict(block_n=128, num_warps=4, num_stages=2)  # tuned on an H200: long chunks like big tiles,
 SPLIT_CONFIG = dict(block_n=64, num_warps=4, num_stages=2)    # split ones 64-token tiles (4-5 programs per SM)
+# fp32 (the exact checks: tokens equal transformers'): an fp32 `tl.dot` is unrolled into FMAs per thread, and at
+# the tiles above ptxas took 4 s (decode) and 40 s (extend) per kernel; these compile in about a second
+F32_CONFIG = dict(decode=dict(block_n=32, num_warps=4, num_stages=1),
+                  extend=dict(rows=32, block_n=32, num_warps=4, num_stages=1))
 
 
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None, sm_scale=None,
@@ -260,7 +264,9 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     if req_rows.shape != (B,) or seq_lens.shape != (B,):
         raise ValueError(f"req_rows, seq_lens need shape ({B},), got {tuple(req_rows.shape)}, {tuple(seq_lens.shape)}")
     num_splits = num_splits or choose_num_splits(B, Hkv, max_len, num_sms(q.device))
-    cfg = config or (UNSPLIT_CONFIG if num_splits == 1 else SPLIT_CONFIG)
+    f32 = INTERPRET or q.dtype == torch.float32
+    cfg = config or (F32_CONFIG["decode"] if f32 and not INTERPRET else SPLIT_CONFIG if num_splits > 1 else
+                     UNSPLIT_CONFIG)
     q, r2t = q.contiguous(), req_to_token.contiguous()  # no copies when they already are
     if out is None:
         out = torch.empty_like(q)  # (batch, n_q_heads, head_dim)
@@ -272,12 +278,11 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
         mid = torch.full((n,), float("nan"), device=q.device) if INTERPRET else \
             torch.empty(n, dtype=torch.float32, device=q.device)
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634  # fold in log2(e): exp2 is cheap
-    f32 = INTERPRET or q.dtype == torch.float32
     _stage1[(Hkv, num_splits, B)](
         q, k_pool, v_pool, r2t, req_rows, seq_lens, mid, out, scale, num_splits,
-        k_pool.stride(0), v_pool.stride(0), r2t.stride(0),
+        k_pool.stride(0), v_pool.stride(0), r2t.stride(0), page,
         GROUP=H // Hkv, BLOCK_H=max(16, triton.next_power_of_2(H // Hkv)), HEAD_DIM=D, BLOCK_N=cfg["block_n"],
-        DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32", PAGE=page,
+        DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **pdl_kw(pdl))
     if num_splits > 1:
         _stage2[(H, B)](mid, out, seq_lens, num_splits, HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
@@ -307,9 +312,9 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 # already knows, so no device lengths are read to size the grid.
 
 @triton.jit
-def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
+def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t, page,
             GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_F32: tl.constexpr, PREC: tl.constexpr, PAGE: tl.constexpr):
+            DOT_F32: tl.constexpr, PREC: tl.constexpr):
     j, kvh = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(1) * GROUP
     b, r0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)  # this block: request b, its rows r0..
@@ -330,11 +335,11 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
     hi = prefix + tl.minimum((r0 + BLOCK_R - 1) // GROUP + 1, n_new)  # one past the block's last query
     lo_full = lo - lo % BLOCK_N
     for n0 in range(0, lo_full, BLOCK_N):                           # phase 1: whole tiles, nothing masked
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n0 + offs_n, None, None, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n0 + offs_n, None, None, s_ks, s_vs, kvh, HEAD_DIM, "", page)
         m_i, l_i, acc = _attend(q, k, v, None, m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     for n0 in range(lo_full, hi, BLOCK_N):                          # phase 2: the rest of phase 1, then the diagonal
         n = n0 + offs_n
-        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, n < hi, n < hi, s_ks, s_vs, kvh, HEAD_DIM, "", PAGE)
+        k, v = _kv_tile(K, V, R2T, row, s_r2t, n, n < hi, n < hi, s_ks, s_vs, kvh, HEAD_DIM, "", page)
         m_i, l_i, acc = _attend(q, k, v, n[None, :] <= pos[:, None], m_i, l_i, acc, qk_scale, DOT_F32, PREC)
     out = acc / l_i[:, None]                                        # every query sees itself: l_i > 0
     tl.store(OUT + qrow[:, None] * HEAD_DIM + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
@@ -376,17 +381,18 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
             or sum(extend_lens) != T or min(extend_lens, default=0) < 1 or min(prefix_lens, default=0) < 0):
         raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, extend_lens "
                          f"{extend_lens} (need sum(extend_lens) == T, each >= 1, a power-of-two head_dim)")
-    cfg = {**EXTEND_CONFIG.get(D, EXTEND_CONFIG[64 if D < 128 else 128]), **config}
+    f32 = INTERPRET or q.dtype == torch.float32
+    tiles = EXTEND_CONFIG.get(D, EXTEND_CONFIG[64 if D < 128 else 128])
+    cfg = {**(F32_CONFIG["extend"] if f32 and not INTERPRET else tiles), **config}
     blocks, prefix, extend, q_start = extend_plan(prefix_lens, extend_lens, H // Hkv, cfg["rows"], q.device)
     if out is None:
         out = torch.empty_like(q)                                                # (T, n_q_heads, head_dim)
-    f32 = INTERPRET or q.dtype == torch.float32
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634
     _extend[(len(blocks) // 2, Hkv)](
         q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows).to(q.device, non_blocking=True),
-        prefix, extend, q_start, blocks, out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0),
+        prefix, extend, q_start, blocks, out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0), page,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32,
-        PREC="ieee" if f32 else "tf32", PAGE=page, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 
@@ -457,9 +463,8 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
 
 
 @triton.jit
-def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, eps, q_rows, kv_rows,
-              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PAGE: tl.constexpr,
-              PDL: tl.constexpr = False):
+def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, page, Q, KP, VP, K, eps, q_rows, kv_rows,
+              HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs RoPE rotates
     together -- so the rotation and the KV write need no second kernel. The slot to write is read here from the
     table (_slot): multi-step graphs advance pos on the device. PDL as in _gemv."""
@@ -483,7 +488,7 @@ def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, Q, KP, VP, K, ep
         pdl_wait(PDL)
         pdl_launch_next(PDL)  # after the wait: 04's stage 1 then starts with all before us done (see 04's pdl)
     pos = tl.load(POS)  # the position and slot early: their loads overlap the weight stream
-    slot = _slot(R2T, tl.load(ROW).to(tl.int64), s_r2t, pos, None, PAGE, "")
+    slot = _slot(R2T, tl.load(ROW).to(tl.int64), s_r2t, pos, None, page, "")
     rotate = head < q_rows + kv_rows  # v is not rotated
     cos = tl.where(rotate, tl.load(COS + pos * HALF + j), 1.0)
     sin = tl.where(rotate, tl.load(SIN + pos * HALF + j), 0.0)
@@ -550,8 +555,8 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
         kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
         _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
             h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
-            positions, kv.batch_rows, kv.table, kv.table.stride(0), q, kp, vp, a.dim, a.norm_eps, q_rows, kv_rows,
-            HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), PAGE=kv.page, num_warps=cfg["qkv"][2],
+            positions, kv.batch_rows, kv.table, kv.table.stride(0), kv.page, q, kp, vp, a.dim, a.norm_eps, q_rows,
+            kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), num_warps=cfg["qkv"][2],
             **pdl_kw(pdl))
         attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
@@ -606,6 +611,68 @@ def argmax(logits, out, advance=None, pdl=False):
     pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
     _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
                     FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
+    return out
+
+
+# The model's pointwise steps, one kernel each (the engine's fuse_pointwise puts them in the model on a GPU): in
+# PyTorch, RMSNorm, RoPE and SwiGLU are a handful of tiny kernels apiece, which at small batches cost more in
+# launches than the weights take to read. torch.compile fused them too, for about 9 s of every process's start-up
+# (importing dynamo and inductor, tracing); these compile once, into Triton's cache. Same arithmetic as the model's
+# PyTorch functions: fp32 inside, rounded to the input's dtype where they round.
+
+@triton.jit
+def _rms_norm(X, W, OUT, N, s_x, eps, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK)
+    x = tl.load(X + row * s_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+    y = (x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)).to(OUT.dtype.element_ty)
+    tl.store(OUT + row * N + cols, y * tl.load(W + cols, mask=cols < N), mask=cols < N)
+
+
+@triton.jit
+def _rope(X, COS, SIN, OUT, H, s_x, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # one token, all its heads: pairs (j, j + HALF) of each head
+    h, j = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, HALF)[None, :]
+    x = X + t * s_x + h * 2 * HALF + j
+    x1 = tl.load(x, mask=h < H, other=0.0).to(tl.float32)
+    x2 = tl.load(x + HALF, mask=h < H, other=0.0).to(tl.float32)
+    cos, sin = tl.load(COS + t * HALF + j), tl.load(SIN + t * HALF + j)
+    out = OUT + (t * H + h) * 2 * HALF + j
+    tl.store(out, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=h < H)
+    tl.store(out + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=h < H)
+
+
+@triton.jit
+def _swiglu(GATE, UP, OUT, N, s_g, s_u, BLOCK: tl.constexpr):
+    t, cols = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(GATE + t * s_g + cols, mask=cols < N).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(OUT.dtype.element_ty)
+    tl.store(OUT + t * N + cols, silu * tl.load(UP + t * s_u + cols, mask=cols < N), mask=cols < N)
+
+
+def rms_norm(x, weight, eps: float):
+    """x (T, dim), rows contiguous -> (T, dim): the model's rms_norm."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (T, dim)
+    _rms_norm[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), eps, BLOCK=triton.next_power_of_2(x.shape[1]))
+    return out
+
+
+def apply_rope(x, cos, sin):
+    """x (T, heads, head_dim), each token's heads contiguous; cos, sin (T, head_dim / 2) fp32: the model's."""
+    T, H, D = x.shape
+    x = x if x.stride()[1:] == (D, 1) else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (T, heads, head_dim)
+    _rope[(T,)](x, cos.contiguous(), sin.contiguous(), out, H, x.stride(0), HALF=D // 2,
+                BLOCK_H=triton.next_power_of_2(H))
+    return out
+
+
+def swiglu(gate, up):
+    """silu(gate) * up, each (T, hidden) with rows contiguous (the halves of one GEMM's output): the model's."""
+    T, N = gate.shape
+    gate, up = (y if y.stride(-1) == 1 else y.contiguous() for y in (gate, up))
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)  # (T, hidden)
+    _swiglu[(T, triton.cdiv(N, 1024))](gate, up, out, N, gate.stride(0), up.stride(0), BLOCK=1024)
     return out
 
 

@@ -275,15 +275,16 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-def fuse_pointwise():
+def fuse_pointwise(m04):
     """On a GPU, each of rms_norm, apply_rope and swiglu is a handful of tiny kernels; at batch 1 their launches
-    cost more than the weights take to read. torch.compile fuses each into one kernel (the model is unchanged)."""
-    global rms_norm, apply_rope, swiglu
-    # one graph each for every step shape: else a step of 1 token or 0 or 1 sampled rows, or of as many tokens as
-    # there are heads (equal sizes get one symbol), compiles anew mid-serving, a stall of every stream
-    torch.fx.experimental._config.backed_size_oblivious, torch.fx.experimental._config.use_duck_shape = True, False
-    if not hasattr(rms_norm, "_torchdynamo_orig_callable"):
-        rms_norm, apply_rope, swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, apply_rope, swiglu))
+    cost more than the weights take to read. 04 has each as one Triton kernel, which the model then calls for CUDA
+    tensors (the model is unchanged: it looks these names up when it runs; CPU tensors keep the PyTorch ones)."""
+    for name in ("rms_norm", "apply_rope", "swiglu"):
+        eager, fused = EAGER.setdefault(name, globals()[name]), getattr(m04, name)
+        globals()[name] = lambda *a, eager=eager, fused=fused: (fused if a[0].is_cuda else eager)(*a)
+
+
+EAGER = {}  # the PyTorch pointwise functions, before fuse_pointwise
 
 
 def fuse_projections(model):
@@ -977,7 +978,7 @@ class Engine:
         self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         if self.graphs is not None and dev.type == "cuda":
-            fuse_pointwise()
+            fuse_pointwise(m04)
             fuse_projections(model)
 
     @staticmethod

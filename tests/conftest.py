@@ -9,9 +9,6 @@ import torch
 
 
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
-# the engine's torch.compile on a GPU: a few small kernels, mostly from the cache; compiled in this process, not by
-# a pool of worker processes that each start Python and torch first (inherited by the CLI runs the tests start)
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)
 

@@ -6,8 +6,8 @@ the same weights; bf16 tokens must be transformers' argmax up to bf16 noise.
 
 On CUDA (`pytest -m gpu`) every backend, dtype and engine path runs: multi-step and one-step decode, fused and
 unfused batch-1 decode, CUDA graphs and eager, preemption, radix hits, --n, --regex, --json-schema, streaming.
-There the runs call the CLI's `main(argv)` in this process (Triton kernels, torch.compile and CUDA init paid once
-per test run, not once per command), and one runs it as a process of its own. On a CPU a few cases run the same
+There the runs call the CLI's `main(argv)` in this process (Triton kernels and CUDA init paid once per test run,
+not once per command), and one runs it as a process of its own. On a CPU a few cases run the same
 way (each format, two prompts), each as its own process."""
 import copy
 import json
@@ -312,7 +312,7 @@ def test_gpu_streaming_prints_the_completion(checkpoints, refs, capsys):
 @gpu
 def test_gpu_cli_process_is_quiet_and_seeded(checkpoints, capsys):
     """`python llama3_generate.py` as a process of its own (the GPU suite's one: each pays for starting Python, torch,
-    Triton and torch.compile): with --quiet it prints the completions (several: one JSON string per line) and nothing
+    Triton and CUDA): with --quiet it prints the completions (several: one JSON string per line) and nothing
     else on either stream, a warning at start-up included; seeded bf16 sampling draws what this process drew."""
     argv = ("--model", checkpoints["smol"][0]["hf"], "--quiet", "--dtype", "bfloat16", "--temperature", "1.0", "--n",
             "3", "--seed", "7", "--max-new-tokens", "16", *PROMPTS[:2])

@@ -350,17 +350,21 @@ def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
 
 
 @pytest.mark.gpu
-def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b):
+def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b, monkeypatch):
     """A compile mid-serving stalls every stream (issue 34). After warm_up, steps of 1 token and of as many tokens
     as the 1B shape has KV heads, heads, head dims or model width (8, 32, 64, 2,048), chunks of a lone prompt
-    (steps that sample no row) and mixed steps add no torch.compile graph (without fuse_pointwise's size settings
-    the lone chunks compile one more: tried on a CPU with the 1B shape's heads)."""
-    from torch._dynamo.utils import counters
+    (steps that sample no row) and mixed steps compile no Triton kernel (a new specialization of any of 04's)."""
+    import triton.runtime.jit as jit
+    compiles, compile_ = [], jit.JITFunction._do_compile
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, *a, **k: compiles.append(self.fn.__name__)
+                        or compile_(self, *a, **k))
     model, _ = llama_1b
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     e = L.Engine(model, tok, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
     e.warm_up(8)
-    graphs, g = counters["stats"]["unique_graphs"], torch.Generator().manual_seed(2)
+    assert compiles, "the warm-up compiles (or loads from Triton's cache) every kernel a run needs"
+    compiles.clear()
+    g = torch.Generator().manual_seed(2)
     prompt = lambda n: torch.randint(0, model.args.vocab_size, (n,), generator=g).tolist()
     for n in (1, 8, 32, 64, 2048):  # prefill-first: one prompt per step
         e.add(prompt(n), L.SamplingParams(max_new_tokens=3, ignore_eos=True))
@@ -372,7 +376,7 @@ def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b):
     for n in (5, 300, 120):  # the later prompts in chunks of at most 50 tokens, beside the first one's decoding
         e.add(prompt(n), L.SamplingParams(max_new_tokens=40, ignore_eos=True))
     e.run()
-    assert e.stats["mixed_tokens"] > 0 and counters["stats"]["unique_graphs"] == graphs
+    assert e.stats["mixed_tokens"] > 0 and compiles == []
 
 
 @pytest.mark.gpu

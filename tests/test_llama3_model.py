@@ -287,33 +287,3 @@ def test_every_file_compiles_without_warnings():
         with open(path, encoding="utf-8") as f, warnings.catch_warnings():
             warnings.simplefilter("error")
             compile(f.read(), path, "exec")
-
-
-def test_fused_pointwise_compiles_once_for_every_step_shape(monkeypatch):
-    """fuse_pointwise (the engine's, on a GPU) compiles rms_norm, apply_rope and swiglu once each for every step
-    shape: a compile mid-serving stalls every stream. Steps of 1 token, of as many tokens as there are heads or
-    head dims (equal sizes would share one symbol), and logits of no row (a chunk short of its prompt's end) or one
-    compile nothing more, and the compiled model gives the eager one's logits. Dynamo's guards decide recompiles,
-    not its backend: the eager backend keeps this quick and portable."""
-    import torch.fx.experimental._config as fx
-    from torch._dynamo.utils import counters
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda f, **kw: compile_(f, backend="eager", **kw))
-    for name in ("rms_norm", "apply_rope", "swiglu"):
-        monkeypatch.setattr(L, name, getattr(L, name))  # the eager ones come back after the test
-    for flag in ("backed_size_oblivious", "use_duck_shape"):
-        monkeypatch.setattr(fx, flag, getattr(fx, flag))
-    args = L.ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=128, hidden_dim=96, max_seq_len=64)
-    model = L.random_model(args, "cpu", torch.float32, seed=int(torch.randint(0, 10**6, ())))
-    steps = []
-    for T in (13, args.n_kv_heads, 1, args.n_heads, args.head_dim, 2, args.head_dim // 2, 40):
-        tokens = torch.randint(0, args.vocab_size, (T,))
-        for rows in (None, torch.tensor([T - 1]), torch.tensor([], dtype=torch.long), torch.arange(T)):
-            steps.append((tokens, rows, model(tokens, torch.arange(T), L.NoCache(), logits_at=rows)))
-    torch._dynamo.reset()
-    graphs = counters["stats"]["unique_graphs"]
-    L.fuse_pointwise()
-    for tokens, rows, want in steps:
-        got = model(tokens, torch.arange(len(tokens)), L.NoCache(), logits_at=rows)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert counters["stats"]["unique_graphs"] - graphs == 3  # one graph per function

@@ -40,9 +40,11 @@ def load_once(smollm):
 
 
 @pytest.fixture(scope="module")
-def ref(hf_smollm):
-    """transformers' own GGUF loader and model, on CUDA (a copy: the session's CPU one serves CPU tests)."""
-    return Reference(L.default_model_path(), copy.deepcopy(hf_smollm[0]).to("cuda"), "cuda", {})
+def ref(smollm):
+    """transformers' LlamaForCausalLM on CUDA with the same weights (to_transformers: transformers' model, our
+    dequantisation, which test_llama3_model.py checks against transformers' own GGUF loader on a CPU; loading the
+    GGUF a second time, through transformers, cost this module 20 s)."""
+    return Reference(L.default_model_path(), L.to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
 
 
 def serve(capsys, dtype, backend):
