@@ -1588,6 +1588,7 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
         response_format: Format | None = None
         regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
+        ignore_eos: bool = False  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
 
     class Message(BaseModel):
         role: Literal["system", "user", "assistant"]
@@ -1644,7 +1645,7 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
             raise Refused(f"{'response_format' if fmt else 'regex'}: {str(e).splitlines()[0]}",
                           "response_format" if fmt else "regex") from None
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        params = SamplingParams(n_new, body.temperature, body.top_p, False, regex, body.n, body.seed)
+        params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
         job = Job(ids, params, [s for s in stop if s])
         worker.inbox.put(("add", job))
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
