@@ -1577,7 +1577,7 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
 
     class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
         model: str
-        prompt: str = Field(min_length=1)
+        prompt: str | list[int] = Field(min_length=1)  # text, or token ids
         max_tokens: int | None = Field(None, ge=1)
         temperature: float = Field(1.0, ge=0, le=2)
         top_p: float = Field(1.0, gt=0, le=1)
@@ -1624,7 +1624,10 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
             raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
         if worker.failed:
             raise Refused(worker.failed, None, 503)
-        ids = tok.chat([m.model_dump() for m in body.messages]) if chat else tok.encode(body.prompt, bos=True)
+        ids = tok.chat([m.model_dump() for m in body.messages]) if chat else body.prompt if isinstance(
+            body.prompt, list) else tok.encode(body.prompt, bos=True)
+        if not all(0 <= t < engine.model.args.vocab_size for t in ids):
+            raise Refused(f"prompt: token ids must be in [0, {engine.model.args.vocab_size})", "prompt")
         n_new = (body.max_completion_tokens if chat else None) or body.max_tokens or max_tokens
         if len(ids) + n_new > engine.max_len:
             raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {engine.max_len} tokens a "
