@@ -1493,19 +1493,18 @@ class EngineThread(threading.Thread):
                 continue
             except queue.Empty:
                 pass
-            if e.busy:
-                cut = []  # samples whose text reached a stop string: aborted after the step
-                try:
+            cut = []  # samples whose text reached a stop string: aborted after the step
+            try:
+                if e.busy:
                     e.step(lambda sid, out: cut.append(sid) if self.emit(sid, out) else None)
-                except Exception as exc:  # nothing can go on: every request gets the error, the server stays up
-                    self.failed = f"engine failed: {exc!r}"
-                    print(self.failed, file=sys.stderr)
-                    for job, i in self.live.values():
-                        job.put(i, "", "error", 0)
-                    return
                 for sid in cut:
                     e.abort(sid)
-            self.flush()
+                self.flush()
+            except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
+                self.failed = f"engine failed: {exc!r}"
+                for job, i in self.live.values():
+                    job.put(i, "", "error", 0)
+                raise
 
     def take(self, kind, job):
         if kind == "add":
@@ -1564,6 +1563,7 @@ class Job:
 def make_app(worker: EngineThread, name: str, max_tokens: int):
     """The OpenAI API: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed (server-sent events)
     or not. Pydantic validates each body; what it refuses, or the engine cannot fit, is a 400 naming the field."""
+    import functools
     from typing import Literal
     import jsonschema
     from fastapi import FastAPI
@@ -1599,15 +1599,11 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         messages: list[Message] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
 
-    class Refused(Exception):
+    class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
         pass
-
-    def error(msg, param=None, status=400, code=None):  # OpenAI's error object
-        return JSONResponse({"error": {"message": msg, "type": "invalid_request_error", "param": param, "code": code}},
-                            status)
-
     app = FastAPI(title=f"llama3_generate.py: {name}")
-    app.exception_handler(Refused)(lambda req, e: error(*e.args))
+    app.exception_handler(Refused)(lambda req, e: JSONResponse({"error": dict(
+        message=e.args[0], type="invalid_request_error", param=e.args[1], code=e.args[3])}, e.args[2]))
 
     @app.get("/v1/models")
     def models():
@@ -1619,21 +1615,20 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         except ValidationError as e:
             err = e.errors()[0]
             where = ".".join(map(str, err["loc"]))
-            raise Refused(f"{where + ': ' if where else ''}{err['msg']}", where or None) from None
+            raise Refused(f"{where + ': ' if where else ''}{err['msg']}", where or None, 400, None) from None
         if body.model != name:
             raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
         if worker.failed:
-            raise Refused(worker.failed, None, 503)
+            raise Refused(worker.failed, None, 503, None)
         ids = tok.chat([m.model_dump() for m in body.messages]) if chat else body.prompt if isinstance(
             body.prompt, list) else tok.encode(body.prompt, bos=True)
         if not all(0 <= t < engine.model.args.vocab_size for t in ids):
-            raise Refused(f"prompt: token ids must be in [0, {engine.model.args.vocab_size})", "prompt")
+            raise Refused(f"prompt: token ids must be in [0, {engine.model.args.vocab_size})", "prompt", 400, None)
         n_new = (body.max_completion_tokens if chat else None) or body.max_tokens or max_tokens
         if len(ids) + n_new > engine.max_len:
             raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {engine.max_len} tokens a "
-                          f"sequence may hold here (the model's context, or the KV pool)", "max_tokens")
-        regex = body.regex
-        fmt = body.response_format
+                          f"sequence may hold here (the model's context, or the KV pool)", "max_tokens", 400, None)
+        regex, fmt = body.regex, body.response_format
         try:
             if fmt is not None and fmt.type == "json_schema":
                 schema = (fmt.json_schema or {}).get("schema")
@@ -1645,8 +1640,8 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
                 m06.compile_regex(regex)
                 engine.indexes[regex] = await asyncio.to_thread(m06.TokenIndex, regex, tok)
         except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
-            raise Refused(f"{'response_format' if fmt else 'regex'}: {str(e).splitlines()[0]}",
-                          "response_format" if fmt else "regex") from None
+            field = "response_format" if fmt else "regex"
+            raise Refused(f"{field}: {str(e).splitlines()[0]}", field, 400, None) from None
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
         job = Job(ids, params, [s for s in stop if s])
@@ -1662,8 +1657,8 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
             while None in finish:
                 i, text, finish[i], tokens[i] = await job.q.get()
                 texts[i] += text
-            return {**head, "choices": [choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))],
-                    "usage": usage(tokens)}
+            return JSONResponse({**head, "usage": usage(tokens), "choices": [
+                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]})
 
         async def events():  # server-sent events: one chunk per new text, then [DONE]
             finish, tokens = [None] * body.n, [0] * body.n
@@ -1680,11 +1675,8 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
                     worker.inbox.put(("abort", job))
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    async def route(request):  # Starlette's plain route: the body is validated above, to answer 400 as OpenAI does
-        out = await handle(request, request.url.path.endswith("/chat/completions"))
-        return out if isinstance(out, StreamingResponse) else JSONResponse(out)
-    for path in ("/v1/completions", "/v1/chat/completions"):
-        app.add_route(path, route, methods=["POST"])
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):  # Starlette's plain routes:
+        app.add_route(path, functools.partial(handle, chat=chat), methods=["POST"])  # handle() validates, 400 as OpenAI
     return app
 
 
