@@ -4,6 +4,7 @@ attention, 2 layers, a 768-token vocabulary, fresh weights each run), so 64 clie
 The reference for every greedy answer is the command line itself (its --json token ids and text) or the same engine
 serving one request alone; sampled answers are checked for reproducibility under load; the pool is counted after."""
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -38,24 +39,33 @@ def ckpt(tmp_path_factory):
     return paths["gguf"]
 
 
-@pytest.fixture(scope="module")
-def srv(ckpt):
-    """`--serve --model ckpt --port 0` on a thread of this process: its URL, engine and thread, stopped after."""
+@contextlib.contextmanager
+def running(*argv):
+    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process: its URL, engine and thread."""
     got = {}
-    args = L.cli_args(["--serve", "--model", ckpt, "--port", "0", "--kv-tokens", "4096", "--quiet"])
-    t = threading.Thread(target=L.serve, args=(args, lambda server, worker: got.update(s=server, w=worker)))
+    t = threading.Thread(target=L.serve, args=(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]),
+                                               lambda server, worker: got.update(s=server, w=worker)))
     t.start()
-    for _ in range(600):  # bounded: 60 s
+    for _ in range(1200):  # bounded: 120 s
         if "s" in got and got["s"].started:
             break
         time.sleep(0.1)
-    port = got["s"].servers[0].sockets[0].getsockname()[1]
-    url = f"http://127.0.0.1:{port}/v1"
-    yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"], model=os.path.basename(ckpt),
-                          client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
-    got["s"].should_exit = True
-    t.join(30)
+    url = f"http://127.0.0.1:{got['s'].servers[0].sockets[0].getsockname()[1]}/v1"
+    try:
+        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
+                              model=os.path.basename(L.cli_args(argv).model),
+                              held=got["w"].engine.kv_used(),  # before any request (a CUDA graph's padding slot)
+                              client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
+    finally:
+        got["s"].should_exit = True
+        t.join(30)
     assert not t.is_alive() and not got["w"].is_alive()
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    with running("--model", ckpt, "--kv-tokens", "4096") as s:
+        yield s
 
 
 def cli(ckpt, capsys, *argv):
@@ -64,15 +74,17 @@ def cli(ckpt, capsys, *argv):
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
-def idle(e, timeout=30.0):
-    """Wait until the engine holds no request; then every used KV slot is the radix cache's, unlocked."""
+def idle(srv, timeout=30.0):
+    """Wait until the engine holds no request; then the pool holds only the radix cache, unlocked (and what it held
+    before any request: a CUDA graph's padding slot)."""
+    e = srv.engine
     for _ in range(int(timeout / 0.05)):
         if not e.busy:
             break
         time.sleep(0.05)
     time.sleep(0.1)
     tree = e.sched.tree
-    return not e.busy and tree.protected_size() == 0 and e.kv_used() == tree.evictable_size()
+    return not e.busy and tree.protected_size() == 0 and e.kv_used() - tree.evictable_size() == srv.held
 
 
 def test_greedy_completions_and_chat_equal_the_cli(srv, ckpt, capsys):
@@ -105,7 +117,7 @@ def test_greedy_completions_and_chat_equal_the_cli(srv, ckpt, capsys):
                 assert cut.choices[0].finish_reason == "stop"
                 streamed = create(**kw, stop=stop, stream=True)
                 assert "".join(delta(c.choices[0]) for c in streamed) == r["text"][:r["text"].index(stop)]
-    assert idle(srv.engine)
+    assert idle(srv)
 
 
 @pytest.mark.parametrize("how", ["regex", "json_schema"])
@@ -146,13 +158,14 @@ def test_seeded_samples_are_reproducible_under_load(srv):
     busy.join()
     assert again == alone and len(alone) == 3
     assert ask(seed + 1) != alone  # another seed, other samples (12 tokens at temperature 1: equal by chance ~never)
-    assert idle(srv.engine)
+    assert idle(srv)
 
 
-def test_concurrent_streams_batch_together_and_match_alone(srv):
-    rng, e, n_clients = random.Random(), srv.engine, 64
+def concurrent_streams(srv, n_clients):
+    """n_clients greedy streams at once: each gets the text it gets alone; returns the widest decode step."""
+    rng, e = random.Random(), srv.engine
     jobs = [(words(rng, rng.randint(1, 10)), rng.randint(4, 16)) for _ in range(n_clients)]
-    first = e.n_seqs  # sequence ids of this test's requests start here
+    first = e.n_seqs  # sequence ids of these requests start here
 
     async def one(client, prompt, n):
         text = ""
@@ -165,16 +178,8 @@ def test_concurrent_streams_batch_together_and_match_alone(srv):
         async with openai.AsyncOpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120) as client:
             return await asyncio.wait_for(asyncio.gather(*(one(client, p, n) for p, n in jobs)), 300)
     got = asyncio.run(all_at_once())
-    assert idle(e), "the pool holds nothing but the radix cache once every client is done"
+    assert idle(srv), "the pool holds nothing but the radix cache once every client is done"
     assert not srv.worker.live
-
-    per_step = {}  # decode steps: how many of these sequences each fed
-    for ev in e.events:
-        if ev.kind == "decode" and ev.rid is not None and ev.rid >= first:
-            per_step.setdefault(ev.step, set()).add(ev.rid)
-    widest = max(map(len, per_step.values()))
-    print(f"{n_clients} clients: widest decode step ran {widest} of them together")
-    assert widest >= 8
 
     alone = L.Engine(e.model, e.tok, "token", kv_tokens=4096)  # each request alone, on an engine of its own
     for (p, n), text in zip(jobs, got):
@@ -182,6 +187,25 @@ def test_concurrent_streams_batch_together_and_match_alone(srv):
         out = alone.run()
         alone.sched.finished.clear()
         assert text == e.tok.decode([t for t in next(iter(out.values())) if t not in e.tok.stop_ids])
+    per_step = {}  # decode steps (or multi-step chunks): the sequences of these requests each fed
+    for ev in e.events:
+        if ev.kind == "decode" and ev.rid is not None and ev.rid >= first:
+            per_step.setdefault(ev.step, set()).add(ev.rid)
+    return max(map(len, per_step.values()))
+
+
+def test_concurrent_streams_batch_together_and_match_alone(srv):
+    widest = concurrent_streams(srv, 64)
+    print(f"64 clients: the widest decode step ran {widest} of them together")
+    assert widest >= 8
+
+
+@pytest.mark.gpu
+def test_gpu_server_streams_and_aborts(ckpt):
+    """On CUDA (graphs, multi-step decode): concurrent streams equal each alone, a disconnect frees its slots."""
+    with running("--model", ckpt, "--kv-tokens", "4096", "--device", "cuda") as s:
+        assert concurrent_streams(s, 64) >= 8
+        test_a_client_that_disconnects_frees_its_slots(s)
 
 
 BAD = {  # request -> what its 400 must say
@@ -222,7 +246,7 @@ def test_a_client_that_disconnects_frees_its_slots(srv):
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
     assert sum(g.startswith("data: ") for g in got) >= 3
-    assert idle(e, timeout=20), "its slots are back (radix cache only, unlocked), nothing runs"
+    assert idle(srv, timeout=20), "its slots are back (radix cache only, unlocked), nothing runs"
     done = [ev for ev in e.events if ev.kind == "finish" and ev.rid == first]
     assert done and done[0].tokens < 1000, "aborted long before its 1500 tokens"
 
