@@ -1510,8 +1510,8 @@ class EngineThread(threading.Thread):
         if kind == "add":
             job.sids = self.engine.add(job.ids, job.params)
             self.live.update((sid, (job, i)) for i, sid in enumerate(job.sids))
-        else:  # abort: its client went away
-            for sid in job.sids:
+        else:  # abort: its client went away (job None: Ctrl-C, every request)
+            for sid in job.sids if job else list(self.live):
                 self.engine.abort(sid)
         self.flush()
 
@@ -1534,7 +1534,7 @@ class EngineThread(threading.Thread):
     def flush(self):
         """Requests finished (or aborted) since the last look: their last text and finish reason."""
         for s in self.engine.sched.finished:
-            self.emit(s.rid, s.output, "stop" if s.finish == "abort" and self.live[s.rid][0].stop else s.finish)
+            self.emit(s.rid, s.output, s.finish)  # "abort" after a stop string: "stop" (emit sees the string)
             del self.live[s.rid]
         self.engine.sched.finished.clear()  # a server runs on: forget them
 
@@ -1698,8 +1698,13 @@ def serve(args, ready=None):
         engine.warm_up(engine.max_batch)
     worker = EngineThread(engine)
     name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
-    server = uvicorn.Server(uvicorn.Config(make_app(worker, name, args.max_new_tokens), host=args.host, port=args.port,
-                                           timeout_graceful_shutdown=1, log_level="warning" if args.quiet else "info"))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C: every request ends now (streams with finish "abort"), then uvicorn
+            worker.inbox.put(("abort", None))
+            super().handle_exit(sig, frame)
+    server = Server(uvicorn.Config(make_app(worker, name, args.max_new_tokens), host=args.host, port=args.port,
+                                   timeout_graceful_shutdown=5, log_level="warning" if args.quiet else "info"))
     print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
           f"{engine.max_len:,} per sequence) at http://{args.host}:{args.port}/v1", file=sys.stderr)
     worker.start()
