@@ -347,20 +347,22 @@ def latency(seen: list, arrivals, lens) -> dict:
 
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
-    time as token ids, streamed; returns each one's delivery times (chunks with text) from the start."""
+    time as token ids, streamed; returns each one's delivery times (chunks with text) from the start, and its
+    completion tokens (the usage of its last chunk)."""
     import asyncio
     import httpx
 
     async def one(client, i, t0):
         await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
         body = dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
-                    stream=True)
-        seen = []
+                    stream=True, stream_options={"include_usage": True})
+        seen, last = [], None
         async with client.stream("POST", f"{url}/completions", json=body) as r:
             async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"text": ""' not in line:
+                if line.startswith("data: {") and '"text": ""' not in line and '"usage"' not in line:
                     seen.append(time.perf_counter() - t0)
-        return seen
+                last = line if line.startswith("data: {") else last
+        return seen, json.loads(last[6:])["usage"]["completion_tokens"]
 
     async def run():
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
@@ -409,11 +411,12 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():
-            seen = pool.apply(http_client, (url, "bench", prompts, lens, arrivals))
+            seen, tokens = zip(*pool.apply(http_client, (url, "bench", prompts, lens, arrivals)))
             while e.busy:
                 time.sleep(0.05)
             e.reset()
             x = r["rates"][rate]["HTTP"] = latency(seen, arrivals, lens)
+            x["served_whole"] = list(tokens) == [n for _, n in lens]
             x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
             log(f"{rate} req/s HTTP: {x}")
     server.should_exit, worker.stopping = True, True
@@ -431,7 +434,8 @@ def http_report(r: dict) -> str:
                   f"{x['itl_p50_ms']:>9.1f} /{x['itl_p99_ms']:>5.0f}{x['tpot_p50_ms']:>9.1f} /{x['tpot_p99_ms']:>6.1f}"
                   + (f"{x['cost_vs_in_process']:>+10.1%}" if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
-    return "\n".join(lines)
+    whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
+    return "\n".join(lines + [f"every HTTP request got its max_tokens: {whole}"])
 
 
 def cli_args(argv=None) -> argparse.Namespace:

@@ -279,3 +279,17 @@ def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
         p.kill()
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_bench_serve_http_machinery_on_a_cpu():
+    """`python tests/bench_engine.py serve-http` on a tiny random model: the same Poisson load in process and through
+    the server (client in a process of its own), every request served whole, percentiles in order. (Its figures are
+    the GPU's to measure: no timing is asserted here.)"""
+    import bench_engine as B
+    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
+    r = B.bench_http("cpu", rates=(50,), n_seqs=8, lengths=(4, 16), long=(40, 60), long_prompts=1, args=args)
+    runs = r["rates"][50]
+    assert list(runs) == ["in process", "HTTP"] and runs["HTTP"]["served_whole"]
+    for x in runs.values():
+        assert x["output_tok_s"] > 0 and x["ttft_p50_ms"] <= x["ttft_p99_ms"] and x["itl_p50_ms"] <= x["itl_p99_ms"]
+    assert "every HTTP request got its max_tokens: True" in B.http_report(r)
