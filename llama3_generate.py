@@ -1536,7 +1536,10 @@ class EngineThread(threading.Thread):
         for s in self.engine.sched.finished:
             self.emit(s.rid, s.output, s.finish)  # "abort" after a stop string: "stop" (emit sees the string)
             del self.live[s.rid]
-        self.engine.sched.finished.clear()  # a server runs on: forget them
+        self.engine.sched.finished.clear()  # a server runs on: forget them, and all but the latest events
+        for log in (self.engine.sched.events, self.engine.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
 
 
 class Job:
