@@ -39,6 +39,7 @@ nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row pe
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import gc
@@ -49,8 +50,10 @@ import json
 import math
 import os
 import pickle
+import queue
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -110,13 +113,17 @@ def cli_args(argv=None) -> argparse.Namespace:
         "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
         "its tokens per second after that)")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add("--serve", action="store_true", help="serve the OpenAI API over HTTP (/v1/completions, /v1/chat/completions, "
+        "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
+    add("--host", default="127.0.0.1", help="--serve: the address to listen on")
+    add("--port", type=int, default=8000, help="--serve: the port to listen on")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
     for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
                            ("--temperature", args.temperature >= 0, ">= 0"),
                            ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("--multi-step", args.multi_step >= 1, ">= 1"),
+                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
                            ("--block-size", args.block_size >= 1, ">= 1"),
                            ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
                            ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
@@ -861,6 +868,7 @@ class SamplingParams:
     ignore_eos: bool = False
     regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
     n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
+    seed: int | None = None   # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
@@ -891,6 +899,7 @@ class Seq(R05.Req):
         self.fsm = 0            # the regex DFA's state after the output so far
         self.text = b""         # the bytes the output has matched
         self.finish = None      # "stop" or "length", once done
+        self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
         self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
 
     def append(self, t):
@@ -1029,8 +1038,10 @@ class Engine:
                 self.indexes[params.regex] = lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
             index = self.indexes[params.regex]
         first = None
-        for _ in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
+        for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
             seq = Seq(self.n_seqs, prompt, params, self, index, after=first if self.sched.tree else None)
+            if params.seed is not None:
+                seq.gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             first, self.n_seqs = first or seq, self.n_seqs + 1
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
@@ -1058,6 +1069,22 @@ class Engine:
         self.count(batch, t0)
         self.sched.postprocess(batch, [[next(ids)] if y else [] for y in samples])
         self.stream([s for s, y in zip(batch, samples) if y], on_token)
+
+    def abort(self, sid: int):
+        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
+        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
+        if self.graphs is not None:
+            self.graphs.land()
+        s = self.sched
+        seq = next((q for q in [*s.waiting, *s.running, *(q for q, _ in s.swapped), s.chunked] if q and q.rid == sid),
+                   None)
+        if seq is None or seq.done:
+            return
+        s.waiting = type(s.waiting)(q for q in s.waiting if q is not seq)
+        s.running = [q for q in s.running if q is not seq]
+        s.swapped = type(s.swapped)((q, saved) for q, saved in s.swapped if q is not seq)
+        s.finish(seq)  # 02's: release its KV (05: into the radix tree), log "finish"
+        seq.finish = "abort"
 
     @property
     def busy(self) -> bool:
@@ -1102,11 +1129,12 @@ class Engine:
             logits = logits.masked_fill(banned, float("-inf"))
         groups = {}
         for i, s in enumerate(batch):
-            groups.setdefault((s.params.temperature, s.params.top_p), []).append(i)
+            gen = self.gen if s.gen is None else s.gen  # its own stream, or the engine's
+            groups.setdefault((s.params.temperature, s.params.top_p, gen), []).append(i)
         out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
-        for (temp, top_p), rows in groups.items():
+        for (temp, top_p, gen), rows in groups.items():
             rows_t = torch.tensor(rows, device=logits.device)
-            out[rows_t] = sample(logits[rows_t], temp, top_p, self.gen)
+            out[rows_t] = sample(logits[rows_t], temp, top_p, gen)
         return out.tolist()
 
     def count(self, batch, t0):
@@ -1433,12 +1461,270 @@ def print_events(events, as_json=False):
               f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
 
 
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+    """The engine the flags ask for (the CLI's and the server's)."""
+    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
+                  block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
+                  fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
+                  schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+
+
 def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+# ----------------------------------------------------------------------------------------------
+# The server (--serve): the OpenAI API over the same engine
+# ----------------------------------------------------------------------------------------------
+
+class EngineThread(threading.Thread):
+    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler): HTTP handlers hand it
+    work through a queue that it reads between steps, so a request arriving now joins the running batch at the next
+    step. Each sample's new text goes back to its handler's asyncio queue: (sample, text, finish reason, tokens)."""
+
+    def __init__(self, engine):
+        super().__init__(daemon=True, name="engine")
+        self.engine, self.inbox, self.live, self.stopping, self.failed = engine, queue.Queue(), {}, False, None
+
+    def run(self):
+        e = self.engine
+        while not self.stopping:
+            try:  # idle: wait for work; busy: take in all that came since the last step, then step
+                self.take(*(self.inbox.get_nowait() if e.busy else self.inbox.get(timeout=0.1)))
+                continue
+            except queue.Empty:
+                pass
+            cut = []  # samples whose text reached a stop string: aborted after the step
+            try:
+                if e.busy:
+                    e.step(lambda sid, out: cut.append(sid) if self.emit(sid, out) else None)
+                for sid in cut:
+                    e.abort(sid)
+                self.flush()
+            except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
+                self.failed = f"engine failed: {exc!r}"
+                for job, i in self.live.values():
+                    job.put(i, "", "error", 0)
+                raise
+
+    def take(self, kind, job):
+        if kind == "add":
+            job.sids = self.engine.add(job.ids, job.params)
+            self.live.update((sid, (job, i)) for i, sid in enumerate(job.sids))
+        else:  # abort: its client went away (job None: Ctrl-C, every request)
+            for sid in job.sids if job else list(self.live):
+                self.engine.abort(sid)
+        self.flush()
+
+    def emit(self, sid, out, finish=None) -> bool:
+        """Send sample sid's new text (whole characters, never the start of a stop string); True: a stop string."""
+        job, i = self.live[sid]
+        text = job.text(i, out, self.engine.tok)
+        hit = min((text.find(s) for s in job.stop if s in text), default=-1)
+        if hit >= 0:
+            text, finish = text[:hit], finish and "stop"
+        elif not finish:  # hold back a partial UTF-8 character and what may begin a stop string
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - max((k for s in job.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                                          default=0)]
+        if text.startswith(job.sent[i]) and (len(text) > len(job.sent[i]) or finish):
+            job.put(i, text[len(job.sent[i]):], finish, len(out))
+            job.sent[i] = text
+        return hit >= 0
+
+    def flush(self):
+        """Requests finished (or aborted) since the last look: their last text and finish reason."""
+        for s in self.engine.sched.finished:
+            self.emit(s.rid, s.output, s.finish)  # "abort" after a stop string: "stop" (emit sees the string)
+            del self.live[s.rid]
+        self.engine.sched.finished.clear()  # a server runs on: forget them, and all but the latest events
+        for log in (self.engine.sched.events, self.engine.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+
+
+class Job:
+    """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample the bytes of its output so far and
+    the text sent. The engine thread puts (sample, text, finish reason, tokens) on its asyncio queue."""
+
+    def __init__(self, ids, params, stop):
+        self.ids, self.params, self.stop, self.sids = ids, params, stop, []
+        self.aloop, self.q = asyncio.get_running_loop(), asyncio.Queue()
+        self.raw, self.n_read, self.sent = [b""] * params.n, [0] * params.n, [""] * params.n
+
+    def text(self, i, out, tok) -> str:
+        if self.params.regex is not None:  # jump-forward may re-tokenize the output (same bytes): read it all again
+            self.raw[i], self.n_read[i] = b"", 0
+        keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
+        self.raw[i] += b"".join(tok.token_bytes(t) for t in out[self.n_read[i]:] if keep(t))
+        self.n_read[i] = len(out)
+        return self.raw[i].decode("utf-8", "replace")
+
+    def put(self, *item):
+        self.aloop.call_soon_threadsafe(self.q.put_nowait, item)
+
+
+def make_app(worker: EngineThread, name: str, max_tokens: int):
+    """The OpenAI API: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed (server-sent events)
+    or not. Pydantic validates each body; what it refuses, or the engine cannot fit, is a 400 naming the field."""
+    import functools
+    from typing import Literal
+    import jsonschema
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, Field, ValidationError
+    engine, tok, m06 = worker.engine, worker.engine.tok, lesson("06_jump_forward_fsm")
+
+    class Format(BaseModel):
+        type: Literal["text", "json_schema"]
+        json_schema: dict | None = None  # {"name": ..., "schema": {...}}
+
+    class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
+        model: str
+        prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+        max_tokens: int | None = Field(None, ge=1)
+        temperature: float = Field(1.0, ge=0, le=2)
+        top_p: float = Field(1.0, gt=0, le=1)
+        n: int = Field(1, ge=1, le=MAX_BATCH)
+        seed: int | None = None
+        stop: str | list[str] | None = None
+        stream: bool = False
+        stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
+        response_format: Format | None = None
+        regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
+        ignore_eos: bool = False  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
+
+    class Message(BaseModel):
+        role: Literal["system", "user", "assistant"]
+        content: str
+
+    class Chat(Completion):
+        prompt: None = None
+        messages: list[Message] = Field(min_length=1)
+        max_completion_tokens: int | None = Field(None, ge=1)
+
+    class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
+        pass
+    app = FastAPI(title=f"llama3_generate.py: {name}")
+    app.exception_handler(Refused)(lambda req, e: JSONResponse({"error": dict(
+        message=e.args[0], type="invalid_request_error", param=e.args[1], code=e.args[3])}, e.args[2]))
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
+
+    async def handle(request, chat: bool):
+        try:
+            body = (Chat if chat else Completion).model_validate_json(await request.body())
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(map(str, err["loc"]))
+            raise Refused(f"{where + ': ' if where else ''}{err['msg']}", where or None, 400, None) from None
+        if body.model != name:
+            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
+        if worker.failed:
+            raise Refused(worker.failed, None, 503, None)
+        ids = tok.chat([m.model_dump() for m in body.messages]) if chat else body.prompt if isinstance(
+            body.prompt, list) else tok.encode(body.prompt, bos=True)
+        if not all(0 <= t < engine.model.args.vocab_size for t in ids):
+            raise Refused(f"prompt: token ids must be in [0, {engine.model.args.vocab_size})", "prompt", 400, None)
+        n_new = (body.max_completion_tokens if chat else None) or body.max_tokens or max_tokens
+        if len(ids) + n_new > engine.max_len:
+            raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {engine.max_len} tokens a "
+                          f"sequence may hold here (the model's context, or the KV pool)", "max_tokens", 400, None)
+        regex, fmt = body.regex, body.response_format
+        try:
+            if fmt is not None and fmt.type == "json_schema":
+                schema = (fmt.json_schema or {}).get("schema")
+                if not isinstance(schema, dict) or regex is not None:
+                    raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
+                jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
+                regex = m06.schema_to_regex(schema)
+            if regex is not None and regex not in engine.indexes:  # built here, off the engine's thread
+                m06.compile_regex(regex)
+                engine.indexes[regex] = await asyncio.to_thread(m06.TokenIndex, regex, tok)
+        except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
+            field = "response_format" if fmt else "regex"
+            raise Refused(f"{field}: {str(e).splitlines()[0]}", field, 400, None) from None
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
+        job = Job(ids, params, [s for s in stop if s])
+        worker.inbox.put(("add", job))
+        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
+                    model=name, object="chat.completion" if chat else "text_completion")
+        usage = lambda tokens: dict(prompt_tokens=len(ids), completion_tokens=sum(tokens),
+                                    total_tokens=len(ids) + sum(tokens))
+        choice = lambda i, text, finish, key: dict(index=i, finish_reason=finish, logprobs=None, **(
+            {key: {"role": "assistant", "content": text}} if chat else {"text": text}))
+        if not body.stream:
+            texts, finish, tokens = [""] * body.n, [None] * body.n, [0] * body.n
+            while None in finish:
+                i, text, finish[i], tokens[i] = await job.q.get()
+                texts[i] += text
+            return JSONResponse({**head, "usage": usage(tokens), "choices": [
+                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]})
+
+        async def events():  # server-sent events: one chunk per new text, then [DONE]
+            finish, tokens = [None] * body.n, [0] * body.n
+            head["object"] += ".chunk" if chat else ""
+            try:
+                while None in finish:
+                    i, text, finish[i], tokens[i] = await job.q.get()
+                    yield f"data: {json.dumps({**head, 'choices': [choice(i, text, finish[i], 'delta')]})}\n\n"
+                if (body.stream_options or {}).get("include_usage"):
+                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(tokens)})}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:  # the client went away (the task was cancelled): its request stops and frees its KV
+                if None in finish:
+                    worker.inbox.put(("abort", job))
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):  # Starlette's plain routes:
+        app.add_route(path, functools.partial(handle, chat=chat), methods=["POST"])  # handle() validates, 400 as OpenAI
+    return app
+
+
+def serve(args, ready=None):
+    """--serve: load the model, start the engine's thread, then answer HTTP until Ctrl-C (uvicorn stops, then the
+    engine). ready(server, worker), if given, is called before serving (tests: the port, the engine)."""
+    import uvicorn
+    try:
+        device = parse_device(args.device)
+        cpu_threads()
+        model, tok = load_model(args.model, device, DTYPES[args.dtype])
+        # a server's pool: 64 whole contexts on a GPU (within 80% of its free memory), two on a CPU
+        kv_tokens = kv_pool_size(model, device, model.args.max_seq_len, MAX_BATCH if device.type == "cuda" else 2,
+                                 args.kv_tokens)
+        engine = new_engine(args, model, tok, kv_tokens)
+    except (UserError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    if device.type == "cuda":
+        engine.warm_up(engine.max_batch)
+    worker = EngineThread(engine)
+    name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # Ctrl-C: every request ends now (streams with finish "abort"), then uvicorn
+            worker.inbox.put(("abort", None))
+            super().handle_exit(sig, frame)
+    server = Server(uvicorn.Config(make_app(worker, name, args.max_new_tokens), host=args.host, port=args.port,
+                                   timeout_graceful_shutdown=5, log_level="warning" if args.quiet else "info"))
+    print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
+          f"{engine.max_len:,} per sequence) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    worker.start()
+    if ready:
+        ready(server, worker)
+    try:
+        server.run()
+    finally:
+        worker.stopping = True
+        worker.join()
+
+
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
+    if args.serve:
+        return serve(args)
     try:
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")
@@ -1462,10 +1748,7 @@ def main(argv=None):
         ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
         longest = max(map(len, ids)) + args.max_new_tokens
         kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
-        engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
-                        block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
-                        fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
-                        schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+        engine = new_engine(args, model, tok, kv_tokens, longest)
         warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:

@@ -5,6 +5,7 @@ and the command line that serves prompts). Run from the repository root:
     python tests/bench_engine.py decode [PROMPT ...]   # batch-1 decode of a loaded model vs transformers
     python tests/bench_engine.py engine                # GPU: serving benchmark on random Llama 3 shapes
     python tests/bench_engine.py serve [--plot FILE]   # GPU: latency under Poisson arrivals, per schedule
+    python tests/bench_engine.py serve-http            # GPU: the same load in process and through --serve's HTTP
 
 Each prints a report, or with --json its figures as one JSON object. They use only the engine's public API
 (Engine, SamplingParams, warm_up, add, step, run, stats) and transformers' generate on the same weights.
@@ -330,6 +331,113 @@ def serve_report(r: dict) -> str:
     return "\n".join(lines + [f"same tokens in every schedule: {r['same_tokens']}"])
 
 
+LATENCY = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def latency(seen: list, arrivals, lens) -> dict:
+    """From each request's delivery times (seconds from the start): serve_arrivals' throughput and percentiles."""
+    pct = lambda xs, q: torch.tensor(xs, dtype=torch.float64).quantile(q / 100).item() * 1e3  # ms
+    gaps = [b - a for d in seen for a, b in zip(d, d[1:])]
+    tpot = [(d[-1] - d[0]) / (n - 1) for d, (_, n) in zip(seen, lens) if n > 1]
+    ttft = [d[0] - t for d, t in zip(seen, arrivals)]
+    return dict(output_tok_s=sum(n for _, n in lens) / max(d[-1] for d in seen), ttft_p50_ms=pct(ttft, 50),
+                ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50), itl_p99_ms=pct(gaps, 99),
+                tpot_p50_ms=pct(tpot, 50), tpot_p99_ms=pct(tpot, 99))
+
+
+def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
+    """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
+    time as token ids, streamed; returns each one's delivery times (chunks with text) from the start, and its
+    completion tokens (the usage of its last chunk)."""
+    import asyncio
+    import httpx
+
+    async def one(client, i, t0):
+        await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+        body = dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
+                    stream=True, stream_options={"include_usage": True})
+        seen, last = [], None
+        async with client.stream("POST", f"{url}/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"text": ""' not in line and '"usage"' not in line:
+                    seen.append(time.perf_counter() - t0)
+                last = line if line.startswith("data: {") else last
+        return seen, json.loads(last[6:])["usage"]["completion_tokens"]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
+            t0 = time.perf_counter()
+            return await asyncio.gather(*(one(client, i, t0) for i in range(len(prompts))))
+    return asyncio.run(run())
+
+
+def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
+               long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, log=lambda msg: None) -> dict:
+    """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
+    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread, FastAPI
+    and uvicorn on threads here; the client in a process of its own). The HTTP layer's cost: in-process tok/s over
+    HTTP tok/s, minus 1."""
+    import multiprocessing
+    import threading
+    import uvicorn
+    rng = torch.Generator().manual_seed(0)  # the draws below are bench_serve's, in its order
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
+    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
+        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
+    longest, args = max(p + n for p, n in lens), args or L.LLAMA_SHAPES[shape]
+    model = L.random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
+                           torch.bfloat16 if device == "cuda" else torch.float32)
+    prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
+    tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
+    e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
+                 max_seq_len=longest, multi_step=multi_step)
+    e.warm_up(e.max_batch)
+    r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
+         "multi_step": e.multi_step, "rates": {}}
+    draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
+    for rate, arrivals in draws.items():
+        x = serve_arrivals(e, prompts, lens, arrivals)
+        x = {k: v for k, v in x.items() if k in LATENCY}
+        r["rates"][rate] = {"in process": x}
+        e.reset()
+        log(f"{rate} req/s in process: {x}")
+    worker = L.EngineThread(e)
+    server = uvicorn.Server(uvicorn.Config(L.make_app(worker, "bench", 16), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    worker.start()
+    threading.Thread(target=server.run, daemon=True).start()
+    while not server.started:
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        for rate, arrivals in draws.items():
+            seen, tokens = zip(*pool.apply(http_client, (url, "bench", prompts, lens, arrivals)))
+            while e.busy:
+                time.sleep(0.05)
+            e.reset()
+            x = r["rates"][rate]["HTTP"] = latency(seen, arrivals, lens)
+            x["served_whole"] = list(tokens) == [n for _, n in lens]
+            x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
+            log(f"{rate} req/s HTTP: {x}")
+    server.should_exit, worker.stopping = True, True
+    worker.join()
+    return r
+
+
+def http_report(r: dict) -> str:
+    lines = [f"{r['device']}, random {r['shape']}, {r['requests']} requests, Poisson arrivals, prefill-first, "
+             f"multi-step {r['multi_step']}",
+             f"{'rate':>5}  {'path':<11}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}"
+             f"{'TPOT p50/p99 ms':>17}{'HTTP cost':>10}"]
+    for rate, runs in r["rates"].items():
+        lines += [f"{rate:>5}  {path:<11}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
+                  f"{x['itl_p50_ms']:>9.1f} /{x['itl_p99_ms']:>5.0f}{x['tpot_p50_ms']:>9.1f} /{x['tpot_p99_ms']:>6.1f}"
+                  + (f"{x['cost_vs_in_process']:>+10.1%}" if "cost_vs_in_process" in x else "")
+                  for path, x in runs.items()]
+    whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
+    return "\n".join(lines + [f"every HTTP request got its max_tokens: {whole}"])
+
+
 def cli_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="The engine's benchmarks.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -347,6 +455,8 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv = sub.add_parser("serve", help="GPU: latency under Poisson arrivals (TTFT, inter-token latency) for "
                          "prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
     srv.add_argument("--plot", help="save its latency plot (PNG) here")
+    sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the HTTP "
+                   "server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="the figures as one JSON object")
     args = ap.parse_args(argv)
@@ -358,7 +468,7 @@ def cli_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    if args.command in ("engine", "serve") and not torch.cuda.is_available():
+    if args.command in ("engine", "serve", "serve-http") and not torch.cuda.is_available():
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
@@ -366,6 +476,9 @@ def main(argv=None):
     elif args.command == "serve":
         r = bench_serve(plot=args.plot, log=log)
         print(json.dumps(r) if args.json else serve_report(r))
+    elif args.command == "serve-http":
+        r = bench_http(log=log)
+        print(json.dumps(r) if args.json else http_report(r))
     else:
         try:
             model, tok = L.load_model(args.model, L.parse_device(args.device), L.DTYPES[args.dtype])

@@ -1,0 +1,300 @@
+"""The server, `llama3_generate.py --serve`, through OpenAI's own Python client on loopback (127.0.0.1 only, every
+request loop bounded). The model: a small random Llama written here in GGUF (test_cli_checkpoints' writer: SmolLM2's
+attention, 2 layers, a 768-token vocabulary, fresh weights each run), so 64 clients at once stay cheap on 2 cores.
+The reference for every greedy answer is the command line itself (its --json token ids and text) or the same engine
+serving one request alone; sampled answers are checked for reproducibility under load; the pool is counted after."""
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import jsonschema
+import pytest
+import torch
+
+import llama3_generate as L
+
+openai = pytest.importorskip("openai")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORDS = "sea sky red cat dog tree code cache token batch paris river stone light night blue green fast slow".split()
+
+
+def words(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from test_cli_checkpoints import write_checkpoints
+    paths, _ = write_checkpoints(str(tmp_path_factory.mktemp("srv")), "smol", int(torch.randint(0, 10**6, ())))
+    return paths["gguf"]
+
+
+@contextlib.contextmanager
+def running(*argv):
+    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process: its URL, engine and thread."""
+    got = {}
+    t = threading.Thread(target=L.serve, args=(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]),
+                                               lambda server, worker: got.update(s=server, w=worker)))
+    t.start()
+    for _ in range(1200):  # bounded: 120 s
+        if "s" in got and got["s"].started:
+            break
+        time.sleep(0.1)
+    url = f"http://127.0.0.1:{got['s'].servers[0].sockets[0].getsockname()[1]}/v1"
+    try:
+        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
+                              model=os.path.basename(L.cli_args(argv).model),
+                              held=got["w"].engine.kv_used(),  # before any request (a CUDA graph's padding slot)
+                              client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
+    finally:
+        got["s"].should_exit = True
+        t.join(30)
+    assert not t.is_alive() and not got["w"].is_alive()
+
+
+@pytest.fixture(scope="module")
+def srv(ckpt):
+    with running("--model", ckpt, "--kv-tokens", "4096") as s:
+        yield s
+
+
+def cli(ckpt, capsys, *argv):
+    """The command line's completions (--json: text, token ids, finish reason), run in this process."""
+    L.main(["--model", ckpt, "--json", "--quiet", *argv])
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def idle(srv, timeout=30.0):
+    """Wait until the engine holds no request; then the pool holds only the radix cache, unlocked (and what it held
+    before any request: a CUDA graph's padding slot)."""
+    e = srv.engine
+    for _ in range(int(timeout / 0.05)):
+        if not e.busy:
+            break
+        time.sleep(0.05)
+    time.sleep(0.1)
+    tree = e.sched.tree
+    return not e.busy and tree.protected_size() == 0 and e.kv_used() - tree.evictable_size() == srv.held
+
+
+def test_greedy_completions_and_chat_equal_the_cli(srv, ckpt, capsys):
+    rng = random.Random()
+    prompts = [words(rng, rng.randint(1, 12)) for _ in range(3)]
+    n = rng.randint(8, 24)
+    for chat in (False, True):
+        ref = cli(ckpt, capsys, "--max-new-tokens", str(n), *([] if chat else ["--no-chat"]), *prompts)
+        for p, r in zip(prompts, ref):
+            kw = dict(model=srv.model, max_tokens=n, temperature=0)
+            if chat:
+                create, kw["messages"] = srv.client.chat.completions.create, [{"role": "user", "content": p}]
+                text = lambda c: c.message.content
+                delta = lambda c: c.delta.content or ""
+            else:
+                create, kw["prompt"] = srv.client.completions.create, p
+                text = delta = lambda c: c.text
+            out = create(**kw)
+            assert text(out.choices[0]) == r["text"] and out.choices[0].finish_reason == r["finish_reason"]
+            assert out.usage.completion_tokens == len(r["token_ids"])
+            assert out.usage.prompt_tokens == len(srv.engine.tok.chat(p) if chat else srv.engine.tok.encode(p, True))
+            chunks = list(create(**kw, stream=True, stream_options={"include_usage": True}))
+            assert "".join(delta(c.choices[0]) for c in chunks if c.choices) == r["text"]
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r["finish_reason"]
+            assert chunks[-1].usage.completion_tokens == len(r["token_ids"])
+            if len(r["text"]) > 4:  # a stop string: the text before its first occurrence, finish "stop"
+                stop = r["text"][len(r["text"]) // 2:][:3]
+                cut = create(**kw, stop=[stop, "\x00never"])
+                assert text(cut.choices[0]) == r["text"][:r["text"].index(stop)]
+                assert cut.choices[0].finish_reason == "stop"
+                streamed = create(**kw, stop=stop, stream=True)
+                assert "".join(delta(c.choices[0]) for c in streamed) == r["text"][:r["text"].index(stop)]
+    assert idle(srv)
+
+
+@pytest.mark.parametrize("how", ["regex", "json_schema"])
+def test_constrained_answers_equal_the_cli(srv, ckpt, capsys, tmp_path, how):
+    rng = random.Random()
+    prompt, n = words(rng, 5), 40
+    if how == "regex":
+        pattern = "(" + "|".join(rng.sample(WORDS, 4)) + r") [0-9]{1,3}"
+        ref = cli(ckpt, capsys, "--max-new-tokens", str(n), "--regex", pattern, prompt)[0]
+        kw = dict(extra_body={"regex": pattern})
+    else:
+        schema = {"type": "object", "properties": {"name": {"enum": rng.sample(WORDS, 3)}, "n": {"type": "integer"}},
+                  "required": ["name", "n"]}
+        (tmp_path / "s.json").write_text(json.dumps(schema))
+        ref = cli(ckpt, capsys, "--max-new-tokens", str(n), "--json-schema", str(tmp_path / "s.json"), prompt)[0]
+        kw = dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    out = srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": prompt}],
+                                             max_tokens=n, temperature=0, **kw)
+    text = out.choices[0].message.content
+    assert text == ref["text"] and out.choices[0].finish_reason == ref["finish_reason"]
+    if ref["finish_reason"] == "stop":  # complete: it matches, by Python's re and jsonschema
+        if how == "regex":
+            assert __import__("re").fullmatch(pattern, text)
+        else:
+            jsonschema.validate(json.loads(text), schema)
+
+
+def test_seeded_samples_are_reproducible_under_load(srv):
+    rng = random.Random()
+    prompt, seed = words(rng, 6), rng.randint(0, 10**6)
+    ask = lambda s: [c.text for c in srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=12,
+                                                                     temperature=1.0, n=3, seed=s).choices]
+    alone = ask(seed)
+    busy = threading.Thread(target=lambda: [srv.client.completions.create(
+        model=srv.model, prompt=words(rng, 4), max_tokens=12, temperature=1.0) for _ in range(3)])
+    busy.start()  # other requests sample from the engine beside it: its own generators give the same draws
+    again = ask(seed)
+    busy.join()
+    assert again == alone and len(alone) == 3
+    assert ask(seed + 1) != alone  # another seed, other samples (12 tokens at temperature 1: equal by chance ~never)
+    assert idle(srv)
+
+
+def concurrent_streams(srv, n_clients):
+    """n_clients greedy streams at once: each gets the text it gets alone; returns the widest decode step."""
+    rng, e = random.Random(), srv.engine
+    jobs = [(words(rng, rng.randint(1, 10)), rng.randint(4, 16)) for _ in range(n_clients)]
+    first = e.n_seqs  # sequence ids of these requests start here
+
+    async def one(client, prompt, n):
+        text = ""
+        async for c in await client.completions.create(model=srv.model, prompt=prompt, max_tokens=n, temperature=0,
+                                                       stream=True):
+            text += c.choices[0].text
+        return text
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=srv.url, api_key="none", max_retries=0, timeout=120) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, p, n) for p, n in jobs)), 300)
+    got = asyncio.run(all_at_once())
+    assert idle(srv), "the pool holds nothing but the radix cache once every client is done"
+    assert not srv.worker.live
+
+    alone = L.Engine(e.model, e.tok, "token", kv_tokens=4096)  # each request alone, on an engine of its own
+    for (p, n), text in zip(jobs, got):
+        alone.add(e.tok.encode(p, bos=True), L.SamplingParams(max_new_tokens=n))
+        out = alone.run()
+        alone.sched.finished.clear()
+        assert text == e.tok.decode([t for t in next(iter(out.values())) if t not in e.tok.stop_ids])
+    per_step = {}  # decode steps (or multi-step chunks): the sequences of these requests each fed
+    for ev in e.events:
+        if ev.kind == "decode" and ev.rid is not None and ev.rid >= first:
+            per_step.setdefault(ev.step, set()).add(ev.rid)
+    return max(map(len, per_step.values()))
+
+
+def test_concurrent_streams_batch_together_and_match_alone(srv):
+    widest = concurrent_streams(srv, 64)
+    print(f"64 clients: the widest decode step ran {widest} of them together")
+    assert widest >= 8
+
+
+@pytest.mark.gpu
+def test_gpu_server_streams_and_aborts(ckpt):
+    """On CUDA (graphs, multi-step decode): concurrent streams equal each alone, a disconnect frees its slots."""
+    with running("--model", ckpt, "--kv-tokens", "4096", "--device", "cuda") as s:
+        assert concurrent_streams(s, 64) >= 8
+        disconnect(s, cut_by=2000)  # a GPU may write hundreds of tokens before the server hears of it
+
+
+BAD = {  # request -> what its 400 must say
+    "malformed JSON": ('{"model": "m", "prompt": ', "Invalid JSON"),
+    "unknown model": ({"model": "gpt-9", "prompt": "hi"}, "not served here"),
+    "negative max_tokens": ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
+    "temperature": ({"prompt": "hi", "temperature": -1}, "temperature"),
+    "missing prompt": ({"max_tokens": 3}, "prompt: Field required"),
+    "invalid schema": ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format"),
+    "bad regex": ({"prompt": "hi", "regex": "(ab"}, "regex"),
+    "over the context": ({"prompt": "sea " * 3000, "max_tokens": 4}, "exceeds"),
+    "can never fit": ({"prompt": "hi", "max_tokens": 100000}, "exceeds"),
+    "empty chat": ({"messages": []}, "messages"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_requests_are_400_with_a_clear_message(srv, case):
+    body, says = BAD[case]
+    chat = "messages" in body if isinstance(body, dict) else False
+    if isinstance(body, dict):
+        body = json.dumps({"model": srv.model, **body} if case != "unknown model" else body)
+    r = httpx.post(f"{srv.url}/{'chat/completions' if chat else 'completions'}", content=body,
+                   headers={"content-type": "application/json"}, timeout=60)
+    err = r.json()["error"]
+    assert r.status_code == 400 and says in err["message"] and err["type"] == "invalid_request_error", r.text
+    assert "Traceback" not in r.text and "\n" not in err["message"]
+    assert srv.client.models.list().data[0].id == srv.model  # still serving
+
+
+def disconnect(srv, max_tokens=2000, cut_by=1000):
+    """A stream that its client closes a few tokens in: it stops (well before max_tokens) and its slots are freed."""
+    e = srv.engine
+    first = e.n_seqs
+    body = {"model": srv.model, "prompt": words(random.Random(), 5), "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
+    assert sum(g.startswith("data: ") for g in got) >= 3
+    assert idle(srv, timeout=20), "its slots are back (radix cache only, unlocked), nothing runs"
+    done = [ev for ev in e.events if ev.kind == "finish" and ev.rid == first]
+    assert done and done[0].tokens < cut_by, f"aborted after {done[0].tokens} of its {max_tokens} tokens"
+
+
+def test_a_client_that_disconnects_frees_its_slots(srv):
+    disconnect(srv)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
+def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
+    """A process of its own, Ctrl-C while a stream is open: the stream ends (finish "abort", [DONE]), the process
+    says one line and exits 130, no traceback."""
+    with socket.socket() as s:  # a free loopback port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--serve", "--model", ckpt,
+                          "--port", str(port), "--kv-tokens", "2048"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(600):  # bounded: 60 s
+            try:
+                name = httpx.get(f"{url}/models", timeout=5).json()["data"][0]["id"]
+                break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        body = dict(model=name, prompt="hi", max_tokens=2000, ignore_eos=True, stream=True)
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+            p.send_signal(signal.SIGINT)
+            rest = [line for line in lines if line]
+        err = p.communicate(timeout=30)[1]
+    finally:
+        p.kill()
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+
+
+def test_bench_serve_http_machinery_on_a_cpu():
+    """`python tests/bench_engine.py serve-http` on a tiny random model: the same Poisson load in process and through
+    the server (client in a process of its own), every request served whole, percentiles in order. (Its figures are
+    the GPU's to measure: no timing is asserted here.)"""
+    import bench_engine as B
+    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
+    r = B.bench_http("cpu", rates=(50,), n_seqs=8, lengths=(4, 16), long=(40, 60), long_prompts=1, args=args)
+    runs = r["rates"][50]
+    assert list(runs) == ["in process", "HTTP"] and runs["HTTP"]["served_whole"]
+    for x in runs.values():
+        assert x["output_tok_s"] > 0 and x["ttft_p50_ms"] <= x["ttft_p99_ms"] and x["itl_p50_ms"] <= x["itl_p99_ms"]
+    assert "every HTTP request got its max_tokens: True" in B.http_report(r)
