@@ -81,12 +81,18 @@ def attend_decode(q, k, v, seq_lens):
     return out[:, :, 0]
 
 
+def table_slots(table, rows, n: int, page: int = 1) -> torch.Tensor:
+    """The pool slots of tokens 0..n-1 of table rows `rows` (B ints), LongTensor (B, n): token i of row r sits in
+    slot table[r, i // page] * page + i % page, the one picture every backend keeps (see KVCache)."""
+    i = torch.arange(n, device=table.device)
+    return table[torch.as_tensor(rows, device=table.device).long()][:, i // page].long() * page + i % page
+
+
 def attend_table(q, k_pool, v_pool, table, rows, seq_lens, page: int = 1):
     """Decode attention read through a table (the PyTorch twin of 04's kernel): q (B, H, D), one query per request;
     k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): each request's table row and length."""
-    i = torch.arange(int(seq_lens.max()), device=q.device)            # (L,) columns past a length are stale
-    slots = table[rows.long()][:, i // page].long() * page + i % page  # (B, L)
-    return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)   # masks them; (B, H, D)
+    slots = table_slots(table, rows, int(seq_lens.max()), page)     # (B, L): columns past a length are stale
+    return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)  # masks them; (B, H, D)
 
 
 class KVCache:
@@ -160,10 +166,9 @@ class KVCache:
             return decode(q, kp, vp, self.table, self.batch_rows, self.batch_lens, page=self.page)
         if self.extend_attn is not None:  # prefill in one launch
             return self.extend_attn(q, kp, vp, self.table, self.batch_rows, starts, n_new, page=self.page)
-        outs, t, P = [], 0, self.page
+        outs, t = [], 0
         for r, p, n in zip(rows, starts, n_new):  # prefill: gather each request's slots, one request at a time
-            i = torch.arange(p + n, device=q.device)
-            idx = self.table[r, i // P].long() * P + i % P
+            idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)
             outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
             t += n
         return torch.cat(outs)

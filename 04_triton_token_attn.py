@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import itertools
 import json
 import math
@@ -680,9 +681,8 @@ def swiglu(gate, up):
 # References and checks: float64 attention through the same table, random problems, the CLI's check
 # ----------------------------------------------------------------------------------------------
 def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
-    """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot."""
-    i = torch.arange(n, device=table.device)
-    return table[row, i // page].long() * page + i % page
+    """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot (01's)."""
+    return importlib.import_module("01_kv_cache").table_slots(table, [row], n, page)[0]
 
 
 def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):

@@ -259,13 +259,10 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
                 itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]])
 
 
-def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
-                long_prompts=8, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
-                log=lambda msg: None) -> dict:
-    """`serve`: Poisson arrivals at each rate, lengths drawn as `engine`'s with long_prompts of them `long`
-    tokens; the schedules take turns on one warm engine, its radix cache emptied between runs. multi_step: greedy
-    decode steps per delivery; args: a shape other than L.LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
-    rng = torch.Generator().manual_seed(0)
+def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape):
+    """`serve`'s draws from rng (serve-http's too, the same ones): (prompt, output) lengths uniform in `lengths`,
+    long_prompts of the prompts `long`; a random model of the shape; the prompts' ids. Returns (lens, longest, args,
+    model, prompts)."""
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
     for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
         lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
@@ -273,6 +270,17 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
     model = L.random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
                            torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
+    return lens, longest, args, model, prompts
+
+
+def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
+                long_prompts=8, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
+                log=lambda msg: None) -> dict:
+    """`serve`: Poisson arrivals at each rate, lengths drawn as `engine`'s with long_prompts of them `long`
+    tokens; the schedules take turns on one warm engine, its radix cache emptied between runs. multi_step: greedy
+    decode steps per delivery; args: a shape other than L.LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
+    rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
+    lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
                  max_seq_len=longest, multi_step=multi_step)
@@ -380,14 +388,8 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
     import multiprocessing
     import threading
     import uvicorn
-    rng = torch.Generator().manual_seed(0)  # the draws below are bench_serve's, in its order
-    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
-    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
-        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
-    longest, args = max(p + n for p, n in lens), args or L.LLAMA_SHAPES[shape]
-    model = L.random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
-                           torch.bfloat16 if device == "cuda" else torch.float32)
-    prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
+    rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
+    lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
     e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
                  max_seq_len=longest, multi_step=multi_step)
