@@ -39,6 +39,7 @@ nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row pe
 from __future__ import annotations
 
 import argparse
+import atexit
 import base64
 import contextlib
 import gc
@@ -110,6 +111,8 @@ def cli_args(argv=None) -> argparse.Namespace:
         "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
         "its tokens per second after that)")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add("--tp", type=int, default=1, help="tensor parallel: split the model over N processes (GPUs over NCCL, CPUs over "
+        "gloo); torchrun --nproc-per-node N llama3_generate.py ... starts them too")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
@@ -369,6 +372,104 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
     with torch.device(device):
         return Transformer(args).to(dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: one model over N processes (Megatron-LM's split, as gpt-fast's tp.py beside its model)
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
+#   column-parallel (split by output rows): wq, wk, wv in whole heads, so a rank attends with its query heads over
+#     their KV heads, and its KV backend (any, unchanged) stores only those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (split by input columns): wo and w2 turn those slices into partial sums of the whole width; one
+#     all-reduce each adds them up (a forward hook: the model's code is the same at TP 1 and TP N)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
+# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
+# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
+    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        codes = [p.wait() for p in procs]
+        sys.exit(codes[0] or max(codes))
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    atexit.register(torch.distributed.destroy_process_group)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    a = model.args
+    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
+        lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
+
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
+        torch.distributed.all_reduce(out)
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
+            keep(lin, 0)
+        for lin in (at.wo, ff.w2):
+            keep(lin, 1)
+            lin.register_forward_hook(all_reduce)
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp = (rank, world)
+    return model
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
+def tp_sampled(model, sample, n: int) -> list:
+    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+    schedule). Without TP: sample()."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1 or n == 0:
+        return sample()
+    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+    torch.distributed.broadcast(ids, 0)
+    return ids.tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -974,7 +1075,8 @@ class Engine:
         self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
+        tp = getattr(model, "tp", (0, 1))[1] > 1  # fused batch-1 decode has no all-reduce between its kernels
+        self.graphs = CudaGraphDecoder(self, m04, fused=fused and not tp) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise()
@@ -1053,10 +1155,11 @@ class Engine:
         batch, positions = self.schedule(new)
         samples = [s.samples for s in batch]  # False: a chunk short of its prompt's end
         logits = self.forward(batch, positions, samples)
-        ids = iter(self.sample([s for s, y in zip(batch, samples) if y], logits))  # the host sync of the step
+        rows = [s for s, y in zip(batch, samples) if y]
+        ids = iter(tp_sampled(self.model, lambda: self.sample(rows, logits), len(rows)))  # the step's host sync
         self.count(batch, t0)
         self.sched.postprocess(batch, [[next(ids)] if y else [] for y in samples])
-        self.stream([s for s, y in zip(batch, samples) if y], on_token)
+        self.stream(rows, on_token)
 
     @property
     def busy(self) -> bool:
@@ -1438,7 +1541,10 @@ def plural(n: int, word: str) -> str:
 
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
+    rank = 0
     try:
+        rank, world, device = tp_launch(args, sys.argv[1:] if argv is None or argv is args else argv)
+        args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")
         regex = args.regex
@@ -1453,14 +1559,19 @@ def main(argv=None):
         if args.n > 1 and args.temperature == 0 and not args.quiet:
             print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
                   f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
-        device = parse_device(args.device)
+        device = parse_device(device)
         cpu_threads()
         t0 = time.perf_counter()
-        model, tok = load_model(args.model, device, DTYPES[args.dtype])
+        model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
+        model = shard_model(model, rank, world).to(device) if world > 1 else model  # each GPU holds its shard only
         load_s = time.perf_counter() - t0
-        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+
+        def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
+            ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+            longest = max(map(len, ids)) + args.max_new_tokens
+            return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
+        ids, kv_tokens = tp_share(model, prompts_and_pool)
         longest = max(map(len, ids)) + args.max_new_tokens
-        kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=longest, seed=args.seed,
                         block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
                         fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
@@ -1470,7 +1581,7 @@ def main(argv=None):
         for p in ids:
             engine.add(p, params)
     except (UserError, ValueError) as e:  # ValueError: 06 names what is wrong with a regex or schema
-        sys.exit(f"error: {e}")
+        sys.exit(2 if rank else f"error: {e}")
     if not args.quiet:
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
               f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
@@ -1495,10 +1606,12 @@ def main(argv=None):
     try:
         outs = engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(2 if rank else f"error: {e}")
     finally:
         if bar:
             bar.close()
+    if rank:
+        return
     if args.json:
         for sid, o in outs.items():
             print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],

@@ -1,0 +1,114 @@
+"""Tensor parallelism (llama3_generate.py's shard_model): 2 CPU processes over gloo give exactly TP 1's tokens.
+
+A fresh random checkpoint of the GQA-4 shape (8 query / 2 KV heads, the CLI tests' writer) is served greedily in
+fp32 through every KV backend, with pools small enough that requests wait, get preempted (recompute) or swapped
+out (paged), once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2). The
+tokens must be the same. The command line's --tp 2 (which starts its ranks as torchrun would) must print what
+its --tp 1 prints. A model whose heads do not split is refused, naming its head counts. On a 2-core CPU the whole
+file takes about N s.
+
+On GPUs (when the lead has two): tests/bench_tp.py."""
+import json
+import multiprocessing
+import os
+import socket
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import llama3_generate as L
+from test_cli_checkpoints import MAX_NEW, PROMPTS, cli, tokens, write_checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Hugging Face directory of random GQA-4 weights (fresh each session) and its prompts' lengths."""
+    paths, _ = write_checkpoints(str(tmp_path_factory.mktemp("tp")), "gqa4", int(torch.randint(0, 10**6, ())))
+    return paths["hf"]
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint):
+    """(Engine options by name, TP 1's tokens and preemptions for each): every backend, in pools of about one
+    and a half sequences (contiguous: two rows), where requests wait and are preempted (recompute, or swap)."""
+    _, tok = L.load_model(checkpoint)
+    small = max(len(tok.chat(p)) for p in PROMPTS) + MAX_NEW + 24
+    options = {"contiguous": dict(backend="contiguous", kv_tokens=2 * small),
+               "paged-swap": dict(backend="paged", kv_tokens=small, block_size=8, preempt="swap"),
+               "token-recompute": dict(backend="token", kv_tokens=small)}
+    return options, serve(checkpoint, options)
+
+
+def serve(path, options):
+    """Every config's greedy tokens and preemptions: TP 1 here, or one rank of TP N under torch.distributed."""
+    model, tok = L.load_model(path)
+    if torch.distributed.is_initialized():
+        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    out = {}
+    for name, kw in options.items():
+        e = L.Engine(model, tok, **kw)
+        for p in PROMPTS:
+            e.add(tok.chat(p), L.SamplingParams(max_new_tokens=MAX_NEW))
+        out[name] = dict(tokens=list(e.run().values()), preemptions=e.stats["preemptions"])
+    return out
+
+
+def rank_main(rank, world, port, result, fn, args):
+    """One rank, as torchrun starts it (its environment), joined through the CLI's own tp_launch."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    L.tp_launch(SimpleNamespace(tp=world, device="cpu"), [])
+    out = fn(*args)
+    if rank == 0:
+        json.dump(out, open(result, "w"))
+
+
+def run_ranks(world, fn, *args, tmp_path, timeout=240):
+    """fn(*args) in `world` fresh processes over gloo; rank 0's result. A rank that fails or hangs fails the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # forked on Linux: the ranks start with torch and the model's code already imported (spawned elsewhere)
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    result = str(tmp_path / "rank0.json")
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), ("ranks failed or hung", [p.exitcode for p in procs])
+    return json.load(open(result))
+
+
+def test_two_gloo_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path):
+    options, want = tp1
+    got = run_ranks(2, serve, checkpoint, options, tmp_path=tmp_path)
+    for name in options:
+        assert got[name] == want[name], name
+    assert want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
+    lengths = [len(t) for t in want["contiguous"]["tokens"]]
+    assert min(lengths) < MAX_NEW == max(lengths)  # some stop at EOS, others run on: the batch changes mid-way
+
+
+def test_cli_tp2_prints_tp1_tokens(checkpoint, tp1):
+    """`python llama3_generate.py --tp 2 ...` starts its two ranks as torchrun would; only rank 0 prints."""
+    options, want = tp1
+    kw = options["token-recompute"]
+    outs, err, _ = cli("--tp", "2", "--model", checkpoint, "--json", "--max-new-tokens", str(MAX_NEW), "--kv-tokens",
+                       str(kw["kv_tokens"]), *PROMPTS, device="cpu")
+    assert tokens(outs) == want["token-recompute"]["tokens"] and err.count("loaded") == 1, err
+
+
+def test_heads_that_do_not_split_are_refused():
+    """SmolLM2's attention (9 query / 3 KV heads) over 2 ranks: one line naming the head counts, nothing changed."""
+    model = L.random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
+        L.shard_model(model, 0, 2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
