@@ -111,8 +111,7 @@ def cli_args(argv=None) -> argparse.Namespace:
         "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
         "its tokens per second after that)")
     add("--device", default="cpu", help="cpu, cuda or cuda:N")
-    add("--tp", type=int, default=1, help="tensor parallel: split the model over N processes (GPUs over NCCL, CPUs over "
-        "gloo); torchrun --nproc-per-node N llama3_generate.py ... starts them too")
+    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
