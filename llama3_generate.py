@@ -29,9 +29,10 @@ Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Wi
 PyTorch paths.
 
 Top to bottom: the command line's flags (parsed before torch loads, so --help answers at once); the model;
-weights; tokenizers; generate (a static batch through any backend: the lessons' parity tests); the engine
-(SamplingParams, BACKENDS, Seq, Engine); GPU decode (CudaGraphDecoder); the command line (main).
-Benchmarks: tests/bench_engine.py.
+tensor parallelism (--tp N: the model split over N processes); weights; tokenizers; generate (a static batch
+through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine); GPU decode
+(CudaGraphDecoder); the command line (main).
+Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for style;
 nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in permute_qk.
@@ -377,14 +378,17 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
 # Tensor parallelism: one model over N processes (Megatron-LM's split, as gpt-fast's tp.py beside its model)
 # ----------------------------------------------------------------------------------------------
 # Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
-#   column-parallel (split by output rows): wq, wk, wv in whole heads, so a rank attends with its query heads over
-#     their KV heads, and its KV backend (any, unchanged) stores only those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (split by input columns): wo and w2 turn those slices into partial sums of the whole width; one
-#     all-reduce each adds them up (a forward hook: the model's code is the same at TP 1 and TP N)
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
+#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
+#     those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
+#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
 # Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
 # on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
 # Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
 # its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
