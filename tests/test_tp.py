@@ -41,9 +41,9 @@ def tp1(checkpoint):
     return options, serve(checkpoint, options)
 
 
-def serve(path, options):
+def serve(path, options, device="cpu"):
     """Every config's greedy tokens and preemptions: TP 1 here, or one rank of TP N under torch.distributed."""
-    model, tok = L.load_model(path)
+    model, tok = L.load_model(path, device)
     if torch.distributed.is_initialized():
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
     out = {}
@@ -55,25 +55,26 @@ def serve(path, options):
     return out
 
 
-def rank_main(rank, world, port, result, fn, args):
+def rank_main(rank, world, port, result, device, fn, args):
     """One rank, as torchrun starts it (its environment), joined through the CLI's own tp_launch."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    L.tp_launch(SimpleNamespace(tp=world, device="cpu"), [])
+    L.tp_launch(SimpleNamespace(tp=world, device=device), [])
     out = fn(*args)
     if rank == 0:
         json.dump(out, open(result, "w"))
 
 
-def run_ranks(world, fn, *args, tmp_path, timeout=240):
-    """fn(*args) in `world` fresh processes over gloo; rank 0's result. A rank that fails or hangs fails the test."""
+def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
+    """fn(*args) in `world` fresh processes (gloo, or NCCL on GPUs); rank 0's result. A rank that fails or hangs
+    fails the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    # forked on Linux: the ranks start with torch and the model's code already imported (spawned elsewhere)
-    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    # forked on Linux CPUs: the ranks start with torch and the model's code imported (CUDA does not survive a fork)
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and device == "cpu" else "spawn")
     result = str(tmp_path / "rank0.json")
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, device, fn, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -112,3 +113,14 @@ def test_heads_that_do_not_split_are_refused():
     with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
         L.shard_model(model, 0, 2)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
+    """The same on 2 GPUs over NCCL: 04's kernels, CUDA graphs capturing the all-reduces, greedy multi-step."""
+    options, _ = tp1
+    want = serve(checkpoint, options, "cuda")
+    got = run_ranks(2, serve, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
+    for name in options:
+        assert got[name] == want[name], name
