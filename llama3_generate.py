@@ -407,8 +407,12 @@ def tp_launch(args, argv):
             env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        codes = [p.wait() for p in procs]
-        sys.exit(codes[0] or max(codes))
+        while any(p.poll() is None for p in procs):  # a rank that failed ends the others (they would wait for it)
+            for p in procs if any(p.poll() for p in procs) else ():
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
     rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
     if device.startswith("cuda"):
         if torch.cuda.device_count() < world:

@@ -3,11 +3,11 @@
 A fresh random checkpoint of the GQA-4 shape (8 query / 2 KV heads, the CLI tests' writer) is served greedily in
 fp32 through every KV backend, with pools small enough that requests wait, get preempted (recompute) or swapped
 out (paged), once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2). The
-tokens must be the same. The command line's --tp 2 (which starts its ranks as torchrun would) must print what
-its --tp 1 prints. A model whose heads do not split is refused, naming its head counts. On a 2-core CPU the whole
+tokens must be the same. The command line's --tp 2 (which starts its ranks as torchrun would) must print TP 1's
+tokens, once. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU the whole
 file takes about N s.
 
-On GPUs (when the lead has two): tests/bench_tp.py."""
+On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
 import json
 import multiprocessing
 import os
@@ -24,7 +24,7 @@ from test_cli_checkpoints import MAX_NEW, PROMPTS, cli, tokens, write_checkpoint
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A Hugging Face directory of random GQA-4 weights (fresh each session) and its prompts' lengths."""
+    """A Hugging Face directory of random GQA-4 weights, fresh each session."""
     paths, _ = write_checkpoints(str(tmp_path_factory.mktemp("tp")), "gqa4", int(torch.randint(0, 10**6, ())))
     return paths["hf"]
 
