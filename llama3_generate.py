@@ -407,8 +407,8 @@ def tp_launch(args, argv):
             env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        while any(p.poll() is None for p in procs):  # a rank that failed ends the others (they would wait for it)
-            for p in procs if any(p.poll() for p in procs) else ():
+        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
                 p.kill()  # (a no-op on one that has exited)
             time.sleep(0.05)
         codes = [p.returncode for p in procs]

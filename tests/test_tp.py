@@ -8,6 +8,8 @@ tokens, once. A model whose heads do not split is refused, naming its head count
 file takes about N s.
 
 On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
+import contextlib
+import io
 import json
 import multiprocessing
 import os
@@ -19,7 +21,9 @@ import pytest
 import torch
 
 import llama3_generate as L
-from test_cli_checkpoints import MAX_NEW, PROMPTS, cli, tokens, write_checkpoints
+from test_cli_checkpoints import MAX_NEW, PROMPTS, tokens, write_checkpoints
+
+PROMPTS = PROMPTS[:5]  # several prompts, in pools of about one and a half sequences: mostly one after another
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,7 @@ def tp1(checkpoint):
 def serve(path, options, device="cpu"):
     """Every config's greedy tokens and preemptions: TP 1 here, or one rank of TP N under torch.distributed."""
     model, tok = L.load_model(path, device)
-    if torch.distributed.is_initialized():
+    if torch.distributed.is_initialized():  # a rank
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
     out = {}
     for name, kw in options.items():
@@ -55,26 +59,22 @@ def serve(path, options, device="cpu"):
     return out
 
 
-def rank_main(rank, world, port, result, device, fn, args):
-    """One rank, as torchrun starts it (its environment), joined through the CLI's own tp_launch."""
+def rank_main(rank, world, port, result, fn, args):
+    """One rank, as torchrun starts it (its environment): fn(*args), its result saved for the test."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
-    L.tp_launch(SimpleNamespace(tp=world, device=device), [])
-    out = fn(*args)
-    if rank == 0:
-        json.dump(out, open(result, "w"))
+    json.dump(fn(*args), open(f"{result}.{rank}", "w"))
 
 
 def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
-    """fn(*args) in `world` fresh processes (gloo, or NCCL on GPUs); rank 0's result. A rank that fails or hangs
-    fails the test."""
+    """fn(*args) in `world` fresh processes; each rank's result. A rank that fails or hangs fails the test."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # forked on Linux CPUs: the ranks start with torch and the model's code imported (CUDA does not survive a fork)
     ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and device == "cpu" else "spawn")
-    result = str(tmp_path / "rank0.json")
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, device, fn, args)) for r in range(world)]
+    result = str(tmp_path / "rank")
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, fn, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -84,26 +84,49 @@ def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
         if p.is_alive():
             p.kill()
     assert not hung and all(p.exitcode == 0 for p in procs), ("ranks failed or hung", [p.exitcode for p in procs])
-    return json.load(open(result))
+    return [json.load(open(f"{result}.{r}")) for r in range(world)]
+
+
+def serve_rank(path, options, device="cpu"):
+    """serve() as one rank of a group joined by the command line's own tp_launch (gloo, or NCCL on GPUs)."""
+    L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])
+    return serve(path, options, device)
+
+
+def cli_rank(*argv):
+    """`torchrun --nproc-per-node N llama3_generate.py ARGV`, this rank's part: main(argv); (stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        L.main(list(argv))
+    return out.getvalue(), err.getvalue()
 
 
 def test_two_gloo_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path):
     options, want = tp1
-    got = run_ranks(2, serve, checkpoint, options, tmp_path=tmp_path)
+    got, _ = run_ranks(2, serve_rank, checkpoint, options, tmp_path=tmp_path)
     for name in options:
         assert got[name] == want[name], name
     assert want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
-    lengths = [len(t) for t in want["contiguous"]["tokens"]]
-    assert min(lengths) < MAX_NEW == max(lengths)  # some stop at EOS, others run on: the batch changes mid-way
 
 
-def test_cli_tp2_prints_tp1_tokens(checkpoint, tp1):
-    """`python llama3_generate.py --tp 2 ...` starts its two ranks as torchrun would; only rank 0 prints."""
+def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
+    """The command line in 2 ranks: rank 0 tokenizes, sizes the pool, samples and prints; rank 1 says nothing."""
     options, want = tp1
-    kw = options["token-recompute"]
-    outs, err, _ = cli("--tp", "2", "--model", checkpoint, "--json", "--max-new-tokens", str(MAX_NEW), "--kv-tokens",
-                       str(kw["kv_tokens"]), *PROMPTS, device="cpu")
-    assert tokens(outs) == want["token-recompute"]["tokens"] and err.count("loaded") == 1, err
+    (out, err), quiet = run_ranks(2, cli_rank, "--model", checkpoint, "--json", "--max-new-tokens", str(MAX_NEW),
+                                  "--kv-tokens", str(options["token-recompute"]["kv_tokens"]), *PROMPTS,
+                                  tmp_path=tmp_path)
+    outs = [json.loads(line) for line in out.splitlines()]
+    assert tokens(outs) == want["token-recompute"]["tokens"] and "preemption" in err
+    assert quiet == ["", ""]
+
+
+def test_tp_flag_starts_ranks_and_one_speaks(capfd):
+    """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
+    refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
+    with pytest.raises(SystemExit) as e:
+        L.main(["--tp", "2", "--device", "tpu", "Hi"])
+    err = capfd.readouterr().err
+    assert e.value.code == 1 and err.strip() == "error: unknown device 'tpu' (try cpu or cuda)", err
 
 
 def test_heads_that_do_not_split_are_refused():
@@ -121,6 +144,6 @@ def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
     """The same on 2 GPUs over NCCL: 04's kernels, CUDA graphs capturing the all-reduces, greedy multi-step."""
     options, _ = tp1
     want = serve(checkpoint, options, "cuda")
-    got = run_ranks(2, serve, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
+    got, _ = run_ranks(2, serve_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
     for name in options:
         assert got[name] == want[name], name
