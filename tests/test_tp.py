@@ -1,10 +1,10 @@
 """Tensor parallelism (llama3_generate.py's shard_model): 2 CPU processes over gloo give exactly TP 1's tokens.
 
-A fresh random checkpoint of the GQA-4 shape (8 query / 2 KV heads, the CLI tests' writer) is served greedily in
-fp32 through every KV backend, with pools small enough that requests wait, get preempted (recompute) or swapped
-out (paged), once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2). The
-tokens must be the same. The command line's --tp 2 (which starts its ranks as torchrun would) must print TP 1's
-tokens, once. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU the whole
+A fresh random checkpoint of the CLI tests' GQA-4 shape (8 query / 2 KV heads) is served greedily in fp32 through
+every KV backend, in pools small enough that requests wait, get preempted (recompute) or swapped out (paged),
+once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
+the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
+ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU the whole
 file takes about N s.
 
 On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
@@ -21,16 +21,29 @@ import pytest
 import torch
 
 import llama3_generate as L
-from test_cli_checkpoints import MAX_NEW, PROMPTS, tokens, write_checkpoints
+from safetensors.torch import save_file
+from test_cli_checkpoints import MAX_NEW, PROMPTS, SHAPES, tokens, train_tokenizer
 
 PROMPTS = PROMPTS[:5]  # several prompts, in pools of about one and a half sequences: mostly one after another
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A Hugging Face directory of random GQA-4 weights, fresh each session."""
-    paths, _ = write_checkpoints(str(tmp_path_factory.mktemp("tp")), "gqa4", int(torch.randint(0, 10**6, ())))
-    return paths["hf"]
+    """A Hugging Face directory of the CLI tests' GQA-4 shape, tokenizer and weight recipe (2 layers, normal(0, 0.2)
+    weights), fresh each session; written here without transformers, whose import and generate cost seconds."""
+    s, tok, root = SHAPES["gqa4"], train_tokenizer(), str(tmp_path_factory.mktemp("tp"))
+    args = L.ModelArgs(dim=s["dim"], n_layers=2, n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
+                       vocab_size=tok.get_vocab_size(), hidden_dim=s["hidden_dim"], rope_theta=s["rope_theta"],
+                       max_seq_len=2048, tie_embeddings=s["tie"])
+    torch.manual_seed(int(torch.randint(0, 10**6, ())))
+    ours = {k: v.normal_(0, 0.2) for k, v in L.Transformer(args).state_dict().items()}
+    save_file({hf: ours[name].contiguous() for hf, name in L.hf_names(2).items()}, f"{root}/model.safetensors")
+    json.dump({"model_type": "llama", "hidden_size": s["dim"], "num_hidden_layers": 2, "num_attention_heads":
+               s["n_heads"], "num_key_value_heads": s["n_kv_heads"], "vocab_size": args.vocab_size,
+               "intermediate_size": s["hidden_dim"], "rms_norm_eps": 1e-5, "rope_theta": s["rope_theta"],
+               "max_position_embeddings": 2048, "tie_word_embeddings": s["tie"]}, open(f"{root}/config.json", "w"))
+    tok.save(f"{root}/tokenizer.json")
+    return root
 
 
 @pytest.fixture(scope="module")
