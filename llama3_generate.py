@@ -1591,7 +1591,8 @@ def main(argv=None):
         sys.exit(2 if rank else f"error: {e}")
     if not args.quiet:
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
+              f"{f' on each of {world} ranks (tensor parallel)' if world > 1 else ''}, {device}, {args.dtype}, "
               f"{args.backend} backend", file=sys.stderr)
     if warm_s is not None and not args.quiet:
         print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]", file=sys.stderr)
