@@ -4,8 +4,8 @@ A fresh random checkpoint of the CLI tests' GQA-4 shape (8 query / 2 KV heads) i
 every KV backend, in pools small enough that requests wait, get preempted (recompute) or swapped out (paged),
 once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
 the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
-ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU the whole
-file takes about N s.
+ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU, shared with
+other agents' tests (load average 4-4.5): 30-46 s by pytest's count, 37-56 s with start-up, 29-33 s of CPU.
 
 On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
 import contextlib
