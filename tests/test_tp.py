@@ -19,9 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import llama3_generate as L
-from safetensors.torch import save_file
 from test_cli_checkpoints import PROMPTS, SHAPES, tokens, train_tokenizer
 
 PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and a half sequences
