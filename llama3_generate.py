@@ -29,9 +29,10 @@ Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Wi
 PyTorch paths.
 
 Top to bottom: the command line's flags (parsed before torch loads, so --help answers at once); the model;
-weights; tokenizers; generate (a static batch through any backend: the lessons' parity tests); the engine
-(SamplingParams, BACKENDS, Seq, Engine); GPU decode (CudaGraphDecoder); the command line (main).
-Benchmarks: tests/bench_engine.py.
+tensor parallelism (--tp N: the model split over N processes); weights; tokenizers; generate (a static batch
+through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine); GPU decode
+(CudaGraphDecoder); the command line (main).
+Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for style;
 nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in permute_qk.
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import base64
 import contextlib
 import gc
@@ -117,6 +119,7 @@ def cli_args(argv=None) -> argparse.Namespace:
         "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
     add("--host", default="127.0.0.1", help="--serve: the address to listen on")
     add("--port", type=int, default=8000, help="--serve: the port to listen on")
+    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
@@ -377,6 +380,111 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
     torch.manual_seed(seed)
     with torch.device(device):
         return Transformer(args).to(dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism: one model over N processes (Megatron-LM's split, as gpt-fast's tp.py beside its model)
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
+#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
+#     those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
+#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
+# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
+# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
+    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    atexit.register(torch.distributed.destroy_process_group)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    a = model.args
+    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
+        lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
+
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
+        torch.distributed.all_reduce(out)
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
+            keep(lin, 0)
+        for lin in (at.wo, ff.w2):
+            keep(lin, 1)
+            lin.register_forward_hook(all_reduce)
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp = (rank, world)
+    return model
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
+def tp_sampled(model, sample, n: int) -> list:
+    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+    schedule). Without TP: sample()."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1 or n == 0:
+        return sample()
+    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+    torch.distributed.broadcast(ids, 0)
+    return ids.tolist()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -984,7 +1092,8 @@ class Engine:
         self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
+        tp = getattr(model, "tp", (0, 1))[1] > 1  # fused batch-1 decode has no all-reduce between its kernels
+        self.graphs = CudaGraphDecoder(self, m04, fused=fused and not tp) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise(m04)
@@ -1065,10 +1174,11 @@ class Engine:
         batch, positions = self.schedule(new)
         samples = [s.samples for s in batch]  # False: a chunk short of its prompt's end
         logits = self.forward(batch, positions, samples)
-        ids = iter(self.sample([s for s, y in zip(batch, samples) if y], logits))  # the host sync of the step
+        rows = [s for s, y in zip(batch, samples) if y]
+        ids = iter(tp_sampled(self.model, lambda: self.sample(rows, logits), len(rows)))  # the step's host sync
         self.count(batch, t0)
         self.sched.postprocess(batch, [[next(ids)] if y else [] for y in samples])
-        self.stream([s for s, y in zip(batch, samples) if y], on_token)
+        self.stream(rows, on_token)
 
     def abort(self, sid: int):
         """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
@@ -1723,9 +1833,14 @@ def serve(args, ready=None):
 
 def main(argv=None):
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
+    if args.serve and max(args.tp, int(os.environ.get("WORLD_SIZE", 1))) > 1:
+        sys.exit("error: --serve runs in one process: not with --tp or torchrun (yet)")
     if args.serve:
         return serve(args)
+    rank = 0
     try:
+        rank, world, device = tp_launch(args, sys.argv[1:] if argv is None or argv is args else argv)
+        args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
         if not all(p.strip() for p in args.prompt):
             raise UserError("empty prompt")
         regex = args.regex
@@ -1740,24 +1855,30 @@ def main(argv=None):
         if args.n > 1 and args.temperature == 0 and not args.quiet:
             print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
                   f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
-        device = parse_device(args.device)
+        device = parse_device(device)
         cpu_threads()
         t0 = time.perf_counter()
-        model, tok = load_model(args.model, device, DTYPES[args.dtype])
+        model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
+        model = shard_model(model, rank, world).to(device) if world > 1 else model  # each GPU holds its shard only
         load_s = time.perf_counter() - t0
-        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+
+        def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
+            ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+            longest = max(map(len, ids)) + args.max_new_tokens
+            return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
+        ids, kv_tokens = tp_share(model, prompts_and_pool)
         longest = max(map(len, ids)) + args.max_new_tokens
-        kv_tokens = kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
         engine = new_engine(args, model, tok, kv_tokens, longest)
         warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
         params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
         for p in ids:
             engine.add(p, params)
     except (UserError, ValueError) as e:  # ValueError: 06 names what is wrong with a regex or schema
-        sys.exit(f"error: {e}")
+        sys.exit(2 if rank else f"error: {e}")
     if not args.quiet:
         print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters, {device}, {args.dtype}, "
+              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
+              f"{f' on each of {world} ranks (tensor parallel)' if world > 1 else ''}, {device}, {args.dtype}, "
               f"{args.backend} backend", file=sys.stderr)
     if warm_s is not None and not args.quiet:
         print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]", file=sys.stderr)
@@ -1779,10 +1900,12 @@ def main(argv=None):
     try:
         outs = engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(2 if rank else f"error: {e}")
     finally:
         if bar:
             bar.close()
+    if rank:
+        return
     if args.json:
         for sid, o in outs.items():
             print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],

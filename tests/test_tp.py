@@ -1,0 +1,163 @@
+"""Tensor parallelism (llama3_generate.py's shard_model): 2 CPU processes over gloo give exactly TP 1's tokens.
+
+A fresh random checkpoint of the CLI tests' GQA-4 shape (8 query / 2 KV heads) is served greedily in fp32 through
+every KV backend, in pools small enough that requests wait, get preempted (recompute) or swapped out (paged),
+once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
+the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
+ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU, shared with
+other agents' tests (load average 5): 40 s by pytest's count, 48 s with start-up, 29 s of CPU.
+
+On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
+import contextlib
+import io
+import json
+import multiprocessing
+import os
+import socket
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import llama3_generate as L
+from test_cli_checkpoints import PROMPTS, SHAPES, tokens, train_tokenizer
+
+PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and a half sequences
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A Hugging Face directory of the CLI tests' GQA-4 shape, tokenizer and weight recipe (2 layers, normal(0, 0.2)
+    weights), fresh each session; written here without transformers, whose import and generate cost seconds."""
+    s, tok, root = SHAPES["gqa4"], train_tokenizer(), str(tmp_path_factory.mktemp("tp"))
+    args = L.ModelArgs(dim=s["dim"], n_layers=2, n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
+                       vocab_size=tok.get_vocab_size(), hidden_dim=s["hidden_dim"], rope_theta=s["rope_theta"],
+                       max_seq_len=2048, tie_embeddings=s["tie"])
+    torch.manual_seed(int(torch.randint(0, 10**6, ())))
+    ours = {k: v.normal_(0, 0.2) for k, v in L.Transformer(args).state_dict().items()}
+    save_file({hf: ours[name].contiguous() for hf, name in L.hf_names(2).items()}, f"{root}/model.safetensors")
+    json.dump({"model_type": "llama", "hidden_size": s["dim"], "num_hidden_layers": 2, "num_attention_heads":
+               s["n_heads"], "num_key_value_heads": s["n_kv_heads"], "vocab_size": args.vocab_size,
+               "intermediate_size": s["hidden_dim"], "rms_norm_eps": 1e-5, "rope_theta": s["rope_theta"],
+               "max_position_embeddings": 2048, "tie_word_embeddings": s["tie"]}, open(f"{root}/config.json", "w"))
+    tok.save(f"{root}/tokenizer.json")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tp1(checkpoint):
+    """(Engine options by name, TP 1's tokens and preemptions for each): every backend, in pools of about one
+    and a half sequences (contiguous: two rows), where requests wait and are preempted (recompute, or swap)."""
+    _, tok = L.load_model(checkpoint)
+    small = max(len(tok.chat(p)) for p in PROMPTS) + MAX_NEW + 24
+    options = {"contiguous": dict(backend="contiguous", kv_tokens=2 * small),
+               "paged-swap": dict(backend="paged", kv_tokens=small, block_size=8, preempt="swap"),
+               "token-recompute": dict(backend="token", kv_tokens=small)}
+    return options, serve(checkpoint, options)
+
+
+def serve(path, options, device="cpu"):
+    """Every config's greedy tokens and preemptions: TP 1 here, or one rank of TP N under torch.distributed."""
+    model, tok = L.load_model(path, device)
+    if torch.distributed.is_initialized():  # a rank
+        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    out = {}
+    for name, kw in options.items():
+        e = L.Engine(model, tok, **kw)
+        for p in PROMPTS:
+            e.add(tok.chat(p), L.SamplingParams(max_new_tokens=MAX_NEW))
+        out[name] = dict(tokens=list(e.run().values()), preemptions=e.stats["preemptions"],
+                         kv_heads=e.kv.layer_pools(0)[0].shape[1])  # the heads this process's KV pool holds
+    return out
+
+
+def rank_main(rank, world, port, result, fn, args):
+    """One rank, as torchrun starts it (its environment): fn(*args), its result saved for the test."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    json.dump(fn(*args), open(f"{result}.{rank}", "w"))
+
+
+def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
+    """fn(*args) in `world` fresh processes; each rank's result. A rank that fails or hangs fails the test."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # forked on Linux CPUs: the ranks start with torch and the model's code imported (CUDA does not survive a fork)
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" and device == "cpu" else "spawn")
+    result = str(tmp_path / "rank")
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, result, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    hung = [p.pid for p in procs if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung and all(p.exitcode == 0 for p in procs), ("ranks failed or hung", [p.exitcode for p in procs])
+    return [json.load(open(f"{result}.{r}")) for r in range(world)]
+
+
+def serve_rank(path, options, device="cpu"):
+    """serve() as one rank of a group joined by the command line's own tp_launch (gloo, or NCCL on GPUs)."""
+    L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])
+    return serve(path, options, device)
+
+
+def cli_rank(*argv):
+    """`torchrun --nproc-per-node N llama3_generate.py ARGV`, this rank's part: main(argv); (stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        L.main(list(argv))
+    return out.getvalue(), err.getvalue()
+
+
+def test_two_gloo_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path):
+    options, want = tp1
+    got, _ = run_ranks(2, serve_rank, checkpoint, options, tmp_path=tmp_path)
+    for name in options:  # each rank's pool holds half the KV heads, of any backend
+        assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2) and got[name]["kv_heads"], name
+    assert want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
+
+
+def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
+    """The command line in 2 ranks: rank 0 tokenizes, sizes the pool, samples and prints; rank 1 says nothing."""
+    options, want = tp1
+    (out, err), quiet = run_ranks(2, cli_rank, "--model", checkpoint, "--json", "--max-new-tokens", str(MAX_NEW),
+                                  "--kv-tokens", str(options["token-recompute"]["kv_tokens"]), *PROMPTS,
+                                  tmp_path=tmp_path)
+    outs = [json.loads(line) for line in out.splitlines()]
+    assert tokens(outs) == want["token-recompute"]["tokens"] and "preemption" in err
+    assert quiet == ["", ""]
+
+
+def test_tp_flag_starts_ranks_and_one_speaks(capfd):
+    """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
+    refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
+    with pytest.raises(SystemExit) as e:
+        L.main(["--tp", "2", "--device", "tpu", "Hi"])
+    err = capfd.readouterr().err
+    assert e.value.code == 1 and err.strip() == "error: unknown device 'tpu' (try cpu or cuda)", err
+
+
+def test_heads_that_do_not_split_are_refused():
+    """SmolLM2's attention (9 query / 3 KV heads) over 2 ranks: one line naming the head counts, nothing changed."""
+    model = L.random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
+        L.shard_model(model, 0, 2)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
+    """The same on 2 GPUs over NCCL: 04's kernels, CUDA graphs capturing the all-reduces, greedy multi-step."""
+    options, _ = tp1
+    want = serve(checkpoint, options, "cuda")
+    got, _ = run_ranks(2, serve_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
+    for name in options:
+        assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2), name
