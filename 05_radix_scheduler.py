@@ -91,13 +91,19 @@ def _common(edge, key, i):
 
 
 class RadixCache:
-    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for bookkeeping)."""
+    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for bookkeeping).
+    page: tokens per key unit (02's block_size; 1: one token). Edges, matches, inserts and evictions come in whole
+    pages, children are keyed by their first page, and a page's slots are one block of 02's pool (BlockRefs), so a
+    prefix is shared only up to its last full page: SGLang's radix cache with page_size > 1."""
 
-    def __init__(self, allocator=None):
-        self.allocator, self.clock, self.serial = allocator, 0, 0
+    def __init__(self, allocator=None, page=1):
+        self.allocator, self.clock, self.serial, self.page = allocator, 0, 0, page
         self.root = Node()
         self.root.lock_ref = 1  # never evicted
         self.evictable, self.protected = 0, 0  # tokens under unlocked / locked nodes
+
+    def _first(self, key, i):  # the child key of an edge starting at key[i]: its first token, or page
+        return key[i] if self.page == 1 else key[i:i + self.page]
 
     def evictable_size(self) -> int:
         return self.evictable
@@ -109,18 +115,19 @@ class RadixCache:
         """Cut child's edge after n tokens: parent -> new[:n] -> child[n:]. Sizes and locks are unchanged."""
         self.serial += 1
         new = Node(child.key[:n], child.value[:n], child.parent, self.serial)
-        new.lock_ref, new.last_access, new.children = child.lock_ref, child.last_access, {child.key[n]: child}
-        child.parent.children[child.key[0]] = new
+        new.lock_ref, new.last_access = child.lock_ref, child.last_access
+        new.children = {self._first(child.key, n): child}
+        child.parent.children[self._first(child.key, 0)] = new
         child.key, child.value, child.parent = child.key[n:], child.value[n:], new
         return new
 
     def _walk(self, key):
-        """Follow key down the tree (splitting an edge the match ends inside); returns (matched values, last node)."""
+        """Follow key (whole pages) down the tree (splitting an edge the match ends inside, at a page boundary);
+        returns (matched values, last node)."""
         self.clock += 1
         node, values, i = self.root, [], 0
-        while i < len(key) and key[i] in node.children:
-            child = node.children[key[i]]
-            n = _common(child.key, key, i)
+        while i < len(key) and (child := node.children.get(self._first(key, i))) is not None:
+            n = _common(child.key, key, i) // self.page * self.page  # >= one page: the child's key is its first
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self.clock
@@ -132,15 +139,16 @@ class RadixCache:
         """(slots LongTensor (m,), last node) of the longest cached prefix. compute_last: match at most len - 1
         tokens, so at least one token is computed and gives the logits of the next token."""
         key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)
-        values, node = self._walk(key)
+        values, node = self._walk(key[:len(key) // self.page * self.page])
         slots = torch.cat(values) if len(values) > 1 else values[0] if values else torch.empty(0, dtype=torch.long)
         return slots, node
 
     def insert(self, tokens, slots=None) -> int:
-        """Cache tokens -> slots (LongTensor (len,)); returns how many leading tokens were already cached. The tree
+        """Cache tokens -> slots (LongTensor (len,)), their full pages only (the partial last one stays the caller's,
+        recomputed by whoever needs it); returns how many leading tokens were already cached. The tree
         takes its own reference (inc_ref) on the slots it stores; the caller then releases its references as usual,
         which frees its duplicate slots (the first `returned` ones it computed itself)."""
-        key = tuple(tokens)
+        key = tuple(tokens[:len(tokens) // self.page * self.page])
         slots = torch.as_tensor(key, dtype=torch.long) if slots is None else slots[:len(key)]
         values, node = self._walk(key)
         n = sum(len(v) for v in values)
@@ -148,7 +156,7 @@ class RadixCache:
             self.serial += 1
             leaf = Node(key[n:], slots[n:].clone(), node, self.serial)
             leaf.last_access = self.clock
-            node.children[key[n]] = leaf
+            node.children[self._first(key, n)] = leaf
             self.evictable += len(leaf.key)
             if self.allocator is not None:
                 self.allocator.inc_ref(leaf.value)
@@ -173,7 +181,7 @@ class RadixCache:
             freed += len(x.key)
             self.evictable -= len(x.key)
             parent = x.parent
-            del parent.children[x.key[0]]
+            del parent.children[self._first(x.key, 0)]
             if not parent.children and parent.lock_ref == 0:  # a parent left childless is the next candidate
                 heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         return freed
@@ -213,17 +221,21 @@ class RadixCache:
             kids = node.children
             assert node is self.root or node.lock_ref >= sum(c.lock_ref for c in kids.values()), "locks not nested"
             for t, c in kids.items():
-                assert c.parent is node and len(c.key) > 0 and c.key[0] == t, "bad edge"
+                assert c.parent is node and len(c.key) > 0 and self._first(c.key, 0) == t, "bad edge"
+                assert len(c.key) % self.page == 0, "an edge holds a partial page"
                 assert len(c.key) == len(c.value), "edge and value lengths differ"
                 sizes[c.lock_ref > 0] += len(c.key)
                 slots.append(c.value)
         assert sizes == [self.evictable, self.protected], f"sizes {sizes} != {[self.evictable, self.protected]}"
         if self.allocator is None:
             return
-        a = self.allocator
+        a, P = self.allocator, self.page
         tree = torch.cat(slots).to(a.device) if slots else torch.empty(0, dtype=torch.long, device=a.device)
         assert tree.unique().numel() == tree.numel(), "a slot appears twice in the tree"
-        want = torch.bincount(torch.cat([tree, *[h.to(a.device) for h in held]]), minlength=a.size)
+        pages = tree.view(-1, P)  # (pages, P): each must be one block's P slots, in order
+        assert torch.equal(pages, pages[:, :1] + torch.arange(P, device=a.device)), "a page is not one whole block"
+        units = [x.to(a.device)[::P] // P for x in (tree, *held)]  # refcounted units: slots, or 02's blocks
+        want = torch.bincount(torch.cat(units), minlength=a.size)
         assert torch.equal(want.int(), a.mem_state), "refcounts != tree + running requests"
         assert int((want > 0).sum()) + a.available() == a.size, "tree + request slots + free != pool size"
         a.check()
@@ -334,7 +346,7 @@ class Scheduler(P02.Scheduler):
         if reserve and not radix:
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
-        self.tree = RadixCache(kv.allocator) if radix else None
+        self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
@@ -421,7 +433,7 @@ class Scheduler(P02.Scheduler):
             delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
-                need = extend + r.max_new - 1 if self.reserve else -(-extend // block) * block
+                need = -(-(extend + (r.max_new - 1 if self.reserve else 0)) // block) * block  # whole pages
                 if need > budget + delta and (self.reserve or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
