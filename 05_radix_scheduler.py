@@ -600,10 +600,12 @@ def optimal_prefill(reqs):
     return size - decoded
 
 
-def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False):
-    """Run a token-only workload through a TokenKVCache without KV tensors (1 layer, 1 head, head_dim 1)."""
+def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False, page=1):
+    """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed by pages)
+    without KV tensors (1 layer, 1 head, head_dim 1)."""
     longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-    kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest)
+    kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else P02.PagedKVCache(
+        1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed)
     made = []
     for prompt, out, after in reqs:
@@ -713,6 +715,13 @@ def main(argv=None):
             w["cache_sizes"][size] = runs
         w["hit_rate"] = {p: float(np.mean([runs[p]["hit_rate"] for runs in w["cache_sizes"].values()]))
                          for p in policies}  # mean over the pool sizes
+    if "generated-shared-prefix" in report:  # pages: a prefix is shared up to its last full page
+        w, build, small, full = report["generated-shared-prefix"], *WORKLOADS["generated-shared-prefix"]
+        kw = full if args.full else small  # a prefix no page divides, as a real document's length
+        reqs = build(np.random.default_rng(args.seed), **{**kw, "prefix": kw.get("prefix", 2048) - 37})
+        w["pages"] = {P: simulate(reqs, max(w["cache_sizes"]), "lpm", args.max_running, page=P)["hit_rate"]
+                      for P in (1, 16, 256)}
+        w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
     chunking = chunking_timeline()
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
     first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
@@ -733,6 +742,9 @@ def main(argv=None):
             for p, r in runs.items():
                 print(f"  {size:>10}  {p:<11}{r['hit_rate']:>9.1%}{r['of_optimal']:>11.1%}{r['prefill_tokens']:>12}"
                       f"{r['evicted_tokens']:>9}{r['steps']:>7}")
+        if "pages" in w:
+            print(f"  pages, lpm, prefix {kw.get('prefix', 2048) - 37}: hit rate " + ", ".join(
+                f"{h:.1%} at page {P}" for P, h in w["pages"].items()) + f" (optimal {w['pages_optimal']:.1%})")
     c = chunking
     print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
           f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")
