@@ -10,63 +10,81 @@ import torch
 
 R = importlib.import_module("05_radix_scheduler")
 T = importlib.import_module("03_token_allocator")
+P02 = importlib.import_module("02_paged_cache_manager")
 
 
 class Brute:
-    """Every cached prefix (tuple) -> the slot of its last token. A radix tree is a compressed version of this."""
+    """Every cached prefix of whole pages (tuple) -> the slots of its last page (P = 1: of its last token). A radix
+    tree is a compressed version of this."""
 
-    def __init__(self):
-        self.slot = {}
+    def __init__(self, page=1):
+        self.slot, self.page = {}, page
 
     def lcp(self, seq):
         n = 0
-        while n < len(seq) and tuple(seq[:n + 1]) in self.slot:
-            n += 1
+        while n + self.page <= len(seq) and tuple(seq[:n + self.page]) in self.slot:
+            n += self.page
         return n
 
     def insert(self, seq, slots):
-        n = self.lcp(seq)
-        for i in range(n, len(seq)):
-            self.slot[tuple(seq[:i + 1])] = slots[i]
+        n, P = self.lcp(seq), self.page
+        for i in range(n, len(seq) // P * P, P):
+            self.slot[tuple(seq[:i + P])] = tuple(slots[i:i + P])
         return n
 
     def match(self, seq, compute_last=True):
         k = self.lcp(seq[:len(seq) - 1] if compute_last else seq)
-        return [self.slot[tuple(seq[:i + 1])] for i in range(k)]
+        return [x for i in range(self.page, k + 1, self.page) for x in self.slot[tuple(seq[:i])]]
 
     def keep(self, live):
-        """Drop the prefixes whose slot was freed; what remains must still be closed under taking prefixes."""
-        self.slot = {k: s for k, s in self.slot.items() if s in live}
-        assert all(len(k) == 1 or k[:-1] in self.slot for k in self.slot), "eviction left a hole in a path"
+        """Drop the prefixes whose slots were freed; what remains must still be closed under taking prefixes."""
+        self.slot = {k: s for k, s in self.slot.items() if s[0] in live}
+        assert all(len(k) == self.page or k[:-self.page] in self.slot for k in self.slot), "a hole in a path"
+
+    def tokens(self):
+        return len(self.slot) * self.page
 
 
-def live_slots(alloc):
-    return set(torch.nonzero(alloc.mem_state).flatten().tolist())
+def live_slots(alloc, page=1):
+    """Slots in use: 03's referenced slots, or every slot of 02's referenced blocks."""
+    return {b * page + i for b in torch.nonzero(alloc.mem_state).flatten().tolist() for i in range(page)}
+
+
+def pool(page, tokens, rows=4):
+    """A KV-less backend for the tree: 03's token pool (page 1) or 02's blocks of `page` tokens."""
+    if page == 1:
+        return T.TokenKVCache(1, tokens, 1, 1, rows, tokens)
+    return P02.PagedKVCache(1, tokens // page, page, 1, 1, watermark=0, max_seqs=rows)
 
 
 def random_seq(rng, vocab, lo=1, hi=24):
     return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
 
 
-def insert_new(tree, alloc, seq):
+def insert_new(tree, kv, seq):
     """What a finished request does: its own slots, insert, then drop its references (duplicates are freed)."""
-    slots = alloc.alloc(len(seq))
+    kv.prepare(["new"], [len(seq)])
+    slots = kv.slots("new")
     n = tree.insert(seq, slots)
-    alloc.free(slots)
+    kv.free("new")
     return n, slots
 
 
+@pytest.mark.parametrize("page", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_match_insert_evict_lock_vs_brute_force(seed):
-    rng = random.Random(seed)
+def test_match_insert_evict_lock_vs_brute_force(seed, page):
+    """Pages of 1 (03's slots) and of 2 and 4 tokens (02's blocks): after every random op the tree answers as the
+    brute-force dictionary, evicts exactly the slots it says, and refcounts + free count add up (check)."""
+    rng = random.Random(seed * 7 + page)
     vocab = rng.choice([2, 3, 5])  # tiny vocabularies: lots of shared prefixes and mid-edge splits
-    alloc = T.TokenAllocator(600)
-    tree, brute, seqs, locks = R.RadixCache(alloc), Brute(), [], []
+    kv = pool(page, 600)
+    alloc = kv.allocator
+    tree, brute, seqs, locks, longest = R.RadixCache(alloc, page), Brute(page), [], [], 0
     for op in range(500):
         kind = rng.random()
-        if kind < 0.4 and alloc.available() >= 24:
+        if kind < 0.4 and alloc.available() * page >= 24 + page:
             seq = random_seq(rng, vocab)
-            n, slots = insert_new(tree, alloc, seq)
+            n, slots = insert_new(tree, kv, seq)
             assert n == brute.insert(seq, slots.tolist())
             seqs.append(seq)
         elif kind < 0.7:
@@ -75,29 +93,31 @@ def test_match_insert_evict_lock_vs_brute_force(seed):
             slots, node = tree.match_prefix(seq, compute_last)
             want = brute.match(seq, compute_last)
             assert slots.tolist() == want
+            longest = max(longest, len(want))
             assert len(want) <= len(seq) - compute_last  # one token is always left to compute
             if rng.random() < 0.3 and want:  # lock it, like a running request
                 before = tree.protected_size()
                 delta = tree.inc_lock_ref(node)
                 assert tree.protected_size() - before == -delta
-                locks.append((node, [tuple(seq[:i + 1]) for i in range(len(want))]))
+                locks.append((node, [tuple(seq[:i]) for i in range(page, len(want) + 1, page)]))
         elif kind < 0.8 and locks:
             node, _ = locks.pop(rng.randrange(len(locks)))
             tree.dec_lock_ref(node)
-        else:
+        elif rng.random() < 0.5:  # (half the time: the tree grows deep enough to match several pages)
             n = rng.randint(1, 80)
-            before, evictable = live_slots(alloc), tree.evictable_size()
+            before, evictable = live_slots(alloc, page), tree.evictable_size()
             freed = tree.evict(n)
-            after = live_slots(alloc)
+            after = live_slots(alloc, page)
             assert after <= before and len(before - after) == freed  # exactly the removed slots went back
             assert freed >= min(n, evictable) and (freed >= n or tree.evictable_size() == 0)
             brute.keep(after)
         locked = {p for _, ps in locks for p in ps}
         assert all(p in brute.slot for p in locked), "a locked prefix was evicted"
-        assert tree.protected_size() == len(locked)
-        assert tree.evictable_size() + tree.protected_size() == len(brute.slot)
+        assert tree.protected_size() == len(locked) * page
+        assert tree.evictable_size() + tree.protected_size() == brute.tokens()
         tree.check()  # integrity after every op: refcounts == tree, tree + free == pool
-    assert alloc.available() + len(brute.slot) == alloc.size
+    assert alloc.available() * page + brute.tokens() == alloc.size * page
+    assert longest >= 3 * page  # the test matched several pages
     for node, _ in locks:
         tree.dec_lock_ref(node)
     tree.evict(10**9)
@@ -105,11 +125,12 @@ def test_match_insert_evict_lock_vs_brute_force(seed):
 
 
 def test_split_lru_order_and_pretty_print():
-    alloc = T.TokenAllocator(64)
+    kv = pool(1, 64)
+    alloc = kv.allocator
     tree = R.RadixCache(alloc)
-    insert_new(tree, alloc, [1, 2, 3, 4, 5])
-    _, b = insert_new(tree, alloc, [7, 8, 9])
-    insert_new(tree, alloc, [6, 6])
+    insert_new(tree, kv, [1, 2, 3, 4, 5])
+    _, b = insert_new(tree, kv, [7, 8, 9])
+    insert_new(tree, kv, [6, 6])
     slots, node = tree.match_prefix([1, 2, 3, 9])  # ends inside the edge [1..5]: split it
     assert node.key == (1, 2, 3) and len(slots) == 3 and node.children[4].key == (4, 5)
     text = tree.pretty_print()
