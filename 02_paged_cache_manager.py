@@ -561,7 +561,9 @@ class Scheduler:
                     r.in_kv = True
                 return batch, positions
             except OutOfBlocks:
-                if self.make_room(sum(r.n_new for r in batch)) > 0:
+                m, n = self.m, [r.n_new for r in batch]  # tokens to fit (with blocks: the whole blocks they take)
+                n = sum(n) if m is None else m.batch_blocks_needed([r.rid for r in batch], n) * m.block_size
+                if self.make_room(n) > 0:
                     continue
                 if len(batch) == 1 and all(r is batch[0] for r in self.running):  # alone, after every eviction
                     raise OutOfBlocks(f"request {batch[0].rid} needs more KV than the whole pool holds") from None

@@ -190,13 +190,15 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, **options):
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
     """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
     pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
     every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
-    siblings and follow-ups all included), and the refcounts must match the tree + the running requests."""
+    siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
+    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference)."""
     longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest)
+    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
+        P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
     made = []
     for prompt, out, after in reqs:
@@ -240,7 +242,8 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
         if s.chunked:  # its chunks are in the tree as they are computed, under its lock (which may lie deeper: a
             r = s.chunked  # preempted request recomputing its output matched some of that output in the tree)
             locked = key_of(r.node)
-            assert locked == tuple(r.tokens[:len(locked)]) and min(r.kv_len, len(r.prompt)) <= len(locked) <= r.kv_len
+            least = min(r.kv_len, len(r.prompt)) // page * page  # pages: its full pages only
+            assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
             assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
@@ -255,7 +258,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
         s.step(forward)
         check()
     assert [r.output for r in made] == [o for _, o, _ in reqs]
-    assert kv.allocator.available() + s.tree.evictable_size() == pool
+    assert kv.allocator.available() * page + s.tree.evictable_size() == pool * page
     return s
 
 
@@ -310,6 +313,27 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     assert (totals["preemptions"] > 0) != reserve  # reserving up front never preempts; the engine's way does
     assert (totals["cut"] > 0) == chunked
     assert (totals["cut_preempted"] > 0) == (chunked and mixed and not reserve)  # mixed: decodes outgrow the pool
+
+
+@pytest.mark.parametrize("page", [2, 4])
+@pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, True)],
+                         ids=["paper", "engine", "mixed-chunked"])
+def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
+    """The same brute-force check over 02's blocks with the tree keyed by pages: every request finishes with its
+    own tokens, each running request's and each tree page's slots hold their prefixes' KV, and refcounts + free
+    blocks add up after every step, through shared pages, evictions, n > 1 siblings and preemptions."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    cached = pages = 0
+    for _ in range(60):
+        reqs = random_workload(rng, vocab=2, prompt_max=12)
+        blocks = -(-max(len(p) + len(o) - 1 for p, o, _ in reqs) // page) + int(rng.integers(0, 4))
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        chunk = dict(chunk_tokens=int(rng.integers(1, 7))) if chunked else {}
+        s = run_checking_every_slot(reqs, blocks, policy, int(rng.integers(1, 5)), page=page, reserve=reserve,
+                                    mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)), **chunk)
+        cached += s.stats["cached_tokens"]
+        pages += sum(e.tokens % page for e in s.events if e.kind == "admit")  # a hit is whole pages
+    assert cached > 0 and pages == 0
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
