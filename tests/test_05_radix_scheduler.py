@@ -466,3 +466,42 @@ def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
             assert len(a) == len(b) == len(seq)
             for pool in ("k_pool", "v_pool"):
                 torch.testing.assert_close(getattr(s1.kv, pool)[:, b], getattr(s0.kv, pool)[:, a])
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
+    """A random fp32 model through the scheduler over 03's slots (page 1) or 02's blocks of `page` tokens, with a
+    pool small enough to evict and preempt: the same greedy tokens as without the cache (and as 01's contiguous
+    cache), hits of whole pages only, and every cached page holds the K, V that a fresh prefill of its path,
+    alone in a new pool, computes."""
+    import llama3_generate as L
+    C = importlib.import_module("01_kv_cache")
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                                      max_seq_len=512)).eval()
+    shared = [rng.randrange(97) for _ in range(rng.randint(40, 70))]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(97) for _ in range(rng.randint(20, 60))], list(prompts[0]), prompts[1] + shared]
+
+    def run(radix):
+        tokens = 192  # the longest request and a little more: the rest wait, prefixes are evicted
+        kv = T.TokenKVCache.for_model(model, tokens, 4) if page == 1 else \
+            P02.PagedKVCache.for_model(model, tokens // page, page, watermark=0, max_seqs=4)
+        sched = R.Scheduler(kv, "lpm", 3, radix=radix, reserve=False)
+        return R.generate_cached(model, prompts, 8, sched=sched)
+    want = L.generate(model, C.ContiguousKVCache.for_model(model, len(prompts), 256), prompts, 8)
+    (got, s), (plain, s0) = run(True), run(False)
+    assert got == plain == want
+    assert s.stats["cached_tokens"] >= 2 * (len(shared) // page * page - page) and s0.stats["cached_tokens"] == 0
+    assert all(e.tokens % page == 0 for e in s.events if e.kind == "admit") and s.stats["evicted_tokens"] > 0
+    s.check()
+    for path in leaf_paths(s.tree):
+        slots = s.tree.match_prefix(path, compute_last=False)[0]
+        assert len(path) % page == 0 and len(slots) == len(path)
+        fresh = T.TokenKVCache.for_model(model, len(path), 1)
+        with torch.no_grad():
+            model(torch.tensor(path), fresh.prepare([0], [len(path)]), fresh, logits_at=torch.tensor([len(path) - 1]))
+        for layer in range(model.args.n_layers):
+            for got_pool, want_pool in zip(s.kv.layer_pools(layer), fresh.layer_pools(layer)):
+                torch.testing.assert_close(got_pool[slots], want_pool[fresh.slots(0)])
