@@ -507,9 +507,11 @@ class Scheduler:
         self.events, self.finished, self.decode_log = [], [], []
 
     def swap_in(self):
-        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again)."""
-        while self.swapped and len(self.running) < self.max_running and self.m.can_allocate(
-                self.swapped[0][0].kv_len, alone=not self.running):
+        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again); 05's
+        cached prefixes are evicted to make them fit."""
+        fits = lambda n: self.m.can_allocate(n, alone=not self.running)
+        while self.swapped and len(self.running) < self.max_running and (fits(n := self.swapped[0][0].kv_len) or (
+                self.make_room(cdiv(n, self.m.block_size) * self.m.block_size) and fits(n))):
             req, saved = self.swapped.popleft()
             self.kv.swap_in(req.rid, saved)
             req.in_kv = True

@@ -472,6 +472,13 @@ class Scheduler(P02.Scheduler):
             self.log("evict", None, evicted)
         return evicted
 
+    def preempt(self, r):
+        """02's preemption; swap: r's KV goes to CPU memory (private blocks when it comes back), so its path unlocks."""
+        if self.preempt_mode == "swap" and self.tree is not None:
+            self.tree.dec_lock_ref(r.node)
+            r.node = self.tree.root
+        super().preempt(r)
+
     def computed(self, r, n):
         """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
         still prefills or decodes (the engine calls this too, once per token of a multi-step chunk)."""
