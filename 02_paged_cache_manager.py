@@ -178,9 +178,7 @@ class BlockRefs:
 
     def __init__(self, manager, device):
         self.m, self.size, self.device = manager, manager.num_blocks, device
-
-    def available(self) -> int:
-        return self.m.num_free
+        self.available, self.check = lambda: manager.num_free, manager.check  # free blocks; 02's invariants
 
     def _blocks(self, slots):
         return (torch.as_tensor(slots)[::self.m.block_size] // self.m.block_size).tolist()
@@ -197,9 +195,6 @@ class BlockRefs:
     @property
     def mem_state(self):  # (num_blocks,) int32 refcounts, as 03's
         return torch.tensor(self.m.ref_count, dtype=torch.int32, device=self.device)
-
-    def check(self):
-        self.m.check()
 
 
 @functools.cache

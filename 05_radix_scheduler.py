@@ -16,6 +16,10 @@ request locks the path it uses (lock_ref counts on every node up to the root).
                                                                               '- [Q2 B1]  <- LRU leaf: evicted first
     Values: each edge's tokens map to slot ids in 03's TokenAllocator pool; the tree holds one reference per slot.
 
+Pages: the same tree runs over 02's blocks (page = block_size): edges, matches and evictions come in whole pages, a
+hit adds the tree's blocks to the request's block table by reference, and a prefix is shared only up to its last full
+page (its partial last page is recomputed) -- SGLang's page_size > 1. The report's pages row shows what that costs.
+
 Hit rate = cached prompt tokens / all prompt tokens (1 - prefill tokens computed / prompt tokens). Lower bound: every
 token of the workload's prompt tree must be computed at least once, so prefill C >= sum of the edge lengths of that
 tree (not counting tokens a request's decode already produced: the previous turns of a chat). The optimal hit rate
@@ -319,7 +323,7 @@ IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one adm
 
 
 class Scheduler(P02.Scheduler):
-    """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its step loop:
+    """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
                     ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
@@ -332,7 +336,7 @@ class Scheduler(P02.Scheduler):
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
                     goes first), its KV and its tree path growing chunk by chunk. None: a prompt runs whole
                     (max_prefill_tokens bounds a step, but the first request admitted is taken whatever its size).
-      radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs.
+      radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
       prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d    every stream waits for all of L
