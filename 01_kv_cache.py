@@ -110,7 +110,7 @@ class KVCache:
     page: int
     table: torch.Tensor               # (rows, pages per row) int32
     decode_attn = extend_attn = None  # 04's kernels (use_kernels); None: the PyTorch path through the table
-    shares_prefixes = False           # 05's radix tree may share its slots between requests (03's pool)
+    shares_prefixes = False           # 05's radix tree may share its slots between requests (03's pool, 02's blocks)
 
     def prepare(self, seq_ids, n_new) -> torch.Tensor:
         """Room for n_new[i] more tokens of seq_ids[i], all or nothing (02's OutOfBlocks when full, nothing

@@ -69,6 +69,7 @@ class BlockManager:
         self.ref_count = [0] * num_blocks
         self.block_tables: dict = {}  # seq_id -> [physical block of logical block 0, 1, ...]
         self.num_tokens: dict = {}    # seq_id -> tokens stored
+        self.cached = Counter()       # block -> references a prefix cache holds (05's radix tree, through BlockRefs)
 
     @property
     def num_free(self) -> int:
@@ -156,7 +157,7 @@ class BlockManager:
 
     def check(self) -> bool:
         """The invariants: free + used == total, refcount == number of owning tables, tables sized to their tokens."""
-        owners = Counter(b for t in self.block_tables.values() for b in t)
+        owners = Counter(b for t in self.block_tables.values() for b in t) + self.cached
         used = sum(c > 0 for c in self.ref_count)
         problems = [msg for bad, msg in [
             (len(set(self.free_blocks)) != self.num_free or any(self.ref_count[b] for b in self.free_blocks),
@@ -169,6 +170,31 @@ class BlockManager:
         if problems:
             raise AssertionError("block manager corrupted: " + "; ".join(problems))
         return True
+
+
+class BlockRefs:
+    """The blocks as 05's radix tree sees a pool (03's TokenAllocator: available, inc_ref, free, mem_state): it holds
+    one reference per cached page, a page being one whole block named by its slots (block * block_size + i)."""
+
+    def __init__(self, manager, device):
+        self.m, self.size, self.device = manager, manager.num_blocks, device
+        self.available, self.check = lambda: manager.num_free, manager.check  # free blocks; 02's invariants
+
+    def _blocks(self, slots):
+        return (torch.as_tensor(slots)[::self.m.block_size] // self.m.block_size).tolist()
+
+    def inc_ref(self, slots):
+        for b in self._blocks(slots):
+            self.m.ref_count[b], self.m.cached[b] = self.m.ref_count[b] + 1, self.m.cached[b] + 1
+
+    def free(self, slots):
+        for b in self._blocks(slots):
+            self.m.cached[b] -= 1
+            self.m._release(b)
+
+    @property
+    def mem_state(self):  # (num_blocks,) int32 refcounts, as 03's
+        return torch.tensor(self.m.ref_count, dtype=torch.int32, device=self.device)
 
 
 @functools.cache
@@ -225,7 +251,9 @@ class PagedKVCache(kv01.KVCache):
     what flash-attn and 04's kernels read, and what the engine's CUDA graphs capture. The BlockManager stays the
     truth; each step writes to the device only what changed since the last (new block ids, and the block a
     copy-on-write replaced), never whole tables from lists. Unused entries are never read (lengths bound every
-    read); tests poison them to prove it."""
+    read); tests poison them to prove it. 05's radix tree shares whole blocks by reference (add_prefix, share_prefix
+    and BlockRefs: its own reference per cached block); a prompt's partial last block is recomputed, never shared."""
+    shares_prefixes = True
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
                  watermark=0.01, path="auto", max_seqs=256, max_seq_len=None):
@@ -242,6 +270,7 @@ class PagedKVCache(kv01.KVCache):
         self.rows = {}            # seq_id -> its row of self.table
         self.written = {}         # row -> (blocks the device row holds, the last of them): what the next write skips
         self.lens = self.manager.num_tokens  # seq_id -> tokens stored (the manager's own dict)
+        self.allocator = BlockRefs(self.manager, self.device)  # what 05's radix tree holds references through
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw):
@@ -341,6 +370,30 @@ class PagedKVCache(kv01.KVCache):
 
     def _blocks(self, seq_id):
         return torch.tensor(self.manager.block_tables[seq_id], dtype=torch.long, device=self.device)
+
+    def slots(self, seq_id) -> torch.Tensor:
+        """The sequence's slot per token (block * block_size + i), LongTensor (len,): what 05's radix tree stores."""
+        blocks, B = self._blocks(seq_id), self.block_size
+        return (blocks[:, None] * B + torch.arange(B, device=self.device)).flatten()[:self.lens[seq_id]]  # (len,)
+
+    def add_prefix(self, seq_id, slots):
+        """Start seq_id on cached whole blocks (05's tree hands out full pages only): one more reference each."""
+        if seq_id in self.lens:
+            raise ValueError(f"add_prefix: sequence {seq_id!r} already exists")
+        self.manager.block_tables[seq_id], self.lens[seq_id] = [], len(slots)
+        for b in self.allocator._blocks(slots):
+            self.manager.block_tables[seq_id].append(b)
+            self.manager.ref_count[b] += 1
+
+    def share_prefix(self, seq_id, slots):
+        """Point seq_id's first blocks at the cache's copies of the same tokens; its own duplicates go back now."""
+        table = self.manager.block_tables[seq_id]
+        for i, b in enumerate(self.allocator._blocks(slots)):
+            if table[i] != b:
+                self.manager.ref_count[b] += 1
+                self.manager._release(table[i])
+                table[i] = b
+                self.written[self.rows[seq_id]] = (0, None)  # its device row is written afresh at the next prepare
 
     def gather(self, seq_id, layer):
         """(tokens, Hkv, D) K and V of one sequence, in order (for tests and pictures)."""
@@ -449,9 +502,11 @@ class Scheduler:
         self.events, self.finished, self.decode_log = [], [], []
 
     def swap_in(self):
-        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again)."""
-        while self.swapped and len(self.running) < self.max_running and self.m.can_allocate(
-                self.swapped[0][0].kv_len, alone=not self.running):
+        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again); 05's
+        cached prefixes are evicted to make them fit."""
+        fits = lambda n: self.m.can_allocate(n, alone=not self.running)
+        while self.swapped and len(self.running) < self.max_running and (fits(n := self.swapped[0][0].kv_len) or (
+                self.make_room(cdiv(n, self.m.block_size) * self.m.block_size) and fits(n))):
             req, saved = self.swapped.popleft()
             self.kv.swap_in(req.rid, saved)
             req.in_kv = True
@@ -503,7 +558,9 @@ class Scheduler:
                     r.in_kv = True
                 return batch, positions
             except OutOfBlocks:
-                if self.make_room(sum(r.n_new for r in batch)) > 0:
+                m, n = self.m, [r.n_new for r in batch]  # tokens to fit (with blocks: the whole blocks they take)
+                n = sum(n) if m is None else m.batch_blocks_needed([r.rid for r in batch], n) * m.block_size
+                if self.make_room(n) > 0:
                     continue
                 if len(batch) == 1 and all(r is batch[0] for r in self.running):  # alone, after every eviction
                     raise OutOfBlocks(f"request {batch[0].rid} needs more KV than the whole pool holds") from None

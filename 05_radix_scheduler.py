@@ -16,6 +16,10 @@ request locks the path it uses (lock_ref counts on every node up to the root).
                                                                               '- [Q2 B1]  <- LRU leaf: evicted first
     Values: each edge's tokens map to slot ids in 03's TokenAllocator pool; the tree holds one reference per slot.
 
+Pages: the same tree runs over 02's blocks (page = block_size): edges, matches and evictions come in whole pages, a
+hit adds the tree's blocks to the request's block table by reference, and a prefix is shared only up to its last full
+page (its partial last page is recomputed) -- SGLang's page_size > 1. The report's pages row shows what that costs.
+
 Hit rate = cached prompt tokens / all prompt tokens (1 - prefill tokens computed / prompt tokens). Lower bound: every
 token of the workload's prompt tree must be computed at least once, so prefill C >= sum of the edge lengths of that
 tree (not counting tokens a request's decode already produced: the previous turns of a chat). The optimal hit rate
@@ -91,13 +95,19 @@ def _common(edge, key, i):
 
 
 class RadixCache:
-    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for bookkeeping)."""
+    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for bookkeeping).
+    page: tokens per key unit (02's block_size; 1: one token). Edges, matches, inserts and evictions come in whole
+    pages, children are keyed by their first page, and a page's slots are one block of 02's pool (BlockRefs), so a
+    prefix is shared only up to its last full page: SGLang's radix cache with page_size > 1."""
 
-    def __init__(self, allocator=None):
-        self.allocator, self.clock, self.serial = allocator, 0, 0
+    def __init__(self, allocator=None, page=1):
+        self.allocator, self.clock, self.serial, self.page = allocator, 0, 0, page
         self.root = Node()
         self.root.lock_ref = 1  # never evicted
         self.evictable, self.protected = 0, 0  # tokens under unlocked / locked nodes
+
+    def _first(self, key, i):  # the child key of an edge starting at key[i]: its first token, or page
+        return key[i] if self.page == 1 else key[i:i + self.page]
 
     def evictable_size(self) -> int:
         return self.evictable
@@ -109,18 +119,19 @@ class RadixCache:
         """Cut child's edge after n tokens: parent -> new[:n] -> child[n:]. Sizes and locks are unchanged."""
         self.serial += 1
         new = Node(child.key[:n], child.value[:n], child.parent, self.serial)
-        new.lock_ref, new.last_access, new.children = child.lock_ref, child.last_access, {child.key[n]: child}
-        child.parent.children[child.key[0]] = new
+        new.lock_ref, new.last_access = child.lock_ref, child.last_access
+        new.children = {self._first(child.key, n): child}
+        child.parent.children[self._first(child.key, 0)] = new
         child.key, child.value, child.parent = child.key[n:], child.value[n:], new
         return new
 
     def _walk(self, key):
-        """Follow key down the tree (splitting an edge the match ends inside); returns (matched values, last node)."""
+        """Follow key (whole pages) down the tree (splitting an edge the match ends inside, at a page boundary);
+        returns (matched values, last node)."""
         self.clock += 1
         node, values, i = self.root, [], 0
-        while i < len(key) and key[i] in node.children:
-            child = node.children[key[i]]
-            n = _common(child.key, key, i)
+        while i < len(key) and (child := node.children.get(self._first(key, i))) is not None:
+            n = _common(child.key, key, i) // self.page * self.page  # >= one page: the child's key is its first
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self.clock
@@ -132,15 +143,16 @@ class RadixCache:
         """(slots LongTensor (m,), last node) of the longest cached prefix. compute_last: match at most len - 1
         tokens, so at least one token is computed and gives the logits of the next token."""
         key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)
-        values, node = self._walk(key)
+        values, node = self._walk(key[:len(key) // self.page * self.page])
         slots = torch.cat(values) if len(values) > 1 else values[0] if values else torch.empty(0, dtype=torch.long)
         return slots, node
 
     def insert(self, tokens, slots=None) -> int:
-        """Cache tokens -> slots (LongTensor (len,)); returns how many leading tokens were already cached. The tree
+        """Cache tokens -> slots (LongTensor (len,)), their full pages only (the partial last one stays the caller's,
+        recomputed by whoever needs it); returns how many leading tokens were already cached. The tree
         takes its own reference (inc_ref) on the slots it stores; the caller then releases its references as usual,
         which frees its duplicate slots (the first `returned` ones it computed itself)."""
-        key = tuple(tokens)
+        key = tuple(tokens[:len(tokens) // self.page * self.page])
         slots = torch.as_tensor(key, dtype=torch.long) if slots is None else slots[:len(key)]
         values, node = self._walk(key)
         n = sum(len(v) for v in values)
@@ -148,7 +160,7 @@ class RadixCache:
             self.serial += 1
             leaf = Node(key[n:], slots[n:].clone(), node, self.serial)
             leaf.last_access = self.clock
-            node.children[key[n]] = leaf
+            node.children[self._first(key, n)] = leaf
             self.evictable += len(leaf.key)
             if self.allocator is not None:
                 self.allocator.inc_ref(leaf.value)
@@ -173,7 +185,7 @@ class RadixCache:
             freed += len(x.key)
             self.evictable -= len(x.key)
             parent = x.parent
-            del parent.children[x.key[0]]
+            del parent.children[self._first(x.key, 0)]
             if not parent.children and parent.lock_ref == 0:  # a parent left childless is the next candidate
                 heapq.heappush(heap, (parent.last_access, parent.serial, parent))
         return freed
@@ -213,17 +225,21 @@ class RadixCache:
             kids = node.children
             assert node is self.root or node.lock_ref >= sum(c.lock_ref for c in kids.values()), "locks not nested"
             for t, c in kids.items():
-                assert c.parent is node and len(c.key) > 0 and c.key[0] == t, "bad edge"
+                assert c.parent is node and len(c.key) > 0 and self._first(c.key, 0) == t, "bad edge"
+                assert len(c.key) % self.page == 0, "an edge holds a partial page"
                 assert len(c.key) == len(c.value), "edge and value lengths differ"
                 sizes[c.lock_ref > 0] += len(c.key)
                 slots.append(c.value)
         assert sizes == [self.evictable, self.protected], f"sizes {sizes} != {[self.evictable, self.protected]}"
         if self.allocator is None:
             return
-        a = self.allocator
+        a, P = self.allocator, self.page
         tree = torch.cat(slots).to(a.device) if slots else torch.empty(0, dtype=torch.long, device=a.device)
         assert tree.unique().numel() == tree.numel(), "a slot appears twice in the tree"
-        want = torch.bincount(torch.cat([tree, *[h.to(a.device) for h in held]]), minlength=a.size)
+        pages = tree.view(-1, P)  # (pages, P): each must be one block's P slots, in order
+        assert torch.equal(pages, pages[:, :1] + torch.arange(P, device=a.device)), "a page is not one whole block"
+        units = [x.to(a.device)[::P] // P for x in (tree, *held)]  # refcounted units: slots, or 02's blocks
+        want = torch.bincount(torch.cat(units), minlength=a.size)
         assert torch.equal(want.int(), a.mem_state), "refcounts != tree + running requests"
         assert int((want > 0).sum()) + a.available() == a.size, "tree + request slots + free != pool size"
         a.check()
@@ -307,7 +323,7 @@ IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one adm
 
 
 class Scheduler(P02.Scheduler):
-    """Algorithm 1 over 03's TokenKVCache + a RadixCache, built on 02's continuous batching (its step loop:
+    """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
                     ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
@@ -320,7 +336,7 @@ class Scheduler(P02.Scheduler):
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
                     goes first), its KV and its tree path growing chunk by chunk. None: a prompt runs whole
                     (max_prefill_tokens bounds a step, but the first request admitted is taken whatever its size).
-      radix=False   no tree (the engine's contiguous and paged backends); lpm and dfs-weight then fall back to fcfs.
+      radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
       prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d    every stream waits for all of L
@@ -334,7 +350,7 @@ class Scheduler(P02.Scheduler):
         if reserve and not radix:
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
-        self.tree = RadixCache(kv.allocator) if radix else None
+        self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
@@ -421,7 +437,7 @@ class Scheduler(P02.Scheduler):
             delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
-                need = extend + r.max_new - 1 if self.reserve else -(-extend // block) * block
+                need = -(-(extend + (r.max_new - 1 if self.reserve else 0)) // block) * block  # whole pages
                 if need > budget + delta and (self.reserve or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
@@ -459,6 +475,13 @@ class Scheduler(P02.Scheduler):
         if evicted:
             self.log("evict", None, evicted)
         return evicted
+
+    def preempt(self, r):
+        """02's preemption; swap: r's KV goes to CPU memory (private blocks when it comes back), so its path unlocks."""
+        if self.preempt_mode == "swap" and self.tree is not None:
+            self.tree.dec_lock_ref(r.node)
+            r.node = self.tree.root
+        super().preempt(r)
 
     def computed(self, r, n):
         """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
@@ -588,10 +611,12 @@ def optimal_prefill(reqs):
     return size - decoded
 
 
-def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False):
-    """Run a token-only workload through a TokenKVCache without KV tensors (1 layer, 1 head, head_dim 1)."""
+def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False, page=1):
+    """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed by pages)
+    without KV tensors (1 layer, 1 head, head_dim 1)."""
     longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-    kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest)
+    kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else P02.PagedKVCache(
+        1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed)
     made = []
     for prompt, out, after in reqs:
@@ -701,6 +726,13 @@ def main(argv=None):
             w["cache_sizes"][size] = runs
         w["hit_rate"] = {p: float(np.mean([runs[p]["hit_rate"] for runs in w["cache_sizes"].values()]))
                          for p in policies}  # mean over the pool sizes
+    if "generated-shared-prefix" in report:  # pages: a prefix is shared up to its last full page
+        w, build, small, full = report["generated-shared-prefix"], *WORKLOADS["generated-shared-prefix"]
+        kw = full if args.full else small  # a prefix no page divides, as a real document's length
+        reqs = build(np.random.default_rng(args.seed), **{**kw, "prefix": kw.get("prefix", 2048) - 37})
+        w["pages"] = {P: simulate(reqs, max(w["cache_sizes"]), "lpm", args.max_running, page=P)["hit_rate"]
+                      for P in (1, 16, 256)}
+        w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
     chunking = chunking_timeline()
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
     first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
@@ -721,6 +753,9 @@ def main(argv=None):
             for p, r in runs.items():
                 print(f"  {size:>10}  {p:<11}{r['hit_rate']:>9.1%}{r['of_optimal']:>11.1%}{r['prefill_tokens']:>12}"
                       f"{r['evicted_tokens']:>9}{r['steps']:>7}")
+        if "pages" in w:
+            print(f"  pages, lpm, prefix {kw.get('prefix', 2048) - 37}: hit rate " + ", ".join(
+                f"{h:.1%} at page {P}" for P, h in w["pages"].items()) + f" (optimal {w['pages_optimal']:.1%})")
     c = chunking
     print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
           f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")

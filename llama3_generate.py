@@ -93,7 +93,7 @@ def cli_args(argv=None) -> argparse.Namespace:
         "at most 64 running at once, capped by free memory)")
     add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
         "runs flash-attn's paged kernel when flash-attn is installed)")
-    add("--no-radix", action="store_true", help="token backend: no radix prefix cache (05)")
+    add("--no-radix", action="store_true", help="token and paged backends: no radix prefix cache (05)")
     add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
         "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
     add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
@@ -1064,13 +1064,15 @@ class Engine:
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
     and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
 
-    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=True, block_size=16,
+    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
                  policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None):
         a, dev = model.args, model.tok_embeddings.weight.device
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
                             f"({', '.join(SCHEDULES)})")
+        if radix and not BACKENDS[backend].shares_prefixes:  # radix None: on where the backend shares
+            raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
         self.model, self.device, self.seed = model, dev, seed
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
         self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
@@ -1084,7 +1086,7 @@ class Engine:
             self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
         try:
             self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=False,
-                                       radix=radix and self.kv.shares_prefixes, mixed=schedule == "mixed",
+                                       radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
                                        preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
         except ValueError as e:
             raise UserError(str(e)) from None
@@ -1574,9 +1576,9 @@ def print_events(events, as_json=False):
 def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
     """The engine the flags ask for (the CLI's and the server's)."""
     return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
-                  block_size=args.block_size, radix=not args.no_radix, cuda_graphs=False if args.eager else None,
-                  fused=not args.no_fused, multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
-                  schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+                  block_size=args.block_size, radix=False if args.no_radix else None,
+                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
+                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
 
 
 def plural(n: int, word: str) -> str:

@@ -6,6 +6,7 @@ and the command line that serves prompts). Run from the repository root:
     python tests/bench_engine.py engine                # GPU: serving benchmark on random Llama 3 shapes
     python tests/bench_engine.py serve [--plot FILE]   # GPU: latency under Poisson arrivals, per schedule
     python tests/bench_engine.py serve-http            # GPU: the same load in process and through --serve's HTTP
+    python tests/bench_engine.py prefix                # GPU: questions over one document, radix cache per backend
 
 Each prints a report, or with --json its figures as one JSON object. They use only the engine's public API
 (Engine, SamplingParams, warm_up, add, step, run, stats) and transformers' generate on the same weights.
@@ -440,6 +441,84 @@ def http_report(r: dict) -> str:
     return "\n".join(lines + [f"every HTTP request got its max_tokens: {whole}"])
 
 
+PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backend="token", radix=False),
+                  "paged 16": dict(backend="paged", block_size=16),
+                  "paged 16, no cache": dict(backend="paged", block_size=16, radix=False),
+                  "paged 256": dict(backend="paged", block_size=256)}
+
+
+def shared_document(model, tok, questions=16, doc_tokens=4090, max_new=32, configs=PREFIX_CONFIGS, rounds=2) -> dict:
+    """`questions` requests over one `doc_tokens`-token document (each: the document, then 16-64 question tokens;
+    greedy, EOS ignored), all queued at once, through a warm engine per config; the last of `rounds` runs counts
+    (the radix cache is emptied between runs). Per config: hit rate (cached / prompt tokens), prefill tokens
+    computed, prefill seconds and throughput (prompt tokens served per prefill second), and whether its tokens
+    equal those of its backend without the cache."""
+    rng, V = torch.Generator().manual_seed(0), model.args.vocab_size
+    doc = torch.randint(0, V, (doc_tokens,), generator=rng).tolist()
+    prompts = [doc + torch.randint(0, V, (int(torch.randint(16, 65, (), generator=rng)),), generator=rng).tolist()
+               for _ in range(questions)]
+    longest = max(map(len, prompts)) + max_new
+    rows, outs = {}, {}
+    for name, kw in configs.items():
+        e = L.Engine(model, tok, kv_tokens=questions * (longest + 256), max_batch=questions,
+                     max_seq_len=longest + 256, **kw)
+        e.warm_up(questions)
+        for _ in range(rounds):
+            e.reset()
+            for p in prompts:
+                e.add(p, L.SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+            elapsed = seconds(lambda: outs.__setitem__(name, list(e.run().values())))
+        st = e.stats
+        rows[name] = dict(hit_rate=st["cached_tokens"] / st["prompt_tokens"], cached_tokens=st["cached_tokens"],
+                          prefill_computed=st["prefill_tokens"], prefill_s=st["prefill_s"],
+                          prefill_tok_s=st["prompt_tokens"] / st["prefill_s"], seconds=elapsed)
+        del e
+        gc.collect()  # an engine and its graph decoder hold each other: free its pool before the next
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    for name, row in rows.items():
+        plain = name.split(",")[0] + ", no cache"
+        if plain in outs:
+            row["same_tokens_as_no_cache"] = sum(a == b for a, b in zip(outs[name], outs[plain])) / questions
+            row["prefill_vs_no_cache"] = row["prefill_tok_s"] / rows[plain]["prefill_tok_s"]
+        if "token" in rows:
+            row["saved_vs_token"] = row["cached_tokens"] / max(1, rows["token"]["cached_tokens"])
+    return dict(questions=questions, doc_tokens=doc_tokens, prompt_tokens=sum(map(len, prompts)), configs=rows)
+
+
+def bench_prefix(device="cuda", **kw) -> dict:
+    """`prefix`: shared_document on SmolLM2-135M (bf16; skipped with its reason where it is not installed) and on
+    the random Llama-3.2-1B shape."""
+    r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    try:
+        r["smollm2-135m"] = shared_document(L.load_model(None, device, torch.bfloat16)[0], tok, **kw)
+    except L.UserError as e:
+        r["smollm2-135m"] = {"skipped": str(e)}
+    gc.collect()
+    r["llama-3.2-1b"] = shared_document(L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), tok, **kw)
+    return r
+
+
+def prefix_report(r: dict) -> str:
+    lines = [f"device: {r['device']}"]
+    for model, w in r.items():
+        if model == "device":
+            continue
+        if "skipped" in w:
+            lines.append(f"{model}: skipped ({w['skipped']})")
+            continue
+        lines += [f"{model}: {w['questions']} questions over one {w['doc_tokens']}-token document "
+                  f"({w['prompt_tokens']:,} prompt tokens)",
+                  f"  {'config':<20}{'hit rate':>9}{'computed':>10}{'prefill s':>10}{'prefill tok/s':>14}"
+                  f"{'vs no cache':>12}{'saved vs token':>15}{'same tokens':>12}"]
+        for name, c in w["configs"].items():
+            lines.append(f"  {name:<20}{c['hit_rate']:>9.1%}{c['prefill_computed']:>10,}{c['prefill_s']:>10.3f}"
+                         f"{c['prefill_tok_s']:>14,.0f}{c.get('prefill_vs_no_cache', 1):>11.1f}x"
+                         f"{c.get('saved_vs_token', 0):>15.1%}{c.get('same_tokens_as_no_cache', 1):>12.0%}")
+    return "\n".join(lines)
+
+
 def cli_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="The engine's benchmarks.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -459,6 +538,8 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv.add_argument("--plot", help="save its latency plot (PNG) here")
     sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the HTTP "
                    "server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
+    sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
+                   "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="the figures as one JSON object")
     args = ap.parse_args(argv)
@@ -470,11 +551,14 @@ def cli_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    if args.command in ("engine", "serve", "serve-http") and not torch.cuda.is_available():
+    if args.command in ("engine", "serve", "serve-http", "prefix") and not torch.cuda.is_available():
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
         print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
+    elif args.command == "prefix":
+        r = bench_prefix()
+        print(json.dumps(r) if args.json else prefix_report(r))
     elif args.command == "serve":
         r = bench_serve(plot=args.plot, log=log)
         print(json.dumps(r) if args.json else serve_report(r))

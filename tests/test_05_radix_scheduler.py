@@ -10,63 +10,81 @@ import torch
 
 R = importlib.import_module("05_radix_scheduler")
 T = importlib.import_module("03_token_allocator")
+P02 = importlib.import_module("02_paged_cache_manager")
 
 
 class Brute:
-    """Every cached prefix (tuple) -> the slot of its last token. A radix tree is a compressed version of this."""
+    """Every cached prefix of whole pages (tuple) -> the slots of its last page (P = 1: of its last token). A radix
+    tree is a compressed version of this."""
 
-    def __init__(self):
-        self.slot = {}
+    def __init__(self, page=1):
+        self.slot, self.page = {}, page
 
     def lcp(self, seq):
         n = 0
-        while n < len(seq) and tuple(seq[:n + 1]) in self.slot:
-            n += 1
+        while n + self.page <= len(seq) and tuple(seq[:n + self.page]) in self.slot:
+            n += self.page
         return n
 
     def insert(self, seq, slots):
-        n = self.lcp(seq)
-        for i in range(n, len(seq)):
-            self.slot[tuple(seq[:i + 1])] = slots[i]
+        n, P = self.lcp(seq), self.page
+        for i in range(n, len(seq) // P * P, P):
+            self.slot[tuple(seq[:i + P])] = tuple(slots[i:i + P])
         return n
 
     def match(self, seq, compute_last=True):
         k = self.lcp(seq[:len(seq) - 1] if compute_last else seq)
-        return [self.slot[tuple(seq[:i + 1])] for i in range(k)]
+        return [x for i in range(self.page, k + 1, self.page) for x in self.slot[tuple(seq[:i])]]
 
     def keep(self, live):
-        """Drop the prefixes whose slot was freed; what remains must still be closed under taking prefixes."""
-        self.slot = {k: s for k, s in self.slot.items() if s in live}
-        assert all(len(k) == 1 or k[:-1] in self.slot for k in self.slot), "eviction left a hole in a path"
+        """Drop the prefixes whose slots were freed; what remains must still be closed under taking prefixes."""
+        self.slot = {k: s for k, s in self.slot.items() if s[0] in live}
+        assert all(len(k) == self.page or k[:-self.page] in self.slot for k in self.slot), "a hole in a path"
+
+    def tokens(self):
+        return len(self.slot) * self.page
 
 
-def live_slots(alloc):
-    return set(torch.nonzero(alloc.mem_state).flatten().tolist())
+def live_slots(alloc, page=1):
+    """Slots in use: 03's referenced slots, or every slot of 02's referenced blocks."""
+    return {b * page + i for b in torch.nonzero(alloc.mem_state).flatten().tolist() for i in range(page)}
+
+
+def pool(page, tokens, rows=4):
+    """A KV-less backend for the tree: 03's token pool (page 1) or 02's blocks of `page` tokens."""
+    if page == 1:
+        return T.TokenKVCache(1, tokens, 1, 1, rows, tokens)
+    return P02.PagedKVCache(1, tokens // page, page, 1, 1, watermark=0, max_seqs=rows)
 
 
 def random_seq(rng, vocab, lo=1, hi=24):
     return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
 
 
-def insert_new(tree, alloc, seq):
+def insert_new(tree, kv, seq):
     """What a finished request does: its own slots, insert, then drop its references (duplicates are freed)."""
-    slots = alloc.alloc(len(seq))
+    kv.prepare(["new"], [len(seq)])
+    slots = kv.slots("new")
     n = tree.insert(seq, slots)
-    alloc.free(slots)
+    kv.free("new")
     return n, slots
 
 
+@pytest.mark.parametrize("page", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_match_insert_evict_lock_vs_brute_force(seed):
-    rng = random.Random(seed)
+def test_match_insert_evict_lock_vs_brute_force(seed, page):
+    """Pages of 1 (03's slots) and of 2 and 4 tokens (02's blocks): after every random op the tree answers as the
+    brute-force dictionary, evicts exactly the slots it says, and refcounts + free count add up (check)."""
+    rng = random.Random(seed * 7 + page)
     vocab = rng.choice([2, 3, 5])  # tiny vocabularies: lots of shared prefixes and mid-edge splits
-    alloc = T.TokenAllocator(600)
-    tree, brute, seqs, locks = R.RadixCache(alloc), Brute(), [], []
+    kv = pool(page, 600)
+    alloc = kv.allocator
+    tree, brute, seqs, locks, longest = R.RadixCache(alloc, page), Brute(page), [], [], 0
     for op in range(500):
         kind = rng.random()
-        if kind < 0.4 and alloc.available() >= 24:
+        if kind < 0.4 and alloc.available() * page >= 24 + page:
             seq = random_seq(rng, vocab)
-            n, slots = insert_new(tree, alloc, seq)
+            n, slots = insert_new(tree, kv, seq)
             assert n == brute.insert(seq, slots.tolist())
             seqs.append(seq)
         elif kind < 0.7:
@@ -75,29 +93,31 @@ def test_match_insert_evict_lock_vs_brute_force(seed):
             slots, node = tree.match_prefix(seq, compute_last)
             want = brute.match(seq, compute_last)
             assert slots.tolist() == want
+            longest = max(longest, len(want))
             assert len(want) <= len(seq) - compute_last  # one token is always left to compute
             if rng.random() < 0.3 and want:  # lock it, like a running request
                 before = tree.protected_size()
                 delta = tree.inc_lock_ref(node)
                 assert tree.protected_size() - before == -delta
-                locks.append((node, [tuple(seq[:i + 1]) for i in range(len(want))]))
+                locks.append((node, [tuple(seq[:i]) for i in range(page, len(want) + 1, page)]))
         elif kind < 0.8 and locks:
             node, _ = locks.pop(rng.randrange(len(locks)))
             tree.dec_lock_ref(node)
-        else:
+        elif rng.random() < 0.5:  # (half the time: the tree grows deep enough to match several pages)
             n = rng.randint(1, 80)
-            before, evictable = live_slots(alloc), tree.evictable_size()
+            before, evictable = live_slots(alloc, page), tree.evictable_size()
             freed = tree.evict(n)
-            after = live_slots(alloc)
+            after = live_slots(alloc, page)
             assert after <= before and len(before - after) == freed  # exactly the removed slots went back
             assert freed >= min(n, evictable) and (freed >= n or tree.evictable_size() == 0)
             brute.keep(after)
         locked = {p for _, ps in locks for p in ps}
         assert all(p in brute.slot for p in locked), "a locked prefix was evicted"
-        assert tree.protected_size() == len(locked)
-        assert tree.evictable_size() + tree.protected_size() == len(brute.slot)
+        assert tree.protected_size() == len(locked) * page
+        assert tree.evictable_size() + tree.protected_size() == brute.tokens()
         tree.check()  # integrity after every op: refcounts == tree, tree + free == pool
-    assert alloc.available() + len(brute.slot) == alloc.size
+    assert alloc.available() * page + brute.tokens() == alloc.size * page
+    assert longest >= 3 * page  # the test matched several pages
     for node, _ in locks:
         tree.dec_lock_ref(node)
     tree.evict(10**9)
@@ -105,11 +125,12 @@ def test_match_insert_evict_lock_vs_brute_force(seed):
 
 
 def test_split_lru_order_and_pretty_print():
-    alloc = T.TokenAllocator(64)
+    kv = pool(1, 64)
+    alloc = kv.allocator
     tree = R.RadixCache(alloc)
-    insert_new(tree, alloc, [1, 2, 3, 4, 5])
-    _, b = insert_new(tree, alloc, [7, 8, 9])
-    insert_new(tree, alloc, [6, 6])
+    insert_new(tree, kv, [1, 2, 3, 4, 5])
+    _, b = insert_new(tree, kv, [7, 8, 9])
+    insert_new(tree, kv, [6, 6])
     slots, node = tree.match_prefix([1, 2, 3, 9])  # ends inside the edge [1..5]: split it
     assert node.key == (1, 2, 3) and len(slots) == 3 and node.children[4].key == (4, 5)
     text = tree.pretty_print()
@@ -169,13 +190,15 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, **options):
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
     """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
     pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
     every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
-    siblings and follow-ups all included), and the refcounts must match the tree + the running requests."""
+    siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
+    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference)."""
     longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest)
+    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
+        P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
     made = []
     for prompt, out, after in reqs:
@@ -219,7 +242,8 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
         if s.chunked:  # its chunks are in the tree as they are computed, under its lock (which may lie deeper: a
             r = s.chunked  # preempted request recomputing its output matched some of that output in the tree)
             locked = key_of(r.node)
-            assert locked == tuple(r.tokens[:len(locked)]) and min(r.kv_len, len(r.prompt)) <= len(locked) <= r.kv_len
+            least = min(r.kv_len, len(r.prompt)) // page * page  # pages: its full pages only
+            assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
             assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
@@ -234,7 +258,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, **options):
         s.step(forward)
         check()
     assert [r.output for r in made] == [o for _, o, _ in reqs]
-    assert kv.allocator.available() + s.tree.evictable_size() == pool
+    assert kv.allocator.available() * page + s.tree.evictable_size() == pool * page
     return s
 
 
@@ -289,6 +313,27 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     assert (totals["preemptions"] > 0) != reserve  # reserving up front never preempts; the engine's way does
     assert (totals["cut"] > 0) == chunked
     assert (totals["cut_preempted"] > 0) == (chunked and mixed and not reserve)  # mixed: decodes outgrow the pool
+
+
+@pytest.mark.parametrize("page", [2, 4])
+@pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, True)],
+                         ids=["paper", "engine", "mixed-chunked"])
+def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
+    """The same brute-force check over 02's blocks with the tree keyed by pages: every request finishes with its
+    own tokens, each running request's and each tree page's slots hold their prefixes' KV, and refcounts + free
+    blocks add up after every step, through shared pages, evictions, n > 1 siblings and preemptions."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    cached = pages = 0
+    for _ in range(60):
+        reqs = random_workload(rng, vocab=2, prompt_max=12)
+        blocks = -(-max(len(p) + len(o) - 1 for p, o, _ in reqs) // page) + int(rng.integers(0, 4))
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        chunk = dict(chunk_tokens=int(rng.integers(1, 7))) if chunked else {}
+        s = run_checking_every_slot(reqs, blocks, policy, int(rng.integers(1, 5)), page=page, reserve=reserve,
+                                    mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)), **chunk)
+        cached += s.stats["cached_tokens"]
+        pages += sum(e.tokens % page for e in s.events if e.kind == "admit")  # a hit is whole pages
+    assert cached > 0 and pages == 0
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
@@ -421,3 +466,42 @@ def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
             assert len(a) == len(b) == len(seq)
             for pool in ("k_pool", "v_pool"):
                 torch.testing.assert_close(getattr(s1.kv, pool)[:, b], getattr(s0.kv, pool)[:, a])
+
+
+@pytest.mark.parametrize("page", [1, 4, 16])
+def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
+    """A random fp32 model through the scheduler over 03's slots (page 1) or 02's blocks of `page` tokens, with a
+    pool small enough to evict and preempt: the same greedy tokens as without the cache (and as 01's contiguous
+    cache), hits of whole pages only, and every cached page holds the K, V that a fresh prefill of its path,
+    alone in a new pool, computes."""
+    import llama3_generate as L
+    C = importlib.import_module("01_kv_cache")
+    rng = random.Random()
+    torch.manual_seed(rng.randrange(1 << 30))
+    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
+                                      max_seq_len=512)).eval()
+    shared = [rng.randrange(97) for _ in range(rng.randint(40, 70))]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    prompts += [[rng.randrange(97) for _ in range(rng.randint(20, 60))], list(prompts[0]), prompts[1] + shared]
+
+    def run(radix):
+        tokens = 192  # the longest request and a little more: the rest wait, prefixes are evicted
+        kv = T.TokenKVCache.for_model(model, tokens, 4) if page == 1 else \
+            P02.PagedKVCache.for_model(model, tokens // page, page, watermark=0, max_seqs=4)
+        sched = R.Scheduler(kv, "lpm", 3, radix=radix, reserve=False)
+        return R.generate_cached(model, prompts, 8, sched=sched)
+    want = L.generate(model, C.ContiguousKVCache.for_model(model, len(prompts), 256), prompts, 8)
+    (got, s), (plain, s0) = run(True), run(False)
+    assert got == plain == want
+    assert s.stats["cached_tokens"] >= 2 * (len(shared) // page * page - page) and s0.stats["cached_tokens"] == 0
+    assert all(e.tokens % page == 0 for e in s.events if e.kind == "admit") and s.stats["evicted_tokens"] > 0
+    s.check()
+    for path in leaf_paths(s.tree):
+        slots = s.tree.match_prefix(path, compute_last=False)[0]
+        assert len(path) % page == 0 and len(slots) == len(path)
+        fresh = T.TokenKVCache.for_model(model, len(path), 1)
+        with torch.no_grad():
+            model(torch.tensor(path), fresh.prepare([0], [len(path)]), fresh, logits_at=torch.tensor([len(path) - 1]))
+        for layer in range(model.args.n_layers):
+            for got_pool, want_pool in zip(s.kv.layer_pools(layer), fresh.layer_pools(layer)):
+                torch.testing.assert_close(got_pool[slots], want_pool[fresh.slots(0)])

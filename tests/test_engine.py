@@ -1,4 +1,5 @@
 """The engine: continuous batching through every backend, radix prefix reuse, constraints, n > 1, preemption."""
+import random
 import re
 
 import pytest
@@ -98,11 +99,8 @@ def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preemp
     assert e.stats["preemptions"] == calls["preempt"] > 0 and calls["admit"] > 0
     assert small == big
     assert not (e.sched.swapped or e.sched.waiting or e.sched.running)
-    if backend == "paged":
-        assert e.kv.manager.num_free == e.kv.manager.num_blocks and e.kv.manager.check()
-    else:
-        e.kv.allocator.check()
-        assert e.kv.allocator.available() + e.sched.tree.evictable_size() == e.kv.allocator.size
+    e.kv.allocator.check()  # 03's slots, or 02's blocks (the radix tree keeps whole blocks of them)
+    assert e.kv.allocator.available() * e.kv.page + e.sched.tree.evictable_size() == e.kv.capacity()
 
 
 def test_request_too_large_is_refused(smollm):
@@ -167,12 +165,51 @@ def kv_left(e) -> int:
     """KV slots an idle engine still holds, once its radix cache lets go: only the graphs' padding row (token: a
     slot; paged: a block; contiguous: a row kept apart from the pool it counts)."""
     if e.sched.tree:
-        e.sched.tree.evict(e.kv.allocator.size)
+        e.sched.tree.evict(e.kv.capacity())
         e.kv.allocator.check()
     return e.kv_used() - (e.graphs is not None) * {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]
 
 
 BACKENDS = [dict(backend="token"), dict(backend="paged", block_size=4), dict(backend="contiguous")]
+SHARING = [dict(backend="token"), dict(backend="paged", block_size=4), dict(backend="paged", block_size=16)]
+
+
+@pytest.mark.parametrize("kw", SHARING, ids=["token", "paged-4", "paged-16"])
+def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
+    """The engine with and without 05's radix cache, on the token pool and on blocks (the tree keyed by pages):
+    equal greedy tokens (fp32), hits of whole pages on a shared document (the admit events --events prints), and
+    nothing leaks once the cache lets go. A pool of about two requests: prefixes are evicted, sequences wait."""
+    model, rng = tiny_model(), torch.Generator().manual_seed(random.randrange(1 << 30))  # fresh inputs each run
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    doc = torch.randint(0, 256, (int(torch.randint(40, 70, (), generator=rng)),), generator=rng).tolist()
+    prompts = [doc + torch.randint(0, 256, (n,), generator=rng).tolist() for n in (3, 9, 17, 1, 30)]
+    prompts += [list(prompts[1]), torch.randint(0, 256, (50,), generator=rng).tolist()]
+
+    def run(radix):
+        e = L.Engine(model, tok, kv_tokens=144, max_batch=3, max_seq_len=112, radix=radix, cuda_graphs=False, **kw)
+        for p in prompts:
+            e.add(p, L.SamplingParams(max_new_tokens=int(torch.randint(4, 12, (), generator=rng))))
+        return list(e.run().values()), e
+    state = rng.get_state()
+    plain, e0 = run(False)
+    rng.set_state(state)  # the same max_new_tokens
+    cached, e1 = run(None)  # None: on where the backend shares
+    assert cached == plain and e0.sched.tree is None and e0.stats["cached_tokens"] == 0
+    page = e1.kv.page
+    hits = [ev.tokens for ev in e1.sched.events if ev.kind == "admit"]
+    assert all(h % page == 0 for h in hits) and max(hits) >= len(doc) // page * page - page
+    assert e1.stats["cached_tokens"] >= 3 * (len(doc) // page * page - page) and e1.stats["evicted_tokens"] > 0
+    e1.sched.tree.check(held=[])
+    assert kv_left(e1) == 0
+
+
+def test_contiguous_backend_refuses_a_radix_cache():
+    """01's rows cannot share a prefix: asked for one, the engine says so in one line; by default it has none."""
+    model, tok = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    with pytest.raises(L.UserError, match="cannot share a cached prefix") as err:
+        L.Engine(model, tok, "contiguous", kv_tokens=256, max_seq_len=64, radix=True, cuda_graphs=False)
+    assert "\n" not in str(err.value)
+    assert L.Engine(model, tok, "contiguous", kv_tokens=256, max_seq_len=64, cuda_graphs=False).sched.tree is None
 
 
 @pytest.mark.triton

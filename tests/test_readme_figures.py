@@ -68,7 +68,8 @@ def figures_05(j):
     return {"": [f"lpm {lpm} vs fcfs {fcfs} (optimum {pct(w['optimal_hit_rate'])})",
                  f"lpm reaches {pct(j['lpm_of_optimal_mean'])} of optimal"],
             "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"],
-            "chunked prefill": [f"{waits} tokens"]}
+            "chunked prefill": [f"{waits} tokens"],
+            "pages": [" / ".join(map(pct, w["pages"].values())) + f" (optimum {pct(w['pages_optimal'])})"]}
 
 
 def figures_06(j):
