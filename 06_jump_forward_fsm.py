@@ -3,6 +3,7 @@ r"""
 
     python 06_jump_forward_fsm.py          # SGLang's character-profile regex and a Pydantic model, both ways
     python 06_jump_forward_fsm.py --regex '(yes|no), because [a-z ]{1,40}\.' --prompt "Is water wet?"
+    python 06_jump_forward_fsm.py --bench  # JSON schemas people write: 06 vs xgrammar and llguidance (CPU)
 
 Make every answer match a regex (or a JSON schema, compiled to one). The SGLang paper's three ways:
   1. per-token FSM masking (Outlines): regex -> finite-state machine; per state, the tokens that keep it
