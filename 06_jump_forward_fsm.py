@@ -3,6 +3,7 @@ r"""
 
     python 06_jump_forward_fsm.py          # SGLang's character-profile regex and a Pydantic model, both ways
     python 06_jump_forward_fsm.py --regex '(yes|no), because [a-z ]{1,40}\.' --prompt "Is water wet?"
+    python 06_jump_forward_fsm.py --bench  # JSON schemas people write: 06 vs xgrammar and llguidance (CPU)
 
 Make every answer match a regex (or a JSON schema, compiled to one). The SGLang paper's three ways:
   1. per-token FSM masking (Outlines): regex -> finite-state machine; per state, the tokens that keep it
@@ -39,6 +40,7 @@ SGLang used.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -231,7 +233,9 @@ def model_logits_fn(model, max_seq_len=2048):
 # to UTF-8 byte-range sequences (RE2's split), so the table is 256 wide. Syntax: literals, escapes, [classes]
 # with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...), (?:...). \w \d \s are ASCII
 # (re.ASCII), as in interegular (Unicode \w puts hundreds of mid-character states in each repetition of
-# `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES a regex is refused.
+# `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES states or
+# COMPILE_BUDGET_S seconds a regex is refused. Two more groups, beyond Python's: (?&A|B) matches what both A and
+# B match, (?~A) every UTF-8 string A does not: a DFA is closed under intersection and complement (below).
 
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
@@ -313,17 +317,21 @@ class _Parser:
         return q
 
     def atom(self):
+        _spend(0)
         if self.quantifier(peek=True):
             self.error("nothing to repeat")
         c = self.take()
         if c == "(":
-            if self.p.startswith("?:", self.i):
+            op = self.p[self.i + 1:self.i + 2] if self.peek() == "?" else ""
+            if op == ":" or op in "&~" and op and not self.schema:
                 self.i += 2
-            elif self.peek() == "?":
-                self.error("unsupported group syntax '(?' (only (...) and (?:...))")
+            elif op:
+                self.error("unsupported group syntax '(?' (only (...), (?:...), (?&...|...) and (?~...))")
             node = self.alt()
             self.i += 1
-            return node if self.p[self.i - 1:self.i] == ")" else self.error("missing ), unterminated subpattern")
+            if self.p[self.i - 1:self.i] != ")":
+                self.error("missing ), unterminated subpattern")
+            return {"&": ("and", node[1] if node[0] == "alt" else [node]), "~": ("not", node)}.get(op, node)
         if c in "^$":
             self.error(f"anchor {c!r} is not supported (the whole output must match anyway)", self.i - 1)
         if c == ".":
@@ -413,6 +421,18 @@ class _NFA:
     def build(self, node):
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
+        _spend(0)
+        if kind in ("and", "not"):  # determinize the parts on their own, combine them pairwise, embed the result
+            d = (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if kind == "and"
+                 else _product(_to_dfa(ANY_UTF8), _to_dfa(node[1]), lambda a, b: a & ~b))
+            base, end = len(self.eps), [self.state() for _ in range(len(d.table) + 1)][-1]
+            self.eps[s].append(base)
+            for q, row in enumerate(d.table.tolist()):
+                starts = [b for b in range(256) if b == 0 or row[b] != row[b - 1]]  # runs of one target
+                self.edges[base + q] += [(a, b - 1, base + row[a]) for a, b in zip(starts, starts[1:] + [256])
+                                         if row[a] >= 0]
+                self.eps[base + q] += [end] * bool(d.accept[q])
+            return s, end
         if kind == "set":
             tails = {(): self.state()}  # one state per distinct remaining byte-range suffix, shared
 
@@ -460,21 +480,37 @@ def _reach(adj, seeds) -> set:
 
 
 MAX_DFA_STATES = 20_000  # far above what the lessons build; a hostile pattern is refused in seconds, not hours
+COMPILE_BUDGET_S = 1.0   # every regex or schema compiles, or is refused, within this
+_deadline = [math.inf]   # perf_counter() past which the compile under way is refused
 
 
-def _determinize(nfa, start, accept, max_states=MAX_DFA_STATES):
+@contextlib.contextmanager
+def budget():
+    """Compiles inside share one deadline (a schema's, with its regexes')."""
+    outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + COMPILE_BUDGET_S)
+    try:
+        yield
+    finally:
+        _deadline[0] = outer
+
+
+def _spend(n_states):
+    if n_states > MAX_DFA_STATES or time.perf_counter() > _deadline[0]:
+        raise ValueError(f"regex too complex: its automaton passes {MAX_DFA_STATES:,} states or {COMPILE_BUDGET_S} s "
+                         f"(nested repeats of alternatives that overlap multiply them); simplify the pattern")
+
+
+def _determinize(nfa, start, accept):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
-    be exponentially many (nested repeats of overlapping alternatives): past max_states the regex is refused."""
+    be exponentially many (nested repeats of overlapping alternatives): past the budget the regex is refused."""
     sets = [frozenset(_reach(nfa.eps, [start]))]
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
-        if len(sets) > max_states:
-            raise ValueError(f"regex too complex: its automaton passes {max_states:,} states (nested repeats of "
-                             f"alternatives that overlap multiply them); simplify the pattern")
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
         row = np.full(256, -1, np.int32)
         cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
         for a, b in zip(cuts, cuts[1:]):
+            _spend(len(sets))
             targets = frozenset(_reach(nfa.eps, {t for lo, hi, t in edges if lo <= a and b - 1 <= hi}))
             if targets:
                 if targets not in ids:
@@ -520,35 +556,72 @@ class DFA:
         return s >= 0 and bool(self.accept[s])
 
 
+def _product(a: DFA, b: DFA, keep) -> DFA:
+    """The product construction: run a and b side by side, one state per pair (b's -1: dead), accepting where
+    keep(a accepts, b accepts): and-ed for A and B, a & ~b for A and not B. Both need a alive, so a dead a stops."""
+    pairs, ids, rows, nb = [(0, 0)], {1: 0}, [], len(b.table) + 1
+    while len(rows) < len(pairs):
+        _spend(len(pairs))
+        i, j = pairs[len(rows)]
+        live = np.flatnonzero(a.table[i] >= 0)
+        codes = (a.table[i, live].astype(np.int64) * nb + (b.table[j, live] if j >= 0 else -1) + 1).tolist()
+        for code in codes:
+            if code not in ids:
+                ids[code] = len(pairs)
+                pairs.append((code // nb, code % nb - 1))
+        rows.append(np.full(256, -1, np.int32))
+        rows[-1][live] = [ids[c] for c in codes]
+    i, j = np.array(pairs).T
+    return DFA(*_trim(np.stack(rows), keep(a.accept[i], (j >= 0) & b.accept[j])))
+
+
+def _to_dfa(node) -> DFA:
+    nfa = _NFA()
+    return DFA(*_trim(*_determinize(nfa, *nfa.build(node))))
+
+
+ANY_UTF8 = ("rep", ("set", ((0, MAX_CHAR),)), 0, None)  # every UTF-8 string: what (?~A) complements within
+
+
 @functools.lru_cache(maxsize=64)
 def compile_regex(pattern: str) -> DFA:
-    nfa = _NFA()
-    return DFA(*_trim(*_determinize(nfa, *nfa.build(_Parser(pattern).parse()))))
+    with budget():
+        return _to_dfa(_Parser(pattern).parse())
 
 
 # ======== THE MACHINERY, 2: JSON schema -> regex ================================================
-# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys), properties in
-# schema order: keys, quotes and separators become jump strings. Exact or refused, never ignored: type (or a
-# list), string (minLength/maxLength in characters, an anchored `pattern` over characters JSON writes unescaped,
-# format uuid/ipv4), integer and number (exact ranges; a bounded number is written as a plain decimal), boolean,
-# null, object (properties, required, additionalProperties), array (items, minItems/maxItems), enum, const,
-# anyOf, allOf, $ref (recursion unrolled MAX_REF_DEPTH deep) and annotations: what Pydantic's model_json_schema()
-# writes for ordinary models. Anything else (multipleOf, oneOf, not, ...) is refused by name. Optional properties
+# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys, strings as
+# ensure_ascii=False writes them), properties in schema order: keys, quotes and separators become jump strings.
+# Exact or refused: type (a list, or none: every type), string (minLength/maxLength in characters, `pattern` over
+# characters JSON writes unescaped, the FORMATS), integer and number (exact ranges; a bounded number is written as a
+# plain decimal), boolean, null, object (properties, required, additionalProperties; free members where it lists
+# none), array (items, minItems/maxItems), enum, const, anyOf, allOf, oneOf and not (on DFAs), $ref (recursion
+# unrolled MAX_REF_DEPTH deep). UNSUPPORTED keywords are refused by name; any other keyword is an annotation,
+# which validators ignore (title, $comment, x-..., formats they do not check). Optional properties
 # cost jump-forward: where the member before one ends, the FSM holds a choice (`, "key": `, the next key or `}`)
 # only the model can make -- a forward pass where a required key would be jumped whole.
 
 _HEX = "[0-9a-fA-F]"
-STRING_CHAR = (  # one character of a JSON string: unescaped, a short escape, \uXXXX, or a \uD8xx\uDCxx pair
-    r'(?:[^"\\\x00-\x1f]|\\["\\/bfnrt]|\\u(?:[0-9a-cA-CefEF]' + _HEX + "{3}|[dD][0-7]" + _HEX + "{2})"
-    r"|\\u[dD][89abAB]" + _HEX + r"{2}\\u[dD][c-fC-F]" + _HEX + "{2})")
-INTEGER = r"-?(?:0|[1-9][0-9]{0,15})"  # digits bounded, so a rambling model still ends
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'  # as json.dumps writes one: one text
+INTEGER = r"(?:0|-?[1-9][0-9]{0,15})"  # digits bounded, so a rambling model still ends; no -0 (one text each)
 INT_LIMIT = 10**16 - 1                 # the largest INTEGER matches
-NUMBER = INTEGER + r"(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
-FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # formats a regex states exactly
-           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
-                   r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"}
-ANNOTATIONS = {"title", "description", "default", "examples", "$schema", "$id", "$comment", "deprecated", "readOnly",
-               "writeOnly", "$defs", "definitions"}  # keywords that never change which documents are valid
+NUMBER = r"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
+_YEAR, _LEAP = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)", r"(?:0[48]|[2468][048]|[13579][26])"
+DATE = (rf"(?:{_YEAR}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"
+        rf"|(?:[0-9]{{2}}{_LEAP}|{_LEAP}00)-02-29)")  # a real calendar day, year 0001-9999 (date.fromisoformat)
+TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # what jsonschema's FormatChecker
+           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"   # accepts (uuid: its usual form)
+                   r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])", "date": DATE, "time": TIME,
+           "date-time": DATE + "[tT]" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}
+FORMATS["idn-email"] = FORMATS["email"]
+UNEXACT_FORMATS = {"hostname", "idn-hostname", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uri-template",
+                   "json-pointer", "relative-json-pointer", "regex", "duration", "color"}  # checked, no exact regex
+UNSUPPORTED = {"multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "prefixItems", "unevaluatedItems",
+               "unevaluatedProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties", "if",
+               "dependencies", "dependentRequired", "dependentSchemas", "$dynamicRef", "$recursiveRef", "extends",
+               "disallow", "divisibleBy"}  # they change which documents are valid; this compiler cannot say how
+NO_OPS = {"uniqueItems": False, "minProperties": 0, "patternProperties": {}, "dependencies": {}, "propertyNames": {}}
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(BOUNDS), "number": set(BOUNDS),
             "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
@@ -556,19 +629,21 @@ KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer"
 VALUE_CHECKS = [  # (keywords, test, what their value must be)
     (("minLength", "maxLength", "minItems", "maxItems"), lambda v: type(v) is int and v >= 0, "a non-negative integer"),
     (BOUNDS, lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
-    (("enum", "anyOf", "allOf"), lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
+    (("enum", "anyOf", "allOf", "oneOf"), lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
     (("properties",), lambda v: isinstance(v, dict), "an object"),
     (("pattern", "$ref"), lambda v: isinstance(v, str), "a string"),
-    (("items", "additionalProperties"), lambda v: isinstance(v, (dict, bool)), "a schema"),
+    (("items", "additionalProperties", "not"), lambda v: isinstance(v, (dict, bool)), "a schema"),
     (("required",), lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names"),
-    (("format",), lambda v: isinstance(v, str) and v in FORMATS, f"a supported format ({', '.join(FORMATS)})")]
-COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "$ref"}
+    (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})")]
+COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
+ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars
+NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
 
 def _literal(value) -> str:
-    return "".join("\\" + c if c in r"\.^$*+?{}[]()|-" else c for c in json.dumps(value, ensure_ascii=False))
+    return "".join("\\" + c if c in r"\.^$*+?{}[]()|-" else c for c in _plain(value))
 
 
 def _digits(lo: str, hi: str) -> list:
@@ -654,11 +729,13 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
     return (math.ceil(x) if inward else math.floor(x) + 1) if lower else (math.floor(x) if inward else math.ceil(x) - 1)
 
 
-def _json_safe(pattern: str) -> bool:
-    """Whether every string the pattern matches is written in JSON as is (no quote, backslash or control byte)."""
-    _Parser(pattern, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
-    live = compile_regex(pattern).table >= 0
-    return not (live[:, :0x20].any() or live[:, ord('"')].any() or live[:, ord("\\")].any())
+def _pattern(pattern: str) -> str:
+    """A schema `pattern` as validators read it (re.search: an end without its anchor takes any characters), over
+    the characters JSON writes unescaped: (?&...) intersects it with those."""
+    head, tail, safe = pattern[:1] == "^", pattern[-1:] == "$" and pattern[-2:] != "\\$", r'[^"\\\x00-\x1f]*'
+    core = pattern[head:len(pattern) - tail]
+    _Parser(core, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
+    return f"(?&{safe * (not head)}(?:{core}){safe * (not tail)}|{safe})"
 
 
 def _shape(value) -> dict:
@@ -691,25 +768,37 @@ class _Empty(ValueError):
 
 class _SchemaCompiler:
     """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that must all hold:
-    $ref (its siblings kept), allOf and true/false flatten into that list; an anyOf distributes the rest over its
-    branches; an enum or const keeps only the values the rest accepts; else each type the list allows is one
-    alternative, built from every member's keywords for that type. A part nothing satisfies drops out (an
-    optional property, an anyOf branch), else the schema is refused."""
+    $ref (its siblings kept, unless the draft ignores them), allOf and true/false flatten into that list; an anyOf
+    distributes the rest over its branches; an enum or const keeps only the values the rest accepts; else each type
+    the list allows is one alternative, built from every member's keywords for that type. A part nothing satisfies
+    drops out (an optional property, an anyOf branch), else the schema is refused."""
 
     def __init__(self, root):
-        self.root = root
+        self.root, self.lossy = root, []
+        self.legacy = isinstance(root, dict) and re.fullmatch(  # drafts 3-7: a $ref's siblings are ignored
+            r"http://json-schema\.org/draft-0[3467]/schema#?", str(root.get("$schema")))
 
     def regex(self, parts, path, refs=()) -> str:
+        _spend(0)
         parts, refs = self.flatten(parts, path, refs)
         for i, p in enumerate(parts):
-            key = next((k for k in ("anyOf", "const", "enum") if k in p), None)
+            key = next((k for k in ("anyOf", "oneOf", "not", "const", "enum") if k in p), None)
             if key is None:
                 continue
             rest = parts[:i] + [{k: v for k, v in p.items() if k != key}] + parts[i + 1:]
             if key == "anyOf":  # A and (B or C) = (A and B) or (A and C)
-                return self.union([functools.partial(self.regex, rest + [b], f"{path}.anyOf[{j}]", refs)
+                return self.union([functools.partial(self.regex, rest + [_mark(p, b)], f"{path}.anyOf[{j}]", refs)
                                    for j, b in enumerate(p["anyOf"])], path, "anyOf branch")
+            if key == "oneOf":  # exactly one branch: each one, and not the others
+                one = p["oneOf"]
+                alone = [{"allOf": [b] + [{"not": c} for c in one[:j] + one[j + 1:]]} for j, b in enumerate(one)]
+                return self.regex(rest + [_mark(p, {"anyOf": alone})], path, refs)
+            if key == "not":  # the documents of the rest that its schema rejects: A and not B, on their DFAs
+                out, negated = self.regex(rest, path, refs), self.negated(rest, p["not"], f"{path}.not", refs)
+                return out if negated is None else f"(?&(?:{out})|(?~{negated}))"
             values = p["enum"] if key == "enum" else [p["const"]]
+            if any(isinstance(v, (dict, list)) for v in values):
+                self.approximate(parts, "an enum's objects and arrays are written in one key order")
             kept = [_literal(v) for v in values if self.accepts(rest, v, path, refs)]
             if not kept:
                 raise _Empty(f"{path}: no value of its {key} {values!r} is valid under the rest of the schema")
@@ -719,12 +808,36 @@ class _SchemaCompiler:
             if "type" in p:
                 named = {p["type"]} if isinstance(p["type"], str) else set(p["type"])
                 types &= named | ({"integer"} if "number" in named else set())  # an integer is a number
-        if types == set(KEYWORDS):
-            _fail(path, "a schema needs a type (string integer number boolean null object array) or enum, const, anyOf")
         if not types:
             raise _Empty(f"{path}: its types {[p['type'] for p in parts if 'type' in p]} have none in common")
+        if "integer" in types and "number" not in types and any("number" in str(p.get("type")) for p in parts):
+            self.approximate(parts, "a number that is an integer is written only as an integer")
+        if not any(k in p for p in parts for k in COMBINATORS | set().union(*KEYWORDS.values())):  # any value
+            if refs.count("*") >= ANY_DEPTH:
+                self.approximate(parts, f"any value is written at most {ANY_DEPTH} deep")
+                types -= {"object", "array"}
+            refs += ("*",)
         types -= {"integer"} if "number" in types else set()
-        return self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
+        out = self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
+        _spend(len(out) // 100)  # regex text past 2 MB is too much too (an array's item is written twice, ...)
+        return out
+
+    def negated(self, rest, schema, path, refs):
+        """The regex of rest and schema, to be complemented: it must hold every document of rest's layout that
+        the schema accepts, so an approximation where the schema takes part (parts marked NEGATED) is refused."""
+        before = len(self.lossy)
+        try:
+            out = self.regex(rest + [_mark({NEGATED: True}, schema)], path, refs)
+        except _Empty:
+            return None  # it accepts nothing: its complement, everything
+        if len(self.lossy) > before:
+            _fail(path, f"cannot be complemented exactly: {self.lossy[-1]}")
+        return out
+
+    def approximate(self, parts, why):
+        """Noted where the regex holds fewer documents than the parts accept: harmless, unless complemented."""
+        if any(p.get(NEGATED) and len(p) > 1 for p in parts):
+            self.lossy.append(why)
 
     def flatten(self, parts, path, refs):
         """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by keyword."""
@@ -737,7 +850,9 @@ class _SchemaCompiler:
                 raise _Empty(f"{path}: the schema false accepts nothing")
             if not isinstance(s, dict):
                 _fail(path, f"a schema must be an object, got {type(s).__name__}")
-            for key in (k for k in s if k not in ANNOTATIONS | COMBINATORS | set().union(*KEYWORDS.values())):
+            if self.legacy and "$ref" in s:
+                s = {k: v for k, v in s.items() if k in ("$ref", NEGATED)}
+            for key in (k for k in s if k in UNSUPPORTED and s[k] != NO_OPS.get(k, ())):
                 _fail(path, f"unsupported keyword {key!r} (it would change which documents are valid, and this "
                             f"compiler cannot express it)")
             if "type" in s and not all(isinstance(t, str) and t in KEYWORDS for t in (
@@ -749,10 +864,11 @@ class _SchemaCompiler:
                     _fail(path, f"{key} {s[key]!r} is not {what}")
             if "$ref" in s:
                 if refs.count(s["$ref"]) >= MAX_REF_DEPTH:
+                    self.approximate([s], f"recursive $ref {s['$ref']!r} is unrolled {MAX_REF_DEPTH} deep")
                     raise _Empty(f"{path}: recursive $ref {s['$ref']!r} is unrolled {MAX_REF_DEPTH} deep, no deeper")
-                todo, refs = todo + [self.resolve(s["$ref"], path)], refs + (s["$ref"],)
+                todo, refs = [_mark(s, self.resolve(s["$ref"], path))] + todo, refs + (s["$ref"],)
             out.append({k: v for k, v in s.items() if k not in ("$ref", "allOf")})
-            todo += s.get("allOf", [])
+            todo[:0] = [_mark(s, c) for c in s.get("allOf", [])]  # depth first: a part's own parts stay together
         return out, refs
 
     def resolve(self, ref, path):
@@ -794,16 +910,15 @@ class _SchemaCompiler:
             lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
             if lo > hi:
                 raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
-            exact = kw.get("pattern", []) + [FORMATS[f] for f in kw.get("format", [])]
-            if len(exact) > 1 or exact and (lo or hi < math.inf):
-                _fail(path, "pattern or format together with other string keywords is not supported")
-            for p in kw.get("pattern", []):
-                if not (p.startswith("^") and p.endswith("$") and not p.endswith("\\$")):
-                    _fail(path, f"pattern {p!r}: only anchored patterns (^...$) are supported")
-                if not _json_safe(p[1:-1]):
-                    _fail(path, f"pattern {p!r} may match a quote, backslash or control character, which JSON escapes")
-                exact = [p[1:-1]]
-            return f'"(?:{exact[0]})"' if exact else f'"{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}"'
+            chars = f'{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}'
+            exact = [_pattern(p) for p in kw.get("pattern", [])] + [FORMATS[f] for f in kw.get("format", [])
+                                                                     if f in FORMATS]  # other formats: annotations
+            if not exact:
+                return f'"{chars}"'
+            self.approximate(parts, "a pattern or format is matched on strings without escapes only")
+            return '"(?&' + "|".join(f"(?:{e})" for e in exact + [chars] * bool(lo or hi < math.inf)) + ')"'
+        if kind == "number":
+            self.approximate(parts, "a number is written in one of its several ways")
         if kind in ("integer", "number"):
             lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") for v in kw.get(k, [])]
             highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") for v in kw.get(k, [])]
@@ -825,12 +940,10 @@ class _SchemaCompiler:
             return r"\{" + self.members(parts, path, refs) + r"\}"
         if kind == "array":
             lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
-            if "items" not in kw:
-                _fail(path, "an array needs 'items'")
             if lo > hi:
                 raise _Empty(f"{path}: minItems {lo} is above maxItems {hi}")
             try:
-                item = self.regex(kw["items"], f"{path}[]", refs)
+                item = self.regex([_mark(p, p.get("items", True)) for p in parts], f"{path}[]", refs)
             except _Empty:
                 if lo:
                     raise
@@ -844,14 +957,21 @@ class _SchemaCompiler:
         satisfy each part's schema for its key (properties, else additionalProperties). One not required may be
         left out (and is, if no value satisfies it): before the first required member an optional one carries
         the ", " after it, past it the one before; with none required, one alternative per first member."""
-        names = list(dict.fromkeys(k for p in parts for k in p.get("properties", {})))
-        required = {k for p in parts for k in p.get("required", [])}
-        for k in required - set(names):
-            _fail(path, f"required property {k!r} is not in properties (only listed properties are written)")
+        names = list(dict.fromkeys(k for p in parts for k in [*p.get("properties", {}), *p.get("required", [])]))
+        required, mine = {k for p in parts for k in p.get("required", [])}, [p for p in parts if not p.get(NEGATED)]
+        if not any("properties" in p or "required" in p for p in mine) and all(
+                p.get("additionalProperties", True) is not False for p in mine):  # its layout: free members
+            if names:
+                self.approximate(parts, "an object's other properties are written only where it lists none")
+            else:
+                try:
+                    value = self.regex([_mark(p, p.get("additionalProperties", True)) for p in parts], path, refs)
+                except _Empty:
+                    return ""
+                return f'(?:"{STRING_CHAR}*": {value}(?:, "{STRING_CHAR}*": {value})*)?'
         fields = []
         for k in names:
-            conj = [p["properties"][k] if k in p.get("properties", {}) else p.get("additionalProperties", True)
-                    for p in parts]
+            conj = [_mark(p, p.get("properties", {}).get(k, p.get("additionalProperties", True))) for p in parts]
             try:
                 fields.append((_literal(k) + ": " + self.regex(conj, f"{path}.{k}", refs), k in required))
             except _Empty:
@@ -865,11 +985,21 @@ class _SchemaCompiler:
                 "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
 
 
+def _mark(parent, schema):
+    """schema, marked NEGATED if its parent is: it comes from what a `not` complements."""
+    return {**schema, NEGATED: True} if parent.get(NEGATED) and isinstance(schema, dict) else schema
+
+
 def schema_to_regex(schema, path="$") -> str:
     """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: this
-    section's heading), or a ValueError naming what it cannot express, or that no document satisfies it."""
+    section's heading), or a ValueError naming what it cannot express, or that no document satisfies it; its DFA
+    is compiled (and cached) within the same COMPILE_BUDGET_S."""
     try:
-        return _SchemaCompiler(schema).regex([schema], path)
+        with budget():
+            out = _SchemaCompiler(schema).regex([schema], path)
+            if not compile_regex(out).accept.any():
+                raise _Empty("its parts exclude each other")
+            return out
     except _Empty as e:
         raise ValueError(f"{path}: no document satisfies this schema ({e})") from None
 
@@ -1036,6 +1166,57 @@ def report(prompt, runs) -> None:
                     if q["finished"] else ""))
 
 
+BENCH_SAMPLE = "tests/data/06_schemas.json.gz"  # held schemas from SchemaStore with a document each: (see tests)
+
+
+def bench(tok, path=BENCH_SAMPLE) -> dict:
+    """--bench (CPU): the held schemas compiled by 06 (into its token index), xgrammar and llguidance on one
+    tokenizer: coverage, compile time, and each token's mask time along one valid document per schema."""
+    import gzip
+    items, vocab, out = json.load(gzip.open(path)), token_trie(tok).token_bytes, {}
+    engines = {"06": (lambda s: [TokenIndex(schema_to_regex(s), tok), 0], lambda m: m[0].allowed(m[1]),
+                      lambda m, t: m.__setitem__(1, m[0].step(m[1], t)) or m[1] >= 0)}
+    try:
+        import xgrammar as xgr
+        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[tok.eos_id])
+        xc = xgr.GrammarCompiler(info, max_threads=1)
+        bits = xgr.allocate_token_bitmask(1, len(vocab))
+        engines["xgrammar"] = (lambda s: xgr.GrammarMatcher(xc.compile_json_schema(json.dumps(s), strict_mode=False)),
+                               lambda m: m.fill_next_token_bitmask(bits), lambda m, t: m.accept_token(t))
+    except ImportError:
+        print("xgrammar is not installed: pip install xgrammar (to compare with it)")
+    try:
+        import llguidance as llg
+        lt = llg.LLTokenizer(llg.TokenizerWrapper(type("T", (), dict(  # the vocabulary as bytes, as 06 sees it
+            tokens=vocab, eos_token_id=tok.eos_id, bos_token_id=None, __call__=lambda _, b: tok.encode(b.decode())))()))
+        engines["llguidance"] = (lambda s: llg.LLMatcher(lt, llg.LLMatcher.grammar_from_json_schema(s)),
+                                 lambda m: m.compute_bitmask(), lambda m, t: m.consume_token(t))
+    except ImportError:
+        print("llguidance is not installed: pip install llguidance (to compare with it)")
+    for name, (compile_, mask, advance) in engines.items():
+        compile_s, mask_s = [], []
+        for item in items:
+            t0 = time.perf_counter()
+            try:
+                m = compile_(item["schema"])
+                assert not getattr(m, "is_error", bool)()  # llguidance reports its refusals here
+            except Exception:  # noqa: BLE001 -- each library refuses in its own way
+                continue
+            compile_s.append(time.perf_counter() - t0)
+            for t in tok.encode(item["document"] or ""):
+                t0 = time.perf_counter()
+                mask(m)
+                mask_s.append(time.perf_counter() - t0)
+                if not advance(m, t):
+                    break
+        q = lambda xs, p, unit: round(float(np.percentile(xs, p)) * unit, 1) if xs else None  # noqa: E731
+        out[name] = dict(compiled=f"{len(compile_s)}/{len(items)}", tokens=len(mask_s),
+                         compile_ms_p50_p99=[q(compile_s, p, 1e3) for p in (50, 99)],
+                         mask_us_p50_p99=[q(mask_s, p, 1e6) for p in (50, 99)])
+        print(f"{name:10s} {out[name]}", flush=True)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Constrained decoding: masking only vs compressed FSM + jump-forward.",
                                  epilog="--json: one object {completion, forward_passes, seconds, ...} (each keyed by "
@@ -1046,9 +1227,12 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--bench", action="store_true", help=f"06 vs xgrammar and llguidance on {BENCH_SAMPLE} (CPU)")
     args = ap.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    if args.bench:
+        return bench(L.load_model(args.model)[1])
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     try:  # bad input fails here, before the model loads
