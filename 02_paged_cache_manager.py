@@ -641,6 +641,21 @@ class Scheduler:
         self.finished.append(req)
         self.log("finish", req, len(req.output))
 
+    def pending(self) -> list:
+        """Every request not finished: waiting, running, swapped out."""
+        return [*self.waiting, *self.running, *(r for r, _ in self.swapped)]
+
+    def abort(self, rid):
+        """Finish request rid now, wherever it is (a server's client went away): its KV goes as at any finish.
+        Returns it, or None where no unfinished request has that id."""
+        req = next((r for r in self.pending() if r.rid == rid), None)
+        if req is not None:
+            self.waiting = deque(r for r in self.waiting if r is not req)
+            self.running = [r for r in self.running if r is not req]
+            self.swapped = deque((r, saved) for r, saved in self.swapped if r is not req)
+            self.finish(req)
+        return req
+
     def step(self, forward):
         """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a stand-in for
         the model in the simulations; its value is ignored where a chunk ends short of its prompt's end)."""

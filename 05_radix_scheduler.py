@@ -361,6 +361,9 @@ class Scheduler(P02.Scheduler):
     def busy(self) -> bool:
         return super().busy or self.chunked is not None
 
+    def pending(self) -> list:
+        return super().pending() + ([self.chunked] if self.chunked is not None else [])  # and a prompt part-way in
+
     def reset(self):
         """Forget the last run, its cached prefixes too (a warm engine's runs start alike)."""
         super().reset()

@@ -1187,16 +1187,9 @@ class Engine:
         (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
         if self.graphs is not None:
             self.graphs.land()
-        s = self.sched
-        seq = next((q for q in [*s.waiting, *s.running, *(q for q, _ in s.swapped), s.chunked] if q and q.rid == sid),
-                   None)
-        if seq is None or seq.done:
-            return
-        s.waiting = type(s.waiting)(q for q in s.waiting if q is not seq)
-        s.running = [q for q in s.running if q is not seq]
-        s.swapped = type(s.swapped)((q, saved) for q, saved in s.swapped if q is not seq)
-        s.finish(seq)  # 02's: release its KV (05: into the radix tree), log "finish"
-        seq.finish = "abort"
+        seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
+        if seq is not None:
+            seq.finish = "abort"
 
     @property
     def busy(self) -> bool:
