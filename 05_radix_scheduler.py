@@ -276,6 +276,7 @@ class Req(P02.Request):
         self.node = None        # the tree node it locks (its prefix, then its prompt)
         self.reserve = 0        # reserve=True: slots still reserved for its remaining steps
         self.admitted = 0       # admissions so far (> 1 after a preemption)
+        self.dropped = 0        # KV tokens a recompute preemption dropped (what readmission computes again)
         self.chunk = None       # chunked prefill: the next step feeds at most this many tokens
 
     @property
@@ -326,9 +327,12 @@ class Scheduler(P02.Scheduler):
     """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
-                    ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
-                    and the step's prefill budget; when decoding outgrows the pool, evict, then preempt (02;
-                    recompute is mostly a cache hit, as the preempted request's computed tokens stay in the tree).
+                    ever preempted. False: admit while the prompts fit the pool now (free_tokens()) and the step's
+                    prefill budget; when decoding outgrows the pool, evict, then preempt (02; recompute is mostly a
+                    cache hit, as the preempted request's computed tokens stay in the tree).
+      reserve="expected"  (the engine's) look ahead, as LightLLM's router: also admit only while, at every step
+                    from now, the pool holds what the running requests will hold then, each growing a token a step
+                    until its expected end (`ratio` of its remaining max_new: learned, see fits_ahead).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
       chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
@@ -347,7 +351,7 @@ class Scheduler(P02.Scheduler):
                  mixed=True, preempt="recompute", chunk_tokens=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        if reserve and not radix:
+        if reserve is True and not radix:
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
@@ -355,7 +359,8 @@ class Scheduler(P02.Scheduler):
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
         self.seed, self.rng, self.n_req, self.min_new = seed, random.Random(seed), 0, 1 << 62
-        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
+        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0)
+        self.seen = [1.0, 1]  # (sum of output / max_new, requests) behind `ratio`: a prior of one that ran to max_new
 
     @property
     def busy(self) -> bool:
@@ -367,6 +372,7 @@ class Scheduler(P02.Scheduler):
     def reset(self):
         """Forget the last run, its cached prefixes too (a warm engine's runs start alike)."""
         super().reset()
+        self.seen = [1.0, 1]
         if self.tree:
             self.tree.evict(self.kv.capacity())
         self.rng.seed(self.seed)
@@ -409,7 +415,7 @@ class Scheduler(P02.Scheduler):
                 return new
         if room <= 0 or self.swapped or not self.waiting:
             return new
-        if self.reserve:
+        if self.reserve is True:
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
             if budget < self.min_new:
                 return new  # nothing can be admitted: skip the matching
@@ -440,13 +446,14 @@ class Scheduler(P02.Scheduler):
             delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
-                need = -(-(extend + (r.max_new - 1 if self.reserve else 0)) // block) * block  # whole pages
-                if need > budget + delta and (self.reserve or new or self.running):  # alone, it only needs to fit
+                need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
+                if (need > budget + delta or self.reserve == "expected" and not self.fits_ahead(new + [r])) and (
+                        self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
                     break
                 budget += delta - need
-                if self.reserve:
+                if self.reserve is True:
                     r.reserve = need
             if tree is not None:
                 self.kv.add_prefix(r.rid, r.prefix)
@@ -456,6 +463,8 @@ class Scheduler(P02.Scheduler):
             if not r.admitted:  # the hit rate counts first admissions: cached prompt tokens / prompt tokens
                 self.stats["prompt_tokens"] += len(r.prompt)
                 self.stats["cached_tokens"] += cached
+            self.stats["recomputed_tokens"] += max(0, r.dropped - cached)  # what a preemption cost: KV computed again
+            r.dropped = 0
             r.admitted += 1
             r.chunk = step - prefill if cut else None
             new.append(r)
@@ -468,6 +477,29 @@ class Scheduler(P02.Scheduler):
             taken = set(map(id, new))
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
+
+    @property
+    def ratio(self) -> float:
+        """The expected share of a request's remaining max_new it will still generate: the mean output / max_new
+        of the finished requests, starting from 1 (no evidence yet: assume every output runs to max_new); a
+        preemption counts as one more request that ran to max_new (the estimate was too low)."""
+        return self.seen[0] / self.seen[1]
+
+    def fits_ahead(self, new) -> bool:
+        """LightLLM's look-ahead over the running requests and `new`: request j holds len(tokens) + s KV tokens s
+        steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e descending, requests
+        0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of those sums."""
+        reqs, P, ratio = self.running + new, self.kv.page, self.ratio
+        ends = np.array([max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs])  # expected steps
+        held = np.array([len(r.tokens) for r in reqs]) + (np.arange(len(reqs)) >= len(self.running))  # a prefill
+        order = np.argsort(-ends, kind="stable")  # step may leave the running ones be: a new one is a step ahead
+        ends, held = ends[order], held[order]
+        at = -(-(held[None, :] + ends[:, None] - 1) // P) * P  # at[i, j]: j's slots at step ends[i] - 1
+        return int(np.tril(at).sum(1).max(initial=0)) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
+
+    def finish(self, r):
+        super().finish(r)
+        self.seen[0], self.seen[1] = self.seen[0] + len(r.output) / r.max_new, self.seen[1] + 1
 
     def make_room(self, n_tokens):
         """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
@@ -484,6 +516,8 @@ class Scheduler(P02.Scheduler):
         if self.preempt_mode == "swap" and self.tree is not None:
             self.tree.dec_lock_ref(r.node)
             r.node = self.tree.root
+        r.dropped = r.kv_len if self.preempt_mode == "recompute" else 0
+        self.seen[0], self.seen[1] = self.seen[0] + 1, self.seen[1] + 1
         super().preempt(r)
 
     def computed(self, r, n):
@@ -674,6 +708,41 @@ def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
     return dict(chunk_tokens=chunk_tokens, long_prompt=long_prompt, decoding=n_short, schedules=out)
 
 
+ADMISSIONS = {"fits now": False, "reserve all": True, "look ahead": "expected"}  # Scheduler(reserve=...)
+STEP_COST = 1024  # the simulations' cost model: a step takes as long as this many tokens' compute, plus its tokens
+
+
+def admission_trace(n=64, lengths=(25, 256), per_seq=128, pages=(1, 16), seed=0):
+    """bench_engine's equal-memory workload, scaled: n requests, prompt and max_new lengths uniform in `lengths`, a
+    pool of per_seq tokens a request (less than half what they take), prefill-first (the engine's). Outputs run to
+    max_new, or stop (EOS) at a length uniform in [1, max_new]. Per admission and page size: preemptions, peak
+    running, tokens computed again after a preemption, steps and output tokens per STEP_COST of simulated time."""
+    rng, out = np.random.default_rng(seed), {}
+    lens = rng.integers(lengths[0], lengths[1] + 1, (n, 2)).tolist()
+    prompts = [_toks(rng, p) for p, _ in lens]
+    stops = [int(rng.integers(1, m + 1)) for _, m in lens]
+    for early in (False, True):
+        targets = [_toks(rng, k if early else m) for (_, m), k in zip(lens, stops)]
+        for page in pages:
+            for name, reserve in ADMISSIONS.items():
+                kv = T.TokenKVCache(1, n * per_seq, 1, 1, n, 2 * lengths[1]) if page == 1 else P02.PagedKVCache(
+                    1, n * per_seq // page, page, 1, 1, max_seqs=n, max_seq_len=2 * lengths[1])
+                s = Scheduler(kv, "lpm", n, reserve=reserve, mixed=False)
+                for p, (_, m), o in zip(prompts, lens, targets):
+                    s.add(p, m, target=o[:-1] + [0] if len(o) < m else o, stop_ids=(0,))  # 0: EOS
+                peak, cost = 0, 0
+                while s.busy:
+                    logged = len(s.events)
+                    s.step()
+                    peak = max(peak, len(s.running))
+                    cost += STEP_COST + sum(e.tokens for e in s.events[logged:] if e.kind in ("prefill", "decode"))
+                out.setdefault("early stops" if early else "full length", {}).setdefault(page, {})[name] = dict(
+                    preemptions=s.stats["preemptions"], peak_running=peak, steps=s.stats["steps"],
+                    recomputed_tokens=s.stats["recomputed_tokens"],
+                    throughput=sum(len(r.output) for r in s.finished) * STEP_COST / cost)
+    return dict(requests=n, lengths=lengths, per_seq=per_seq, workloads=out)
+
+
 # ----------------------------------------------------------------------------------------------
 # The real model through the same scheduler
 # ----------------------------------------------------------------------------------------------
@@ -737,10 +806,13 @@ def main(argv=None):
                       for P in (1, 16, 256)}
         w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
     chunking = chunking_timeline()
+    admission = admission_trace(**dict(n=256, lengths=(100, 1024), per_seq=512, pages=(1, 16, 256)) if args.full
+                                else {})  # full: bench_engine's equal-memory workload, its page sizes
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
     first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
     summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"], workloads=report,
                    lpm_of_optimal_mean=float(np.mean(aware)) if aware else None, chunking=chunking,
+                   admission=admission,
                    seconds=time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary))
@@ -768,6 +840,18 @@ def main(argv=None):
               f"{r['long_prompt_first_token_after']:>16}")
     print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
           "token every chunk.")
+    a = admission
+    print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
+          f"of {a['per_seq']} tokens a request; throughput: output tokens per {STEP_COST} tokens' time (a step's cost)")
+    print(f"  {'outputs':<12}{'page':>5}  {'admission':<12}{'preemptions':>12}{'peak running':>13}{'recomputed':>11}"
+          f"{'steps':>7}{'throughput':>11}")
+    for w, by_page in a["workloads"].items():
+        for page, runs in by_page.items():
+            print("\n".join(f"  {w:<12}{page:>5}  {name:<12}{r['preemptions']:>12}{r['peak_running']:>13}"
+                            f"{r['recomputed_tokens']:>11}{r['steps']:>7}{r['throughput']:>11.2f}"
+                            for name, r in runs.items()))
+    print("  Fits now fills the pool and preempts; reserve all never preempts but runs half as many; look ahead runs "
+          "most of them and does not preempt.")
     if aware:
         print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
               f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")

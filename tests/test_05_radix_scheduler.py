@@ -190,20 +190,39 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
+def prefixes(tokens, h=0):
+    """An id of each prefix of the tokens following a prefix of id h (a chained hash: linear time)."""
+    out = []
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+STOP = -1  # the stop id of early-stopping outputs (workload tokens are >= 0)
+
+
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=None, **options):
     """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
     pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
     every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
     siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
-    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference)."""
-    longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference). max_new: each
+    request's (default: its output's length; an output shorter ends with STOP, an early stop)."""
+    max_new = max_new or [len(o) for _, o, _ in reqs]
+    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
     kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
         P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
     made = []
-    for prompt, out, after in reqs:
-        made.append(s.add(prompt, len(out), target=out, after=None if after is None else made[after]))
-    by_row, written, admit = {}, {}, s.admit
+    for (prompt, out, after), n in zip(reqs, max_new):
+        made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(STOP,)))
+    by_row, written, admit, ids = {}, {}, s.admit, {}  # ids: rid -> its tokens' prefix ids so far
+
+    def prefix_ids(r, n):
+        have = ids.setdefault(r.rid, [])
+        have += prefixes(r.tokens[len(have):n], have[-1] if have else 0)
+        return have[:n]
 
     def admit_checked():  # a sibling waits for its first sample's prefill; a follow-up for the request it follows
         new = admit()
@@ -228,8 +247,8 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
         for row, start, n in zip(rows, starts, ns):
             r = by_row[row]
             assert r.tokens[start:start + n] == tokens[t:t + n]
-            for i in range(n):
-                written[slots[t + i]] = tuple(r.tokens[:start + i + 1])
+            for i, h in enumerate(prefix_ids(r, start + n)[start:]):
+                written[slots[t + i]] = h
             t += n
             next_ids.append(r.target[len(r.output)])
         return next_ids
@@ -246,14 +265,14 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
             assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
-            assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
-        stack = [(s.tree.root, ())]
+            assert got == prefix_ids(r, r.kv_len), r.rid
+        stack = [(s.tree.root, 0)]
         while stack:
-            node, path = stack.pop()
+            node, h = stack.pop()
             for c in node.children.values():
-                key = path + c.key
-                assert [written[x] for x in c.value.tolist()] == [key[:len(path) + i + 1] for i in range(len(c.key))]
-                stack.append((c, key))
+                want = prefixes(c.key, h)
+                assert [written[x] for x in c.value.tolist()] == want
+                stack.append((c, want[-1]))
     while s.waiting or s.running or s.chunked:
         s.step(forward)
         check()
@@ -334,6 +353,41 @@ def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
         cached += s.stats["cached_tokens"]
         pages += sum(e.tokens % page for e in s.events if e.kind == "admit")  # a hit is whole pages
     assert cached > 0 and pages == 0
+
+
+def admission_workload(rng, n, hi, early):
+    """n requests, prompt and max_new lengths uniform in [hi // 8, hi] (the engine benchmark's shape), prompts
+    opening with one of two shared heads (radix hits); early: each output stops (STOP) at a random length."""
+    heads = [rng.integers(0, 50, hi // 2).tolist() for _ in range(2)]
+    reqs, max_new = [], []
+    for _ in range(n):
+        p, m = rng.integers(hi // 8, hi + 1, 2).tolist()
+        prompt = (heads[int(rng.integers(2))][:int(rng.integers(0, p))] + rng.integers(0, 50, p).tolist())[:p]
+        out = rng.integers(0, 50, int(rng.integers(1, m + 1)) if early else m).tolist()
+        reqs.append((prompt, out + [STOP] if len(out) < m else out, None))
+        max_new.append(m)
+    return reqs, max_new
+
+
+@pytest.mark.parametrize("page,hi,n,share", [(1, 40, 48, 0.4), (16, 96, 32, 0.4), (256, 320, 24, 0.3)])
+def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, hi, n, share):
+    """Look-ahead admission (reserve="expected") against fits-now (reserve=False), the engine's prefill-first
+    steps, on random long workloads in a pool of `share` of what every request takes (bench_engine's equal memory
+    is 0.46): every request finishes with its own tokens and every slot right after every step (the brute-force
+    check above), nothing admitted is held back for lack of room, and where every output runs to max_new
+    look-ahead preempts at most twice where fits-now preempts more."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng, preempted = np.random.default_rng(seed), {}
+    for early in (False, True):
+        reqs, max_new = admission_workload(rng, n, hi, early)
+        pool = -(-max(int(share * sum(len(p) + m for (p, _, _), m in zip(reqs, max_new))), 2 * hi) // page)
+        for reserve in (False, "expected"):
+            s = run_checking_every_slot(reqs, pool, "lpm", n, page=page, max_new=max_new, reserve=reserve,
+                                        mixed=False)
+            preempted[early, reserve] = s.stats["preemptions"]
+            assert not any(e.kind == "hold_back" for e in s.events)
+            assert s.ratio == 1 if not early else s.ratio < 1
+    assert preempted[False, "expected"] <= 2 < preempted[False, False], (seed, preempted)
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
