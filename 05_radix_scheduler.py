@@ -320,6 +320,7 @@ POLICIES = {  # (tree, rng, waiting) -> waiting in admission order; cache-aware 
     "dfs-weight": _dfs_weight,
 }
 CACHE_AWARE = ("lpm", "dfs-weight")
+CHUNK_KEEPS = 0.5  # a prompt part-way in keeps this share of a step's budget; prompts fitting whole may take the rest
 IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one admitted this step waits one step
 
 
@@ -338,8 +339,12 @@ class Scheduler(P02.Scheduler):
       chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
                     many tokens (mixed: decode tokens count too); a prompt that does not fit what is left of the
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
-                    goes first), its KV and its tree path growing chunk by chunk. None: a prompt runs whole
-                    (max_prefill_tokens bounds a step, but the first request admitted is taken whatever its size).
+                    goes first), its KV and its tree path growing chunk by chunk. Its next chunk keeps half of the
+                    step (CHUNK_KEEPS), and prompts that fit whole in the other half go in beside it, so a short
+                    prompt arriving behind a long one does not wait for all its chunks (SGLang lets new requests in
+                    before a chunked one's rest), and the long one still gains half a step every step. None: a
+                    prompt runs whole (max_prefill_tokens bounds a step, but the first request admitted is taken
+                    whatever its size).
       radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
@@ -407,12 +412,12 @@ class Scheduler(P02.Scheduler):
         room, tree, new, prefill = self.max_running - len(self.running), self.tree, [], 0
         step = self.max_prefill_tokens if self.chunk_tokens is None else \
             self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
+        spare = None  # a prompt part-way in still cut: tokens of its chunk that prompts fitting whole may take
         if self.chunked is not None:  # a prompt part-way in goes first; it holds its KV and its lock already
             r = self.chunked
             r.chunk = max(1, step) if r.missing > step else None
             new, prefill, room = [r], r.n_new, room - 1
-            if r.chunk is not None:
-                return new
+            spare = None if r.chunk is None else r.chunk - max(1, int(step * CHUNK_KEEPS + 0.999))
         if room <= 0 or self.swapped or not self.waiting:
             return new
         if self.reserve is True:
@@ -438,8 +443,10 @@ class Scheduler(P02.Scheduler):
                 r.prefix, r.node = tree.match_prefix(r.tokens)
             cached = len(r.prefix) if tree is not None else 0
             extend = len(r.prompt) + len(r.output) - cached
-            cut = self.chunk_tokens is not None and prefill + extend > step  # it would overflow the step: chunk it
-            if (cut and step - prefill < 1) or (new and prefill + extend > step and not cut):
+            over = prefill + extend - step  # > 0: it would overflow the step
+            squeeze = spare is not None and 0 < over <= spare  # it fits whole in the part-way prompt's spare tokens
+            cut = self.chunk_tokens is not None and over > 0 and not squeeze  # chunk it (one at a time)
+            if (cut and (step - prefill < 1 or spare is not None)) or (new and over > 0 and not cut and not squeeze):
                 break
             if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
@@ -466,6 +473,8 @@ class Scheduler(P02.Scheduler):
             self.stats["recomputed_tokens"] += max(0, r.dropped - cached)  # what a preemption cost: KV computed again
             r.dropped = 0
             r.admitted += 1
+            if squeeze:
+                new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
             new.append(r)
             self.log("admit", r, cached)
@@ -673,21 +682,24 @@ SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, 
              "mixed, chunked": (True, True)}  # (mixed, chunked): the options compared here and in --bench-serve
 
 
-def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
+def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0, behind=0):
     """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step computes, and how
     long the decoding requests wait between two of their tokens, counted in tokens computed meanwhile (a step's
-    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False)."""
+    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False). behind: a
+    prompt of that many tokens arrives halfway through the long one's first step; its first token's wait too."""
     rng = np.random.default_rng(seed)
     shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
     long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
     out = {}
     for name, (mixed, chunked) in SCHEDULES.items():
         kv = T.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
-        s = Scheduler(kv, "fcfs", n_short + 1, reserve=False, mixed=mixed,
+        s = Scheduler(kv, "fcfs", n_short + 1 + (behind > 0), reserve=False, mixed=mixed,
                       chunk_tokens=chunk_tokens if chunked else None)
         reqs = [s.add(p, len(o), target=o) for p, o in shorts]
-        work, last, waits, steps, first_token = 0, {}, [], [], None
+        work, last, waits, steps, first_token, late, behind_first = 0, {}, [], [], None, None, None
         while s.waiting or s.running or s.chunked or len(reqs) == n_short:
+            if behind and s.stats["steps"] == arrive + 1 and late is None:
+                late, t_late = s.add(_toks(rng, behind), 8, target=_toks(rng, 8)), work - steps[-1] / 2
             if s.stats["steps"] == arrive:
                 reqs.append(s.add(long_req[0], len(long_req[1]), target=long_req[1]))
                 t_arrive = work
@@ -702,9 +714,13 @@ def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
                     last[r.rid] = work
             if first_token is None and len(reqs) > n_short and reqs[-1].output:
                 first_token = work - t_arrive
+            if late is not None and late.output and behind_first is None:
+                behind_first = work - t_late
         out[name] = dict(steps=len(steps), step_tokens=steps[arrive:arrive + 12], max_step_tokens=max(steps),
                          max_wait_tokens=max(waits), median_wait_tokens=float(np.median(waits)),
                          long_prompt_first_token_after=first_token)
+        if behind:
+            out[name]["behind_first_token_after"] = behind_first
     return dict(chunk_tokens=chunk_tokens, long_prompt=long_prompt, decoding=n_short, schedules=out)
 
 
@@ -806,6 +822,8 @@ def main(argv=None):
                       for P in (1, 16, 256)}
         w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
     chunking = chunking_timeline()
+    chunking["behind"] = {k: r["behind_first_token_after"]  # a short prompt behind the long one: its first token
+                          for k, r in chunking_timeline(behind=32)["schedules"].items()}
     admission = admission_trace(**dict(n=256, lengths=(100, 1024), per_seq=512, pages=(1, 16, 256)) if args.full
                                 else {})  # full: bench_engine's equal-memory workload, its page sizes
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
@@ -834,12 +852,15 @@ def main(argv=None):
     c = chunking
     print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
           f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")
-    print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}")
+    print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}"
+          f"{'one behind it':>14}")
     for name, r in c["schedules"].items():
         print(f"  {name:<24}{' '.join(map(str, r['step_tokens'][:9])):<36}{r['max_wait_tokens']:>13}"
-              f"{r['long_prompt_first_token_after']:>16}")
+              f"{r['long_prompt_first_token_after']:>16}{c['behind'][name]:>14.0f}")
     print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
           "token every chunk.")
+    print("  One behind it: a 32-token prompt arriving halfway through the long one's first step, its first token's "
+          "wait; chunked, it goes in beside the long prompt's next chunk (which keeps half of the step).")
     a = admission
     print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
           f"of {a['per_seq']} tokens a request; throughput: output tokens per {STEP_COST} tokens' time (a step's cost)")

@@ -305,6 +305,53 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
     return r
 
 
+def simulate_serve(rates=(16, 32), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
+                   schedules=SERVE_SCHEDULES, vocab=128256, step_s=6e-3, token_s=4.5e-6, overlap=True,
+                   log=lambda msg: None) -> dict:
+    """`serve --simulate` (a CPU): serve's draws (the same lengths and arrivals) through 05's Scheduler with no model,
+    on a clock where a step takes step_s + token_s per token it feeds (a cost model: the GPU run measures). Each
+    token is delivered at the end of its step (one step per delivery: no multi-step)."""
+    R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
+    rng = torch.Generator().manual_seed(0)  # serve_workload's draws, in its order (the model draws none)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
+    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
+        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
+    prompts = [torch.randint(0, vocab, (p,), generator=rng).tolist() for p, _ in lens]
+    longest, r = max(p + n for p, n in lens), {"device": "cpu (simulated)", "shape": "llama-3.2-1b",
+                                              "requests": n_seqs, "schedules": schedules, "rates": {},
+                                              "long_prompts": sorted(p for p, _ in lens if p > lengths[1])}
+    for rate in rates:
+        arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()
+        for name, (mixed, chunk_tokens) in schedules.items():
+            kv = T.TokenKVCache(1, n_seqs * 1024 + longest, 1, 1, min(256, n_seqs) + 1, longest)
+            s = R.Scheduler(kv, "lpm", min(256, n_seqs), 32768, reserve="expected", mixed=mixed,
+                            chunk_tokens=chunk_tokens)
+            now, i, seen, reqs = 0.0, 0, [[] for _ in lens], []
+            while i < n_seqs or s.busy:
+                while i < n_seqs and arrivals[i] <= now:
+                    reqs.append(s.add(prompts[i], lens[i][1], target=[i % 1000 + 10] * lens[i][1]))
+                    i += 1
+                if not s.busy:
+                    now = arrivals[i]
+                    continue
+                batch, _ = s.schedule()
+                fed = sum(x.n_new for x in batch)
+                now += max(step_s, token_s * fed) if overlap else step_s + token_s * fed
+                samples = [x.samples for x in batch]
+                for x, y in zip(batch, samples):
+                    seen[x.rid] += [now] if y else []
+                s.postprocess(batch, [[x.target[len(x.output)]] if y else [] for x, y in zip(batch, samples)])
+            x = r["rates"].setdefault(rate, {})[name] = latency(seen, arrivals, lens)
+            ttft = [d[0] - t for d, t in zip(seen, arrivals)]
+            gaps = [b - a for d in seen for a, b in zip(d, d[1:])]
+            x.update(ttft_max_ms=max(ttft) * 1e3, itl_max_ms=max(gaps) * 1e3, steps=s.stats["steps"],
+                     long_ttft_max_ms=max(t for t, (p, _) in zip(ttft, lens) if p > lengths[1]) * 1e3,
+                     short_ttft_p99_ms=torch.tensor([t for t, (p, _) in zip(ttft, lens) if p <= lengths[1]],
+                                                    dtype=torch.float64).quantile(0.99).item() * 1e3)
+            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in x.items()))
+    return r
+
+
 def serve_plot(r: dict, path: str):
     import matplotlib
     matplotlib.use("Agg")

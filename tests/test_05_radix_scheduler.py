@@ -202,21 +202,28 @@ def prefixes(tokens, h=0):
 STOP = -1  # the stop id of early-stopping outputs (workload tokens are >= 0)
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=None, **options):
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=None, arrive=None, **options):
     """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
     pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
     every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
     siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
     02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference). max_new: each
-    request's (default: its output's length; an output shorter ends with STOP, an early stop)."""
+    request's (default: its output's length; an output shorter ends with STOP, an early stop). arrive: the step
+    each request arrives at (ascending; default: all at once). Chunked: no step feeds more than its budget, and a
+    prompt part-way in is in every step, with at least half the step's budget (or all it still lacks)."""
     max_new = max_new or [len(o) for _, o, _ in reqs]
     longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
     kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
         P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
-    made = []
-    for (prompt, out, after), n in zip(reqs, max_new):
-        made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(STOP,)))
+    made, arrive, s.beside = [], arrive or [0] * len(reqs), 0
+
+    def arrivals():
+        for (prompt, out, after), n in list(zip(reqs, max_new))[len(made):]:
+            if arrive[len(made)] > s.stats["steps"]:
+                break
+            made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(STOP,)))
+    arrivals()
     by_row, written, admit, ids = {}, {}, s.admit, {}  # ids: rid -> its tokens' prefix ids so far
 
     def prefix_ids(r, n):
@@ -224,7 +231,11 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
         have += prefixes(r.tokens[len(have):n], have[-1] if have else 0)
         return have[:n]
 
+    part = None  # the prompt part-way in when the step began
+
     def admit_checked():  # a sibling waits for its first sample's prefill; a follow-up for the request it follows
+        nonlocal part
+        part = s.chunked if s.chunked is not None and s.chunked.chunk is not None else None
         new = admit()
         assert all(r.after is None or r.after.done or (r.prompt == r.after.prompt and r.after.kv_len >= len(r.prompt))
                    for r in new)
@@ -234,6 +245,12 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
 
     def prepare_checked(batch):  # prefill-first: admission counted the room, so nothing it let in is held back
         asked = list(batch)
+        decode = sum(r in s.running for r in asked)
+        budget = s.chunk_tokens and max(1, s.chunk_tokens - (decode if s.mixed else 0))  # prefill tokens a step
+        assert not budget or sum(r.n_new for r in asked) - decode <= budget, "over the step's budget"
+        assert part is None or part in asked and part.n_new >= min(part.missing, -(-budget // 2)), "starved"
+        s.beside += part is not None and part.chunk is not None and any(r is not part and r not in s.running
+                                                                        for r in asked)  # beside its next chunk
         out, positions = prepare(batch)
         assert s.mixed or batch is s.running or out == asked, "admitted, then held back for lack of room"
         return out, positions
@@ -273,9 +290,10 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
                 want = prefixes(c.key, h)
                 assert [written[x] for x in c.value.tolist()] == want
                 stack.append((c, want[-1]))
-    while s.waiting or s.running or s.chunked:
-        s.step(forward)
+    while s.waiting or s.running or s.chunked or len(made) < len(reqs):
+        s.step(forward) if s.busy else s.stats.update(steps=s.stats["steps"] + 1)  # nothing to do: time passes
         check()
+        arrivals()
     assert [r.output for r in made] == [o for _, o, _ in reqs]
     assert kv.allocator.available() * page + s.tree.evictable_size() == pool * page
     return s
@@ -332,6 +350,26 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     assert (totals["preemptions"] > 0) != reserve  # reserving up front never preempts; the engine's way does
     assert (totals["cut"] > 0) == chunked
     assert (totals["cut_preempted"] > 0) == (chunked and mixed and not reserve)  # mixed: decodes outgrow the pool
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
+def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
+    """Random arrivals into chunked steps (budgets of 2-12 tokens, prompts up to 24): every request finishes with
+    its own tokens and every slot right (the brute-force check), no step feeds more than its budget, the prompt
+    part-way in gets at least half of every step's budget (so it is done within 2 x its tokens / budget steps), and
+    prompts that arrive behind it do go in beside its chunks."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    beside = 0
+    for _ in range(80):
+        reqs = random_workload(rng, prompt_max=24)
+        longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+        arrive = sorted(rng.integers(0, 12, len(reqs)).tolist())
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        s = run_checking_every_slot(reqs, 2 * longest + int(rng.integers(0, 8)), policy, int(rng.integers(2, 6)),
+                                    arrive=arrive, reserve=[False, "expected"][int(rng.integers(2))], mixed=mixed,
+                                    chunk_tokens=int(rng.integers(2, 13)))
+        beside += s.beside
+    assert beside > 0
 
 
 @pytest.mark.parametrize("page", [2, 4])
