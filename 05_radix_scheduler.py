@@ -363,7 +363,7 @@ class Scheduler(P02.Scheduler):
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
-        self.seed, self.rng, self.n_req, self.min_new = seed, random.Random(seed), 0, 1 << 62
+        self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0)
         self.seen = [1.0, 1]  # (sum of output / max_new, requests) behind `ratio`: a prior of one that ran to max_new
 
@@ -394,7 +394,7 @@ class Scheduler(P02.Scheduler):
             raise ValueError(f"request of {len(prompt)} + {max_new} tokens cannot fit this pool "
                              f"({self.kv.capacity()} slots, max_seq_len {self.kv.max_seq_len})")
         r = Req(self.n_req, prompt, max_new, target, after, stop_ids)
-        self.n_req, self.min_new = self.n_req + 1, min(self.min_new, max_new)  # every request needs >= max_new
+        self.n_req += 1
         self.waiting.append(r)
         return r
 
@@ -422,7 +422,7 @@ class Scheduler(P02.Scheduler):
             return new
         if self.reserve is True:
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
-            if budget < self.min_new:
+            if budget < min(r.max_new for r in self.waiting):  # every request needs >= max_new (the engine's too)
                 return new  # nothing can be admitted: skip the matching
         else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
             budget = self.free_tokens()  # the running ones' next tokens first, and the rest of the chunked prompt
