@@ -120,7 +120,9 @@ class TokenAllocator:
         idx = self._index(idx)
         if idx.numel() == 0:
             return
-        if idx.min() < 0 or idx.max() >= self.size or (self.mem_state[idx] <= 0).any():
+        lo, hi, low_ref = torch.stack([idx.min(), idx.max(), self.mem_state[idx.clamp(0, self.size - 1)].min().long()]
+                                      ).tolist()  # one host sync for every check
+        if lo < 0 or hi >= self.size or low_ref <= 0:
             raise ValueError("inc_ref: every slot must be allocated already (refcount >= 1) and in range")
         self.mem_state.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
 

@@ -573,21 +573,71 @@ def check_norms(path: str, sd: dict, theirs):
             raise UserError(f"{path}: tensor {theirs(name)} holds non-finite values (NaN or inf)")
 
 
+class GGUF:
+    """A GGUF file (llama.cpp's one-file format) parsed in one pass: `fields` as Python values, `tensors` by name
+    (type, GGUF's shape, bytes as gguf's dequantize reads them). gguf's own reader makes a numpy view of every
+    element, seconds for a tokenizer's 100k strings."""
+    CODES = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}  # value type -> struct code (8 str, 9 array)
+
+    def __init__(self, path: str):
+        import struct
+        import gguf
+        import numpy as np
+        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
+        mv, self.off = memoryview(self.buf), 0
+
+        def read(code):
+            (v,), self.off = struct.unpack_from("<" + code, mv, self.off), self.off + struct.calcsize(code)
+            return v
+
+        def string():
+            n = read("Q")
+            self.off += n
+            return bytes(mv[self.off - n:self.off]).decode("utf-8")
+
+        def value(kind):
+            if kind == 8:
+                return string()
+            if kind != 9:
+                return read(self.CODES[kind])
+            kind, n = read("I"), read("Q")
+            if kind in (8, 9):
+                return [value(kind) for _ in range(n)]
+            out = np.frombuffer(mv, np.dtype("<" + self.CODES[kind]), n, self.off).tolist()
+            self.off += n * struct.calcsize(self.CODES[kind])
+            return out
+
+        if bytes(mv[:4]) != b"GGUF" or struct.unpack_from("<I", mv, 4)[0] not in (2, 3):
+            raise ValueError("no GGUF v2/v3 header")
+        self.off = 8
+        n_tensors, n_fields = read("Q"), read("Q")
+        self.fields = {string(): value(read("I")) for _ in range(n_fields)}
+        infos = [(string(), [read("Q") for _ in range(read("I"))], read("I"), read("Q")) for _ in range(n_tensors)]
+        align = self.fields.get("general.alignment", 32)
+        start, self.tensors = -(-self.off // align) * align, {}
+        for name, shape, kind, offset in infos:
+            kind = gguf.GGMLQuantizationType(kind)
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            rows, n = math.prod(shape[1:]), math.prod(shape) * size // block  # (rows, bytes per row)
+            data = self.buf[start + offset:start + offset + n].reshape(rows, n // max(rows, 1))
+            self.tensors[name] = SimpleNamespace(tensor_type=kind, shape=shape, data=data)
+
+
 def load_gguf(path: str):
     import gguf
     try:
-        reader = gguf.GGUFReader(path)
+        reader = GGUF(path)
     except Exception as e:  # truncated or not GGUF at all
         raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    meta = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (this loader reads 'llama')")
     g = lambda key, default=None: meta.get(f"llama.{key}", default)
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = reader.tensors
     args = ModelArgs(dim=g("embedding_length"), n_layers=g("block_count"), n_heads=g("attention.head_count"),
                      n_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
-                     vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_dim=g("feed_forward_length"),
+                     vocab_size=len(reader.fields["tokenizer.ggml.tokens"]), hidden_dim=g("feed_forward_length"),
                      norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base", 10000.0),
                      max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
     if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
@@ -886,13 +936,12 @@ def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
 
 def gguf_tokenizer(reader) -> Tokenizer:
     f = reader.fields
-    tokens = f["tokenizer.ggml.tokens"].contents()
-    types = f["tokenizer.ggml.token_type"].contents()
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
     special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}  # control / user-defined
     ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
-    pre = f["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in f else "default"
-    if f["tokenizer.ggml.model"].contents() != "gpt2" or pre not in ("smollm", "llama-bpe"):
-        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model'].contents()!r}/{pre!r}")
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if f["tokenizer.ggml.model"] != "gpt2" or pre not in ("smollm", "llama-bpe"):
+        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model']!r}/{pre!r}")
     if pre == "llama-bpe":
         return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
     return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
@@ -1129,6 +1178,8 @@ class Engine:
         self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
         self.reset()
+        gc.collect()  # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
+        gc.freeze()  # of every stream; frozen, the collector leaves it alone
         return time.perf_counter() - t0
 
     def reset(self):

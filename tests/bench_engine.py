@@ -54,6 +54,15 @@ def copy_bandwidth(device) -> float:
     return 2 * 20 * x.numel() / seconds(lambda: [y.copy_(x) for _ in range(20)]) / 1e9
 
 
+def free():
+    """Free the engines gone out of scope before the next: an engine and its graph decoder hold each other, so only
+    a collection frees its KV pool, and warm_up froze the heap (no full collection mid-serving): thaw it first."""
+    gc.unfreeze()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def weight_bytes(model) -> int:
     """Bytes one batch-1 decode step must read: every weight (the embedding table only where it is also the head)."""
     return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
@@ -165,8 +174,7 @@ def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equa
         rows = {}
         for name, kw in BENCH_BACKENDS.items():
             rows[name] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
-            gc.collect()  # an engine and its graph decoder hold each other: free its pool before the next
-            torch.cuda.empty_cache()
+            free()
         for row in rows.values():
             row["vs_token"] = row["tok_s"] / rows["token"]["tok_s"]
         out[pool] = rows
@@ -188,8 +196,7 @@ def bench_admissions(model, tok, prompts, lens, per_seq=512, backends=("token", 
             for admission, reserve in ADMISSIONS.items():
                 rows[admission] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), stops=st,
                                         reserve=reserve, **BENCH_BACKENDS[name])
-                gc.collect()
-                torch.cuda.empty_cache()
+                free()
     return out
 
 
@@ -205,14 +212,17 @@ def backends_report(backends: dict) -> str:
     return "\n".join(lines)
 
 
+def draw(n_seqs: int, seed: int = 0):
+    """nano-vllm's bench.py workload, seeded: prompt and output lengths uniform in [100, 1024], ids in [0, 128000)."""
+    rng = torch.Generator().manual_seed(seed)
+    lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
+    return [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens], lens
+
+
 def engine_workload(device="cuda", n_seqs=256):
     """`engine`'s: a tokenizer stand-in, a random Llama-3.2-1B shape, n_seqs prompts and (prompt, output) lengths."""
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device)
-    rng = torch.Generator().manual_seed(0)
-    lens = torch.randint(100, 1025, (n_seqs, 2), generator=rng).tolist()
-    prompts = [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens]
-    return tok, model, prompts, lens
+    return tok, L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
 
 
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
@@ -253,7 +263,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
 
     batch1(model, hf, "1b")
     del model, hf
-    torch.cuda.empty_cache()
+    free()
     model = L.random_model(L.LLAMA_SHAPES["llama-3-8b"], device)
     hf = L.to_transformers(model)
     batch1(model, hf, "8b")
@@ -563,9 +573,7 @@ def shared_document(model, tok, questions=16, doc_tokens=4090, max_new=32, confi
                           prefill_computed=st["prefill_tokens"], prefill_s=st["prefill_s"],
                           prefill_tok_s=st["prompt_tokens"] / st["prefill_s"], seconds=elapsed)
         del e
-        gc.collect()  # an engine and its graph decoder hold each other: free its pool before the next
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free()
     for name, row in rows.items():
         plain = name.split(",")[0] + ", no cache"
         if plain in outs:
@@ -585,7 +593,7 @@ def bench_prefix(device="cuda", **kw) -> dict:
         r["smollm2-135m"] = shared_document(L.load_model(None, device, torch.bfloat16)[0], tok, **kw)
     except L.UserError as e:
         r["smollm2-135m"] = {"skipped": str(e)}
-    gc.collect()
+    free()
     r["llama-3.2-1b"] = shared_document(L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), tok, **kw)
     return r
 

@@ -69,8 +69,7 @@ def rank_main(args):
         r["batch1_8b_decode_fused_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n)[0]
     r["weight_GB_per_rank"] = B.weight_bytes(model) / 1e9
     del model
-    if cuda:
-        torch.cuda.empty_cache()
+    B.free()
 
     model = model_on_ranks(one_b, device, torch.bfloat16 if cuda else torch.float32)
     n_seqs, top = (256, 1024) if cuda else (8, 48)

@@ -498,12 +498,12 @@ def test_a_checkpoint_that_disagrees_with_itself_is_one_line(checkpoints, tmp_pa
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT cannot be sent to a process on Windows")
-def test_ctrl_c_is_one_line_and_status_130(checkpoints):
+def test_ctrl_c_is_one_line_and_status_130():
     """Ctrl-C while the CLI streams a completion: one line on stderr, exit status 130 (the shell's for SIGINT), no
-    traceback."""
+    traceback. SmolLM2 on a CPU takes a minute or more for 1,000 tokens: the signal comes long before the end."""
     import signal
-    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--model",
-                          checkpoints["smol"][0]["gguf"], "--ignore-eos", "--max-new-tokens", "1500", "Hi"],
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--ignore-eos",
+                          "--max-new-tokens", "1000", "Hi"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     assert p.stdout.read(1), "nothing streamed"  # decoding has begun
     p.send_signal(signal.SIGINT)

@@ -1,4 +1,5 @@
 """The engine: continuous batching through every backend, radix prefix reuse, constraints, n > 1, preemption."""
+import gc
 import random
 import re
 
@@ -336,7 +337,9 @@ def test_chunked_and_mixed_steps_write_the_same_tokens(kw, graphs):
 @pytest.mark.parametrize("graphs", [False, True])
 def test_warm_up_leaves_no_trace(graphs):
     """Engine.warm_up (the CLI's, before serving on a GPU) captures the buckets it is asked for, then the engine
-    serves as a fresh one: same tokens, sequence ids from 0, fresh stats, no slot held but the graphs' pad slot."""
+    serves as a fresh one: same tokens, sequence ids from 0, fresh stats, no slot held but the graphs' pad slot.
+    It freezes the heap built so far, so the collector never walks it mid-serving (a full collection stalled every
+    stream on the GPU)."""
     model = tiny_model()
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 11, 7)]
@@ -344,7 +347,10 @@ def test_warm_up_leaves_no_trace(graphs):
     for warm in (False, True):
         e = L.Engine(model, tok, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
         if warm:
+            gc.unfreeze()
             assert e.warm_up(3) > 0 and e.stats == e.new_stats() and e.kv_used() == graphs
+            assert len(gc.get_objects()) < gc.get_freeze_count() // 20
+            gc.unfreeze()
             assert not graphs or sorted(k for k in e.graphs.graphs if isinstance(k, int)) == [1, 2, 4]
         for p in prompts:
             e.add(p, L.SamplingParams(max_new_tokens=9))

@@ -1,6 +1,6 @@
 """Where Triton has no wheels (macOS, Windows), what can run does run: the model, the CLI on every backend and the
 lessons but 04 load without it, and 04 says in one line that it needs it. `tests/without_triton` (first on
-PYTHONPATH) makes `import triton` fail as on such a machine; CI also runs the CPU lessons' tests that way."""
+PYTHONPATH) makes `import triton` fail as on such a machine; CI also runs 04's tests and the lessons' demos that way."""
 import json
 import os
 import subprocess
