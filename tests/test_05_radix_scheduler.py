@@ -407,7 +407,7 @@ def admission_workload(rng, n, hi, early):
     return reqs, max_new
 
 
-@pytest.mark.parametrize("page,hi,n,share", [(1, 40, 48, 0.4), (16, 96, 32, 0.4), (256, 320, 24, 0.3)])
+@pytest.mark.parametrize("page,hi,n,share", [(1, 40, 48, 0.4), (16, 96, 32, 0.4), (256, 320, 32, 0.25)])
 def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, hi, n, share):
     """Look-ahead admission (reserve="expected") against fits-now (reserve=False), the engine's prefill-first
     steps, on random long workloads in a pool of `share` of what every request takes (bench_engine's equal memory
