@@ -636,8 +636,8 @@ class Scheduler:
         return appended
 
     def finish(self, req):
+        req.done = True  # before release: 05 learns from finished requests there
         self.release(req)
-        req.done = True
         self.finished.append(req)
         self.log("finish", req, len(req.output))
 

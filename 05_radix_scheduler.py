@@ -276,6 +276,7 @@ class Req(P02.Request):
         self.node = None        # the tree node it locks (its prefix, then its prompt)
         self.reserve = 0        # reserve=True: slots still reserved for its remaining steps
         self.admitted = 0       # admissions so far (> 1 after a preemption)
+        self.dropped = 0        # KV tokens a recompute preemption dropped (what readmission computes again)
         self.chunk = None       # chunked prefill: the next step feeds at most this many tokens
 
     @property
@@ -319,6 +320,7 @@ POLICIES = {  # (tree, rng, waiting) -> waiting in admission order; cache-aware 
     "dfs-weight": _dfs_weight,
 }
 CACHE_AWARE = ("lpm", "dfs-weight")
+CHUNK_KEEPS = 0.5  # a prompt part-way in keeps this share of a step's budget; prompts fitting whole may take the rest
 IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one admitted this step waits one step
 
 
@@ -326,16 +328,21 @@ class Scheduler(P02.Scheduler):
     """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
-                    ever preempted. False (the engine): admit while the prompts fit the pool now (free_tokens())
-                    and the step's prefill budget; when decoding outgrows the pool, evict, then preempt (02;
-                    recompute is mostly a cache hit, as the preempted request's computed tokens stay in the tree).
+                    ever preempted. False: admit while the prompts fit the pool now (free_tokens()) and the step's
+                    prefill budget; when decoding outgrows the pool, evict, then preempt (02; recompute is mostly a
+                    cache hit, as the preempted request's computed tokens stay in the tree).
+      reserve="expected"  (the engine's) look ahead, as LightLLM's router: also admit only while, at every step
+                    from now, the pool holds what the running requests will hold then, each growing a token a step
+                    until its expected end (a share of its remaining max_new, learned: see fits_ahead).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
       chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
                     many tokens (mixed: decode tokens count too); a prompt that does not fit what is left of the
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
-                    goes first), its KV and its tree path growing chunk by chunk. None: a prompt runs whole
-                    (max_prefill_tokens bounds a step, but the first request admitted is taken whatever its size).
+                    goes first), its KV and its tree path growing chunk by chunk; prompts that fit whole in half a
+                    step go in beside its next chunk, which keeps the other half (CHUNK_KEEPS): a short prompt does
+                    not wait for a long one's chunks. None: a prompt runs whole (max_prefill_tokens bounds a step,
+                    but the first request admitted is taken whatever its size).
       radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
@@ -347,15 +354,17 @@ class Scheduler(P02.Scheduler):
                  mixed=True, preempt="recompute", chunk_tokens=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-        if reserve and not radix:
+        if reserve is True and not radix:
             raise ValueError("reserve=True counts the radix tree's evictable slots: it needs radix=True")
         super().__init__(kv, max_running, preempt)
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
         self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
-        self.seed, self.rng, self.n_req, self.min_new = seed, random.Random(seed), 0, 1 << 62
-        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0)
+        self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
+        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0,
+                          peak_running=0)
+        self.seen = np.ones(2)  # (sum of output / max_new, requests) for fits_ahead: a prior of one to max_new
 
     @property
     def busy(self) -> bool:
@@ -367,6 +376,7 @@ class Scheduler(P02.Scheduler):
     def reset(self):
         """Forget the last run, its cached prefixes too (a warm engine's runs start alike)."""
         super().reset()
+        self.seen = np.ones(2)
         if self.tree:
             self.tree.evict(self.kv.capacity())
         self.rng.seed(self.seed)
@@ -383,7 +393,7 @@ class Scheduler(P02.Scheduler):
             raise ValueError(f"request of {len(prompt)} + {max_new} tokens cannot fit this pool "
                              f"({self.kv.capacity()} slots, max_seq_len {self.kv.max_seq_len})")
         r = Req(self.n_req, prompt, max_new, target, after, stop_ids)
-        self.n_req, self.min_new = self.n_req + 1, min(self.min_new, max_new)  # every request needs >= max_new
+        self.n_req += 1
         self.waiting.append(r)
         return r
 
@@ -398,24 +408,23 @@ class Scheduler(P02.Scheduler):
         the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
         one token for each running request); lock their prefixes, open their rows."""
         self.swap_in()
-        room, tree, new, prefill = self.max_running - len(self.running), self.tree, [], 0
+        room, tree, new, prefill, spare = self.max_running - len(self.running), self.tree, [], 0, None
         step = self.max_prefill_tokens if self.chunk_tokens is None else \
             self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
         if self.chunked is not None:  # a prompt part-way in goes first; it holds its KV and its lock already
             r = self.chunked
             r.chunk = max(1, step) if r.missing > step else None
             new, prefill, room = [r], r.n_new, room - 1
-            if r.chunk is not None:
-                return new
+            spare = None if r.chunk is None else r.chunk - max(1, int(step * CHUNK_KEEPS + 0.999))  # for others
         if room <= 0 or self.swapped or not self.waiting:
             return new
-        if self.reserve:
+        if self.reserve is True:
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
-            if budget < self.min_new:
+            if budget < min(r.max_new for r in self.waiting):  # every request needs >= max_new (the engine's too)
                 return new  # nothing can be admitted: skip the matching
         else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
             budget = self.free_tokens()  # the running ones' next tokens first, and the rest of the chunked prompt
-            budget = None if budget is None else budget - len(self.running) - prefill
+            budget = None if budget is None else budget - len(self.running) - sum(r.missing for r in new)
         block = self.kv.page  # 03's slot, 02's block (01 has no budget: its rows limit)
         ready = [r for r in self.waiting if r.ready]
         aware = tree is not None and self.policy in CACHE_AWARE
@@ -432,21 +441,24 @@ class Scheduler(P02.Scheduler):
                 r.prefix, r.node = tree.match_prefix(r.tokens)
             cached = len(r.prefix) if tree is not None else 0
             extend = len(r.prompt) + len(r.output) - cached
-            cut = self.chunk_tokens is not None and prefill + extend > step  # it would overflow the step: chunk it
-            if (cut and step - prefill < 1) or (new and prefill + extend > step and not cut):
+            over = prefill + extend - step  # > 0: it would overflow the step
+            squeeze = spare is not None and 0 < over <= spare  # it fits whole in the part-way prompt's spare tokens
+            cut = self.chunk_tokens is not None and over > 0 and not squeeze  # chunk it (one at a time)
+            if (cut and (step - prefill < 1 or spare is not None)) or (new and over > 0 and not cut and not squeeze):
                 break
             if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
             delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
-                need = -(-(extend + (r.max_new - 1 if self.reserve else 0)) // block) * block  # whole pages
-                if need > budget + delta and (self.reserve or new or self.running):  # alone, it only needs to fit
+                need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
+                if (need > budget + delta or self.reserve == "expected" and not self.fits_ahead(new + [r])) and (
+                        self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
                     break
                 budget += delta - need
-                if self.reserve:
+                if self.reserve is True:
                     r.reserve = need
             if tree is not None:
                 self.kv.add_prefix(r.rid, r.prefix)
@@ -456,7 +468,10 @@ class Scheduler(P02.Scheduler):
             if not r.admitted:  # the hit rate counts first admissions: cached prompt tokens / prompt tokens
                 self.stats["prompt_tokens"] += len(r.prompt)
                 self.stats["cached_tokens"] += cached
-            r.admitted += 1
+            self.stats["recomputed_tokens"] += max(0, r.dropped - cached)  # what a preemption cost: KV computed again
+            r.admitted, r.dropped = r.admitted + 1, 0
+            if squeeze:
+                new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
             new.append(r)
             self.log("admit", r, cached)
@@ -468,6 +483,20 @@ class Scheduler(P02.Scheduler):
             taken = set(map(id, new))
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
+
+    def fits_ahead(self, new) -> bool:
+        """LightLLM's look-ahead over the running requests and `new`: request j holds len(tokens) + s KV tokens s
+        steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e descending, requests
+        0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of those sums. e_j is
+        `ratio` of its remaining max_new: the mean output / max_new of the finished requests, from 1 (no evidence:
+        every output runs to max_new); a preemption counts as one that ran to max_new (the estimate was too low)."""
+        reqs, P, ratio = self.running + new, self.kv.page, self.seen[0] / self.seen[1]
+        ends = np.array([max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs])  # expected steps
+        held = np.array([len(r.tokens) for r in reqs]) + (np.arange(len(reqs)) >= len(self.running))  # a prefill
+        order = np.argsort(-ends, kind="stable")  # step may leave the running ones be: a new one is a step ahead
+        ends, held = ends[order], held[order]
+        at = -(-(held[None, :] + ends[:, None] - 1) // P) * P  # at[i, j]: j's slots at step ends[i] - 1
+        return int(np.tril(at).sum(1).max(initial=0)) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
 
     def make_room(self, n_tokens):
         """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
@@ -484,6 +513,8 @@ class Scheduler(P02.Scheduler):
         if self.preempt_mode == "swap" and self.tree is not None:
             self.tree.dec_lock_ref(r.node)
             r.node = self.tree.root
+        r.dropped = r.kv_len if self.preempt_mode == "recompute" else 0
+        self.seen += 1
         super().preempt(r)
 
     def computed(self, r, n):
@@ -511,6 +542,7 @@ class Scheduler(P02.Scheduler):
 
     def release(self, r):
         """Drop r's KV; its computed tokens go into the tree first (for later requests, or r after a preemption)."""
+        self.seen += (len(r.output) / r.max_new, 1) if r.done else 0  # finished (or aborted): its share of max_new
         if r.in_kv and self.tree is not None:
             if r.kv_len:
                 self.tree.insert(r.tokens[:r.kv_len], self.kv.slots(r.rid))
@@ -532,6 +564,7 @@ class Scheduler(P02.Scheduler):
     def run(self, forward=None, check=False):
         while self.busy:
             self.step(forward)
+            self.stats["peak_running"] = max(self.stats["peak_running"], len(self.running))
             if check:
                 self.check()
 
@@ -614,16 +647,19 @@ def optimal_prefill(reqs):
     return size - decoded
 
 
-def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False, page=1):
+def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False, page=1,
+             max_new=None, **options):
     """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed by pages)
-    without KV tensors (1 layer, 1 head, head_dim 1)."""
-    longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+    without KV tensors (1 layer, 1 head, head_dim 1). max_new: each request's (default: its output's length; a
+    shorter output ends with EOS, -1); options: the Scheduler's."""
+    max_new = max_new or [len(o) for _, o, _ in reqs]
+    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
     kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else P02.PagedKVCache(
         1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
-    s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed)
+    s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed, **options)
     made = []
-    for prompt, out, after in reqs:
-        made.append(s.add(prompt, len(out), target=out, after=None if after is None else made[after]))
+    for (prompt, out, after), n in zip(reqs, max_new):
+        made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(-1,)))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensor ops: a thread pool only adds overhead (and stalls on a busy machine)
     try:
@@ -631,29 +667,33 @@ def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, 
     finally:
         torch.set_num_threads(threads)
     prompt_tokens = s.stats["prompt_tokens"]
-    return dict(hit_rate=s.hit_rate(), prefill_tokens=prompt_tokens - s.stats["cached_tokens"],
-                prompt_tokens=prompt_tokens, steps=s.stats["steps"], evicted_tokens=s.stats["evicted_tokens"])
+    return dict(s.stats, hit_rate=s.hit_rate(), prefill_tokens=prompt_tokens - s.stats["cached_tokens"],
+                output_tokens=sum(len(r.output) for r in made),
+                computed_tokens=sum(e.tokens for e in s.events if e.kind in ("prefill", "decode")))
 
 
 SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, True),
              "mixed, chunked": (True, True)}  # (mixed, chunked): the options compared here and in --bench-serve
 
 
-def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
+def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0, behind=0):
     """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step computes, and how
     long the decoding requests wait between two of their tokens, counted in tokens computed meanwhile (a step's
-    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False)."""
+    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False). behind: a
+    prompt of that many tokens arrives halfway through the long one's first step; its first token's wait too."""
     rng = np.random.default_rng(seed)
     shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
     long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
     out = {}
     for name, (mixed, chunked) in SCHEDULES.items():
         kv = T.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
-        s = Scheduler(kv, "fcfs", n_short + 1, reserve=False, mixed=mixed,
+        s = Scheduler(kv, "fcfs", n_short + 1 + (behind > 0), reserve=False, mixed=mixed,
                       chunk_tokens=chunk_tokens if chunked else None)
         reqs = [s.add(p, len(o), target=o) for p, o in shorts]
-        work, last, waits, steps, first_token = 0, {}, [], [], None
+        work, last, waits, steps, first_token, late, behind_first = 0, {}, [], [], None, None, None
         while s.waiting or s.running or s.chunked or len(reqs) == n_short:
+            if behind and s.stats["steps"] == arrive + 1 and late is None:
+                late, t_late = s.add(_toks(rng, behind), 8, target=_toks(rng, 8)), work - steps[-1] / 2
             if s.stats["steps"] == arrive:
                 reqs.append(s.add(long_req[0], len(long_req[1]), target=long_req[1]))
                 t_arrive = work
@@ -668,10 +708,35 @@ def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0):
                     last[r.rid] = work
             if first_token is None and len(reqs) > n_short and reqs[-1].output:
                 first_token = work - t_arrive
+            if late is not None and late.output and behind_first is None:
+                behind_first = work - t_late
         out[name] = dict(steps=len(steps), step_tokens=steps[arrive:arrive + 12], max_step_tokens=max(steps),
                          max_wait_tokens=max(waits), median_wait_tokens=float(np.median(waits)),
-                         long_prompt_first_token_after=first_token)
+                         long_prompt_first_token_after=first_token, behind=behind_first)
     return dict(chunk_tokens=chunk_tokens, long_prompt=long_prompt, decoding=n_short, schedules=out)
+
+
+ADMISSIONS = {"fits now": False, "reserve all": True, "look ahead": "expected"}  # Scheduler(reserve=...)
+STEP_COST = 1024  # the simulations' cost model: a step takes as long as this many tokens' compute, plus its tokens
+
+
+def admission_trace(n=64, lengths=(25, 256), per_seq=128, pages=(1, 16), seed=0):
+    """bench_engine's equal-memory workload, scaled: n requests, prompt and max_new lengths uniform in `lengths`, a
+    pool of per_seq tokens a request (less than half what they take), prefill-first (the engine's). Outputs run to
+    max_new, or stop (EOS) at a length uniform in [1, max_new]. Per admission and page: simulate()'s figures, and
+    throughput: output tokens per STEP_COST of simulated time."""
+    rng, out = np.random.default_rng(seed), {}
+    lens = rng.integers(lengths[0], lengths[1] + 1, (n, 2)).tolist()
+    reqs = [(_toks(rng, p), None, None) for p, _ in lens]
+    stops = [int(rng.integers(1, m + 1)) for _, m in lens]
+    for early in ("full length", "early stops"):
+        reqs = [(p, _toks(rng, k - 1) + [-1] if early == "early stops" and k < m else _toks(rng, m), None)  # -1: EOS
+                for (p, _, _), (_, m), k in zip(reqs, lens, stops)]
+        for page, (name, reserve) in ((page, a) for page in pages for a in ADMISSIONS.items()):
+            r = out.setdefault(early, {}).setdefault(page, {})[name] = simulate(
+                reqs, n * per_seq, "lpm", n, page=page, max_new=[m for _, m in lens], reserve=reserve, mixed=False)
+            r["throughput"] = r["output_tokens"] * STEP_COST / (STEP_COST * r["steps"] + r["computed_tokens"])
+    return dict(requests=n, lengths=lengths, per_seq=per_seq, workloads=out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -737,11 +802,13 @@ def main(argv=None):
                       for P in (1, 16, 256)}
         w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
     chunking = chunking_timeline()
+    chunking["behind"] = {k: r["behind"] for k, r in chunking_timeline(behind=32)["schedules"].items()}
+    admission = admission_trace(256, (100, 1024), 512, (1, 16, 256)) if args.full else admission_trace()  # bench's
     aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
     first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
     summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"], workloads=report,
                    lpm_of_optimal_mean=float(np.mean(aware)) if aware else None, chunking=chunking,
-                   seconds=time.perf_counter() - t0)
+                   admission=admission, seconds=time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary))
         return summary
@@ -762,12 +829,23 @@ def main(argv=None):
     c = chunking
     print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
           f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")
-    print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}")
+    print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}"
+          f"{'one behind it':>14}")
     for name, r in c["schedules"].items():
         print(f"  {name:<24}{' '.join(map(str, r['step_tokens'][:9])):<36}{r['max_wait_tokens']:>13}"
-              f"{r['long_prompt_first_token_after']:>16}")
+              f"{r['long_prompt_first_token_after']:>16}{c['behind'][name]:>14.0f}")
     print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
           "token every chunk.")
+    print("  One behind it: a 32-token prompt arriving halfway through its first step; chunked, it goes in beside it.")
+    a = admission
+    print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
+          f"of {a['per_seq']} tokens a request; throughput: output tokens per {STEP_COST} tokens' time (a step's cost)"
+          f"\n  {'outputs':<12}{'page':>5}  {'admission':<12}{'preemptions':>12}{'peak running':>13}{'recomputed':>11}"
+          f"{'steps':>7}{'throughput':>11}")
+    print("\n".join(f"  {w:<12}{page:>5}  {name:<12}{r['preemptions']:>12}{r['peak_running']:>13}"
+                    f"{r['recomputed_tokens']:>11}{r['steps']:>7}{r['throughput']:>11.2f}" for w, by in
+                    a["workloads"].items() for page, runs in by.items() for name, r in runs.items()))
+    print("  Fits now fills the pool and preempts; reserve all runs half as many; look ahead runs most, unpreempted.")
     if aware:
         print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
               f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")

@@ -1099,23 +1099,24 @@ class Seq(R05.Req):
 
 
 class Engine:
-    """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS, with reserve=False. A step either
-    prefills what 05 admits (longest cached prefix first, by default) or, when none is admitted, decodes one token
-    of every running sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode
-    step a pure, CUDA-graph-able batch. schedule="mixed" runs an admitting step with one decode token of every
-    running sequence (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many
-    tokens (chunked prefill, 05). Finished sequences retire into the radix cache. When decoding outgrows the pool,
-    02's prepare() evicts cached prefixes, then preempts the newest running sequence (recompute: its computed
-    tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The engine adds what a real
-    decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and multi-step decode
-    (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
+    """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS. A step either prefills what 05
+    admits (longest cached prefix first, by default) or, when none is admitted, decodes one token of every running
+    sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode step a pure,
+    CUDA-graph-able batch. schedule="mixed" runs an admitting step with one decode token of every running sequence
+    (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked
+    prefill, 05). Finished sequences retire into the radix cache. 05 admits while the pool holds every running
+    sequence's expected tokens (reserve="expected"; True: all of max_new; False: the prompts that fit now). When
+    decoding outgrows the pool, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
+    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The
+    engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and
+    multi-step decode (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
     and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None):
+                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None, reserve="expected"):
         a, dev = model.args, model.tok_embeddings.weight.device
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
@@ -1134,7 +1135,7 @@ class Engine:
         if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
             self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
         try:
-            self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=False,
+            self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
                                        radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
                                        preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
         except ValueError as e:

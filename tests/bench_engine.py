@@ -5,6 +5,8 @@ and the command line that serves prompts). Run from the repository root:
     python tests/bench_engine.py decode [PROMPT ...]   # batch-1 decode of a loaded model vs transformers
     python tests/bench_engine.py engine                # GPU: serving benchmark on random Llama 3 shapes
     python tests/bench_engine.py serve [--plot FILE]   # GPU: latency under Poisson arrivals, per schedule
+    python tests/bench_engine.py serve --simulate      # CPU: the same load through 05's scheduler, a cost model
+    python tests/bench_engine.py admission             # GPU: 05's three admissions at equal KV memory, early stops
     python tests/bench_engine.py serve-http            # GPU: the same load in process and through --serve's HTTP
     python tests/bench_engine.py prefix                # GPU: questions over one document, radix cache per backend
 
@@ -130,20 +132,34 @@ def bench_report(r: dict, dtype: str) -> str:
     return "\n".join(lines)
 
 
-def serve(model, tok, prompts, lens, backend, kv_tokens, **kw) -> dict:
-    """One warm engine serving the workload (output lengths fixed: EOS ignored); its throughput and memory use."""
+def run_stopping(e, stops: dict) -> dict:
+    """e.run(), where sequence sid ends after stops[sid] tokens (an EOS its max_new_tokens did not foresee): it is
+    aborted after the step that gave them (a multi-step chunk's later tokens land first)."""
+    ended = []
+    on_token = lambda sid, out: ended.append(sid) if len(out) >= stops[sid] else None
+    while e.busy:
+        e.step(on_token)
+        for sid in ended:
+            e.abort(sid)
+        ended.clear()
+    return e.finished
+
+
+def serve(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> dict:
+    """One warm engine serving the workload (output lengths fixed: EOS ignored; stops: each output ends after that
+    many tokens instead); its throughput and memory use."""
     e = L.Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
     e.warm_up(len(prompts))  # every bucket's graph captured, the kernels compiled, before timing
-    for p, (_, n) in zip(prompts, lens):
-        e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))
-    elapsed = seconds(e.run)
-    st, out_tokens = e.stats, sum(n for _, n in lens)
+    sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
+    elapsed = seconds(run_stopping, e, dict(zip(sids, stops))) if stops else seconds(e.run)
+    st, out_tokens = e.stats, sum(map(len, e.finished.values()))
     return dict(seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens, output_tokens=out_tokens,
                 seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
                 decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
                 kv_tokens=e.kv_capacity(), peak_kv_used=st["peak_kv_used"] / e.kv_capacity(),
                 peak_live_tokens=st["peak_live_tokens"] / e.kv_capacity(),
-                radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"])
+                radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"],
+                recomputed_tokens=st["recomputed_tokens"])
 
 
 BENCH_BACKENDS = {"token": dict(backend="token"), "paged 16": dict(backend="paged", block_size=16),
@@ -165,14 +181,34 @@ def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equa
     return out
 
 
+ADMISSIONS = L.lesson("05_radix_scheduler").ADMISSIONS  # name: Scheduler(reserve=...), the engine's reserve=
+
+
+def bench_admissions(model, tok, prompts, lens, per_seq=512, backends=("token", "paged 16", "paged 256")) -> dict:
+    """`admission`: the equal-memory workload through each admission of 05 and each backend, outputs to max_new and
+    with early stops (each output ends after a length uniform in [1, its max_new]: EOS the scheduler cannot see)."""
+    rng = torch.Generator().manual_seed(1)
+    stops = [int(torch.randint(1, n + 1, (), generator=rng)) for _, n in lens]
+    out = {}
+    for workload, st in (("full length", None), ("early stops", stops)):
+        for name in backends:
+            rows = out.setdefault(workload, {})[name] = {}
+            for admission, reserve in ADMISSIONS.items():
+                rows[admission] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), stops=st,
+                                        reserve=reserve, **BENCH_BACKENDS[name])
+                free()
+    return out
+
+
 def backends_report(backends: dict) -> str:
     lines = []
     for pool, rows in backends.items():
-        lines += [f"{pool}:", f"  {'backend':<11}{'KV tokens':>10}{'tok/s':>9}{'prefill':>9}{'decode':>9}"
-                  f"{'running':>8}{'live':>6}{'vs token':>9}"]
-        lines += [f"  {name:<11}{r['kv_tokens']:>10,}{r['tok_s']:>9,.0f}{r['prefill_tok_s']:>9,.0f}"
-                  f"{r['decode_tok_s']:>9,.0f}{r['peak_running']:>8}{r['peak_live_tokens']:>6.0%}{r['vs_token']:>8.2f}x"
-                  for name, r in rows.items()]
+        lines += [f"{pool}:", f"  {'backend':<12}{'KV tokens':>10}{'tok/s':>9}{'prefill':>9}{'decode':>9}"
+                  f"{'running':>8}{'live':>6}{'preempted':>10}{'recomputed':>11}{'vs first':>9}"]
+        first = next(iter(rows.values()))
+        lines += [f"  {name:<12}{r['kv_tokens']:>10,}{r['tok_s']:>9,.0f}{r['prefill_tok_s']:>9,.0f}"
+                  f"{r['decode_tok_s']:>9,.0f}{r['peak_running']:>8}{r['peak_live_tokens']:>6.0%}{r['preemptions']:>10}"
+                  f"{r['recomputed_tokens']:>11,}{r['tok_s'] / first['tok_s']:>8.2f}x" for name, r in rows.items()]
     return "\n".join(lines)
 
 
@@ -183,14 +219,18 @@ def draw(n_seqs: int, seed: int = 0):
     return [torch.randint(0, 128000, (p,), generator=rng).tolist() for p, _ in lens], lens
 
 
+def engine_workload(device="cuda", n_seqs=256):
+    """`engine`'s: a tokenizer stand-in, a random Llama-3.2-1B shape, n_seqs prompts and (prompt, output) lengths."""
+    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    return tok, L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
+
+
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     """`engine`: nano-vllm's workload (n_seqs requests, prompt and output lengths uniform in [100, 1024], EOS
     ignored) on a random Llama-3.2-1B shape, every backend, and batch-1 decode on 1B and 8B shapes; transformers'
     generate on the same weights in the same run."""
     r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device)
-    prompts, lens = draw(n_seqs)
+    tok, model, prompts, lens = engine_workload(device, n_seqs)
 
     r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
     r["backends"] = bench_backends(model, tok, prompts, lens)
@@ -267,7 +307,8 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
     out_tokens = sum(n for _, n in lens)
     return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
-                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50),
+                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), ttft_max_ms=max(ttft) * 1e3,
+                itl_p50_ms=pct(gaps, 50),
                 itl_p99_ms=pct(gaps, 99), itl_max_ms=longest * 1e3, tpot_p50_ms=pct(tpot, 50),
                 tpot_p99_ms=pct(tpot, 99), outputs=engine.run(),
                 itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]])
@@ -318,6 +359,49 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
     return r
 
 
+def simulate_serve(rates=(16, 32), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
+                   schedules=SERVE_SCHEDULES, vocab=128256, step_s=6e-3, token_s=4.5e-6, overlap=True,
+                   log=lambda msg: None) -> dict:
+    """`serve --simulate` (a CPU): serve's draws (the same lengths and arrivals) through 05's Scheduler with no model,
+    on a clock where a step takes step_s + token_s per token it feeds (a cost model: the GPU run measures). Each
+    token is delivered at the end of its step (one step per delivery: no multi-step)."""
+    R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
+    rng = torch.Generator().manual_seed(0)  # serve_workload's draws, in its order (the model draws none)
+    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
+    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
+        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
+    prompts = [torch.randint(0, vocab, (p,), generator=rng).tolist() for p, _ in lens]
+    longest, r = max(p + n for p, n in lens), {"device": "cpu (simulated)", "shape": "llama-3.2-1b",
+                                              "requests": n_seqs, "schedules": schedules, "rates": {},
+                                              "long_prompts": sorted(p for p, _ in lens if p > lengths[1])}
+    for rate in rates:
+        arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()
+        for name, (mixed, chunk_tokens) in schedules.items():
+            kv = T.TokenKVCache(1, n_seqs * 1024 + longest, 1, 1, min(256, n_seqs) + 1, longest)
+            s = R.Scheduler(kv, "lpm", min(256, n_seqs), 32768, reserve="expected", mixed=mixed,
+                            chunk_tokens=chunk_tokens)
+            now, i, seen, reqs = 0.0, 0, [[] for _ in lens], []
+            while i < n_seqs or s.busy:
+                while i < n_seqs and arrivals[i] <= now:
+                    reqs.append(s.add(prompts[i], lens[i][1], target=[i % 1000 + 10] * lens[i][1]))
+                    i += 1
+                if not s.busy:
+                    now = arrivals[i]
+                    continue
+                batch, _ = s.schedule()
+                fed = sum(x.n_new for x in batch)
+                now += max(step_s, token_s * fed) if overlap else step_s + token_s * fed
+                samples = [x.samples for x in batch]
+                for x, y in zip(batch, samples):
+                    seen[x.rid] += [now] if y else []
+                s.postprocess(batch, [[x.target[len(x.output)]] if y else [] for x, y in zip(batch, samples)])
+            x = r["rates"].setdefault(rate, {})[name] = latency(seen, arrivals, lens)
+            short = [d[0] - t for d, t, (p, _) in zip(seen, arrivals, lens) if p <= lengths[1]]
+            x.update(steps=s.stats["steps"], short_ttft_p99_ms=torch.tensor(short).quantile(0.99).item() * 1e3)
+            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in x.items()))
+    return r
+
+
 def serve_plot(r: dict, path: str):
     import matplotlib
     matplotlib.use("Agg")
@@ -340,12 +424,14 @@ def serve_plot(r: dict, path: str):
 
 
 def serve_report(r: dict) -> str:
-    lines = [f"{'rate':>5}  {'schedule':<23}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99/max ms':>21}"
-             f"{'TPOT p50/p99 ms':>17}"]
+    lines = [f"{r['device']}:", f"{'rate':>5}  {'schedule':<23}{'tok/s':>8}{'TTFT p50/p99/max ms':>21}"
+             f"{'ITL p50/p99/max ms':>21}{'TPOT p50/p99 ms':>17}"]
     for rate, runs in r["rates"].items():
-        lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
-                  f"{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
+        lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>7.0f} /{x['ttft_p99_ms']:>5.0f} /"
+                  f"{x['ttft_max_ms']:>5.0f}{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
                   f"{x['tpot_p50_ms']:>10.2f} /{x['tpot_p99_ms']:>5.2f}" for name, x in runs.items()]
+    if "same_tokens" not in r:  # simulated: no steps timed, the tokens are the workload's
+        return "\n".join(lines)
     lines += ["the longest gap, steps inside it (tokens fed, ms) and the time outside any step:"]
     lines += [f"{rate:>5}  {name:<23}{x['itl_max_ms']:>5.0f} ms = " + " + ".join(f"[{what}] {ms:.0f}" for what, ms in
                                                                          x["itl_max_steps"])
@@ -363,7 +449,8 @@ def latency(seen: list, arrivals, lens) -> dict:
     tpot = [(d[-1] - d[0]) / (n - 1) for d, (_, n) in zip(seen, lens) if n > 1]
     ttft = [d[0] - t for d, t in zip(seen, arrivals)]
     return dict(output_tok_s=sum(n for _, n in lens) / max(d[-1] for d in seen), ttft_p50_ms=pct(ttft, 50),
-                ttft_p99_ms=pct(ttft, 99), itl_p50_ms=pct(gaps, 50), itl_p99_ms=pct(gaps, 99),
+                ttft_p99_ms=pct(ttft, 99), ttft_max_ms=max(ttft) * 1e3, itl_p50_ms=pct(gaps, 50),
+                itl_p99_ms=pct(gaps, 99), itl_max_ms=max(gaps) * 1e3,
                 tpot_p50_ms=pct(tpot, 50), tpot_p99_ms=pct(tpot, 99))
 
 
@@ -547,6 +634,11 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv = sub.add_parser("serve", help="GPU: latency under Poisson arrivals (TTFT, inter-token latency) for "
                          "prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
     srv.add_argument("--plot", help="save its latency plot (PNG) here")
+    srv.add_argument("--simulate", action="store_true", help="on a CPU: the same load through 05's scheduler with no "
+                     "model, each step timed by a cost model (6 ms + 4.5 us a token, or the larger of the two)")
+    srv.add_argument("--additive", action="store_true", help="--simulate's step time is 6 ms + 4.5 us a token")
+    sub.add_parser("admission", help="GPU: the engine workload at equal KV memory (512 tokens a sequence), outputs to "
+                   "max_new and with early stops, through 05's three admissions on token, paged 16 and paged 256")
     sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the HTTP "
                    "server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
@@ -562,11 +654,20 @@ def cli_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    if args.command in ("engine", "serve", "serve-http", "prefix") and not torch.cuda.is_available():
+    if args.command == "serve" and args.simulate:
+        r = simulate_serve(overlap=not args.additive, log=log)
+        serve_plot(r, args.plot) if args.plot else None
+        print(json.dumps(r) if args.json else serve_report(r))
+        return
+    if args.command in ("engine", "serve", "serve-http", "prefix", "admission") and not torch.cuda.is_available():
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
         print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
+    elif args.command == "admission":
+        r = {"device": torch.cuda.get_device_name(), **bench_admissions(*engine_workload())}
+        print(json.dumps(r) if args.json else r["device"] + "\n" + backends_report(
+            {f"{w}, {b}": rows for w, by in r.items() if w != "device" for b, rows in by.items()}))
     elif args.command == "prefix":
         r = bench_prefix()
         print(json.dumps(r) if args.json else prefix_report(r))

@@ -190,22 +190,52 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
+def prefixes(tokens, h=0):
+    """An id of each prefix of the tokens following a prefix of id h (a chained hash: linear time)."""
+    out = []
+    for t in tokens:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+STOP = -1  # the stop id of early-stopping outputs (workload tokens are >= 0)
+
+
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=None, arrive=None, **options):
     """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
     pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
     every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
     siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
-    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference)."""
-    longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference). max_new: each
+    request's (default: its output's length; an output shorter ends with STOP, an early stop). arrive: the step
+    each request arrives at (ascending; default: all at once). Chunked: no step feeds more than its budget, and a
+    prompt part-way in is in every step, with at least half the step's budget (or all it still lacks)."""
+    max_new = max_new or [len(o) for _, o, _ in reqs]
+    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
     kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
         P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
-    made = []
-    for prompt, out, after in reqs:
-        made.append(s.add(prompt, len(out), target=out, after=None if after is None else made[after]))
-    by_row, written, admit = {}, {}, s.admit
+    made, arrive, s.beside = [], arrive or [0] * len(reqs), 0
+
+    def arrivals():
+        for (prompt, out, after), n in list(zip(reqs, max_new))[len(made):]:
+            if arrive[len(made)] > s.stats["steps"]:
+                break
+            made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(STOP,)))
+    arrivals()
+    by_row, written, admit, ids = {}, {}, s.admit, {}  # ids: rid -> its tokens' prefix ids so far
+
+    def prefix_ids(r, n):
+        have = ids.setdefault(r.rid, [])
+        have += prefixes(r.tokens[len(have):n], have[-1] if have else 0)
+        return have[:n]
+
+    part = None  # the prompt part-way in when the step began
 
     def admit_checked():  # a sibling waits for its first sample's prefill; a follow-up for the request it follows
+        nonlocal part
+        part = s.chunked if s.chunked is not None and s.chunked.chunk is not None else None
         new = admit()
         assert all(r.after is None or r.after.done or (r.prompt == r.after.prompt and r.after.kv_len >= len(r.prompt))
                    for r in new)
@@ -215,6 +245,12 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
 
     def prepare_checked(batch):  # prefill-first: admission counted the room, so nothing it let in is held back
         asked = list(batch)
+        decode = sum(r in s.running for r in asked)
+        budget = s.chunk_tokens and max(1, s.chunk_tokens - (decode if s.mixed else 0))  # prefill tokens a step
+        assert not budget or sum(r.n_new for r in asked) - decode <= budget, "over the step's budget"
+        assert part is None or part in asked and part.n_new >= min(part.missing, -(-budget // 2)), "starved"
+        s.beside += part is not None and part.chunk is not None and any(r is not part and r not in s.running
+                                                                        for r in asked)  # beside its next chunk
         out, positions = prepare(batch)
         assert s.mixed or batch is s.running or out == asked, "admitted, then held back for lack of room"
         return out, positions
@@ -228,8 +264,8 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
         for row, start, n in zip(rows, starts, ns):
             r = by_row[row]
             assert r.tokens[start:start + n] == tokens[t:t + n]
-            for i in range(n):
-                written[slots[t + i]] = tuple(r.tokens[:start + i + 1])
+            for i, h in enumerate(prefix_ids(r, start + n)[start:]):
+                written[slots[t + i]] = h
             t += n
             next_ids.append(r.target[len(r.output)])
         return next_ids
@@ -246,17 +282,18 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, **options):
             assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
             got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
-            assert got == [tuple(r.tokens[:i + 1]) for i in range(r.kv_len)], r.rid
-        stack = [(s.tree.root, ())]
+            assert got == prefix_ids(r, r.kv_len), r.rid
+        stack = [(s.tree.root, 0)]
         while stack:
-            node, path = stack.pop()
+            node, h = stack.pop()
             for c in node.children.values():
-                key = path + c.key
-                assert [written[x] for x in c.value.tolist()] == [key[:len(path) + i + 1] for i in range(len(c.key))]
-                stack.append((c, key))
-    while s.waiting or s.running or s.chunked:
-        s.step(forward)
+                want = prefixes(c.key, h)
+                assert [written[x] for x in c.value.tolist()] == want
+                stack.append((c, want[-1]))
+    while s.waiting or s.running or s.chunked or len(made) < len(reqs):
+        s.step(forward) if s.busy else s.stats.update(steps=s.stats["steps"] + 1)  # nothing to do: time passes
         check()
+        arrivals()
     assert [r.output for r in made] == [o for _, o, _ in reqs]
     assert kv.allocator.available() * page + s.tree.evictable_size() == pool * page
     return s
@@ -315,6 +352,26 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     assert (totals["cut_preempted"] > 0) == (chunked and mixed and not reserve)  # mixed: decodes outgrow the pool
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
+def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
+    """Random arrivals into chunked steps (budgets of 2-12 tokens, prompts up to 24): every request finishes with
+    its own tokens and every slot right (the brute-force check), no step feeds more than its budget, the prompt
+    part-way in gets at least half of every step's budget (so it is done within 2 x its tokens / budget steps), and
+    prompts that arrive behind it do go in beside its chunks."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    beside = 0
+    for _ in range(80):
+        reqs = random_workload(rng, prompt_max=24)
+        longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+        arrive = sorted(rng.integers(0, 12, len(reqs)).tolist())
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        s = run_checking_every_slot(reqs, 2 * longest + int(rng.integers(0, 8)), policy, int(rng.integers(2, 6)),
+                                    arrive=arrive, reserve=[False, "expected"][int(rng.integers(2))], mixed=mixed,
+                                    chunk_tokens=int(rng.integers(2, 13)))
+        beside += s.beside
+    assert beside > 0
+
+
 @pytest.mark.parametrize("page", [2, 4])
 @pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, True)],
                          ids=["paper", "engine", "mixed-chunked"])
@@ -334,6 +391,41 @@ def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
         cached += s.stats["cached_tokens"]
         pages += sum(e.tokens % page for e in s.events if e.kind == "admit")  # a hit is whole pages
     assert cached > 0 and pages == 0
+
+
+def admission_workload(rng, n, hi, early):
+    """n requests, prompt and max_new lengths uniform in [hi // 8, hi] (the engine benchmark's shape), prompts
+    opening with one of two shared heads (radix hits); early: each output stops (STOP) at a random length."""
+    heads = [rng.integers(0, 50, hi // 2).tolist() for _ in range(2)]
+    reqs, max_new = [], []
+    for _ in range(n):
+        p, m = rng.integers(hi // 8, hi + 1, 2).tolist()
+        prompt = (heads[int(rng.integers(2))][:int(rng.integers(0, p))] + rng.integers(0, 50, p).tolist())[:p]
+        out = rng.integers(0, 50, int(rng.integers(1, m + 1)) if early else m).tolist()
+        reqs.append((prompt, out + [STOP] if len(out) < m else out, None))
+        max_new.append(m)
+    return reqs, max_new
+
+
+@pytest.mark.parametrize("page,hi,n,share", [(1, 40, 48, 0.4), (16, 96, 32, 0.4), (256, 320, 32, 0.25)])
+def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, hi, n, share):
+    """Look-ahead admission (reserve="expected") against fits-now (reserve=False), the engine's prefill-first
+    steps, on random long workloads in a pool of `share` of what every request takes (bench_engine's equal memory
+    is 0.46): every request finishes with its own tokens and every slot right after every step (the brute-force
+    check above), nothing admitted is held back for lack of room, and where every output runs to max_new
+    look-ahead preempts at most twice where fits-now preempts more."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    rng, preempted = np.random.default_rng(seed), {}
+    for early in (False, True):
+        reqs, max_new = admission_workload(rng, n, hi, early)
+        pool = -(-max(int(share * sum(len(p) + m for (p, _, _), m in zip(reqs, max_new))), 2 * hi) // page)
+        for reserve in (False, "expected"):
+            s = run_checking_every_slot(reqs, pool, "lpm", n, page=page, max_new=max_new, reserve=reserve,
+                                        mixed=False)
+            preempted[early, reserve] = s.stats["preemptions"]
+            assert not any(e.kind == "hold_back" for e in s.events)
+            assert s.seen[0] / s.seen[1] == 1 if not early else s.seen[0] / s.seen[1] < 1  # fits_ahead's ratio
+    assert preempted[False, "expected"] <= 2 < preempted[False, False], (seed, preempted)
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():

@@ -65,10 +65,18 @@ def figures_05(j):
     runs = [w["cache_sizes"][s] for s in sizes]
     lpm, fcfs = (" / ".join(pct(r[p]["hit_rate"]) for r in runs) for p in ("lpm", "fcfs"))
     waits = " / ".join(f"{r['max_wait_tokens']:,}" for r in j["chunking"]["schedules"].values())
+    behind = " / ".join(f"{t:,.0f}" for t in j["chunking"]["behind"].values())
+    admission = [f"{early}page {page}: " + ", ".join(" / ".join(f"{r[key]:{f}}" for r in runs.values()) + unit
+                                                    for key, f, unit in (("preemptions", "", " preemptions"),
+                                                                         ("peak_running", "", " running"),
+                                                                         ("throughput", ".2f", "")))
+                 for early, (_, by_page) in zip(("", "early stops, "), j["admission"]["workloads"].items())
+                 for page, runs in by_page.items()]
     return {"": [f"lpm {lpm} vs fcfs {fcfs} (optimum {pct(w['optimal_hit_rate'])})",
                  f"lpm reaches {pct(j['lpm_of_optimal_mean'])} of optimal"],
             "what": [" / ".join(f"{int(s):,}" for s in sizes) + " slots"],
-            "chunked prefill": [f"{waits} tokens"],
+            "chunked prefill": [f"{waits} tokens", f"first token after {behind} tokens"],
+            "admission": admission,
             "pages": [" / ".join(map(pct, w["pages"].values())) + f" (optimum {pct(w['pages_optimal'])})"]}
 
 
