@@ -424,13 +424,18 @@ class _NFA:
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
         _spend(0)
-        if kind in ("and", "not", "tail"):  # determinize the parts on their own, combine them, embed the result
+        if kind == "tail":  # (?,A): A's fragment, entered where ", " leads from its start
+            a, end = self.build(node[1])
+            now = _reach(self.eps, [a])
+            for byte in b", ":
+                now = _reach(self.eps, {t for q in now for lo, hi, t in self.edges[q] if lo <= byte <= hi})
+            self.eps[s] += sorted(now)
+            return s, end
+        if kind in ("and", "not"):  # determinize the parts on their own, combine them pairwise, embed the result
             d = (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if kind == "and"
-                 else _product(_to_dfa(ANY_UTF8), _to_dfa(node[1]), lambda a, b: a & ~b) if kind == "not"
-                 else _to_dfa(node[1]))
+                 else _product(_to_dfa(ANY_UTF8), _to_dfa(node[1]), lambda a, b: a & ~b))
             base, end = len(self.eps), [self.state() for _ in range(len(d.table) + 1)][-1]
-            entry = d.walk(0, b", ") if kind == "tail" else 0  # (?,A): A's strings that begin ", ", without it
-            self.eps[s] += [base + entry] * (entry >= 0)
+            self.eps[s].append(base)
             t = d.table
             q, a = np.nonzero(np.concatenate([np.ones((len(t), 1), bool), t[:, 1:] != t[:, :-1]], 1))  # runs of
             b = np.append(a[1:], 256)  # one target: (state, first byte), up to the next run's first byte
@@ -656,6 +661,7 @@ COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref"
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
 ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars
 NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
+MAX_LENGTH = 256   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
 
@@ -929,6 +935,9 @@ class _SchemaCompiler:
             lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
             if lo > hi:
                 raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
+            if MAX_LENGTH < hi < math.inf:  # each character up to it is some 15 DFA states
+                self.approximate(parts, f"a string under a maxLength is written at most {MAX_LENGTH} characters long")
+                hi = max(lo, MAX_LENGTH)
             chars = f'{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}'
             exact = [_pattern(p) for p in kw.get("pattern", [])] + [FORMATS[f] for f in kw.get("format", [])
                                                                      if f in FORMATS]  # other formats: annotations
