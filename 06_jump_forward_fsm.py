@@ -611,12 +611,13 @@ def compile_regex(pattern: str) -> DFA:
 # ensure_ascii=False writes them), properties in schema order: keys, quotes and separators become jump strings.
 # Exact or refused: type (a list, or none: every type), string (minLength/maxLength in characters, `pattern` over
 # characters JSON writes unescaped, the FORMATS), integer and number (exact ranges; a bounded number is written as a
-# plain decimal), boolean, null, object (properties, required, additionalProperties; free members where it lists
-# none), array (items, minItems/maxItems), enum, const, anyOf, allOf, oneOf and not (on DFAs), $ref (recursion
-# unrolled MAX_REF_DEPTH deep). UNSUPPORTED keywords are refused by name; any other keyword is an annotation,
-# which validators ignore (title, $comment, x-..., formats they do not check). Optional properties
-# cost jump-forward: where the member before one ends, the FSM holds a choice (`, "key": `, the next key or `}`)
-# only the model can make -- a forward pass where a required key would be jumped whole.
+# plain decimal), boolean, null, object (properties, required, then other members by patternProperties and
+# additionalProperties, min/maxProperties, dependencies), array (items, prefixItems, minItems/maxItems), enum, const,
+# anyOf, allOf, oneOf, not and if/then/else (on DFAs), $ref (recursion unrolled MAX_REF_DEPTH deep). Where a subset
+# is written (uniqueItems: one item at most; see approximate()), the parts a `not` complements are refused. UNSUPPORTED
+# keywords are refused by name; any other keyword is an annotation, which validators ignore (title, $comment, x-...,
+# formats they do not check). Optional properties cost jump-forward: where the member before one ends, the FSM holds
+# a choice (`, "key": `, the next key or `}`) only the model can make -- where a required key would be jumped whole.
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'  # as json.dumps writes one: one text
@@ -654,7 +655,8 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
      lambda v: type(v) is int and v >= 0, "a non-negative integer"),
     (BOUNDS, lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
     (("multipleOf",), lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number"),
-    (("enum", "anyOf", "allOf", "oneOf", "prefixItems"), lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
+    (("enum", "anyOf", "allOf", "oneOf", "prefixItems"), lambda v: isinstance(v, list) and len(v) > 0,
+     "a non-empty list"),
     (("properties", "patternProperties", *DEPENDENCIES), lambda v: isinstance(v, dict), "an object"),
     (("pattern", "$ref"), lambda v: isinstance(v, str), "a string"),
     (("additionalProperties", "additionalItems", "not", "if", "then", "else"), lambda v: isinstance(v, (dict, bool)),
@@ -1009,13 +1011,12 @@ class _SchemaCompiler:
                 elif not (isinstance(need, list) and set(need) <= required):  # never written
                     self.approximate(parts, f"property {a!r} with dependencies is not written")
                     parts, names = parts + [{"properties": {a: False}}], names + [a] * (a not in names)
-        fields, counts = [], [p[k] for p in parts for k in ("minProperties", "maxProperties") if k in p]
+        fields = []
         for k in names:
             own = lambda p: [s for q, s in p.get("patternProperties", {}).items() if re.search(q, k)] + (
-                [p["properties"][k]] if k in p.get("properties", {}) else [])
+                [p["properties"][k]] if k in p.get("properties", {}) else []) or [p.get("additionalProperties", True)]
             try:
-                value = self.regex([_mark(p, s) for p in parts for s in own(p) or [p.get("additionalProperties", True)]],
-                                   f"{path}.{k}", refs)
+                value = self.regex([_mark(p, s) for p in parts for s in own(p)], f"{path}.{k}", refs)
                 fields.append((f"(?:, {_literal(k)}: {value})", k in required))
             except _Empty:
                 if k in required:
@@ -1046,15 +1047,13 @@ class _SchemaCompiler:
 
 
 def _head(p) -> list:
-    """The tuple of schemas for an array's first items: prefixItems (2020-12), or items as a list (before)."""
+    """The schemas of an array's first items: prefixItems (2020-12), or items as a list (before)."""
     return p.get("prefixItems", p["items"] if isinstance(p.get("items"), list) else [])
 
 
-def _item(p, i):
-    """What part p asks of an array's item i."""
-    head = _head(p)
-    return head[i] if i < len(head) else p.get("additionalItems", True) if isinstance(p.get("items"), list) else (
-        p.get("items", True))
+def _item(p, i):  # what part p asks of an array's item i: past its head, additionalItems (before) or items
+    head, old = _head(p), isinstance(p.get("items"), list)
+    return head[i] if i < len(head) else p.get("additionalItems", True) if old else p.get("items", True)
 
 
 def _mark(parent, schema):
@@ -1165,12 +1164,10 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
     return out
 
 
-def _python_re_accepts(pattern, text) -> bool:
-    """Python's re, the independent check, where it reads the pattern (a schema's has 06's own groups)."""
-    try:
+def _python_re_accepts(pattern, text) -> bool:  # the independent check, where re reads it (not 06's own groups)
+    with contextlib.suppress(re.error):
         return re.fullmatch(pattern, text, re.ASCII) is not None
-    except re.error:
-        return True
+    return True
 
 
 def _validates(pydantic, text) -> bool:
@@ -1227,8 +1224,8 @@ def report(prompt, runs) -> None:
               f"{r['speedup']:.2f}x less wall time")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
         say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
-        say(f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the regex): {ok('matches')}; their "
-            f"token ids decode to the text: {ok('decodes')}" +
+        say(f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the regex): "
+            f"{ok('matches')}; their token ids decode to the text: {ok('decodes')}" +
             (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
         m, j = r["output_tokens"]["masking_only"], r["tokenizer_tokens"]["masking_only"]
         say(f"why the answers differ: both are greedy over the same model, but not over the same tokens. Masking only "

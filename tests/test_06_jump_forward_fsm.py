@@ -924,4 +924,4 @@ def test_held_schemas_sound_and_complete():
             assert valid or not accepted, (item["name"], doc)
             counts["valid"], counts["accepted"] = counts["valid"] + valid, counts["accepted"] + (valid and accepted)
     print(dict(counts))
-    assert counts["compiled"] >= 0.4 * n and counts["accepted"] >= 0.6 * counts["valid"], counts  # whole sample: README
+    assert counts["compiled"] >= 0.65 * n and counts["accepted"] >= 0.85 * counts["valid"], counts  # all: README
