@@ -386,6 +386,7 @@ class _Parser:
 
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
 
+@functools.lru_cache(maxsize=4096)
 def utf8_ranges(lo, hi):
     """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching exactly
     their UTF-8 encodings: split until each byte position is one range. Surrogates are skipped."""
@@ -667,7 +668,7 @@ COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref"
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
 ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars
 NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
-MAX_LENGTH = 256   # a string under a larger maxLength is written at most this long
+MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
 
