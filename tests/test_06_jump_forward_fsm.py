@@ -875,16 +875,21 @@ def layout_states(dfa, value, s=0, steps=None):
     if s < 0 or steps[0] > 20_000:
         return set() if s < 0 else (_ for _ in ()).throw(OverflowError("layout search capped"))
     if isinstance(value, dict):
+        seen = {}  # (keys left, state): its end states, found once however the keys before were ordered
+
         def members(keys, s, first):
+            if (keys, s) in seen:
+                return seen[keys, s]
             out = set() if keys else {dfa.walk(s, b"}")} - {-1}
             for k in keys:
                 s1 = dfa.walk(s, (", " * (not first) + json.dumps(k, ensure_ascii=False) + ": ").encode())
                 for s2 in layout_states(dfa, value[k], s1, steps):
-                    out |= members([x for x in keys if x != k], s2, False)
+                    out |= members(tuple(x for x in keys if x != k), s2, False)
                 if out:
-                    return out  # one order is enough
+                    break  # one order is enough
+            seen[keys, s] = out
             return out
-        return members(list(value), dfa.walk(s, b"{"), True)
+        return members(tuple(value), dfa.walk(s, b"{"), True)
     if isinstance(value, list):
         states = {dfa.walk(s, b"[")} - {-1}
         for i, x in enumerate(value):
