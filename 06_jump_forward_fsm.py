@@ -849,7 +849,7 @@ class _SchemaCompiler:
             refs += ("*",)
         types -= {"integer"} if "number" in types else set()
         out = self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
-        _spend(len(out) // 100)  # regex text past 2 MB is too much too (a bounded repeat writes its copies, ...)
+        _spend(len(out) // 100)  # regex text past 2 MB is too much too (each object repeats a free value's text, ...)
         return out
 
     def negated(self, rest, schema, path, refs):
