@@ -234,8 +234,9 @@ def model_logits_fn(model, max_seq_len=2048):
 # with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...), (?:...). \w \d \s are ASCII
 # (re.ASCII), as in interegular (Unicode \w puts hundreds of mid-character states in each repetition of
 # `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES states or
-# COMPILE_BUDGET_S seconds a regex is refused. Two more groups, beyond Python's: (?&A|B) matches what both A and
-# B match, (?~A) every UTF-8 string A does not: a DFA is closed under intersection and complement (below).
+# COMPILE_BUDGET_S seconds a regex is refused. Three more groups, beyond Python's: (?&A|B) matches what both A and
+# B match, (?~A) every UTF-8 string A does not: a DFA is closed under intersection and complement (below); (?,A)
+# the strings that ", " + them A matches: a list (, x)* without its first ", ", x written once, not twice.
 
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
@@ -323,15 +324,16 @@ class _Parser:
         c = self.take()
         if c == "(":
             op = self.p[self.i + 1:self.i + 2] if self.peek() == "?" else ""
-            if op == ":" or op in "&~" and op and not self.schema:
+            if op == ":" or op in "&~," and op and not self.schema:
                 self.i += 2
             elif op:
-                self.error("unsupported group syntax '(?' (only (...), (?:...), (?&...|...) and (?~...))")
+                self.error("unsupported group syntax '(?' (only (...), (?:...), (?&...|...), (?~...) and (?,...))")
             node = self.alt()
             self.i += 1
             if self.p[self.i - 1:self.i] != ")":
                 self.error("missing ), unterminated subpattern")
-            return {"&": ("and", node[1] if node[0] == "alt" else [node]), "~": ("not", node)}.get(op, node)
+            return {"&": ("and", node[1] if node[0] == "alt" else [node]), "~": ("not", node), ",": ("tail", node)
+                    }.get(op, node)
         if c in "^$":
             self.error(f"anchor {c!r} is not supported (the whole output must match anyway)", self.i - 1)
         if c == ".":
@@ -384,6 +386,7 @@ class _Parser:
 
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
 
+@functools.lru_cache(maxsize=4096)
 def utf8_ranges(lo, hi):
     """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching exactly
     their UTF-8 encodings: split until each byte position is one range. Surrogates are skipped."""
@@ -422,16 +425,27 @@ class _NFA:
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
         _spend(0)
+        if kind == "tail":  # (?,A): A's fragment, entered where ", " leads from its start
+            a, end = self.build(node[1])
+            now = _reach(self.eps, [a])
+            for byte in b", ":
+                now = _reach(self.eps, {t for q in now for lo, hi, t in self.edges[q] if lo <= byte <= hi})
+            self.eps[s] += sorted(now)
+            return s, end
         if kind in ("and", "not"):  # determinize the parts on their own, combine them pairwise, embed the result
             d = (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if kind == "and"
                  else _product(_to_dfa(ANY_UTF8), _to_dfa(node[1]), lambda a, b: a & ~b))
             base, end = len(self.eps), [self.state() for _ in range(len(d.table) + 1)][-1]
             self.eps[s].append(base)
-            for q, row in enumerate(d.table.tolist()):
-                starts = [b for b in range(256) if b == 0 or row[b] != row[b - 1]]  # runs of one target
-                self.edges[base + q] += [(a, b - 1, base + row[a]) for a, b in zip(starts, starts[1:] + [256])
-                                         if row[a] >= 0]
-                self.eps[base + q] += [end] * bool(d.accept[q])
+            t = d.table
+            q, a = np.nonzero(np.concatenate([np.ones((len(t), 1), bool), t[:, 1:] != t[:, :-1]], 1))  # runs of
+            b = np.append(a[1:], 256)  # one target: (state, first byte), up to the next run's first byte
+            b[np.append(q[1:] != q[:-1], True)] = 256
+            for q, a, b, target in zip(*(x.tolist() for x in (q, a, b, t[q, a]))):
+                if target >= 0:
+                    self.edges[base + q].append((a, b - 1, base + target))
+            for q in np.flatnonzero(d.accept).tolist():
+                self.eps[base + q].append(end)
             return s, end
         if kind == "set":
             tails = {(): self.state()}  # one state per distinct remaining byte-range suffix, shared
@@ -486,8 +500,9 @@ _deadline = [math.inf]   # perf_counter() past which the compile under way is re
 
 @contextlib.contextmanager
 def budget():
-    """Compiles inside share one deadline (a schema's, with its regexes')."""
-    outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + COMPILE_BUDGET_S)
+    """Compiles inside share one deadline (a schema's, with its regexes'), a fifth early: what runs between two
+    checks (trimming, embedding a DFA) fits in the rest."""
+    outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + 0.8 * COMPILE_BUDGET_S)
     try:
         yield
     finally:
@@ -503,15 +518,18 @@ def _spend(n_states):
 def _determinize(nfa, start, accept):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
     be exponentially many (nested repeats of overlapping alternatives): past the budget the regex is refused."""
-    sets = [frozenset(_reach(nfa.eps, [start]))]
+    sets, closed = [frozenset(_reach(nfa.eps, [start]))], {}  # closed: the epsilon closures of targets seen
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
         row = np.full(256, -1, np.int32)
         cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        _spend(len(sets))
         for a, b in zip(cuts, cuts[1:]):
-            _spend(len(sets))
-            targets = frozenset(_reach(nfa.eps, {t for lo, hi, t in edges if lo <= a and b - 1 <= hi}))
+            raw = frozenset(t for lo, hi, t in edges if lo <= a and b - 1 <= hi)
+            if raw not in closed:
+                closed[raw] = frozenset(_reach(nfa.eps, raw))
+            targets = closed[raw]
             if targets:
                 if targets not in ids:
                     ids[targets] = len(sets)
@@ -525,7 +543,7 @@ def _trim(table, accept):
     """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
     src, byte = np.nonzero(table >= 0)
     succ, pred = [[] for _ in table], [[] for _ in table]
-    for a, b in np.unique(np.stack([src, table[src, byte]], 1), axis=0).tolist():
+    for a, b in zip(*(x.tolist() for x in np.divmod(np.unique(src * len(table) + table[src, byte]), len(table)))):
         succ[a].append(b)
         pred[b].append(a)
     live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
@@ -594,12 +612,13 @@ def compile_regex(pattern: str) -> DFA:
 # ensure_ascii=False writes them), properties in schema order: keys, quotes and separators become jump strings.
 # Exact or refused: type (a list, or none: every type), string (minLength/maxLength in characters, `pattern` over
 # characters JSON writes unescaped, the FORMATS), integer and number (exact ranges; a bounded number is written as a
-# plain decimal), boolean, null, object (properties, required, additionalProperties; free members where it lists
-# none), array (items, minItems/maxItems), enum, const, anyOf, allOf, oneOf and not (on DFAs), $ref (recursion
-# unrolled MAX_REF_DEPTH deep). UNSUPPORTED keywords are refused by name; any other keyword is an annotation,
-# which validators ignore (title, $comment, x-..., formats they do not check). Optional properties
-# cost jump-forward: where the member before one ends, the FSM holds a choice (`, "key": `, the next key or `}`)
-# only the model can make -- a forward pass where a required key would be jumped whole.
+# plain decimal), boolean, null, object (properties, required, then other members by patternProperties and
+# additionalProperties, min/maxProperties, dependencies), array (items, prefixItems, minItems/maxItems), enum, const,
+# anyOf, allOf, oneOf, not and if/then/else (on DFAs), $ref (recursion unrolled MAX_REF_DEPTH deep). Where a subset
+# is written (uniqueItems: one item at most; see approximate()), the parts a `not` complements are refused. UNSUPPORTED
+# keywords are refused by name; any other keyword is an annotation, which validators ignore (title, $comment, x-...,
+# formats they do not check). Optional properties cost jump-forward: where the member before one ends, the FSM holds
+# a choice (`, "key": `, the next key or `}`) only the model can make -- where a required key would be jumped whole.
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'  # as json.dumps writes one: one text
@@ -614,31 +633,42 @@ FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}
            "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"   # accepts (uuid: its usual form)
                    r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])", "date": DATE, "time": TIME,
            "date-time": DATE + "[tT]" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}
-FORMATS["idn-email"] = FORMATS["email"]
-UNEXACT_FORMATS = {"hostname", "idn-hostname", "ipv6", "uri", "uri-reference", "iri", "iri-reference", "uri-template",
-                   "json-pointer", "relative-json-pointer", "regex", "duration", "color"}  # checked, no exact regex
-UNSUPPORTED = {"multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "prefixItems", "unevaluatedItems",
-               "unevaluatedProperties", "patternProperties", "propertyNames", "minProperties", "maxProperties", "if",
-               "dependencies", "dependentRequired", "dependentSchemas", "$dynamicRef", "$recursiveRef", "extends",
-               "disallow", "divisibleBy"}  # they change which documents are valid; this compiler cannot say how
-NO_OPS = {"uniqueItems": False, "minProperties": 0, "patternProperties": {}, "dependencies": {}, "propertyNames": {}}
+_PCHAR = rf"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%{_HEX}{{2}})"  # RFC 3986's, for a subset of its URIs:
+FORMATS["uri"] = (rf"[a-zA-Z][a-zA-Z0-9+.\-]*:(?://(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%{_HEX}{{2}})*(?::[0-9]*)?"
+                  rf"(?:/{_PCHAR}*)*|{_PCHAR}+(?:/{_PCHAR}*)*)?(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
+FORMATS.update({"idn-email": FORMATS["email"], "regex": "[A-Za-z0-9 _-]*"}, **dict.fromkeys(  # regex: plain text
+    ("uri-reference", "iri", "iri-reference"), FORMATS["uri"]))  # scheme:, //host:port/path or path, ?query, #frag
+UNEXACT_FORMATS = {"hostname", "idn-hostname", "ipv6", "uri-template", "json-pointer", "relative-json-pointer",
+                   "duration", "color"}  # checked by some validators, no regex here
+UNSUPPORTED = {"contains", "minContains", "maxContains", "unevaluatedItems", "unevaluatedProperties",
+               "propertyNames", "$dynamicRef", "$recursiveRef", "extends", "disallow", "divisibleBy"}  # they change
+NO_OPS = {"propertyNames": {}}  # which documents are valid; this compiler cannot say how (but these)
+DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
+SAFE = r'[^"\\\x00-\x1f]*'  # the characters a JSON string holds unescaped: keys written freely, patterns matched
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": set(BOUNDS), "number": set(BOUNDS),
-            "boolean": set(), "null": set(), "array": {"items", "minItems", "maxItems"},
-            "object": {"properties", "required", "additionalProperties"}}  # each constrains its own type only
+KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": {*BOUNDS, "multipleOf"},
+            "number": {*BOUNDS, "multipleOf"}, "boolean": set(), "null": set(),
+            "array": {"items", "minItems", "maxItems", "uniqueItems", "prefixItems", "additionalItems"},
+            "object": {"properties", "required", "additionalProperties", "patternProperties", "minProperties",
+                       "maxProperties", *DEPENDENCIES}}  # each constrains its own type only
 VALUE_CHECKS = [  # (keywords, test, what their value must be)
-    (("minLength", "maxLength", "minItems", "maxItems"), lambda v: type(v) is int and v >= 0, "a non-negative integer"),
+    (("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties"),
+     lambda v: type(v) is int and v >= 0, "a non-negative integer"),
     (BOUNDS, lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
-    (("enum", "anyOf", "allOf", "oneOf"), lambda v: isinstance(v, list) and len(v) > 0, "a non-empty list"),
-    (("properties",), lambda v: isinstance(v, dict), "an object"),
+    (("multipleOf",), lambda v: type(v) in (int, float) and 0 < v < math.inf, "a positive number"),
+    (("enum", "anyOf", "allOf", "oneOf", "prefixItems"), lambda v: isinstance(v, list) and len(v) > 0,
+     "a non-empty list"),
+    (("properties", "patternProperties", *DEPENDENCIES), lambda v: isinstance(v, dict), "an object"),
     (("pattern", "$ref"), lambda v: isinstance(v, str), "a string"),
-    (("items", "additionalProperties", "not"), lambda v: isinstance(v, (dict, bool)), "a schema"),
+    (("additionalProperties", "additionalItems", "not", "if", "then", "else"), lambda v: isinstance(v, (dict, bool)),
+     "a schema"), (("items",), lambda v: isinstance(v, (dict, bool, list)), "a schema or a list of them"),
     (("required",), lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names"),
     (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})")]
-COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref"}
+COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
 ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars
 NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
+MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
 
@@ -819,7 +849,7 @@ class _SchemaCompiler:
             refs += ("*",)
         types -= {"integer"} if "number" in types else set()
         out = self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
-        _spend(len(out) // 100)  # regex text past 2 MB is too much too (an array's item is written twice, ...)
+        _spend(len(out) // 100)  # regex text past 2 MB is too much too (each object repeats a free value's text, ...)
         return out
 
     def negated(self, rest, schema, path, refs):
@@ -867,8 +897,10 @@ class _SchemaCompiler:
                     self.approximate([s], f"recursive $ref {s['$ref']!r} is unrolled {MAX_REF_DEPTH} deep")
                     raise _Empty(f"{path}: recursive $ref {s['$ref']!r} is unrolled {MAX_REF_DEPTH} deep, no deeper")
                 todo, refs = [_mark(s, self.resolve(s["$ref"], path))] + todo, refs + (s["$ref"],)
-            out.append({k: v for k, v in s.items() if k not in ("$ref", "allOf")})
-            todo[:0] = [_mark(s, c) for c in s.get("allOf", [])]  # depth first: a part's own parts stay together
+            out.append({k: v for k, v in s.items() if k not in ("$ref", "allOf", "if")})
+            cond = [{"anyOf": [{"allOf": [s["if"], s.get("then", True)]}, {"allOf": [{"not": s["if"]}, s.get(
+                "else", True)]}]}] if "if" in s else []  # (if and then) or (not if and else)
+            todo[:0] = [_mark(s, c) for c in s.get("allOf", []) + cond]  # depth first: a part's parts stay together
         return out, refs
 
     def resolve(self, ref, path):
@@ -910,6 +942,9 @@ class _SchemaCompiler:
             lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
             if lo > hi:
                 raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
+            if MAX_LENGTH < hi < math.inf:  # each character up to it is some 15 DFA states
+                self.approximate(parts, f"a string under a maxLength is written at most {MAX_LENGTH} characters long")
+                hi = max(lo, MAX_LENGTH)
             chars = f'{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}'
             exact = [_pattern(p) for p in kw.get("pattern", [])] + [FORMATS[f] for f in kw.get("format", [])
                                                                      if f in FORMATS]  # other formats: annotations
@@ -919,7 +954,10 @@ class _SchemaCompiler:
             return '"(?&' + "|".join(f"(?:{e})" for e in exact + [chars] * bool(lo or hi < math.inf)) + ')"'
         if kind == "number":
             self.approximate(parts, "a number is written in one of its several ways")
+        if any(not (1 / v).is_integer() or math.frexp(1 / v)[0] != 0.5 for v in kw.get("multipleOf", [])):
+            _fail(path, f"'multipleOf' {kw['multipleOf']} is not supported (but 1, 1/2, 1/4, ...: every integer)")
         if kind in ("integer", "number"):
+            kind = "integer" if "multipleOf" in kw else kind  # a number too is written as an integer
             lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") for v in kw.get(k, [])]
             highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") for v in kw.get(k, [])]
             if not lows + highs:
@@ -940,49 +978,83 @@ class _SchemaCompiler:
             return r"\{" + self.members(parts, path, refs) + r"\}"
         if kind == "array":
             lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
+            if any(p.get("uniqueItems") for p in parts):  # no two items alike: surely, with at most one
+                self.approximate(parts, "an array of unique items is written with at most one")
+                hi = min(hi, 1) if lo <= 1 else _fail(path, "uniqueItems with minItems above 1 is not supported")
+            n, tail = max((len(_head(p)) for p in parts), default=0), ""
+            for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
+                try:
+                    item = self.regex([_mark(p, _item(p, i)) for p in parts], f"{path}[{i}]", refs)
+                except _Empty:
+                    hi, tail = i, ""
+                    continue
+                tail = (f"(?:, {item}){{{max(lo - n, 0)},{'' if hi == math.inf else hi - n}}}" if i == n else
+                        f"(?:, {item}{tail})" + "?" * (i >= lo))
             if lo > hi:
-                raise _Empty(f"{path}: minItems {lo} is above maxItems {hi}")
-            try:
-                item = self.regex([_mark(p, p.get("items", True)) for p in parts], f"{path}[]", refs)
-            except _Empty:
-                if lo:
-                    raise
-                return r"\[\]"
-            more = f"(?:, {item}){{{max(lo - 1, 0)},{'' if hi == math.inf else max(hi - 1, 0)}}}"
-            return r"\[\]" if hi == 0 else rf"\[{item}{more}\]" if lo else rf"\[(?:{item}{more})?\]"
+                raise _Empty(f"{path}: minItems {lo} is above the {hi} items it can hold")
+            return rf"\[(?,{tail})\]" if lo else rf"\[(?:(?,{tail}))?\]"
         return {"boolean": "(?:true|false)", "null": "null"}[kind]
 
     def members(self, parts, path, refs) -> str:
-        """The `"key": value` members of every property a part names, in order, joined by ", "; a value must
-        satisfy each part's schema for its key (properties, else additionalProperties). One not required may be
-        left out (and is, if no value satisfies it): before the first required member an optional one carries
-        the ", " after it, past it the one before; with none required, one alternative per first member."""
+        """The `"key": value` members, joined by ", ": every property a part names, in order (one not required may
+        be left out, and is if no value satisfies it), then others in any order (keys without escapes; values by
+        patternProperties, else additionalProperties): (?,...) of ", "-led members writes each value once."""
         names = list(dict.fromkeys(k for p in parts for k in [*p.get("properties", {}), *p.get("required", [])]))
-        required, mine = {k for p in parts for k in p.get("required", [])}, [p for p in parts if not p.get(NEGATED)]
-        if not any("properties" in p or "required" in p for p in mine) and all(
-                p.get("additionalProperties", True) is not False for p in mine):  # its layout: free members
-            if names:
-                self.approximate(parts, "an object's other properties are written only where it lists none")
-            else:
-                try:
-                    value = self.regex([_mark(p, p.get("additionalProperties", True)) for p in parts], path, refs)
-                except _Empty:
-                    return ""
-                return f'(?:"{STRING_CHAR}*": {value}(?:, "{STRING_CHAR}*": {value})*)?'
+        required, pats = {k for p in parts for k in p.get("required", [])}, []
+        for p in parts:
+            pats += [q for q in p.get("patternProperties", {}) if q not in pats]
+            for a, need in ((a, d) for key in DEPENDENCIES for a, d in p.get(key, {}).items()):
+                if a in required and isinstance(need, list):
+                    required |= set(need)
+                    names += [k for k in need if k not in names]
+                elif a in required:
+                    _fail(path, f"a dependent schema of a required property ({a!r}) is not supported")
+                elif not (isinstance(need, list) and set(need) <= required):  # never written
+                    self.approximate(parts, f"property {a!r} with dependencies is not written")
+                    parts, names = parts + [{"properties": {a: False}}], names + [a] * (a not in names)
         fields = []
         for k in names:
-            conj = [_mark(p, p.get("properties", {}).get(k, p.get("additionalProperties", True))) for p in parts]
+            own = lambda p: [s for q, s in p.get("patternProperties", {}).items() if re.search(q, k)] + (
+                [p["properties"][k]] if k in p.get("properties", {}) else []) or [p.get("additionalProperties", True)]
             try:
-                fields.append((_literal(k) + ": " + self.regex(conj, f"{path}.{k}", refs), k in required))
+                value = self.regex([_mark(p, s) for p in parts for s in own(p)], f"{path}.{k}", refs)
+                fields.append((f"(?:, {_literal(k)}: {value})", k in required))
             except _Empty:
                 if k in required:
                     raise
-        first = next((i for i, (_, required) in enumerate(fields) if required), None)
-        if first is None:
-            alts = [f + "".join(f"(?:, {g})?" for g, _ in fields[i + 1:]) for i, (f, _) in enumerate(fields)]
-            return f"(?:{'|'.join(alts)})?" if alts else ""
-        return ("".join(f"(?:{f}, )?" for f, _ in fields[:first]) + fields[first][0] +
-                "".join(f", {f}" if required else f"(?:, {f})?" for f, required in fields[first + 1:]))
+        others = []
+        for q in [None] + pats:  # one class of keys each: q's (none: no pattern's), no other pattern's, no name
+            key = [f'"{SAFE}"'] + [f"(?~(?:{'|'.join(map(_literal, names))}))"] * bool(names) + [
+                f'"{_pattern(r)}"' if r == q else f'(?~"{_pattern(r)}")' for r in pats]
+            with contextlib.suppress(_Empty):
+                others.append(f"(?&{'|'.join(key)}): " + self.regex([_mark(p, p.get("patternProperties", {}).get(
+                    q, p.get("additionalProperties", True))) for p in parts], f"{path}.*", refs))
+        if len(pats) > 1:
+            self.approximate(parts, "a key two patternProperties match is not written")
+        if others and set(names) - {k for p in parts if not p.get(NEGATED) for k in [*p.get("properties", {}),
+                                                                                    *p.get("required", [])]}:
+            self.approximate(parts, "an object's other members are written after the properties it names")
+        low, high = (f((p.get(k, d) for p in parts), default=d) for f, k, d in ((max, "minProperties", 0),
+                                                                            (min, "maxProperties", math.inf)))
+        if low > max(len(required), 1):
+            _fail(path, f"'minProperties' {low}, more than the properties required, is not supported")
+        if high < len(fields) + (math.inf if others else 0):  # then only the required ones, if too many
+            self.approximate(parts, "an object under maxProperties is written with fewer members")
+            fields, others = [f for f in fields if f[1] or len(fields) <= high], []
+        if high < len(required):
+            raise _Empty(f"{path}: maxProperties {high} is below the {len(required)} properties required")
+        body = "".join(f + "?" * (not req) for f, req in fields) + (f"(?:, (?:{'|'.join(others)}))*" if others else "")
+        return f"(?,{body})" if required or low else f"(?:(?,{body}))?"
+
+
+def _head(p) -> list:
+    """The schemas of an array's first items: prefixItems (2020-12), or items as a list (before)."""
+    return p.get("prefixItems", p["items"] if isinstance(p.get("items"), list) else [])
+
+
+def _item(p, i):  # what part p asks of an array's item i: past its head, additionalItems (before) or items
+    head, old = _head(p), isinstance(p.get("items"), list)
+    return head[i] if i < len(head) else p.get("additionalItems", True) if old else p.get("items", True)
 
 
 def _mark(parent, schema):
@@ -1020,21 +1092,24 @@ MODES = ("masking_only", "jump_forward")
 def demo_model():
     """The demo's Pydantic model, as users hand one to a constrained decoder (Model.model_json_schema()): nested
     models ($defs/$ref), an Enum, a Literal, bounded int and float, string and list lengths, and two fields with
-    defaults, which the schema leaves out of `required`. Pydantic is imported here: 06 compiles schema dicts."""
+    defaults, which the schema leaves out of `required`; extra="forbid" (additionalProperties false), else the layout
+    would let the model write other members too. Pydantic is imported here: 06 compiles schema dicts."""
     from enum import Enum
     from typing import Annotated, Literal, Optional
 
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, ConfigDict, Field
 
     class House(str, Enum):
         GRYFFINDOR, SLYTHERIN, RAVENCLAW, HUFFLEPUFF = "Gryffindor", "Slytherin", "Ravenclaw", "Hufflepuff"
 
     class Wand(BaseModel):
+        model_config = ConfigDict(extra="forbid")
         wood: str = Field(max_length=16)
         core: Literal["phoenix feather", "dragon heartstring", "unicorn hair"]
         length: float = Field(ge=7, le=16, description="inches")
 
     class Character(BaseModel):
+        model_config = ConfigDict(extra="forbid")
         name: str = Field(max_length=24)
         house: House
         age: int = Field(ge=11, le=150)
@@ -1065,7 +1140,7 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
                                jump_forward=(mode == "jump_forward")) for mode in MODES]
     for r in runs:
         r.update(completion=r["text"], matches=bool(r["finished"] and index.dfa.fullmatch(r["text"])
-                                                     and re.fullmatch(pattern, r["text"], re.ASCII)),
+                                                     and _python_re_accepts(pattern, r["text"])),
                  decodes=tok.decode(r["ids"]) == r["text"], valid=r["finished"] and _validates(pydantic, r["text"]),
                  output_tokens=len(r["ids"]), tokenizer_tokens=len(tok.encode(r["text"])))  # tokenizer: same text
     edges = index.compressed_edges()
@@ -1088,6 +1163,12 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
                                         if k not in o.get("required", [])],
                    optional_cost=optional_cost(model, tok, schema, prompt, max_new_tokens))
     return out
+
+
+def _python_re_accepts(pattern, text) -> bool:  # the independent check, where re reads it (not 06's own groups)
+    with contextlib.suppress(re.error):
+        return re.fullmatch(pattern, text, re.ASCII) is not None
+    return True
 
 
 def _validates(pydantic, text) -> bool:
@@ -1144,8 +1225,8 @@ def report(prompt, runs) -> None:
               f"{r['speedup']:.2f}x less wall time")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
         say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
-        say(f"checked, both answers: finished and accepted by the DFA and by Python's re: {ok('matches')}; their "
-            f"token ids decode to the text: {ok('decodes')}" +
+        say(f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the regex): "
+            f"{ok('matches')}; their token ids decode to the text: {ok('decodes')}" +
             (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
         m, j = r["output_tokens"]["masking_only"], r["tokenizer_tokens"]["masking_only"]
         say(f"why the answers differ: both are greedy over the same model, but not over the same tokens. Masking only "

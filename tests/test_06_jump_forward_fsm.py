@@ -26,11 +26,13 @@ SMALL_SCHEMA = {"type": "object", "properties": {
     "wand": {"type": "object", "properties": {"wood": {"type": "string", "minLength": 1, "maxLength": 3}}},
     "tags": {"type": "array", "items": {"type": "string", "maxLength": 2}, "maxItems": 2},
     "pair": {"type": "array", "items": {"anyOf": [{"type": "integer"}, {"type": "null"}]}, "minItems": 1, "maxItems": 2}}}
+JSON_REGEX = (r'\{"a": ' + m.integer_range(-37, 1234) + r'(?:, "b": "' + m.STRING_CHAR + r'{0,5}")?, "c": \[(?:' +
+              m.number_range(-10**16, 25 * 10**15) + r')?\]\}')  # the schema compiler's parts, in Python's syntax
 REGEXES = [
     r"abc", r"a|bc|", r"(ab)*c+", r"[a-c]{2,3}x?", r"[^a\n]+b", r".{0,3}z", r"\d+\.\d{0,2}", r"\w+@\w+\.(com|org)",
     r"\s*\S\W?\D", r"(?:é|ê|日本)+", r"[α-ω]{1,3}[^α-ω]?", r"\x41\u00e9\U0001F600*", r"x{,2}y{2,}", r"a{}", r"[]a-]+",
     r"[\d\-.]{2}", r"((a|b)*c){1,2}", r"[^\x00-\x7f]+", r"😀|[\u4e00-\u9fff]{2}", r"a*?b+?c??d{1,2}?", r"[\\\]^-]x{",
-    r"(|a)(b|)", r"[^\W\d]\t\n", m.CHARACTER_REGEX, m.schema_to_regex(SMALL_SCHEMA)]
+    r"(|a)(b|)", r"[^\W\d]\t\n", m.CHARACTER_REGEX, JSON_REGEX]
 N_RANDOM_SCHEMAS = 500
 EDGE_CHARS = [0x7F, 0x80, 0x7FF, 0x800, 0xD7FF, 0xE000, 0xFFFF, 0x10000, 0x10FFFF, 0x3B1, 0x3C9, 0x4E00, 0x9FFF]
 
@@ -68,6 +70,15 @@ def sample_dfa(dfa, rng, dist, max_bytes=2000):
         out.append(int(rng.choice(live)))
         s = dfa.table[s, out[-1]]
     return None
+
+
+def closed(schema):
+    """additionalProperties false wherever a schema names properties: a random walk over the bytes then writes the
+    optional ones too (among free keys it would almost never spell one out), and random logits end."""
+    if isinstance(schema, (dict, list)):
+        out = {k: closed(v) for k, v in schema.items()} if isinstance(schema, dict) else list(map(closed, schema))
+        return {**out, "additionalProperties": False} if "properties" in out else out
+    return schema
 
 
 def random_string(pattern, rng):
@@ -115,7 +126,8 @@ def test_schema_regex_produces_valid_json():
         assert len(samples) > 30
         for s in samples:
             assert validator(schema).is_valid(json.loads(s)), s
-        assert not dfa.fullmatch(json.dumps({"name": "x", "zzz": 1}))
+        for doc in ({"name": "x", "zzz": 1}, {"name": "x", "zzz": {"a": 1}}, {"name": 1}, {"age": 1.5}):  # ANY_DEPTH
+            assert dfa.fullmatch(json.dumps(doc, ensure_ascii=False)) == validator(schema).is_valid(doc), doc
 
 
 @pytest.mark.parametrize("pattern, problem", [
@@ -145,21 +157,30 @@ def test_invalid_schema_names_the_problem(schema, problem):
 
 
 @pytest.mark.parametrize("keyword, value", [
-    ("multipleOf", 2), ("uniqueItems", True), ("minProperties", 1), ("maxProperties", 3), ("dependencies", {"a": ["b"]}),
-    ("prefixItems", [{"type": "integer"}]), ("patternProperties", {"a": {}}),
-    ("contains", {"type": "integer"}), ("if", {}), ("propertyNames", {"maxLength": 2}), ("dependentRequired", {}),
-    ("unevaluatedProperties", False)])
+    ("multipleOf", 0.1), ("minProperties", 2), ("contains", {"type": "integer"}), ("propertyNames", {"maxLength": 2}),
+    ("unevaluatedProperties", False), ("uniqueItems", True), ("minProperties", 1), ("maxProperties", 1),
+    ("dependencies", {"a": ["b"]}), ("prefixItems", [{"type": "integer"}]), ("patternProperties", {"^a": {}}),
+    ("if", {"properties": {"a": {"const": 1}}}), ("dependentRequired", {"b": ["a"]}), ("multipleOf", 0.5)])
 def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, value):
-    """Issue 22.4: an ignored keyword lets invalid output pass for valid; refused by name instead."""
-    kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array",
-            **dict.fromkeys(("minProperties", "maxProperties", "patternProperties", "propertyNames", "dependentRequired",
-                             "unevaluatedProperties"), "object")}
-    schema = {"type": kind.get(keyword, "string"), keyword: value}
+    """Issue 22.4: an ignored keyword lets invalid output pass for valid; implemented (sampled documents valid,
+    valid drawn ones accepted: jsonschema), or refused by name."""
+    kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array"}
+    schema = {"type": kind.get(keyword, "object"), keyword: value}
     if schema["type"] == "array":
-        schema["items"] = {"type": "integer"}
-    with pytest.raises(ValueError, match=re.escape(repr(keyword))):
-        m.schema_to_regex(schema)
-    for schema, problem in (({"type": "string", "format": "uri"}, "format 'uri' is not a format a regex states"),
+        schema["items"] = {"type": "integer", "maximum": 3}
+    elif schema["type"] == "object":
+        schema.update(properties={"a": {"type": "integer", "maximum": 3}, "b": {"type": "boolean"}},
+                      patternProperties={"^b": {"type": "boolean"}, **schema.get("patternProperties", {})})
+    if keyword in ("multipleOf", "minProperties", "contains", "propertyNames", "unevaluatedProperties") and (
+            value not in (1, 0.5)):
+        with pytest.raises(ValueError, match=re.escape(repr(keyword))):
+            m.schema_to_regex(schema)
+    else:  # some write fewer documents than they accept (uniqueItems: one item at most): sound, not complete
+        lossy = keyword in ("uniqueItems", "maxProperties", "dependencies", "dependentRequired")
+        counts = Counter()
+        assert check_schema(schema, random.Random(), 60, 0 if lossy else 200, counts) is not None, schema
+        assert counts["sampled"] > 30 and (lossy or counts["drawn valid"] > 10), counts
+    for schema, problem in (({"type": "string", "format": "ipv6"}, "format 'ipv6' is not a format a regex states"),
                             ({"type": "string", "$ref": "#/x"}, "cannot resolve $ref '#/x'"),
                             ({"type": "string", "pattern": r"^\D+$"}, "\\D in a schema pattern"),
                             ({"type": "string", "pattern": r"^[^\d]+$"}, "\\d inside [^...] in a schema pattern"),
@@ -271,9 +292,11 @@ FUZZ = [r"(?:é|ê|日本)+x", r"[^\"]{0,8}\"", r'"名前": "[^"]{1,6}", "n": [0
         r"[😀-😇]{2}|\d{1,3}(\.\d)?", r"a\x04?b"]
 
 
-@pytest.mark.parametrize("pattern", FUZZ + [m.schema_to_regex(SMALL_SCHEMA)])
+@pytest.mark.parametrize("pattern", FUZZ + [closed(SMALL_SCHEMA)])
 def test_fuzz_random_logits_always_match(smollm, pattern):
+    """A schema's regex has 06's own groups: jsonschema judges its outputs instead of Python's re."""
     _, tok = smollm
+    schema, pattern = (pattern, m.schema_to_regex(pattern)) if isinstance(pattern, dict) else (None, pattern)
     index = m.TokenIndex(pattern, tok)
     partial = [i for i, b in enumerate(m.token_trie(tok).token_bytes) if b and not _is_utf8(b)]
     prompt = tok.chat("Answer.")
@@ -281,7 +304,8 @@ def test_fuzz_random_logits_always_match(smollm, pattern):
         for jump in (False, True):
             r = m.constrained_decode(index, tok, prompt, random_logits_fn(tok.vocab_size, seed, partial), 400,
                                      jump_forward=jump, temperature=1.0, seed=seed)
-            assert r["finished"] and re.fullmatch(pattern, r["text"], re.ASCII), r
+            assert r["finished"] and (validator(schema).is_valid(json.loads(r["text"])) if schema else
+                                      re.fullmatch(pattern, r["text"], re.ASCII)), r
             assert tok.decode(r["ids"]) == r["text"]  # re-tokenized ids are the same text
             assert "\x04" not in r["text"] and all(t not in tok.special.values() for t in r["ids"])
             assert r["forward_passes"] <= len(r["ids"]) + 1
@@ -301,7 +325,7 @@ def test_index_against_partial_matching(smollm):
     rng = random.Random(2)
     vocab = m.token_trie(tok).token_bytes
     texts = {i: b.decode() for i, b in enumerate(vocab) if b and _is_utf8(b)}
-    for pattern in (r'"名前": "[^"]{1,6}", "n": [0-9]{1,3}', m.CHARACTER_REGEX, m.schema_to_regex(SMALL_SCHEMA)):
+    for pattern in (r'"名前": "[^"]{1,6}", "n": [0-9]{1,3}', m.CHARACTER_REGEX, JSON_REGEX):
         index, state, prefix = m.TokenIndex(pattern, tok), 0, b""
         for step in range(12):
             allowed = index.allowed(state)
@@ -346,7 +370,7 @@ def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
     model, tok = smollm
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"},
                                                "house": {"enum": ["Gryffindor", "Slytherin"]}},
-              "required": ["name", "house", "age"]}
+              "required": ["name", "house", "age"], "additionalProperties": False}
     pattern = m.schema_to_regex(schema)
     index, prompt = m.TokenIndex(pattern, tok), tok.chat("Describe Harry Potter in JSON.")
     checked = []
@@ -366,7 +390,7 @@ def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
 
     runs = {jf: m.constrained_decode(index, tok, prompt, m.model_logits_fn(model), 64, jump_forward=jf) for jf in (False, True)}
     for r in runs.values():
-        assert r["finished"] and re.fullmatch(pattern, r["text"]) and tok.decode(r["ids"]) == r["text"]
+        assert r["finished"] and index.dfa.fullmatch(r["text"]) and tok.decode(r["ids"]) == r["text"]
         assert validator(schema).is_valid(json.loads(r["text"]))
     assert len(runs[False]["ids"]) <= runs[False]["forward_passes"] <= len(runs[False]["ids"]) + 1
     assert runs[True]["jumps"] > 0 and runs[True]["forward_passes"] < runs[False]["forward_passes"]
@@ -680,12 +704,12 @@ def test_pydantic_schemas_sampled_documents_validate(index):
     some appear in ~2% of them); documents jsonschema accepts in 06's layout match."""
     model = pydantic_models()[index]
     schema = model.model_json_schema()
-    dfa = m.compile_regex(m.schema_to_regex(schema))
-    rng, dist, keys = random.Random(), distances(dfa), Counter()
+    dfas = [m.compile_regex(m.schema_to_regex(s)) for s in (schema, closed(schema))]
+    rng, dists, keys, dfa = random.Random(), [distances(d) for d in dfas], Counter(), dfas[0]
     top = resolve(schema, schema["$ref"]) if "$ref" in schema else schema
     optional = [k for k in top["properties"] if k not in top.get("required", [])]
     for n in range(3000):
-        doc = sample_dfa(dfa, rng, dist)
+        doc = sample_dfa(dfas[n % 2], rng, dists[n % 2])  # as given, and closed (which writes the optional ones)
         if doc is not None:
             model.model_validate_json(doc)  # raises ValidationError on an invalid document
             assert validator(schema).is_valid(json.loads(doc)), doc
@@ -746,13 +770,15 @@ def test_real_model_pydantic_end_to_end(smollm, capsys):
     property required: a choice as given (the model picks `, ` or `}`), a jump when required."""
     from typing import Literal, Optional
 
-    from pydantic import BaseModel, Field
+    from pydantic import BaseModel, ConfigDict, Field
 
     class Pet(BaseModel):
+        model_config = ConfigDict(extra="forbid")  # additionalProperties false: no other members
         kind: Literal["cat", "dog", "owl"]
         age: int = Field(ge=0, le=30)
 
     class Person(BaseModel):
+        model_config = ConfigDict(extra="forbid")
         name: str = Field(max_length=12)
         pet: Pet
         nick: Optional[str] = Field(default=None, max_length=8)
@@ -843,22 +869,27 @@ def test_every_compile_or_refusal_within_the_budget(monkeypatch):
 
 def layout_states(dfa, value, s=0, steps=None):
     """The DFA's states after writing value in 06's layout from state s, any key order (searched with the DFA;
-    OverflowError past 20,000 steps)."""
+    OverflowError past 100,000 steps)."""
     steps = steps if steps is not None else [0]
     steps[0] += 1
-    if s < 0 or steps[0] > 20_000:
+    if s < 0 or steps[0] > 100_000:
         return set() if s < 0 else (_ for _ in ()).throw(OverflowError("layout search capped"))
     if isinstance(value, dict):
+        seen = {}  # (keys left, state): its end states, found once however the keys before were ordered
+
         def members(keys, s, first):
+            if (keys, s) in seen:
+                return seen[keys, s]
             out = set() if keys else {dfa.walk(s, b"}")} - {-1}
             for k in keys:
                 s1 = dfa.walk(s, (", " * (not first) + json.dumps(k, ensure_ascii=False) + ": ").encode())
                 for s2 in layout_states(dfa, value[k], s1, steps):
-                    out |= members([x for x in keys if x != k], s2, False)
+                    out |= members(tuple(x for x in keys if x != k), s2, False)
                 if out:
-                    return out  # one order is enough
+                    break  # one order is enough
+            seen[keys, s] = out
             return out
-        return members(list(value), dfa.walk(s, b"{"), True)
+        return members(tuple(value), dfa.walk(s, b"{"), True)
     if isinstance(value, list):
         states = {dfa.walk(s, b"[")} - {-1}
         for i, x in enumerate(value):
@@ -898,4 +929,4 @@ def test_held_schemas_sound_and_complete():
             assert valid or not accepted, (item["name"], doc)
             counts["valid"], counts["accepted"] = counts["valid"] + valid, counts["accepted"] + (valid and accepted)
     print(dict(counts))
-    assert counts["compiled"] >= 0.4 * n and counts["accepted"] >= 0.6 * counts["valid"], counts  # whole sample: README
+    assert counts["compiled"] >= 0.65 * n and counts["accepted"] >= 0.85 * counts["valid"], counts  # all: README
