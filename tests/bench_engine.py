@@ -380,23 +380,63 @@ def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     return asyncio.run(run())
 
 
+class ProxyEngine(L.Engine):
+    """serve-http's CPU proxy of a GPU engine (--cpu-proxy): the engine's host work is real (05's scheduler, the
+    token pool's bookkeeping, greedy decode delivering multi_step tokens per sequence at a time), its model a sleep
+    with the GIL released, as while a GPU computes: step_s per decode step, prefill at prefill_tok_s. Its tokens are
+    drawn at random from Llama 3's plain vocabulary, so the server decodes and sends varied text."""
+
+    def __init__(self, model, tok, step_s=0.004, prefill_tok_s=200_000, **kw):
+        super().__init__(model, tok, "token", cuda_graphs=False, **kw)
+        self.step_s, self.prefill_tok_s = step_s, prefill_tok_s
+
+    def forward(self, batch, positions, samples):
+        time.sleep(sum(s.n_new for s in batch) / self.prefill_tok_s)
+
+    def sample(self, batch, logits, k=None):
+        return torch.randint(0, 128000, (len(batch),) + ((k,) if k else ())).tolist()
+
+    def step(self, on_token=None):
+        batch, t0 = self.sched.running, time.perf_counter()
+        if self.sched.waiting or self.sched.chunked or not batch:
+            return super().step(on_token)  # admit, prefill (or 1-step decode when nothing is admitted)
+        k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) for s in batch])
+        try:
+            self.kv.prepare([s.rid for s in batch], [k] * len(batch))
+        except L.OutOfBlocks:
+            return super().step(on_token)  # the 1-step path evicts or preempts
+        time.sleep(k * self.step_s)
+        self.counts["decode_tokens"] += self.sched.postprocess(batch, self.sample(batch, None, k), steps=k)
+        self.counts["decode_s"] += time.perf_counter() - t0
+        self.stream(batch, on_token)
+
+
+PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_prompts=0, multi_step=4,
+             args=replace(L.LLAMA_SHAPES["llama-3.2-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=1, hidden_dim=64))
+
+
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
-               long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, log=lambda msg: None) -> dict:
+               long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, proxy=None, log=lambda msg: None) -> dict:
     """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
     (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread, FastAPI
     and uvicorn on threads here; the client in a process of its own). The HTTP layer's cost: in-process tok/s over
-    HTTP tok/s, minus 1."""
+    HTTP tok/s, minus 1. proxy: ProxyEngine's keywords (a CPU's stand-in for the GPU engine), else a real one."""
     import multiprocessing
     import threading
     import uvicorn
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
-    e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
-                 max_seq_len=longest, multi_step=multi_step)
+    kw = dict(kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs), max_seq_len=longest,
+              multi_step=multi_step)
+    if proxy is not None:
+        torch.set_num_threads(1)  # the pool's bookkeeping is the GPU's work: on busy cores, one thread spares waits
+    e = ProxyEngine(model, tok, **proxy, **kw) if proxy is not None else L.Engine(model, tok, "token", **kw)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
          "multi_step": e.multi_step, "rates": {}}
+    if proxy is not None:
+        r["shape"] += f" proxy (a sleep of {e.step_s * 1e3:g} ms per decode step, host work real)"
     draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
     for rate, arrivals in draws.items():
         x = serve_arrivals(e, prompts, lens, arrivals)
@@ -536,8 +576,10 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv = sub.add_parser("serve", help="GPU: latency under Poisson arrivals (TTFT, inter-token latency) for "
                          "prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
     srv.add_argument("--plot", help="save its latency plot (PNG) here")
-    sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the HTTP "
-                   "server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
+    http = sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the "
+                          "HTTP server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
+    http.add_argument("--cpu-proxy", type=float, metavar="MS", help="on a CPU: 256 requests at once of 100-400 tokens "
+                      "through ProxyEngine, its model a sleep of MS ms per decode step (the GPU's host/device split)")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
                    "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
     for p in sub.choices.values():
@@ -551,7 +593,8 @@ def cli_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    if args.command in ("engine", "serve", "serve-http", "prefix") and not torch.cuda.is_available():
+    proxy = getattr(args, "cpu_proxy", None) is not None
+    if args.command in ("engine", "serve", "serve-http", "prefix") and not torch.cuda.is_available() and not proxy:
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
@@ -563,7 +606,7 @@ def main(argv=None):
         r = bench_serve(plot=args.plot, log=log)
         print(json.dumps(r) if args.json else serve_report(r))
     elif args.command == "serve-http":
-        r = bench_http(log=log)
+        r = bench_http(**PROXY, proxy=dict(step_s=args.cpu_proxy / 1e3), log=log) if proxy else bench_http(log=log)
         print(json.dumps(r) if args.json else http_report(r))
     else:
         try:
