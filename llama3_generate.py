@@ -1784,15 +1784,21 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         async def events():  # server-sent events: one per new text (all that came since the last write), then [DONE]
             finish, tokens = [None] * body.n, [0] * body.n
             head["object"] += ".chunk" if chat else ""
-            pre = f"data: {json.dumps({**head, 'choices': []})[:-2]}"  # the head serialized once: '{"id": ..., ['
+            data = lambda chunk: f"data: {json.dumps({**head, **chunk})}\n\n"
+            # an event's JSON, per sample and finish reason, serialized once and cut where its text goes
+            around = functools.cache(lambda i, f: data({"choices": [choice(i, "\0", f, "delta")]}).split('"\\u0000"'))
             try:
-                while None in finish:
-                    items = [await job.q.get()] + [job.q.get_nowait() for _ in range(job.q.qsize())]
-                    yield "".join(f"{pre}{json.dumps(choice(i, text, finish[i], 'delta'))}]}}\n\n"
-                                  for i, text, finish[i], tokens[i] in items)
-                if (body.stream_options or {}).get("include_usage"):
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(tokens)})}\n\n"
-                yield "data: [DONE]\n\n"
+                while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
+                    out = []
+                    for i, text, finish[i], tokens[i] in [await job.q.get()] + [job.q.get_nowait() for _ in
+                                                                                range(job.q.qsize())]:
+                        a, b = around(i, finish[i])
+                        out.append(f"{a}{json.dumps(text)}{b}")
+                    if None not in finish:  # the usage (if asked for) and [DONE] in the last write
+                        out += [data({"choices": [], "usage": usage(tokens)})] if (body.stream_options or {}).get(
+                            "include_usage") else []
+                        out.append("data: [DONE]\n\n")
+                    yield "".join(out)
             finally:  # the client went away (the task was cancelled): its request stops and frees its KV
                 if None in finish:
                     worker.inbox.put(("abort", job))

@@ -356,8 +356,8 @@ def latency(seen: list, arrivals, lens) -> dict:
 
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
-    time as token ids, streamed; returns each one's delivery times (chunks with text) from the start, and its
-    completion tokens (the usage of its last chunk)."""
+    time as token ids, streamed; returns each one's delivery times (events with text) from the start and its
+    completion tokens (the usage of its last event), and the CPU seconds the client took."""
     import asyncio
     import httpx
 
@@ -377,7 +377,8 @@ def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
             t0 = time.perf_counter()
             return await asyncio.gather(*(one(client, i, t0) for i in range(len(prompts))))
-    return asyncio.run(run())
+    cpu = time.process_time()
+    return asyncio.run(run()), time.process_time() - cpu
 
 
 class ProxyEngine(L.Engine):
@@ -439,8 +440,9 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
         r["shape"] += f" proxy (a sleep of {e.step_s * 1e3:g} ms per decode step, host work real)"
     draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
     for rate, arrivals in draws.items():
+        cpu = time.process_time()  # this process's CPU seconds (every thread): the engine's host work, then HTTP's too
         x = serve_arrivals(e, prompts, lens, arrivals)
-        x = {k: v for k, v in x.items() if k in LATENCY}
+        x = {k: v for k, v in x.items() if k in LATENCY} | {"cpu_s": time.process_time() - cpu}
         r["rates"][rate] = {"in process": x}
         e.reset()
         log(f"{rate} req/s in process: {x}")
@@ -454,11 +456,14 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():
-            seen, tokens = zip(*pool.apply(http_client, (url, "bench", prompts, lens, arrivals)))
+            cpu = time.process_time()
+            got, client_cpu = pool.apply(http_client, (url, "bench", prompts, lens, arrivals))
+            seen, tokens = zip(*got)
             while e.busy:
                 time.sleep(0.05)
             e.reset()
             x = r["rates"][rate]["HTTP"] = latency(seen, arrivals, lens)
+            x["cpu_s"], x["client_cpu_s"] = time.process_time() - cpu, client_cpu
             x["served_whole"] = list(tokens) == [n for _, n in lens]
             x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
             log(f"{rate} req/s HTTP: {x}")
@@ -471,14 +476,16 @@ def http_report(r: dict) -> str:
     lines = [f"{r['device']}, random {r['shape']}, {r['requests']} requests, Poisson arrivals, prefill-first, "
              f"multi-step {r['multi_step']}",
              f"{'rate':>5}  {'path':<11}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}"
-             f"{'TPOT p50/p99 ms':>17}{'HTTP cost':>10}"]
+             f"{'TPOT p50/p99 ms':>17}{'CPU s':>7}{'HTTP cost':>10}"]
     for rate, runs in r["rates"].items():
         lines += [f"{rate:>5}  {path:<11}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
                   f"{x['itl_p50_ms']:>9.1f} /{x['itl_p99_ms']:>5.0f}{x['tpot_p50_ms']:>9.1f} /{x['tpot_p99_ms']:>6.1f}"
-                  + (f"{x['cost_vs_in_process']:>+10.1%}" if "cost_vs_in_process" in x else "")
+                  f"{x['cpu_s']:>7.2f}" + (f"{x['cost_vs_in_process']:>+10.1%} (client CPU {x['client_cpu_s']:.2f} s)"
+                                           if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
     whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
-    return "\n".join(lines + [f"every HTTP request got its max_tokens: {whole}"])
+    return "\n".join(lines + [f"CPU s: the server process's (engine, and HTTP's event loop); every HTTP request got its "
+                               f"max_tokens: {whole}"])
 
 
 PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backend="token", radix=False),
