@@ -1656,17 +1656,17 @@ class EngineThread(threading.Thread):
         stream (each wake-up is a write to its self-pipe and a turn of the loop, under the GIL the engine needs)."""
         if self.out:
             out, self.out = self.out, []
-            out[0][0].aloop.call_soon_threadsafe(lambda: [job.q.put_nowait(item) for job, item in out])
+            out[0][0].aloop.call_soon_threadsafe(lambda: [job.put(item) for job, item in out])
 
 
 class Job:
     """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the tokens and bytes it read and the text held back (not sent). The engine thread posts (sample, text,
-    finish reason, tokens) to its asyncio queue."""
+    its output, the tokens and bytes it read and the text held back (not sent). The engine thread posts it items
+    (sample, text, finish reason, tokens); its handler takes all that came at once."""
 
     def __init__(self, ids, params, stop):
         self.ids, self.params, self.stop, self.sids, n = ids, params, stop, [], params.n
-        self.aloop, self.q = asyncio.get_running_loop(), asyncio.Queue()
+        self.aloop, self.items, self.ready = asyncio.get_running_loop(), [], asyncio.Event()
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
         self.n_read, self.n_bytes, self.held = [0] * n, [0] * n, [""] * n
 
@@ -1679,6 +1679,17 @@ class Job:
         self.n_read[i], self.n_bytes[i] = len(out), self.n_bytes[i] + len(new)
         self.held[i] += self.utf8[i].decode(new, final=bool(final))
         return self.held[i]
+
+    def put(self, item):  # on the event loop's thread
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self) -> list:
+        """Every item put since the last take (waiting for one)."""
+        await self.ready.wait()
+        self.ready.clear()
+        items, self.items = self.items, []
+        return items
 
 
 def make_app(worker: EngineThread, name: str, max_tokens: int):
@@ -1776,8 +1787,8 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         if not body.stream:
             texts, finish, tokens = [""] * body.n, [None] * body.n, [0] * body.n
             while None in finish:
-                i, text, finish[i], tokens[i] = await job.q.get()
-                texts[i] += text
+                for i, text, finish[i], tokens[i] in await job.take():
+                    texts[i] += text
             return JSONResponse({**head, "usage": usage(tokens), "choices": [
                 choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]})
 
@@ -1790,13 +1801,12 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
             try:
                 while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
                     out = []
-                    for i, text, finish[i], tokens[i] in [await job.q.get()] + [job.q.get_nowait() for _ in
-                                                                                range(job.q.qsize())]:
+                    for i, text, finish[i], tokens[i] in await job.take():
                         a, b = around(i, finish[i])
                         out.append(f"{a}{json.dumps(text)}{b}")
-                    if None not in finish:  # the usage (if asked for) and [DONE] in the last write
-                        out += [data({"choices": [], "usage": usage(tokens)})] if (body.stream_options or {}).get(
-                            "include_usage") else []
+                    if None not in finish:  # the usage (if asked for) and [DONE] go out in the last write
+                        if (body.stream_options or {}).get("include_usage"):
+                            out.append(data({"choices": [], "usage": usage(tokens)}))
                         out.append("data: [DONE]\n\n")
                     yield "".join(out)
             finally:  # the client went away (the task was cancelled): its request stops and frees its KV
