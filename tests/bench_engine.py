@@ -384,15 +384,21 @@ def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
 class ProxyEngine(L.Engine):
     """serve-http's CPU proxy of a GPU engine (--cpu-proxy): the engine's host work is real (05's scheduler, the
     token pool's bookkeeping, greedy decode delivering multi_step tokens per sequence at a time), its model a sleep
-    with the GIL released, as while a GPU computes: step_s per decode step, prefill at prefill_tok_s. Its tokens are
-    drawn at random from Llama 3's plain vocabulary, so the server decodes and sends varied text."""
+    with the GIL released, as while a GPU computes: step_s per decode step, prefill at prefill_tok_s, after
+    `launches` brief releases of the GIL (a GPU engine's kernel launches and copies, each of which must win the GIL
+    back). Its tokens are drawn at random from Llama 3's plain vocabulary: the server decodes and sends varied text."""
 
-    def __init__(self, model, tok, step_s=0.004, prefill_tok_s=200_000, **kw):
+    def __init__(self, model, tok, step_s=0.004, prefill_tok_s=200_000, launches=32, **kw):
         super().__init__(model, tok, "token", cuda_graphs=False, **kw)
-        self.step_s, self.prefill_tok_s = step_s, prefill_tok_s
+        self.step_s, self.prefill_tok_s, self.launches = step_s, prefill_tok_s, launches
+
+    def gpu(self, seconds):
+        for _ in range(self.launches):
+            time.sleep(0)
+        time.sleep(seconds)
 
     def forward(self, batch, positions, samples):
-        time.sleep(sum(s.n_new for s in batch) / self.prefill_tok_s)
+        self.gpu(sum(s.n_new for s in batch) / self.prefill_tok_s)
 
     def sample(self, batch, logits, k=None):
         return torch.randint(0, 128000, (len(batch),) + ((k,) if k else ())).tolist()
@@ -406,7 +412,7 @@ class ProxyEngine(L.Engine):
             self.kv.prepare([s.rid for s in batch], [k] * len(batch))
         except L.OutOfBlocks:
             return super().step(on_token)  # the 1-step path evicts or preempts
-        time.sleep(k * self.step_s)
+        self.gpu(k * self.step_s)
         self.counts["decode_tokens"] += self.sched.postprocess(batch, self.sample(batch, None, k), steps=k)
         self.counts["decode_s"] += time.perf_counter() - t0
         self.stream(batch, on_token)
@@ -484,7 +490,7 @@ def http_report(r: dict) -> str:
                                            if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
     whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
-    return "\n".join(lines + [f"CPU s: the server process's (engine, and HTTP's event loop); every HTTP request got its "
+    return "\n".join(lines + [f"CPU s: the server process's (engine, HTTP's event loop); every HTTP request got its "
                                f"max_tokens: {whole}"])
 
 
