@@ -1586,8 +1586,7 @@ def plural(n: int, word: str) -> str:
 class EngineThread(threading.Thread):
     """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler): HTTP handlers hand it
     work through a queue that it reads between steps, so a request arriving now joins the running batch at the next
-    step. Each sample's new text goes back to its handler's asyncio queue: (sample, text, finish reason, tokens),
-    a step's worth in one call to the event loop's thread (`post`)."""
+    step. Each sample's new text goes back to its handler's Job (`post`: a step's worth in one call to its loop)."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
@@ -1652,21 +1651,20 @@ class EngineThread(threading.Thread):
         self.post()
 
     def post(self):
-        """Hand the step's deliveries to the server's event loop in one call: one wake-up of its thread, not one per
-        stream (each wake-up is a write to its self-pipe and a turn of the loop, under the GIL the engine needs)."""
+        """The step's deliveries to the event loop in one call: one wake-up of its thread (GIL held), not one each."""
         if self.out:
             out, self.out = self.out, []
-            out[0][0].aloop.call_soon_threadsafe(lambda: [job.put(item) for job, item in out])
+            out[0][0].aloop.call_soon_threadsafe(lambda: [job.q.put_nowait(item) for job, item in out])
 
 
 class Job:
     """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the tokens and bytes it read and the text held back (not sent). The engine thread posts it items
-    (sample, text, finish reason, tokens); its handler takes all that came at once."""
+    its output, the tokens and bytes it read and the text held back. The engine thread posts (sample, text, finish
+    reason, tokens) to its asyncio queue; its handler takes all that came at once."""
 
     def __init__(self, ids, params, stop):
         self.ids, self.params, self.stop, self.sids, n = ids, params, stop, [], params.n
-        self.aloop, self.items, self.ready = asyncio.get_running_loop(), [], asyncio.Event()
+        self.aloop, self.q = asyncio.get_running_loop(), asyncio.Queue()
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
         self.n_read, self.n_bytes, self.held = [0] * n, [0] * n, [""] * n
 
@@ -1680,16 +1678,8 @@ class Job:
         self.held[i] += self.utf8[i].decode(new, final=bool(final))
         return self.held[i]
 
-    def put(self, item):  # on the event loop's thread
-        self.items.append(item)
-        self.ready.set()
-
-    async def take(self) -> list:
-        """Every item put since the last take (waiting for one)."""
-        await self.ready.wait()
-        self.ready.clear()
-        items, self.items = self.items, []
-        return items
+    async def take(self) -> list:  # every item that came since the last take (waiting for one)
+        return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
 def make_app(worker: EngineThread, name: str, max_tokens: int):
