@@ -43,6 +43,7 @@ import argparse
 import asyncio
 import atexit
 import base64
+import codecs
 import contextlib
 import gc
 import glob
@@ -1637,11 +1638,12 @@ def plural(n: int, word: str) -> str:
 class EngineThread(threading.Thread):
     """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler): HTTP handlers hand it
     work through a queue that it reads between steps, so a request arriving now joins the running batch at the next
-    step. Each sample's new text goes back to its handler's asyncio queue: (sample, text, finish reason, tokens)."""
+    step. Each sample's new text goes back to its handler's Job (`post`: a step's worth in one call to its loop)."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
         self.engine, self.inbox, self.live, self.stopping, self.failed = engine, queue.Queue(), {}, False, None
+        self.out = []  # (job, item) of this step, not yet posted
 
     def run(self):
         e = self.engine
@@ -1660,8 +1662,8 @@ class EngineThread(threading.Thread):
                 self.flush()
             except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
                 self.failed = f"engine failed: {exc!r}"
-                for job, i in self.live.values():
-                    job.put(i, "", "error", 0)
+                self.out += [(job, (i, "", "error", 0)) for job, i in self.live.values()]
+                self.post()
                 raise
 
     def take(self, kind, job):
@@ -1676,17 +1678,17 @@ class EngineThread(threading.Thread):
     def emit(self, sid, out, finish=None) -> bool:
         """Send sample sid's new text (whole characters, never the start of a stop string); True: a stop string."""
         job, i = self.live[sid]
-        text = job.text(i, out, self.engine.tok)
+        text = job.read(i, out, self.engine.tok, finish)  # what is not sent yet: no stop string begins before it
         hit = min((text.find(s) for s in job.stop if s in text), default=-1)
         if hit >= 0:
             text, finish = text[:hit], finish and "stop"
-        elif not finish:  # hold back a partial UTF-8 character and what may begin a stop string
+        elif not finish:  # hold back a trailing U+FFFD (invalid bytes may yet be) and what may begin a stop string
             text = text.rstrip("\ufffd")
             text = text[:len(text) - max((k for s in job.stop for k in range(1, len(s)) if text.endswith(s[:k])),
                                           default=0)]
-        if text.startswith(job.sent[i]) and (len(text) > len(job.sent[i]) or finish):
-            job.put(i, text[len(job.sent[i]):], finish, len(out))
-            job.sent[i] = text
+        if text or finish:
+            self.out.append((job, (i, text, finish, len(out))))
+            job.held[i] = job.held[i][len(text):]
         return hit >= 0
 
     def flush(self):
@@ -1698,27 +1700,38 @@ class EngineThread(threading.Thread):
         for log in (self.engine.sched.events, self.engine.sched.decode_log):
             if len(log) > 200_000:
                 del log[:-100_000]
+        self.post()
+
+    def post(self):
+        """The step's deliveries to the event loop in one call: one wake-up of its thread (GIL held), not one each."""
+        if self.out:
+            out, self.out = self.out, []
+            out[0][0].aloop.call_soon_threadsafe(lambda: [job.q.put_nowait(item) for job, item in out])
 
 
 class Job:
-    """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample the bytes of its output so far and
-    the text sent. The engine thread puts (sample, text, finish reason, tokens) on its asyncio queue."""
+    """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
+    its output, the tokens and bytes it read and the text held back. The engine thread posts (sample, text, finish
+    reason, tokens) to its asyncio queue; its handler takes all that came at once."""
 
     def __init__(self, ids, params, stop):
-        self.ids, self.params, self.stop, self.sids = ids, params, stop, []
+        self.ids, self.params, self.stop, self.sids, n = ids, params, stop, [], params.n
         self.aloop, self.q = asyncio.get_running_loop(), asyncio.Queue()
-        self.raw, self.n_read, self.sent = [b""] * params.n, [0] * params.n, [""] * params.n
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
+        self.n_read, self.n_bytes, self.held = [0] * n, [0] * n, [""] * n
 
-    def text(self, i, out, tok) -> str:
-        if self.params.regex is not None:  # jump-forward may re-tokenize the output (same bytes): read it all again
-            self.raw[i], self.n_read[i] = b"", 0
+    def read(self, i, out, tok, final) -> str:
+        """Sample i's text held back plus that of its new tokens (final: a partial character at its end as U+FFFD);
+        each token is decoded once, not the whole output on every delivery."""
         keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
-        self.raw[i] += b"".join(tok.token_bytes(t) for t in out[self.n_read[i]:] if keep(t))
-        self.n_read[i] = len(out)
-        return self.raw[i].decode("utf-8", "replace")
+        start = 0 if self.params.regex is not None else self.n_read[i]  # jump-forward may re-tokenize (same bytes)
+        new = b"".join(tok.token_bytes(t) for t in out[start:] if keep(t))[self.n_bytes[i] if start == 0 else 0:]
+        self.n_read[i], self.n_bytes[i] = len(out), self.n_bytes[i] + len(new)
+        self.held[i] += self.utf8[i].decode(new, final=bool(final))
+        return self.held[i]
 
-    def put(self, *item):
-        self.aloop.call_soon_threadsafe(self.q.put_nowait, item)
+    async def take(self) -> list:  # every item that came since the last take (waiting for one)
+        return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
 def make_app(worker: EngineThread, name: str, max_tokens: int):
@@ -1816,21 +1829,28 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
         if not body.stream:
             texts, finish, tokens = [""] * body.n, [None] * body.n, [0] * body.n
             while None in finish:
-                i, text, finish[i], tokens[i] = await job.q.get()
-                texts[i] += text
+                for i, text, finish[i], tokens[i] in await job.take():
+                    texts[i] += text
             return JSONResponse({**head, "usage": usage(tokens), "choices": [
                 choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]})
 
-        async def events():  # server-sent events: one chunk per new text, then [DONE]
+        async def events():  # server-sent events: one per new text (all that came since the last write), then [DONE]
             finish, tokens = [None] * body.n, [0] * body.n
             head["object"] += ".chunk" if chat else ""
+            data = lambda chunk: f"data: {json.dumps({**head, **chunk})}\n\n"
+            # an event's JSON, per sample and finish reason, serialized once and cut where its text goes
+            around = functools.cache(lambda i, f: data({"choices": [choice(i, "\0", f, "delta")]}).split('"\\u0000"'))
             try:
-                while None in finish:
-                    i, text, finish[i], tokens[i] = await job.q.get()
-                    yield f"data: {json.dumps({**head, 'choices': [choice(i, text, finish[i], 'delta')]})}\n\n"
-                if (body.stream_options or {}).get("include_usage"):
-                    yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(tokens)})}\n\n"
-                yield "data: [DONE]\n\n"
+                while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
+                    out = []
+                    for i, text, finish[i], tokens[i] in await job.take():
+                        a, b = around(i, finish[i])
+                        out.append(f"{a}{json.dumps(text)}{b}")
+                    if None not in finish:  # the usage (if asked for) and [DONE] go out in the last write
+                        if (body.stream_options or {}).get("include_usage"):
+                            out.append(data({"choices": [], "usage": usage(tokens)}))
+                        out.append("data: [DONE]\n\n")
+                    yield "".join(out)
             finally:  # the client went away (the task was cancelled): its request stops and frees its KV
                 if None in finish:
                     worker.inbox.put(("abort", job))

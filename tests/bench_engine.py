@@ -456,8 +456,8 @@ def latency(seen: list, arrivals, lens) -> dict:
 
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
-    time as token ids, streamed; returns each one's delivery times (chunks with text) from the start, and its
-    completion tokens (the usage of its last chunk)."""
+    time as token ids, streamed; returns each one's delivery times (events with text) from the start and its
+    completion tokens (the usage of its last event), and the CPU seconds the client took."""
     import asyncio
     import httpx
 
@@ -477,30 +477,78 @@ def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
             t0 = time.perf_counter()
             return await asyncio.gather(*(one(client, i, t0) for i in range(len(prompts))))
-    return asyncio.run(run())
+    cpu = time.process_time()
+    return asyncio.run(run()), time.process_time() - cpu
+
+
+class ProxyEngine(L.Engine):
+    """serve-http's CPU proxy of a GPU engine (--cpu-proxy): the engine's host work is real (05's scheduler, the
+    token pool's bookkeeping, greedy decode delivering multi_step tokens per sequence at a time), its model a sleep
+    with the GIL released, as while a GPU computes: step_s per decode step, prefill at prefill_tok_s, after
+    `launches` brief releases of the GIL (a GPU engine's kernel launches and copies, each of which must win the GIL
+    back). Its tokens are drawn at random from Llama 3's plain vocabulary: the server decodes and sends varied text."""
+
+    def __init__(self, model, tok, step_s=0.004, prefill_tok_s=200_000, launches=32, **kw):
+        super().__init__(model, tok, "token", cuda_graphs=False, **kw)
+        self.step_s, self.prefill_tok_s, self.launches = step_s, prefill_tok_s, launches
+
+    def gpu(self, seconds):
+        for _ in range(self.launches):
+            time.sleep(0)
+        time.sleep(seconds)
+
+    def forward(self, batch, positions, samples):
+        self.gpu(sum(s.n_new for s in batch) / self.prefill_tok_s)
+
+    def sample(self, batch, logits, k=None):
+        return torch.randint(0, 128000, (len(batch),) + ((k,) if k else ())).tolist()
+
+    def step(self, on_token=None):
+        batch, t0 = self.sched.running, time.perf_counter()
+        if self.sched.waiting or self.sched.chunked or not batch:
+            return super().step(on_token)  # admit, prefill (or 1-step decode when nothing is admitted)
+        k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) for s in batch])
+        try:
+            self.kv.prepare([s.rid for s in batch], [k] * len(batch))
+        except L.OutOfBlocks:
+            return super().step(on_token)  # the 1-step path evicts or preempts
+        self.gpu(k * self.step_s)
+        self.counts["decode_tokens"] += self.sched.postprocess(batch, self.sample(batch, None, k), steps=k)
+        self.counts["decode_s"] += time.perf_counter() - t0
+        self.stream(batch, on_token)
+
+
+PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_prompts=0, multi_step=4,
+             args=replace(L.LLAMA_SHAPES["llama-3.2-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=1, hidden_dim=64))
 
 
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
-               long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, log=lambda msg: None) -> dict:
+               long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, proxy=None, log=lambda msg: None) -> dict:
     """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
     (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread, FastAPI
     and uvicorn on threads here; the client in a process of its own). The HTTP layer's cost: in-process tok/s over
-    HTTP tok/s, minus 1."""
+    HTTP tok/s, minus 1. proxy: ProxyEngine's keywords (a CPU's stand-in for the GPU engine), else a real one."""
     import multiprocessing
     import threading
     import uvicorn
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
-    e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
-                 max_seq_len=longest, multi_step=multi_step)
+    kw = dict(kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs), max_seq_len=longest,
+              multi_step=multi_step)
+    if proxy is not None:
+        torch.set_num_threads(1)  # the pool's bookkeeping is the GPU's work: on busy cores, one thread spares waits
+    e = ProxyEngine(model, tok, **proxy, **kw) if proxy is not None else L.Engine(model, tok, "token", **kw)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
          "multi_step": e.multi_step, "rates": {}}
+    if proxy is not None:
+        r["shape"] += f" proxy (a sleep of {e.step_s * 1e3:g} ms per decode step, host work real)"
     draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
     for rate, arrivals in draws.items():
+        cpu = time.process_time()  # this process's CPU seconds (every thread): the engine's host work, then HTTP's too
         x = serve_arrivals(e, prompts, lens, arrivals)
-        x = {k: v for k, v in x.items() if k in LATENCY}
+        x = {k: v for k, v in x.items() if k in LATENCY} | {"cpu_s": time.process_time() - cpu}
         r["rates"][rate] = {"in process": x}
         e.reset()
         log(f"{rate} req/s in process: {x}")
@@ -514,11 +562,14 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
     url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():
-            seen, tokens = zip(*pool.apply(http_client, (url, "bench", prompts, lens, arrivals)))
+            cpu = time.process_time()
+            got, client_cpu = pool.apply(http_client, (url, "bench", prompts, lens, arrivals))
+            seen, tokens = zip(*got)
             while e.busy:
                 time.sleep(0.05)
             e.reset()
             x = r["rates"][rate]["HTTP"] = latency(seen, arrivals, lens)
+            x["cpu_s"], x["client_cpu_s"] = time.process_time() - cpu, client_cpu
             x["served_whole"] = list(tokens) == [n for _, n in lens]
             x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
             log(f"{rate} req/s HTTP: {x}")
@@ -531,14 +582,16 @@ def http_report(r: dict) -> str:
     lines = [f"{r['device']}, random {r['shape']}, {r['requests']} requests, Poisson arrivals, prefill-first, "
              f"multi-step {r['multi_step']}",
              f"{'rate':>5}  {'path':<11}{'tok/s':>8}{'TTFT p50/p99 ms':>17}{'ITL p50/p99 ms':>16}"
-             f"{'TPOT p50/p99 ms':>17}{'HTTP cost':>10}"]
+             f"{'TPOT p50/p99 ms':>17}{'CPU s':>7}{'HTTP cost':>10}"]
     for rate, runs in r["rates"].items():
         lines += [f"{rate:>5}  {path:<11}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>9.0f} /{x['ttft_p99_ms']:>5.0f}"
                   f"{x['itl_p50_ms']:>9.1f} /{x['itl_p99_ms']:>5.0f}{x['tpot_p50_ms']:>9.1f} /{x['tpot_p99_ms']:>6.1f}"
-                  + (f"{x['cost_vs_in_process']:>+10.1%}" if "cost_vs_in_process" in x else "")
+                  f"{x['cpu_s']:>7.2f}" + (f"{x['cost_vs_in_process']:>+10.1%} (client CPU {x['client_cpu_s']:.2f} s)"
+                                           if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
     whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
-    return "\n".join(lines + [f"every HTTP request got its max_tokens: {whole}"])
+    return "\n".join(lines + [f"CPU s: the server process's (engine, HTTP's event loop); every HTTP request got its "
+                               f"max_tokens: {whole}"])
 
 
 PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backend="token", radix=False),
@@ -639,8 +692,10 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv.add_argument("--additive", action="store_true", help="--simulate's step time is 6 ms + 4.5 us a token")
     sub.add_parser("admission", help="GPU: the engine workload at equal KV memory (512 tokens a sequence), outputs to "
                    "max_new and with early stops, through 05's three admissions on token, paged 16 and paged 256")
-    sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the HTTP "
-                   "server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
+    http = sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the "
+                          "HTTP server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
+    http.add_argument("--cpu-proxy", type=float, metavar="MS", help="on a CPU: 256 requests at once of 100-400 tokens "
+                      "through ProxyEngine, its model a sleep of MS ms per decode step (the GPU's host/device split)")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
                    "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
     for p in sub.choices.values():
@@ -659,7 +714,9 @@ def main(argv=None):
         serve_plot(r, args.plot) if args.plot else None
         print(json.dumps(r) if args.json else serve_report(r))
         return
-    if args.command in ("engine", "serve", "serve-http", "prefix", "admission") and not torch.cuda.is_available():
+    proxy = getattr(args, "cpu_proxy", None) is not None
+    if args.command in ("engine", "serve", "serve-http", "prefix", "admission") and not torch.cuda.is_available() \
+            and not proxy:
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
@@ -675,7 +732,7 @@ def main(argv=None):
         r = bench_serve(plot=args.plot, log=log)
         print(json.dumps(r) if args.json else serve_report(r))
     elif args.command == "serve-http":
-        r = bench_http(log=log)
+        r = bench_http(**PROXY, proxy=dict(step_s=args.cpu_proxy / 1e3), log=log) if proxy else bench_http(log=log)
         print(json.dumps(r) if args.json else http_report(r))
     else:
         try:

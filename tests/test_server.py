@@ -52,7 +52,7 @@ def running(*argv):
         time.sleep(0.1)
     url = f"http://127.0.0.1:{got['s'].servers[0].sockets[0].getsockname()[1]}/v1"
     try:
-        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
+        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"], loop=got["s"].servers[0].get_loop(),
                               model=os.path.basename(L.cli_args(argv).model),
                               held=got["w"].engine.kv_used(),  # before any request (a CUDA graph's padding slot)
                               client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
@@ -206,6 +206,25 @@ def test_gpu_server_streams_and_aborts(ckpt):
     with running("--model", ckpt, "--kv-tokens", "4096", "--device", "cuda") as s:
         assert concurrent_streams(s, 64) >= 8
         disconnect(s, cut_by=2000)  # a GPU may write hundreds of tokens before the server hears of it
+
+
+def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
+    """While the server's event loop is busy, a stream's texts queue up; it then writes them at once, several `data:`
+    events in one chunk: each still parses on its own (the openai client's), and together they are the whole text."""
+    kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=64, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = srv.client.completions.create(**kw).choices[0].text
+    body = {**{k: v for k, v in kw.items() if k != "extra_body"}, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=60) as r:
+        srv.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop stalls; the engine runs on
+        reads = [raw.decode() for raw in r.iter_raw()]
+    assert max(read.count("data: ") for read in reads) >= 3 and "".join(reads).endswith("data: [DONE]\n\n")
+    with srv.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}) as stream:
+        srv.loop.call_soon_threadsafe(time.sleep, 1.0)
+        chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole and len(chunks) >= 3
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 64
+    assert idle(srv)
 
 
 BAD = {  # request -> what its 400 must say
