@@ -250,11 +250,11 @@ def test_bad_input_is_one_line(tmp_path):
     json.dump({"dim": 64, "n_layers": 1, "n_heads": 4, "vocab_size": 300}, open(tmp_path / "evil" / "params.json", "w"))
     torch.save({"tok_embeddings.weight": Payload()}, tmp_path / "evil" / "consolidated.00.pth")
     schema = tmp_path / "s.json"
-    schema.write_text('{"type": "string", "format": "uri"}')
+    schema.write_text('{"type": "string", "format": "hostname"}')
     cases = [(["--model", str(tmp_path / "evil")], "holds pickled code"),
              (["--regex", "([a-z"], "unterminated character set"),
              (["--regex", "(?:.é|😀+){100}"], "too complex"),
-             (["--json-schema", str(schema)], "format 'uri'"),
+             (["--json-schema", str(schema)], "format 'hostname'"),
              (["--kv-tokens", str(10**14)], "free"),
              (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1")]
     for argv, msg in cases:
