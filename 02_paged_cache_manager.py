@@ -385,10 +385,11 @@ class PagedKVCache(kv01.KVCache):
             self.manager.block_tables[seq_id].append(b)
             self.manager.ref_count[b] += 1
 
-    def share_prefix(self, seq_id, slots):
-        """Point seq_id's first blocks at the cache's copies of the same tokens; its own duplicates go back now."""
+    def share_prefix(self, seq_id, slots, start=0):
+        """Point seq_id's blocks from token start (a block's first) at the cache's copies of the same tokens; its own
+        duplicates go back now."""
         table = self.manager.block_tables[seq_id]
-        for i, b in enumerate(self.allocator._blocks(slots)):
+        for i, b in enumerate(self.allocator._blocks(slots), start // self.block_size):
             if table[i] != b:
                 self.manager.ref_count[b] += 1
                 self.manager._release(table[i])

@@ -255,14 +255,14 @@ class TokenKVCache(K01.KVCache):
         self.req_to_token[self.rows[seq_id], :slots.numel()] = slots.int()
         self.lens[seq_id] = slots.numel()
 
-    def share_prefix(self, seq_id, slots):
-        """Point request seq_id's first len(slots) tokens at these slots (a prefix cache's copies of the same
-        tokens): one reference moves from each of its own slots to the shared one, so a duplicate it computed
+    def share_prefix(self, seq_id, slots, start=0):
+        """Point request seq_id's tokens start.. start + len(slots) at these slots (a prefix cache's copies of the
+        same tokens): one reference moves from each of its own slots to the shared one, so a duplicate it computed
         returns to the pool now rather than when it finishes."""
         row, slots = self.rows[seq_id], self.allocator._index(slots)
-        own = self.req_to_token[row, :slots.numel()].long()
+        own = self.req_to_token[row, start:start + slots.numel()].long()
         self.allocator.inc_ref(slots)
-        self.req_to_token[row, :slots.numel()] = slots.int()
+        self.req_to_token[row, start:start + slots.numel()] = slots.int()
         self.allocator.free(own)
 
     def free(self, seq_id):

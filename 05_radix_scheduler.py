@@ -144,6 +144,8 @@ class RadixCache:
         tokens, so at least one token is computed and gives the logits of the next token."""
         key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)
         values, node = self._walk(key[:len(key) // self.page * self.page])
+        if self.allocator is None:  # bookkeeping: the token ids stand for their slots
+            return key[:sum(map(len, values))], node
         slots = torch.cat(values) if len(values) > 1 else values[0] if values else torch.empty(0, dtype=torch.long)
         return slots, node
 
@@ -153,12 +155,11 @@ class RadixCache:
         takes its own reference (inc_ref) on the slots it stores; the caller then releases its references as usual,
         which frees its duplicate slots (the first `returned` ones it computed itself)."""
         key = tuple(tokens[:len(tokens) // self.page * self.page])
-        slots = torch.as_tensor(key, dtype=torch.long) if slots is None else slots[:len(key)]
         values, node = self._walk(key)
         n = sum(len(v) for v in values)
         if n < len(key):
             self.serial += 1
-            leaf = Node(key[n:], slots[n:].clone(), node, self.serial)
+            leaf = Node(key[n:], key[n:] if slots is None else slots[n:len(key)].clone(), node, self.serial)
             leaf.last_access = self.clock
             node.children[self._first(key, n)] = leaf
             self.evictable += len(leaf.key)
@@ -532,10 +533,13 @@ class Scheduler(P02.Scheduler):
         the tree already held some of it (a cached prompt's last token is computed again, for its logits), r switches
         to the tree's slots and its duplicates go back to the pool: the lock must not cost a slot that admit()
         counted as evictable."""
-        prompt = r.prompt[:r.kv_len]
-        self.tree.insert(prompt, self.kv.slots(r.rid))
+        prompt, shared, x = r.prompt[:r.kv_len], 0, r.node
+        while x is not self.tree.root:  # r's first `shared` tokens are in the tree's slots already (its lock)
+            shared, x = shared + len(x.key), x.parent
+        n = self.tree.insert(prompt, self.kv.slots(r.rid))  # r computed copies of tokens [shared, n)
         slots, node = self.tree.match_prefix(prompt, compute_last=False)
-        self.kv.share_prefix(r.rid, slots)
+        if n > shared:
+            self.kv.share_prefix(r.rid, slots[shared:n], shared)
         self.tree.inc_lock_ref(node)
         self.tree.dec_lock_ref(r.node)
         r.node = node
