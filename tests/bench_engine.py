@@ -525,12 +525,10 @@ PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_p
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
                long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, proxy=None, log=lambda msg: None) -> dict:
     """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
-    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread, FastAPI
-    and uvicorn on threads here; the client in a process of its own). The HTTP layer's cost: in-process tok/s over
+    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread here,
+    FastAPI and uvicorn in a process of their own, the client in a third). The HTTP layer's cost: in-process tok/s over
     HTTP tok/s, minus 1. proxy: ProxyEngine's keywords (a CPU's stand-in for the GPU engine), else a real one."""
     import multiprocessing
-    import threading
-    import uvicorn
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
@@ -553,13 +551,8 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
         e.reset()
         log(f"{rate} req/s in process: {x}")
     worker = L.EngineThread(e)
-    server = uvicorn.Server(uvicorn.Config(L.make_app(worker, "bench", 16), host="127.0.0.1", port=0,
-                                           log_level="warning"))
+    url = f"http://127.0.0.1:{worker.serve_http('bench', 16, host='127.0.0.1', port=0, log_level='warning')}/v1"
     worker.start()
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():
             cpu = time.process_time()
@@ -573,8 +566,7 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
             x["served_whole"] = list(tokens) == [n for _, n in lens]
             x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
             log(f"{rate} req/s HTTP: {x}")
-    server.should_exit, worker.stopping = True, True
-    worker.join()
+    worker.close()
     return r
 
 
