@@ -1636,24 +1636,23 @@ def plural(n: int, word: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 class EngineThread(threading.Thread):
-    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler), and the HTTP server in
-    a process of its own (`serve_http`: their Python work would otherwise share one GIL). Between steps the thread
+    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler); the HTTP server runs in
+    a process of its own (serve_http), or its event loop and the engine would share one GIL. Between steps the thread
     takes in what the server sent (requests, aborts), so a request arriving now joins the running batch at the next
-    step; after each step it sends back in one message each sample's new token ids (the server decodes them)."""
+    step; after each step it sends the server, in one message, each sample's new token ids (the server decodes)."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
-        self.engine, self.live, self.stopping, self.failed, self.out = engine, {}, False, None, []
+        self.engine, self.live, self.stopping, self.out = engine, {}, False, []
 
     def serve_http(self, name: str, max_tokens: int, **uvicorn_config) -> int:
         """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one; returns its port."""
         import multiprocessing
-        self.conn, theirs = multiprocessing.Pipe()
-        e = self.engine
+        e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
         self.http = multiprocessing.get_context("spawn").Process(target=http_process, name="http", daemon=True, args=(
             theirs, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, uvicorn_config))
         self.http.start()
-        theirs.close()
+        theirs.close()  # the server's end is its own: its exit reads here as the pipe's end
         try:
             return self.conn.recv()
         except EOFError:
@@ -1666,35 +1665,31 @@ class EngineThread(threading.Thread):
                 if self.conn.poll(0 if e.busy else 0.1):
                     self.take(*self.conn.recv())
                     continue
-            except (EOFError, OSError):  # the HTTP process is gone
-                break
-            try:
                 if e.busy:
                     e.step(self.emit)
                 self.flush()
+            except (EOFError, OSError):  # the HTTP process is gone
+                break
             except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
-                self.failed = f"engine failed: {exc!r}"
                 self.out += [(jid, i, [], "error", 0) for jid, i, *_ in self.live.values()]
-                self.post(("failed", self.failed))
+                self.post(f"engine failed: {exc!r}")
                 raise
-        self.take("abort", None, None)  # Ctrl-C: every request ends now (streams with finish "abort"), then the server
-        self.post(("exit", None))
+        self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
 
     def take(self, kind, jid, arg):
-        if kind == "add":  # arg: prompt ids, SamplingParams, the regex's TokenIndex if new (built by the server)
+        if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
             ids, params, index = arg
             if index is not None:
                 self.engine.indexes.setdefault(params.regex, index)
             for i, sid in enumerate(self.engine.add(ids, params)):
                 self.live[sid] = [jid, i, 0, params.regex is not None]
-        else:  # abort: sample arg of job jid (arg None: all of them; jid None: every request)
+        else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
             for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
                 self.engine.abort(sid)
         self.flush()
 
-    def emit(self, sid, out, finish=None):
-        """Sample sid's new token ids (all of them where jump-forward may re-tokenize what was sent)."""
-        sample = self.live[sid]  # [job id, sample index, tokens sent, send all]
+    def emit(self, sid, out, finish=None):  # sample sid's new token ids (all, where jump-forward may re-tokenize)
+        sample = self.live[sid]  # [request id, sample index, tokens sent, send all]
         self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out)))
         sample[2] = len(out)
 
@@ -1709,93 +1704,74 @@ class EngineThread(threading.Thread):
                 del log[:-100_000]
         self.post()
 
-    def post(self, *more):
-        """The step's deliveries to the HTTP process in one message."""
-        msgs, self.out = ([("out", self.out)] if self.out else []) + list(more), []
-        try:
-            for msg in msgs:
-                self.conn.send(msg)
-        except OSError:  # the HTTP process is gone
-            self.stopping = True
+    def post(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
+        if self.out or failed:
+            with contextlib.suppress(OSError):  # the HTTP process is gone
+                self.conn.send((self.out, failed))
+            self.out = []
 
     def close(self):
-        """Stop serving: every request ends (finish "abort"), the HTTP process exits, then this thread."""
+        """Stop serving: every request ends (finish "abort"), then this thread; the pipe's end stops the server."""
         self.stopping = True
         self.join()
+        self.conn.close()
         self.http.join(15)
 
 
 def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, uvicorn_config: dict):
-    """The HTTP server's process: uvicorn and the OpenAI API (make_app). The engine's process owns Ctrl-C; this one
-    stops when told, or when the engine's process is gone."""
+    """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read on a thread of its
+    own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's end."""
     import uvicorn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    front = Front(conn, tok, max_len, vocab_size)
+    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0)
+
+    def send(*msg):
+        with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
+            conn.send(msg)
+
+    def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens) each; why it failed
+        for items, failed in msgs:
+            front.failed = failed or front.failed
+            for jid, *item in items:
+                if jid in front.jobs:
+                    front.jobs[jid].put(*item)
+
+    def read(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                msgs = [conn.recv()]
+                while conn.poll():
+                    msgs.append(conn.recv())
+                loop.call_soon_threadsafe(deliver, msgs)
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)  # the pipe's end: the server stops
+    front.send = send
     server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
                                            **uvicorn_config))
     server.capture_signals, startup = contextlib.nullcontext, server.startup
 
-    async def started(sockets=None):  # listening: the port to the engine's process, and the pipe's reader
+    async def started(sockets=None):  # listening: the pipe's reader, and the port to the engine's process
         await startup(sockets)
-        front.loop = asyncio.get_running_loop()
-        threading.Thread(target=front.read, args=(server,), daemon=True).start()
+        threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
         conn.send(server.servers[0].sockets[0].getsockname()[1])
     server.startup = started
     server.run()
 
 
-class Front:
-    """The HTTP process's end of the pipe: the jobs (requests) by id, and what it knows of the engine."""
-
-    def __init__(self, conn, tok, max_len, vocab_size):
-        self.conn, self.tok, self.max_len, self.vocab_size = conn, tok, max_len, vocab_size
-        self.jobs, self.indexes, self.failed, self.next_id = {}, {}, None, 0
-
-    def read(self, server):
-        """The pipe's reader: every message that came at once to the event loop in one call (a stream that fell
-        behind catches up in one write)."""
-        try:
-            while True:
-                msgs = [self.conn.recv()]
-                while self.conn.poll():
-                    msgs.append(self.conn.recv())
-                self.loop.call_soon_threadsafe(self.deliver, msgs, server)
-        except (EOFError, OSError):  # the engine's process is gone
-            self.loop.call_soon_threadsafe(setattr, server, "should_exit", True)
-
-    def deliver(self, msgs, server):
-        for kind, arg in msgs:
-            if kind == "out":
-                for jid, i, ids, finish, n in arg:
-                    if jid in self.jobs:
-                        self.jobs[jid].put(i, ids, finish, n)
-            elif kind == "failed":
-                self.failed = arg
-            else:  # exit
-                server.should_exit = True
-
-    def send(self, *msg):
-        try:
-            self.conn.send(msg)
-        except OSError:  # the engine's process is gone (shutting down)
-            pass
-
-
 class Job:
     """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the tokens and bytes it read and the text held back. Its handler takes all that came at once from
-    its asyncio queue: (sample, text, finish reason, tokens)."""
+    its output, the bytes it read and the text held back. Its handler takes all that came since it last looked from
+    its asyncio queue: (sample, text, finish reason, tokens) each."""
 
     def __init__(self, front, ids, params, stop):
         self.front, self.ids, self.params, self.stop, n = front, ids, params, stop, params.n
-        self.id, front.next_id = front.next_id, front.next_id + 1
+        self.id = front.n = front.n + 1
         self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
         self.n_bytes, self.held = [0] * n, [""] * n
 
     def put(self, i, ids, finish, n):
-        """Sample i's new tokens: its new text (whole characters, never the start of a stop string); a stop string
-        finishes it here and aborts it in the engine."""
+        """Sample i's new tokens: its new text (whole characters, never the start of a stop string). A stop string
+        finishes it here, and aborts it in the engine."""
         if self.done[i]:
             return
         text = self.read(i, ids, finish)  # what is not sent yet: no stop string begins before it
@@ -1829,7 +1805,7 @@ class Job:
         return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
-def make_app(front: Front, name: str, max_tokens: int):
+def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     """The OpenAI API: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed (server-sent events)
     or not. Pydantic validates each body; what it refuses, or the engine cannot fit, is a 400 naming the field."""
     import functools
