@@ -1710,8 +1710,7 @@ class EngineThread(threading.Thread):
                 self.conn.send((self.out, failed))
             self.out = []
 
-    def close(self):
-        """Stop serving: every request ends (finish "abort"), then this thread; the pipe's end stops the server."""
+    def close(self):  # stop serving: every request ends (finish "abort"), then this thread; the pipe's end, the server
         self.stopping = True
         self.join()
         self.conn.close()
@@ -1723,11 +1722,12 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
     own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's end."""
     import uvicorn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0)
 
     def send(*msg):
         with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
             conn.send(msg)
+    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0,
+                            send=send)
 
     def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens) each; why it failed
         for items, failed in msgs:
@@ -1744,7 +1744,6 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
                     msgs.append(conn.recv())
                 loop.call_soon_threadsafe(deliver, msgs)
         loop.call_soon_threadsafe(setattr, server, "should_exit", True)  # the pipe's end: the server stops
-    front.send = send
     server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
                                            **uvicorn_config))
     server.capture_signals, startup = contextlib.nullcontext, server.startup
@@ -1769,9 +1768,7 @@ class Job:
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
         self.n_bytes, self.held = [0] * n, [""] * n
 
-    def put(self, i, ids, finish, n):
-        """Sample i's new tokens: its new text (whole characters, never the start of a stop string). A stop string
-        finishes it here, and aborts it in the engine."""
+    def put(self, i, ids, finish, n):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
         if self.done[i]:
             return
         text = self.read(i, ids, finish)  # what is not sent yet: no stop string begins before it

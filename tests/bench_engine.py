@@ -457,26 +457,32 @@ def latency(seen: list, arrivals, lens) -> dict:
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
     time as token ids, streamed; returns each one's delivery times (events with text) from the start and its
-    completion tokens (the usage of its last event), and the CPU seconds the client took."""
+    completion tokens (the usage of its last event), and the CPU seconds the client took. HTTP/1.1 by hand on asyncio's
+    streams: an HTTP library's client took more CPU than the server (on a 2-core machine, the proxy's bottleneck)."""
     import asyncio
-    import httpx
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
 
-    async def one(client, i, t0):
+    async def one(i, t0):
         await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-        body = dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
-                    stream=True, stream_options={"include_usage": True})
-        seen, last = [], None
-        async with client.stream("POST", f"{url}/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"text": ""' not in line and '"usage"' not in line:
+        body = json.dumps(dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
+                               stream=True, stream_options={"include_usage": True})).encode()
+        r, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(f"POST {u.path}/completions HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen, last, rest = [], None, b""
+        while data := await r.read(1 << 16):  # the server closes the connection after [DONE]
+            *events, rest = (rest + data).split(b"\n\n")  # whole events; chunked framing lies between them
+            for ev in (ev[ev.find(b"data: "):] for ev in events):
+                if ev.startswith(b"data: {") and b'"text": ""' not in ev and b'"usage"' not in ev:
                     seen.append(time.perf_counter() - t0)
-                last = line if line.startswith("data: {") else last
+                last = ev if ev.startswith(b"data: {") else last
+        w.close()
         return seen, json.loads(last[6:])["usage"]["completion_tokens"]
 
     async def run():
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-            t0 = time.perf_counter()
-            return await asyncio.gather(*(one(client, i, t0) for i in range(len(prompts))))
+        t0 = time.perf_counter()
+        return await asyncio.gather(*(one(i, t0) for i in range(len(prompts))))
     cpu = time.process_time()
     return asyncio.run(run()), time.process_time() - cpu
 

@@ -217,8 +217,9 @@ def pause(srv, seconds):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP is POSIX")
 def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
-    """While the server's event loop is busy (here: stopped), a stream's texts queue up; it then writes them at once, several `data:`
-    events in one chunk: each still parses on its own (the openai client's), and together they are the whole text."""
+    """While the HTTP process is busy (here: stopped), a stream's texts queue up; it then writes them at once, several
+    `data:` events in one chunk: each still parses on its own (the openai client's), and together they are the whole
+    text."""
     kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=64, temperature=0,
               extra_body={"ignore_eos": True})
     whole = srv.client.completions.create(**kw).choices[0].text
