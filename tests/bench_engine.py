@@ -550,7 +550,7 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
         r["shape"] += f" proxy (a sleep of {e.step_s * 1e3:g} ms per decode step, host work real)"
     draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
     for rate, arrivals in draws.items():
-        cpu = time.process_time()  # this process's CPU seconds (every thread): the engine's host work, then HTTP's too
+        cpu = time.process_time()  # this process's CPU seconds: the engine's host work (HTTP's are its own process's)
         x = serve_arrivals(e, prompts, lens, arrivals)
         x = {k: v for k, v in x.items() if k in LATENCY} | {"cpu_s": time.process_time() - cpu}
         r["rates"][rate] = {"in process": x}
@@ -588,8 +588,8 @@ def http_report(r: dict) -> str:
                                            if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
     whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
-    return "\n".join(lines + [f"CPU s: the server process's (engine, HTTP's event loop); every HTTP request got its "
-                               f"max_tokens: {whole}"])
+    return "\n".join(lines + [f"CPU s: the engine process's (the HTTP server runs in a process of its own); every HTTP "
+                               f"request got its max_tokens: {whole}"])
 
 
 PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backend="token", radix=False),
