@@ -1757,12 +1757,12 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
 
 
 class Job:
-    """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
+    """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
     its output, the bytes it read and the text held back. Its handler takes all that came since it last looked from
     its asyncio queue: (sample, text, finish reason, tokens) each."""
 
-    def __init__(self, front, ids, params, stop):
-        self.front, self.ids, self.params, self.stop, n = front, ids, params, stop, params.n
+    def __init__(self, front, params, stop):
+        self.front, self.params, self.stop, n = front, params, stop, params.n
         self.id = front.n = front.n + 1
         self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
@@ -1771,7 +1771,11 @@ class Job:
     def put(self, i, ids, finish, n):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
         if self.done[i]:
             return
-        text = self.read(i, ids, finish)  # what is not sent yet: no stop string begins before it
+        tok, whole = self.front.tok, self.params.regex is not None  # jump-forward may re-tokenize: all ids again
+        keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
+        new = b"".join(tok.token_bytes(t) for t in ids if keep(t))[self.n_bytes[i] if whole else 0:]
+        self.n_bytes[i] += len(new)  # each token decoded once (final: a partial character at the end as U+FFFD)
+        text = self.held[i] = self.held[i] + self.utf8[i].decode(new, final=bool(finish))  # held back and new
         hit = min((text.find(s) for s in self.stop if s in text), default=-1)
         if hit >= 0:
             text, finish = text[:hit], "stop"
@@ -1786,17 +1790,6 @@ class Job:
         self.done[i] = bool(finish)
         if all(self.done):
             del self.front.jobs[self.id]
-
-    def read(self, i, ids, final) -> str:
-        """Sample i's text held back plus that of its new tokens (final: a partial character at its end as U+FFFD);
-        each token is decoded once, not the whole output on every delivery."""
-        tok = self.front.tok
-        keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
-        whole = self.params.regex is not None  # jump-forward may re-tokenize (the same bytes): all of them again
-        new = b"".join(tok.token_bytes(t) for t in ids if keep(t))[self.n_bytes[i] if whole else 0:]
-        self.n_bytes[i] += len(new)
-        self.held[i] += self.utf8[i].decode(new, final=bool(final))
-        return self.held[i]
 
     async def take(self) -> list:  # every item that came since the last take (waiting for one)
         return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
@@ -1886,7 +1879,7 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
             raise Refused(f"{field}: {str(e).splitlines()[0]}", field, 400, None) from None
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
-        job = Job(front, ids, params, [s for s in stop if s])
+        job = Job(front, params, [s for s in stop if s])
         front.send("add", job.id, (ids, params, index))
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
                     model=name, object="chat.completion" if chat else "text_completion")
