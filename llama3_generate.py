@@ -53,7 +53,7 @@ import json
 import math
 import os
 import pickle
-import queue
+import signal
 import statistics
 import sys
 import threading
@@ -1636,65 +1636,67 @@ def plural(n: int, word: str) -> str:
 # ----------------------------------------------------------------------------------------------
 
 class EngineThread(threading.Thread):
-    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler): HTTP handlers hand it
-    work through a queue that it reads between steps, so a request arriving now joins the running batch at the next
-    step. Each sample's new text goes back to its handler's Job (`post`: a step's worth in one call to its loop)."""
+    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler); the HTTP server runs in
+    a process of its own (serve_http), or its event loop and the engine would share one GIL. Between steps the thread
+    takes in what the server sent (requests, aborts), so a request arriving now joins the running batch at the next
+    step; after each step it sends the server, in one message, each sample's new token ids (the server decodes)."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
-        self.engine, self.inbox, self.live, self.stopping, self.failed = engine, queue.Queue(), {}, False, None
-        self.out = []  # (job, item) of this step, not yet posted
+        self.engine, self.live, self.stopping, self.out = engine, {}, False, []
+
+    def serve_http(self, name: str, max_tokens: int, **uvicorn_config) -> int:
+        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one; returns its port."""
+        import multiprocessing
+        e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
+        self.http = multiprocessing.get_context("spawn").Process(target=http_process, name="http", daemon=True, args=(
+            theirs, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, uvicorn_config))
+        self.http.start()
+        theirs.close()  # the server's end is its own: its exit reads here as the pipe's end
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise UserError("the HTTP server did not start (see above)") from None
 
     def run(self):
         e = self.engine
         while not self.stopping:
             try:  # idle: wait for work; busy: take in all that came since the last step, then step
-                self.take(*(self.inbox.get_nowait() if e.busy else self.inbox.get(timeout=0.1)))
-                continue
-            except queue.Empty:
-                pass
-            cut = []  # samples whose text reached a stop string: aborted after the step
-            try:
+                if self.conn.poll(0 if e.busy else 0.1):
+                    self.take(*self.conn.recv())
+                    continue
                 if e.busy:
-                    e.step(lambda sid, out: cut.append(sid) if self.emit(sid, out) else None)
-                for sid in cut:
-                    e.abort(sid)
+                    e.step(self.emit)
                 self.flush()
+            except (EOFError, OSError):  # the HTTP process is gone
+                break
             except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
-                self.failed = f"engine failed: {exc!r}"
-                self.out += [(job, (i, "", "error", 0)) for job, i in self.live.values()]
-                self.post()
+                self.out += [(jid, i, [], "error", 0) for jid, i, *_ in self.live.values()]
+                self.post(f"engine failed: {exc!r}")
                 raise
+        self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
 
-    def take(self, kind, job):
-        if kind == "add":
-            job.sids = self.engine.add(job.ids, job.params)
-            self.live.update((sid, (job, i)) for i, sid in enumerate(job.sids))
-        else:  # abort: its client went away (job None: Ctrl-C, every request)
-            for sid in job.sids if job else list(self.live):
+    def take(self, kind, jid, arg):
+        if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
+            ids, params, index = arg
+            if index is not None:
+                self.engine.indexes.setdefault(params.regex, index)
+            for i, sid in enumerate(self.engine.add(ids, params)):
+                self.live[sid] = [jid, i, 0, params.regex is not None]
+        else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
+            for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
                 self.engine.abort(sid)
         self.flush()
 
-    def emit(self, sid, out, finish=None) -> bool:
-        """Send sample sid's new text (whole characters, never the start of a stop string); True: a stop string."""
-        job, i = self.live[sid]
-        text = job.read(i, out, self.engine.tok, finish)  # what is not sent yet: no stop string begins before it
-        hit = min((text.find(s) for s in job.stop if s in text), default=-1)
-        if hit >= 0:
-            text, finish = text[:hit], finish and "stop"
-        elif not finish:  # hold back a trailing U+FFFD (invalid bytes may yet be) and what may begin a stop string
-            text = text.rstrip("\ufffd")
-            text = text[:len(text) - max((k for s in job.stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                                          default=0)]
-        if text or finish:
-            self.out.append((job, (i, text, finish, len(out))))
-            job.held[i] = job.held[i][len(text):]
-        return hit >= 0
+    def emit(self, sid, out, finish=None):  # sample sid's new token ids (all, where jump-forward may re-tokenize)
+        sample = self.live[sid]  # [request id, sample index, tokens sent, send all]
+        self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out)))
+        sample[2] = len(out)
 
     def flush(self):
-        """Requests finished (or aborted) since the last look: their last text and finish reason."""
+        """Requests finished (or aborted) since the last look: their last tokens and finish reason."""
         for s in self.engine.sched.finished:
-            self.emit(s.rid, s.output, s.finish)  # "abort" after a stop string: "stop" (emit sees the string)
+            self.emit(s.rid, s.output, s.finish)
             del self.live[s.rid]
         self.engine.sched.finished.clear()  # a server runs on: forget them, and all but the latest events
         for log in (self.engine.sched.events, self.engine.sched.decode_log):
@@ -1702,39 +1704,98 @@ class EngineThread(threading.Thread):
                 del log[:-100_000]
         self.post()
 
-    def post(self):
-        """The step's deliveries to the event loop in one call: one wake-up of its thread (GIL held), not one each."""
-        if self.out:
-            out, self.out = self.out, []
-            out[0][0].aloop.call_soon_threadsafe(lambda: [job.q.put_nowait(item) for job, item in out])
+    def post(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
+        if self.out or failed:
+            with contextlib.suppress(OSError):  # the HTTP process is gone
+                self.conn.send((self.out, failed))
+            self.out = []
+
+    def close(self):  # stop serving: every request ends (finish "abort"), then this thread; the pipe's end, the server
+        self.stopping = True
+        self.join()
+        self.conn.close()
+        self.http.join(15)
+
+
+def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, uvicorn_config: dict):
+    """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read on a thread of its
+    own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's end."""
+    import uvicorn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def send(*msg):
+        with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
+            conn.send(msg)
+    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0,
+                            send=send)
+
+    def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens) each; why it failed
+        for items, failed in msgs:
+            front.failed = failed or front.failed
+            for jid, *item in items:
+                if jid in front.jobs:
+                    front.jobs[jid].put(*item)
+
+    def read(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                msgs = [conn.recv()]
+                while conn.poll():
+                    msgs.append(conn.recv())
+                loop.call_soon_threadsafe(deliver, msgs)
+        loop.call_soon_threadsafe(setattr, server, "should_exit", True)  # the pipe's end: the server stops
+    server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
+                                           **uvicorn_config))
+    server.capture_signals, startup = contextlib.nullcontext, server.startup
+
+    async def started(sockets=None):  # listening: the pipe's reader, and the port to the engine's process
+        await startup(sockets)
+        threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
+        conn.send(server.servers[0].sockets[0].getsockname()[1])
+    server.startup = started
+    server.run()
 
 
 class Job:
-    """One HTTP request: its prompt ids, SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the tokens and bytes it read and the text held back. The engine thread posts (sample, text, finish
-    reason, tokens) to its asyncio queue; its handler takes all that came at once."""
+    """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
+    its output, the bytes it read and the text held back. Its handler takes all that came since it last looked from
+    its asyncio queue: (sample, text, finish reason, tokens) each."""
 
-    def __init__(self, ids, params, stop):
-        self.ids, self.params, self.stop, self.sids, n = ids, params, stop, [], params.n
-        self.aloop, self.q = asyncio.get_running_loop(), asyncio.Queue()
+    def __init__(self, front, params, stop):
+        self.front, self.params, self.stop, n = front, params, stop, params.n
+        self.id = front.n = front.n + 1
+        self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
-        self.n_read, self.n_bytes, self.held = [0] * n, [0] * n, [""] * n
+        self.n_bytes, self.held = [0] * n, [""] * n
 
-    def read(self, i, out, tok, final) -> str:
-        """Sample i's text held back plus that of its new tokens (final: a partial character at its end as U+FFFD);
-        each token is decoded once, not the whole output on every delivery."""
+    def put(self, i, ids, finish, n):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
+        if self.done[i]:
+            return
+        tok, whole = self.front.tok, self.params.regex is not None  # jump-forward may re-tokenize: all ids again
         keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
-        start = 0 if self.params.regex is not None else self.n_read[i]  # jump-forward may re-tokenize (same bytes)
-        new = b"".join(tok.token_bytes(t) for t in out[start:] if keep(t))[self.n_bytes[i] if start == 0 else 0:]
-        self.n_read[i], self.n_bytes[i] = len(out), self.n_bytes[i] + len(new)
-        self.held[i] += self.utf8[i].decode(new, final=bool(final))
-        return self.held[i]
+        new = b"".join(tok.token_bytes(t) for t in ids if keep(t))[self.n_bytes[i] if whole else 0:]
+        self.n_bytes[i] += len(new)  # each token decoded once (final: a partial character at the end as U+FFFD)
+        text = self.held[i] = self.held[i] + self.utf8[i].decode(new, final=bool(finish))  # held back and new
+        hit = min((text.find(s) for s in self.stop if s in text), default=-1)
+        if hit >= 0:
+            text, finish = text[:hit], "stop"
+            self.front.send("abort", self.id, i)
+        elif not finish:  # hold back a trailing U+FFFD (invalid bytes may yet be) and what may begin a stop string
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                                          default=0)]
+        if text or finish:
+            self.q.put_nowait((i, text, finish, n))
+            self.held[i] = self.held[i][len(text):]
+        self.done[i] = bool(finish)
+        if all(self.done):
+            del self.front.jobs[self.id]
 
     async def take(self) -> list:  # every item that came since the last take (waiting for one)
         return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
-def make_app(worker: EngineThread, name: str, max_tokens: int):
+def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     """The OpenAI API: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed (server-sent events)
     or not. Pydantic validates each body; what it refuses, or the engine cannot fit, is a 400 naming the field."""
     import functools
@@ -1743,7 +1804,7 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, Field, ValidationError
-    engine, tok, m06 = worker.engine, worker.engine.tok, lesson("06_jump_forward_fsm")
+    tok, m06 = front.tok, lesson("06_jump_forward_fsm")
 
     class Format(BaseModel):
         type: Literal["text", "json_schema"]
@@ -1792,17 +1853,17 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
             raise Refused(f"{where + ': ' if where else ''}{err['msg']}", where or None, 400, None) from None
         if body.model != name:
             raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
-        if worker.failed:
-            raise Refused(worker.failed, None, 503, None)
+        if front.failed:
+            raise Refused(front.failed, None, 503, None)
         ids = tok.chat([m.model_dump() for m in body.messages]) if chat else body.prompt if isinstance(
             body.prompt, list) else tok.encode(body.prompt, bos=True)
-        if not all(0 <= t < engine.model.args.vocab_size for t in ids):
-            raise Refused(f"prompt: token ids must be in [0, {engine.model.args.vocab_size})", "prompt", 400, None)
+        if not all(0 <= t < front.vocab_size for t in ids):
+            raise Refused(f"prompt: token ids must be in [0, {front.vocab_size})", "prompt", 400, None)
         n_new = (body.max_completion_tokens if chat else None) or body.max_tokens or max_tokens
-        if len(ids) + n_new > engine.max_len:
-            raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {engine.max_len} tokens a "
+        if len(ids) + n_new > front.max_len:
+            raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {front.max_len} tokens a "
                           f"sequence may hold here (the model's context, or the KV pool)", "max_tokens", 400, None)
-        regex, fmt = body.regex, body.response_format
+        regex, fmt, index = body.regex, body.response_format, None
         try:
             if fmt is not None and fmt.type == "json_schema":
                 schema = (fmt.json_schema or {}).get("schema")
@@ -1810,16 +1871,16 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
                     raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
                 jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
                 regex = m06.schema_to_regex(schema)
-            if regex is not None and regex not in engine.indexes:  # built here, off the engine's thread
+            if regex is not None and regex not in front.indexes:  # built here (off the loop), sent with the request
                 m06.compile_regex(regex)
-                engine.indexes[regex] = await asyncio.to_thread(m06.TokenIndex, regex, tok)
+                front.indexes[regex] = index = await asyncio.to_thread(m06.TokenIndex, regex, tok)
         except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
             field = "response_format" if fmt else "regex"
             raise Refused(f"{field}: {str(e).splitlines()[0]}", field, 400, None) from None
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
         params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
-        job = Job(ids, params, [s for s in stop if s])
-        worker.inbox.put(("add", job))
+        job = Job(front, params, [s for s in stop if s])
+        front.send("add", job.id, (ids, params, index))
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
                     model=name, object="chat.completion" if chat else "text_completion")
         usage = lambda tokens: dict(prompt_tokens=len(ids), completion_tokens=sum(tokens),
@@ -1853,7 +1914,8 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
                     yield "".join(out)
             finally:  # the client went away (the task was cancelled): its request stops and frees its KV
                 if None in finish:
-                    worker.inbox.put(("abort", job))
+                    front.send("abort", job.id, None)
+                    front.jobs.pop(job.id, None)
         return StreamingResponse(events(), media_type="text/event-stream")
 
     for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):  # Starlette's plain routes:
@@ -1862,9 +1924,9 @@ def make_app(worker: EngineThread, name: str, max_tokens: int):
 
 
 def serve(args, ready=None):
-    """--serve: load the model, start the engine's thread, then answer HTTP until Ctrl-C (uvicorn stops, then the
-    engine). ready(server, worker), if given, is called before serving (tests: the port, the engine)."""
-    import uvicorn
+    """--serve: load the model, start the HTTP server's process and the engine's thread, then serve until Ctrl-C
+    (every request ends, the server stops, then the engine). ready(port, worker), if given, is called before serving
+    (tests: the port, the engine; worker.close() stops it)."""
     try:
         device = parse_device(args.device)
         cpu_threads()
@@ -1873,29 +1935,23 @@ def serve(args, ready=None):
         kv_tokens = kv_pool_size(model, device, model.args.max_seq_len, MAX_BATCH if device.type == "cuda" else 2,
                                  args.kv_tokens)
         engine = new_engine(args, model, tok, kv_tokens)
+        if device.type == "cuda":
+            engine.warm_up(engine.max_batch)
+        worker = EngineThread(engine)
+        name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
+        port = worker.serve_http(name, args.max_new_tokens, host=args.host, port=args.port,
+                                 log_level="warning" if args.quiet else "info")
     except (UserError, ValueError) as e:
         sys.exit(f"error: {e}")
-    if device.type == "cuda":
-        engine.warm_up(engine.max_batch)
-    worker = EngineThread(engine)
-    name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
-
-    class Server(uvicorn.Server):
-        def handle_exit(self, sig, frame):  # Ctrl-C: every request ends now (streams with finish "abort"), then uvicorn
-            worker.inbox.put(("abort", None))
-            super().handle_exit(sig, frame)
-    server = Server(uvicorn.Config(make_app(worker, name, args.max_new_tokens), host=args.host, port=args.port,
-                                   timeout_graceful_shutdown=5, log_level="warning" if args.quiet else "info"))
     print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
-          f"{engine.max_len:,} per sequence) at http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{engine.max_len:,} per sequence) at http://{args.host}:{port}/v1", file=sys.stderr)
     worker.start()
     if ready:
-        ready(server, worker)
+        ready(port, worker)
     try:
-        server.run()
+        worker.http.join()  # until Ctrl-C here (KeyboardInterrupt), close() or the HTTP process's end
     finally:
-        worker.stopping = True
-        worker.join()
+        worker.close()
 
 
 def main(argv=None):

@@ -457,26 +457,32 @@ def latency(seen: list, arrivals, lens) -> dict:
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
     time as token ids, streamed; returns each one's delivery times (events with text) from the start and its
-    completion tokens (the usage of its last event), and the CPU seconds the client took."""
+    completion tokens (the usage of its last event), and the CPU seconds the client took. HTTP/1.1 by hand on asyncio's
+    streams: an HTTP library's client took more CPU than the server (on a 2-core machine, the proxy's bottleneck)."""
     import asyncio
-    import httpx
+    from urllib.parse import urlsplit
+    u = urlsplit(url)
 
-    async def one(client, i, t0):
+    async def one(i, t0):
         await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
-        body = dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
-                    stream=True, stream_options={"include_usage": True})
-        seen, last = [], None
-        async with client.stream("POST", f"{url}/completions", json=body) as r:
-            async for line in r.aiter_lines():
-                if line.startswith("data: {") and '"text": ""' not in line and '"usage"' not in line:
+        body = json.dumps(dict(model=model, prompt=prompts[i], max_tokens=lens[i][1], ignore_eos=True, temperature=0,
+                               stream=True, stream_options={"include_usage": True})).encode()
+        r, w = await asyncio.open_connection(u.hostname, u.port)
+        w.write(f"POST {u.path}/completions HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: close\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        seen, last, rest = [], None, b""
+        while data := await r.read(1 << 16):  # the server closes the connection after [DONE]
+            *events, rest = (rest + data).split(b"\n\n")  # whole events; chunked framing lies between them
+            for ev in (ev[ev.find(b"data: "):] for ev in events):
+                if ev.startswith(b"data: {") and b'"text": ""' not in ev and b'"usage"' not in ev:
                     seen.append(time.perf_counter() - t0)
-                last = line if line.startswith("data: {") else last
+                last = ev if ev.startswith(b"data: {") else last
+        w.close()
         return seen, json.loads(last[6:])["usage"]["completion_tokens"]
 
     async def run():
-        async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as client:
-            t0 = time.perf_counter()
-            return await asyncio.gather(*(one(client, i, t0) for i in range(len(prompts))))
+        t0 = time.perf_counter()
+        return await asyncio.gather(*(one(i, t0) for i in range(len(prompts))))
     cpu = time.process_time()
     return asyncio.run(run()), time.process_time() - cpu
 
@@ -525,12 +531,10 @@ PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_p
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
                long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, proxy=None, log=lambda msg: None) -> dict:
     """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
-    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread, FastAPI
-    and uvicorn on threads here; the client in a process of its own). The HTTP layer's cost: in-process tok/s over
+    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread here,
+    FastAPI and uvicorn in a process of their own, the client in a third). The HTTP layer's cost: in-process tok/s over
     HTTP tok/s, minus 1. proxy: ProxyEngine's keywords (a CPU's stand-in for the GPU engine), else a real one."""
     import multiprocessing
-    import threading
-    import uvicorn
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = L.llama3_tokenizer()  # the server sends text: Llama 3's tokenizer (its vocabulary is the 1B shape's)
@@ -546,20 +550,15 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
         r["shape"] += f" proxy (a sleep of {e.step_s * 1e3:g} ms per decode step, host work real)"
     draws = {rate: torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist() for rate in rates}
     for rate, arrivals in draws.items():
-        cpu = time.process_time()  # this process's CPU seconds (every thread): the engine's host work, then HTTP's too
+        cpu = time.process_time()  # this process's CPU seconds: the engine's host work (HTTP's are its own process's)
         x = serve_arrivals(e, prompts, lens, arrivals)
         x = {k: v for k, v in x.items() if k in LATENCY} | {"cpu_s": time.process_time() - cpu}
         r["rates"][rate] = {"in process": x}
         e.reset()
         log(f"{rate} req/s in process: {x}")
     worker = L.EngineThread(e)
-    server = uvicorn.Server(uvicorn.Config(L.make_app(worker, "bench", 16), host="127.0.0.1", port=0,
-                                           log_level="warning"))
+    url = f"http://127.0.0.1:{worker.serve_http('bench', 16, host='127.0.0.1', port=0, log_level='warning')}/v1"
     worker.start()
-    threading.Thread(target=server.run, daemon=True).start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}/v1"
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():
             cpu = time.process_time()
@@ -573,8 +572,7 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
             x["served_whole"] = list(tokens) == [n for _, n in lens]
             x["cost_vs_in_process"] = r["rates"][rate]["in process"]["output_tok_s"] / x["output_tok_s"] - 1
             log(f"{rate} req/s HTTP: {x}")
-    server.should_exit, worker.stopping = True, True
-    worker.join()
+    worker.close()
     return r
 
 
@@ -590,8 +588,8 @@ def http_report(r: dict) -> str:
                                            if "cost_vs_in_process" in x else "")
                   for path, x in runs.items()]
     whole = all(runs["HTTP"]["served_whole"] for runs in r["rates"].values())
-    return "\n".join(lines + [f"CPU s: the server process's (engine, HTTP's event loop); every HTTP request got its "
-                               f"max_tokens: {whole}"])
+    return "\n".join(lines + [f"CPU s: the engine process's (the HTTP server runs in a process of its own); every HTTP "
+                               f"request got its max_tokens: {whole}"])
 
 
 PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backend="token", radix=False),

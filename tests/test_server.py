@@ -41,25 +41,26 @@ def ckpt(tmp_path_factory):
 
 @contextlib.contextmanager
 def running(*argv):
-    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process: its URL, engine and thread."""
+    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process (its HTTP server in a process of its
+    own): its URL, engine and thread."""
     got = {}
     t = threading.Thread(target=L.serve, args=(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]),
-                                               lambda server, worker: got.update(s=server, w=worker)))
+                                               lambda port, worker: got.update(port=port, w=worker)))
     t.start()
     for _ in range(1200):  # bounded: 120 s
-        if "s" in got and got["s"].started:
+        if "w" in got:
             break
         time.sleep(0.1)
-    url = f"http://127.0.0.1:{got['s'].servers[0].sockets[0].getsockname()[1]}/v1"
+    url = f"http://127.0.0.1:{got['port']}/v1"
     try:
-        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"], loop=got["s"].servers[0].get_loop(),
+        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
                               model=os.path.basename(L.cli_args(argv).model),
                               held=got["w"].engine.kv_used(),  # before any request (a CUDA graph's padding slot)
                               client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
     finally:
-        got["s"].should_exit = True
+        got["w"].close()
         t.join(30)
-    assert not t.is_alive() and not got["w"].is_alive()
+    assert not t.is_alive() and not got["w"].is_alive() and not got["w"].http.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -208,19 +209,27 @@ def test_gpu_server_streams_and_aborts(ckpt):
         disconnect(s, cut_by=2000)  # a GPU may write hundreds of tokens before the server hears of it
 
 
+def pause(srv, seconds):
+    """The HTTP process stops a while (SIGSTOP), its engine's process runs on."""
+    os.kill(srv.worker.http.pid, signal.SIGSTOP)
+    threading.Timer(seconds, os.kill, (srv.worker.http.pid, signal.SIGCONT)).start()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP is POSIX")
 def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
-    """While the server's event loop is busy, a stream's texts queue up; it then writes them at once, several `data:`
-    events in one chunk: each still parses on its own (the openai client's), and together they are the whole text."""
+    """While the HTTP process is busy (here: stopped), a stream's texts queue up; it then writes them at once, several
+    `data:` events in one chunk: each still parses on its own (the openai client's), and together they are the whole
+    text."""
     kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=64, temperature=0,
               extra_body={"ignore_eos": True})
     whole = srv.client.completions.create(**kw).choices[0].text
     body = {**{k: v for k, v in kw.items() if k != "extra_body"}, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=60) as r:
-        srv.loop.call_soon_threadsafe(time.sleep, 1.0)  # the loop stalls; the engine runs on
+        pause(srv, 1.0)
         reads = [raw.decode() for raw in r.iter_raw()]
     assert max(read.count("data: ") for read in reads) >= 3 and "".join(reads).endswith("data: [DONE]\n\n")
     with srv.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}) as stream:
-        srv.loop.call_soon_threadsafe(time.sleep, 1.0)
+        pause(srv, 1.0)
         chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole and len(chunks) >= 3
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage.completion_tokens == 64
