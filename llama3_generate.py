@@ -1952,6 +1952,8 @@ def serve(args, ready=None):
         worker.http.join()  # until Ctrl-C here (KeyboardInterrupt), close() or the HTTP process's end
     finally:
         worker.close()
+    if worker.http.exitcode:  # it died on its own: say so
+        sys.exit(f"error: the HTTP server's process exited with status {worker.http.exitcode}")
 
 
 def main(argv=None):
