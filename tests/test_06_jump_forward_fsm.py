@@ -274,7 +274,7 @@ def test_compressed_edges_are_the_forced_chains():
         token_bytes = vocab.__getitem__
     index = m.TokenIndex(r"日本(x|yz)w", Tok())
     edges = index.compressed_edges()
-    assert sorted(edges.values()) == sorted(["日本".encode(), b"w", b"zw"])
+    assert sorted(edges.values()) == sorted(["日本".encode(), b"w", b"zw"])  # w: also zw's tail (one state)
     assert index.jump(0) == "日本".encode()
     assert index.allowed(0).nonzero()[:, 0].tolist() == [1 + 0xE6, 257]  # first byte of 日, or 日本 whole
     assert index.allowed(index.dfa.walk(0, "日本xw".encode()))[0]  # EOS only when accepting
@@ -831,6 +831,34 @@ def test_formats_equal_jsonschema_format_checker(fmt):
                               for v in FORMAT_VALUES for _ in range(40)]
     for v in values:
         assert dfa.fullmatch(json.dumps(v)) == check.conforms(v, fmt), (fmt, v)
+
+
+def test_uri_formats_sound_against_jsonschema():
+    """uri and uri-reference (a subset of RFC 3986: no user info, no IP literal): every string sampled from the DFA
+    conforms; random strings the DFA accepts conform; common references are accepted."""
+    rng, check = random.Random(), jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for fmt in ("uri", "uri-reference"):
+        dfa = m.compile_regex(m.schema_to_regex({"type": "string", "format": fmt}))
+        dist = distances(dfa)
+        for doc in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(300))):
+            assert check.conforms(json.loads(doc), fmt), (fmt, doc)
+        for _ in range(3000):
+            v = "".join(rng.choice("a1:/?#%F@.-[]é ") for _ in range(rng.randrange(10)))
+            assert check.conforms(v, fmt) or not dfa.fullmatch(json.dumps(v)), (fmt, v)
+        refs = ["http://a.b/c?d=1#e", "urn:isbn:0451450523", "Core", "../x/y.json", "/abs:path", "//host:80/p", "#f", ""]
+        assert [dfa.fullmatch(json.dumps(v)) for v in refs] == [bool(check.conforms(v, fmt)) for v in refs], fmt
+
+
+def test_pattern_branches_anchored_apart_equal_python_re_search():
+    """A pattern's top-level branches each take their own ^ and $ (re.search); an anchor inside a group is refused."""
+    rng = random.Random()
+    for pattern in ["$|^[0-9]{2}", "[a-f]{2}-$|^[a-f]{3}", "v?\\d+(\\.\\d+)?|^dev-", "^(a|b)$|x", "[|]a|^$", "a\\$|^b"]:
+        dfa = m.compile_regex(m._pattern(pattern))
+        for _ in range(500):
+            v = "".join(rng.choice("0129abcdefvx.-|$^") for _ in range(rng.randrange(8)))
+            assert dfa.fullmatch(v) == bool(re.search(pattern, v)), (pattern, v)
+    with pytest.raises(ValueError, match="anchor"):
+        m._pattern("(a|^b)")
 
 
 def test_not_and_one_of_against_jsonschema():
