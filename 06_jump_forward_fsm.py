@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import json
 import math
@@ -422,7 +423,7 @@ class _NFA:
     def build(self, node):
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
-        _spend(0)
+        _spend(len(self.eps) // 16)  # what a large NFA costs after the last check (determinizing, freeing it)
         if kind == "tail":  # (?,A): A's fragment, entered where ", " leads from its start
             a, end = self.build(node[1])
             now = _reach(self.eps, [a])
@@ -446,13 +447,12 @@ class _NFA:
             return s, end
         if kind == "set":
             tails = {(): self.state()}  # one state per distinct remaining byte-range suffix, shared
-
-            def tail(seq):
-                if seq not in tails:
-                    tails[seq] = self.state()
-                    self.edges[tails[seq]].append((*seq[0], tail(seq[1:])))
-                return tails[seq]
-            self.edges[s] += [(*seq[0], tail(seq[1:])) for lo, hi in node[1] for seq in utf8_ranges(lo, hi)]
+            for seq in (seq for lo, hi in node[1] for seq in utf8_ranges(lo, hi)):
+                for k in range(len(seq) - 1, 0, -1):  # its proper suffixes, shortest first (no closure: no cycle)
+                    if seq[k:] not in tails:
+                        tails[seq[k:]] = self.state()
+                        self.edges[tails[seq[k:]]].append((*seq[k], tails[seq[k + 1:]]))
+                self.edges[s].append((*seq[0], tails[seq[1:]]))
             return s, tails[()]
         if kind == "alt":
             e = self.state()
@@ -500,14 +500,17 @@ def budget():
     """Compiles inside share one deadline (a schema's, with its regexes'), a fifth early: what runs between two
     checks (trimming, embedding a DFA) fits in the rest."""
     outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + 0.8 * COMPILE_BUDGET_S)
+    collect = gc.isenabled()
+    gc.disable()  # a compile makes millions of small lists, none in a cycle: collecting them costs a third of its time
     try:
         yield
     finally:
         _deadline[0] = outer
+        collect and gc.enable()
 
 
 def _spend(n_states):
-    if n_states > MAX_DFA_STATES or time.perf_counter() > _deadline[0]:
+    if n_states > MAX_DFA_STATES or time.perf_counter() + 1e-5 * n_states > _deadline[0]:  # trimming them: ~10 us each
         raise ValueError(f"regex too complex: its automaton passes {MAX_DFA_STATES:,} states or {COMPILE_BUDGET_S} s "
                          f"(nested repeats of alternatives that overlap multiply them); simplify the pattern")
 
@@ -562,9 +565,7 @@ class DFA:
 
     def walk(self, state: int, data: bytes) -> int:
         for b in data:
-            if state < 0:
-                break
-            state = int(self.table[state, b])
+            state = int(self.table[state, b]) if state >= 0 else -1
         return state
 
     def fullmatch(self, text: str) -> bool:
@@ -592,10 +593,9 @@ def _product(a: DFA, b: DFA, keep) -> DFA:
 
 
 @functools.lru_cache(maxsize=1024)  # a schema repeats them: each object's other keys, each pattern
-def _group_dfa(node) -> DFA:
-    if node[0] == "and":
-        return functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1]))
-    return _product(_group_dfa(("and", (ANY_UTF8,))), _to_dfa(node[1]), lambda a, b: a & ~b)  # within every string
+def _group_dfa(node) -> DFA:  # (?&A|B): A's and B's DFAs, and-ed pairwise; (?~A): every UTF-8 string but A's
+    return (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if node[0] == "and"
+            else _product(_group_dfa(("and", (ANY_UTF8,))), _to_dfa(node[1]), lambda a, b: a & ~b))
 
 
 def _to_dfa(node) -> DFA:
@@ -774,8 +774,7 @@ def _pattern(pattern: str) -> str:
         depth += (t == "(") - (t == ")")
         branches.append([]) if t == "|" and not depth else branches[-1].append(t)
     cores = [("".join(b[b[:1] == ["^"]:len(b) - (b[-1:] == ["$"])]), b[:1] == ["^"], b[-1:] == ["$"]) for b in branches]
-    for core, _, _ in cores:
-        _Parser(core, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
+    [_Parser(core, schema=True).parse() for core, _, _ in cores]  # refuses what validators read otherwise (\D \W \S)
     return f"(?&(?:{'|'.join(f'{SAFE * (not h)}(?:{c}){SAFE * (not t)}' for c, h, t in cores)})|{SAFE})"
 
 
@@ -1080,9 +1079,8 @@ def schema_to_regex(schema, path="$") -> str:
     try:
         with budget():
             out = _SchemaCompiler(schema).regex([schema], path)
-            if len(out) < ANY_TEXT // 2:  # short: free values one level deeper, if that stays short
-                deeper = _SchemaCompiler(schema, ANY_DEPTH + 1).regex([schema], path)
-                out = deeper if len(deeper) < ANY_TEXT else out
+            deeper = _SchemaCompiler(schema, ANY_DEPTH + 1).regex([schema], path) if len(out) < ANY_TEXT // 2 else out
+            out = deeper if len(deeper) < ANY_TEXT else out  # free values one level deeper, where that stays short
             if not compile_regex(out).accept.any():
                 raise _Empty("its parts exclude each other")
             return out

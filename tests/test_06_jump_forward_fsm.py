@@ -893,6 +893,7 @@ def test_every_compile_or_refusal_within_the_budget(monkeypatch):
     with pytest.raises(ValueError, match="too complex"):
         m.schema_to_regex(wide)
     assert time.perf_counter() - t0 < 3 * m.COMPILE_BUDGET_S  # a loaded 2-core machine
+    assert __import__("gc").isenabled()  # the compile turned the collector off, and back on
 
 
 def layout_states(dfa, value, s=0, steps=None):
@@ -957,4 +958,5 @@ def test_held_schemas_sound_and_complete():
             assert valid or not accepted, (item["name"], doc)
             counts["valid"], counts["accepted"] = counts["valid"] + valid, counts["accepted"] + (valid and accepted)
     print(dict(counts))
-    assert counts["compiled"] >= 0.65 * n and counts["accepted"] >= 0.85 * counts["valid"], counts  # all: README
+    floor = (0.85, 0.97) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
+    assert counts["compiled"] >= floor[0] * n and counts["accepted"] >= floor[1] * counts["valid"], counts
