@@ -845,7 +845,7 @@ def test_uri_formats_sound_against_jsonschema():
         for _ in range(3000):
             v = "".join(rng.choice("a1:/?#%F@.-[]é ") for _ in range(rng.randrange(10)))
             assert check.conforms(v, fmt) or not dfa.fullmatch(json.dumps(v)), (fmt, v)
-        refs = ["http://a.b/c?d=1#e", "urn:isbn:0451450523", "Core", "../x/y.json", "/abs:path", "//host:80/p", "#f", ""]
+        refs = ["http://a.b/c?d=1#e", "urn:isbn:045145", "Core", "../x/y.json", "/abs:path", "//host:80/p", "#f", ""]
         assert [dfa.fullmatch(json.dumps(v)) for v in refs] == [bool(check.conforms(v, fmt)) for v in refs], fmt
 
 
