@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import importlib
 import json
 import math
@@ -146,10 +147,9 @@ class TokenIndex:
         return self.jumps[state]
 
     def compressed_edges(self) -> dict:
-        """{head state: jump string} for every maximal chain (heads: forced states no forced state leads to)."""
-        forced, t = np.flatnonzero(self.forced), self.dfa.table
-        inner = {int(t[s][t[s] >= 0][0]) for s in forced}
-        return {int(s): self.jump(int(s)) for s in forced if s not in inner}
+        """{head state: jump string} for every maximal chain (heads: the start, or entered by a choice, if forced)."""
+        heads = np.union1d(0, self.dfa.table[~self.forced])  # a state may also lie inside another's chain
+        return {int(s): self.jump(int(s)) for s in heads if s >= 0 and self.forced[s]}
 
 
 # ======== THE IDEA, 2: jump-forward decoding ====================================================
@@ -283,7 +283,7 @@ class _Parser:
         while self.peek() == "|":
             self.i += 1
             branches.append(self.cat())
-        return branches[0] if len(branches) == 1 else ("alt", branches)
+        return branches[0] if len(branches) == 1 else ("alt", tuple(branches))
 
     def cat(self):
         items = []
@@ -295,7 +295,7 @@ class _Parser:
                     self.error("multiple repeat (possessive quantifiers are not supported)")
                 node = ("rep", node, *q)
             items.append(node)
-        return ("cat", items)
+        return ("cat", tuple(items))  # tuples: a node is hashable, its DFA cached (_group_dfa)
 
     def quantifier(self, peek=False):
         """-> (lo, hi or None), consumed unless peek, or None. A `{` that is no quantifier is a literal."""
@@ -332,7 +332,7 @@ class _Parser:
             self.i += 1
             if self.p[self.i - 1:self.i] != ")":
                 self.error("missing ), unterminated subpattern")
-            return {"&": ("and", node[1] if node[0] == "alt" else [node]), "~": ("not", node), ",": ("tail", node)
+            return {"&": ("and", node[1] if node[0] == "alt" else (node,)), "~": ("not", node), ",": ("tail", node)
                     }.get(op, node)
         if c in "^$":
             self.error(f"anchor {c!r} is not supported (the whole output must match anyway)", self.i - 1)
@@ -417,14 +417,13 @@ class _NFA:
         self.eps, self.edges = [], []  # per state: [target], [(lo_byte, hi_byte, target)]
 
     def state(self):
-        self.eps.append([])
-        self.edges.append([])
+        self.eps.append([]), self.edges.append([])
         return len(self.eps) - 1
 
     def build(self, node):
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
-        _spend(0)
+        _spend(len(self.eps) // 16)  # what a large NFA costs after the last check (determinizing, freeing it)
         if kind == "tail":  # (?,A): A's fragment, entered where ", " leads from its start
             a, end = self.build(node[1])
             now = _reach(self.eps, [a])
@@ -433,8 +432,7 @@ class _NFA:
             self.eps[s] += sorted(now)
             return s, end
         if kind in ("and", "not"):  # determinize the parts on their own, combine them pairwise, embed the result
-            d = (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if kind == "and"
-                 else _product(_to_dfa(ANY_UTF8), _to_dfa(node[1]), lambda a, b: a & ~b))
+            d = _group_dfa(node)
             base, end = len(self.eps), [self.state() for _ in range(len(d.table) + 1)][-1]
             self.eps[s].append(base)
             t = d.table
@@ -449,13 +447,12 @@ class _NFA:
             return s, end
         if kind == "set":
             tails = {(): self.state()}  # one state per distinct remaining byte-range suffix, shared
-
-            def tail(seq):
-                if seq not in tails:
-                    tails[seq] = self.state()
-                    self.edges[tails[seq]].append((*seq[0], tail(seq[1:])))
-                return tails[seq]
-            self.edges[s] += [(*seq[0], tail(seq[1:])) for lo, hi in node[1] for seq in utf8_ranges(lo, hi)]
+            for seq in (seq for lo, hi in node[1] for seq in utf8_ranges(lo, hi)):
+                for k in range(len(seq) - 1, 0, -1):  # its proper suffixes, shortest first (no closure: no cycle)
+                    if seq[k:] not in tails:
+                        tails[seq[k:]] = self.state()
+                        self.edges[tails[seq[k:]]].append((*seq[k], tails[seq[k + 1:]]))
+                self.edges[s].append((*seq[0], tails[seq[1:]]))
             return s, tails[()]
         if kind == "alt":
             e = self.state()
@@ -503,14 +500,17 @@ def budget():
     """Compiles inside share one deadline (a schema's, with its regexes'), a fifth early: what runs between two
     checks (trimming, embedding a DFA) fits in the rest."""
     outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + 0.8 * COMPILE_BUDGET_S)
+    collect = gc.isenabled()
+    gc.disable()  # a compile makes millions of small lists, none in a cycle: collecting them costs a third of its time
     try:
         yield
     finally:
         _deadline[0] = outer
+        collect and gc.enable()
 
 
 def _spend(n_states):
-    if n_states > MAX_DFA_STATES or time.perf_counter() > _deadline[0]:
+    if n_states > MAX_DFA_STATES or time.perf_counter() + 1e-5 * n_states > _deadline[0]:  # trimming them: ~10 us each
         raise ValueError(f"regex too complex: its automaton passes {MAX_DFA_STATES:,} states or {COMPILE_BUDGET_S} s "
                          f"(nested repeats of alternatives that overlap multiply them); simplify the pattern")
 
@@ -518,23 +518,24 @@ def _spend(n_states):
 def _determinize(nfa, start, accept):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
     be exponentially many (nested repeats of overlapping alternatives): past the budget the regex is refused."""
-    sets, closed = [frozenset(_reach(nfa.eps, [start]))], {}  # closed: the epsilon closures of targets seen
+    keep = lambda raw: frozenset(q for q in _reach(nfa.eps, raw) if nfa.edges[q] or q == accept)  # the states that
+    sets, closed = [keep([start])], {}  # matter (fewer DFA states); closed: the closures of targets seen
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
-        row = np.full(256, -1, np.int32)
-        cuts = sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        row, cuts = np.full(256, -1, np.int32), sorted({lo for lo, _, _ in edges} | {hi + 1 for _, hi, _ in edges})
+        at, raws = {c: i for i, c in enumerate(cuts)}, [[] for _ in cuts]
+        for lo, hi, t in edges:  # each target into the intervals between cuts that its range covers
+            for i in range(at[lo], at[hi + 1]):
+                raws[i].append(t)
         _spend(len(sets))
-        for a, b in zip(cuts, cuts[1:]):
-            raw = frozenset(t for lo, hi, t in edges if lo <= a and b - 1 <= hi)
+        for a, b, raw in zip(cuts, cuts[1:], map(frozenset, raws)):
             if raw not in closed:
-                closed[raw] = frozenset(_reach(nfa.eps, raw))
-            targets = closed[raw]
-            if targets:
-                if targets not in ids:
-                    ids[targets] = len(sets)
-                    sets.append(targets)
-                row[a:b] = ids[targets]
+                closed[raw] = keep(raw)
+            if closed[raw]:
+                row[a:b] = ids.setdefault(closed[raw], len(ids))
+                if len(ids) > len(sets):  # a subset not seen before
+                    sets.append(closed[raw])
         rows.append(row)
     return np.stack(rows), np.array([accept in s for s in sets])
 
@@ -564,9 +565,7 @@ class DFA:
 
     def walk(self, state: int, data: bytes) -> int:
         for b in data:
-            if state < 0:
-                break
-            state = int(self.table[state, b])
+            state = int(self.table[state, b]) if state >= 0 else -1
         return state
 
     def fullmatch(self, text: str) -> bool:
@@ -591,6 +590,12 @@ def _product(a: DFA, b: DFA, keep) -> DFA:
         rows[-1][live] = [ids[c] for c in codes]
     i, j = np.array(pairs).T
     return DFA(*_trim(np.stack(rows), keep(a.accept[i], (j >= 0) & b.accept[j])))
+
+
+@functools.lru_cache(maxsize=1024)  # a schema repeats them: each object's other keys, each pattern
+def _group_dfa(node) -> DFA:  # (?&A|B): A's and B's DFAs, and-ed pairwise; (?~A): every UTF-8 string but A's
+    return (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if node[0] == "and"
+            else _product(_group_dfa(("and", (ANY_UTF8,))), _to_dfa(node[1]), lambda a, b: a & ~b))
 
 
 def _to_dfa(node) -> DFA:
@@ -633,11 +638,12 @@ FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}
            "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"   # accepts (uuid: its usual form)
                    r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])", "date": DATE, "time": TIME,
            "date-time": DATE + "[tT]" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}
-_PCHAR = rf"(?:[A-Za-z0-9\-._~!$&'()*+,;=:@]|%{_HEX}{{2}})"  # RFC 3986's, for a subset of its URIs:
-FORMATS["uri"] = (rf"[a-zA-Z][a-zA-Z0-9+.\-]*:(?://(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%{_HEX}{{2}})*(?::[0-9]*)?"
-                  rf"(?:/{_PCHAR}*)*|{_PCHAR}+(?:/{_PCHAR}*)*)?(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
-FORMATS.update({"idn-email": FORMATS["email"], "regex": "[A-Za-z0-9 _-]*"}, **dict.fromkeys(  # regex: plain text
-    ("uri-reference", "iri", "iri-reference"), FORMATS["uri"]))  # scheme:, //host:port/path or path, ?query, #frag
+_PCHAR, _NC = (rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={c}]|%{_HEX}{{2}})" for c in (":@", "@"))  # RFC 3986's (a subset)
+_REF = lambda first: (rf"(?://(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%{_HEX}{{2}})*(?::[0-9]*)?(?:/{_PCHAR}*)*|/(?:{_PCHAR}+"
+                      rf"(?:/{_PCHAR}*)*)?|{first}+(?:/{_PCHAR}*)*)?(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
+FORMATS["uri"] = r"[a-zA-Z][a-zA-Z0-9+.\-]*:" + _REF(_PCHAR)  # scheme:, then path, ?query, #fragment
+FORMATS.update({"idn-email": FORMATS["email"], "regex": "[A-Za-z0-9 _-]*", "uri-reference": f"(?:{FORMATS['uri']}|"
+                f"{_REF(_NC)})"}, **dict.fromkeys(("iri", "iri-reference"), FORMATS["uri"]))  # relative: no ':' in 1st
 UNEXACT_FORMATS = {"hostname", "idn-hostname", "ipv6", "uri-template", "json-pointer", "relative-json-pointer",
                    "duration", "color"}  # checked by some validators, no regex here
 UNSUPPORTED = {"contains", "minContains", "maxContains", "unevaluatedItems", "unevaluatedProperties",
@@ -666,7 +672,8 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
     (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})")]
 COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
-ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars
+ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars (one
+ANY_TEXT = 12_000  # level deeper where the regex stays this short: each level multiplies a free value's states)
 NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
 MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
@@ -760,12 +767,15 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
 
 
 def _pattern(pattern: str) -> str:
-    """A schema `pattern` as validators read it (re.search: an end without its anchor takes any characters), over
-    the characters JSON writes unescaped: (?&...) intersects it with those."""
-    head, tail, safe = pattern[:1] == "^", pattern[-1:] == "$" and pattern[-2:] != "\\$", r'[^"\\\x00-\x1f]*'
-    core = pattern[head:len(pattern) - tail]
-    _Parser(core, schema=True).parse()  # refuses what validators read differently (\D \W \S: Unicode there)
-    return f"(?&{safe * (not head)}(?:{core}){safe * (not tail)}|{safe})"
+    """A schema `pattern` as validators read it (re.search: a top-level branch without ^ or $ takes any characters
+    before or after), over the characters JSON writes unescaped: (?&...) intersects it with those."""
+    branches, depth = [[]], 0  # split on | outside groups and classes (a wrong split fails to parse: refused)
+    for t in re.findall(r"\\.?|\[\^?\]?(?:\\.|[^\]\\])*\]|[()|^$]|[^\\\[()|^$]+|.", pattern, re.S):
+        depth += (t == "(") - (t == ")")
+        branches.append([]) if t == "|" and not depth else branches[-1].append(t)
+    cores = [("".join(b[b[:1] == ["^"]:len(b) - (b[-1:] == ["$"])]), b[:1] == ["^"], b[-1:] == ["$"]) for b in branches]
+    [_Parser(core, schema=True).parse() for core, _, _ in cores]  # refuses what validators read otherwise (\D \W \S)
+    return f"(?&(?:{'|'.join(f'{SAFE * (not h)}(?:{c}){SAFE * (not t)}' for c, h, t in cores)})|{SAFE})"
 
 
 def _shape(value) -> dict:
@@ -803,8 +813,8 @@ class _SchemaCompiler:
     the list allows is one alternative, built from every member's keywords for that type. A part nothing satisfies
     drops out (an optional property, an anyOf branch), else the schema is refused."""
 
-    def __init__(self, root):
-        self.root, self.lossy = root, []
+    def __init__(self, root, depth=ANY_DEPTH):
+        self.root, self.lossy, self.depth = root, [], depth
         self.legacy = isinstance(root, dict) and re.fullmatch(  # drafts 3-7: a $ref's siblings are ignored
             r"http://json-schema\.org/draft-0[3467]/schema#?", str(root.get("$schema")))
 
@@ -843,8 +853,8 @@ class _SchemaCompiler:
         if "integer" in types and "number" not in types and any("number" in str(p.get("type")) for p in parts):
             self.approximate(parts, "a number that is an integer is written only as an integer")
         if not any(k in p for p in parts for k in COMBINATORS | set().union(*KEYWORDS.values())):  # any value
-            if refs.count("*") >= ANY_DEPTH:
-                self.approximate(parts, f"any value is written at most {ANY_DEPTH} deep")
+            if refs.count("*") >= self.depth:
+                self.approximate(parts, f"any value is written at most {self.depth} deep")
                 types -= {"object", "array"}
             refs += ("*",)
         types -= {"integer"} if "number" in types else set()
@@ -1069,6 +1079,8 @@ def schema_to_regex(schema, path="$") -> str:
     try:
         with budget():
             out = _SchemaCompiler(schema).regex([schema], path)
+            deeper = _SchemaCompiler(schema, ANY_DEPTH + 1).regex([schema], path) if len(out) < ANY_TEXT // 2 else out
+            out = deeper if len(deeper) < ANY_TEXT else out  # free values one level deeper, where that stays short
             if not compile_regex(out).accept.any():
                 raise _Empty("its parts exclude each other")
             return out

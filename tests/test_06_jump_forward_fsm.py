@@ -274,7 +274,7 @@ def test_compressed_edges_are_the_forced_chains():
         token_bytes = vocab.__getitem__
     index = m.TokenIndex(r"日本(x|yz)w", Tok())
     edges = index.compressed_edges()
-    assert sorted(edges.values()) == sorted(["日本".encode(), b"w", b"zw"])
+    assert sorted(edges.values()) == sorted(["日本".encode(), b"w", b"zw"])  # w: also zw's tail (one state)
     assert index.jump(0) == "日本".encode()
     assert index.allowed(0).nonzero()[:, 0].tolist() == [1 + 0xE6, 257]  # first byte of 日, or 日本 whole
     assert index.allowed(index.dfa.walk(0, "日本xw".encode()))[0]  # EOS only when accepting
@@ -833,6 +833,34 @@ def test_formats_equal_jsonschema_format_checker(fmt):
         assert dfa.fullmatch(json.dumps(v)) == check.conforms(v, fmt), (fmt, v)
 
 
+def test_uri_formats_sound_against_jsonschema():
+    """uri and uri-reference (a subset of RFC 3986: no user info, no IP literal): every string sampled from the DFA
+    conforms; random strings the DFA accepts conform; common references are accepted."""
+    rng, check = random.Random(), jsonschema.Draft202012Validator.FORMAT_CHECKER
+    for fmt in ("uri", "uri-reference"):
+        dfa = m.compile_regex(m.schema_to_regex({"type": "string", "format": fmt}))
+        dist = distances(dfa)
+        for doc in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(300))):
+            assert check.conforms(json.loads(doc), fmt), (fmt, doc)
+        for _ in range(3000):
+            v = "".join(rng.choice("a1:/?#%F@.-[]é ") for _ in range(rng.randrange(10)))
+            assert check.conforms(v, fmt) or not dfa.fullmatch(json.dumps(v)), (fmt, v)
+        refs = ["http://a.b/c?d=1#e", "urn:isbn:045145", "Core", "../x/y.json", "/abs:path", "//host:80/p", "#f", ""]
+        assert [dfa.fullmatch(json.dumps(v)) for v in refs] == [bool(check.conforms(v, fmt)) for v in refs], fmt
+
+
+def test_pattern_branches_anchored_apart_equal_python_re_search():
+    """A pattern's top-level branches each take their own ^ and $ (re.search); an anchor inside a group is refused."""
+    rng = random.Random()
+    for pattern in ["$|^[0-9]{2}", "[a-f]{2}-$|^[a-f]{3}", "v?\\d+(\\.\\d+)?|^dev-", "^(a|b)$|x", "[|]a|^$", "a\\$|^b"]:
+        dfa = m.compile_regex(m._pattern(pattern))
+        for _ in range(500):
+            v = "".join(rng.choice("0129abcdefvx.-|$^") for _ in range(rng.randrange(8)))
+            assert dfa.fullmatch(v) == bool(re.search(pattern, v)), (pattern, v)
+    with pytest.raises(ValueError, match="anchor"):
+        m._pattern("(a|^b)")
+
+
 def test_not_and_one_of_against_jsonschema():
     """not and oneOf over the DFA: every sampled document valid, every valid drawn one accepted."""
     rng, counts = random.Random(), Counter()
@@ -865,6 +893,7 @@ def test_every_compile_or_refusal_within_the_budget(monkeypatch):
     with pytest.raises(ValueError, match="too complex"):
         m.schema_to_regex(wide)
     assert time.perf_counter() - t0 < 3 * m.COMPILE_BUDGET_S  # a loaded 2-core machine
+    assert __import__("gc").isenabled()  # the compile turned the collector off, and back on
 
 
 def layout_states(dfa, value, s=0, steps=None):
@@ -929,4 +958,5 @@ def test_held_schemas_sound_and_complete():
             assert valid or not accepted, (item["name"], doc)
             counts["valid"], counts["accepted"] = counts["valid"] + valid, counts["accepted"] + (valid and accepted)
     print(dict(counts))
-    assert counts["compiled"] >= 0.65 * n and counts["accepted"] >= 0.85 * counts["valid"], counts  # all: README
+    floor = (0.84, 0.96) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
+    assert counts["compiled"] >= floor[0] * n and counts["accepted"] >= floor[1] * counts["valid"], counts
