@@ -434,6 +434,7 @@ class Scheduler(P02.Scheduler):
         if aware or self.policy not in CACHE_AWARE:
             ready = POLICIES[self.policy](tree, self.rng, ready)
         batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
+        ahead = self.expected(self.running) if self.reserve == "expected" else None  # once per step
         for r in ready:
             if len(new) - first == room:
                 break
@@ -452,7 +453,7 @@ class Scheduler(P02.Scheduler):
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
                 need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
-                if (need > budget + delta or self.reserve == "expected" and not self.fits_ahead(new + [r])) and (
+                if (need > budget + delta or ahead is not None and not self.fits_ahead(new + [r], ahead)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
@@ -484,19 +485,25 @@ class Scheduler(P02.Scheduler):
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
 
-    def fits_ahead(self, new) -> bool:
-        """LightLLM's look-ahead over the running requests and `new`: request j holds len(tokens) + s KV tokens s
-        steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e descending, requests
-        0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of those sums. e_j is
-        `ratio` of its remaining max_new: the mean output / max_new of the finished requests, from 1 (no evidence:
-        every output runs to max_new); a preemption counts as one that ran to max_new (the estimate was too low)."""
-        reqs, P, ratio = self.running + new, self.kv.page, self.seen[0] / self.seen[1]
-        ends = np.array([max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs])  # expected steps
-        held = np.array([len(r.tokens) for r in reqs]) + (np.arange(len(reqs)) >= len(self.running))  # a prefill
-        order = np.argsort(-ends, kind="stable")  # step may leave the running ones be: a new one is a step ahead
-        ends, held = ends[order], held[order]
-        at = -(-(held[None, :] + ends[:, None] - 1) // P) * P  # at[i, j]: j's slots at step ends[i] - 1
-        return int(np.tril(at).sum(1).max(initial=0)) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
+    def fits_ahead(self, new, running) -> bool:
+        """LightLLM's look-ahead over the running requests (their expected(): running) and `new`: request j holds
+        held_j + s KV tokens s steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e
+        descending, requests 0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of
+        those sums, a running sum (held + P - 1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
+        P, (ends, held) = self.kv.page, np.concatenate([running, self.expected(new, ahead=1)]).T
+        order = np.argsort(-ends, kind="stable")
+        (q, r), (a, b), i = np.divmod(held[order] + P - 1, P), np.divmod(ends[order] - 1, P), np.arange(len(ends))
+        ge = np.eye(P + 1, dtype=int)[r].cumsum(0)[:, ::-1].cumsum(1)[:, ::-1]  # ge[i, v]: requests 0..i with r >= v
+        peak = P * (q.cumsum() + (i + 1) * a + ge[i, P - b]).max()
+        return int(peak) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
+
+    def expected(self, reqs, ahead=0):
+        """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output / max_new of the
+        finished requests, from 1: every output runs to max_new; a preemption counts as one that ran to max_new),
+        held its KV tokens (+ ahead: a prefill step may leave the running ones be, so a new one is a step ahead)."""
+        ratio = self.seen[0] / self.seen[1]
+        return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)), len(r.prompt) + len(r.output) +
+                          ahead) for r in reqs], int).reshape(-1, 2)
 
     def make_room(self, n_tokens):
         """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""

@@ -429,6 +429,28 @@ def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, h
     # on most draws; a few draws preempt less)
 
 
+@pytest.mark.parametrize("page", [1, 3, 16])
+def test_fits_ahead_vs_a_step_by_step_model(page):
+    """fits_ahead's running sum against the plain model it folds: step s from now, request j holds its tokens + s
+    (+ 1: a new one), in whole pages, while s < its expected steps; admit while the largest step total fits the pool
+    (random running and new requests, output-to-max_new ratios, pools at, just under and over the peak)."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    for _ in range(150):
+        n_run, n_new = int(rng.integers(0, 12)), int(rng.integers(1, 4))
+        reqs = [R.Req(k, [1] * int(rng.integers(1, 40)), int(rng.integers(1, 30))) for k in range(n_run + n_new)]
+        for r in reqs[:n_run]:
+            r.output = [2] * int(rng.integers(0, r.max_new))
+        seen = np.array([rng.uniform(0.1, 1) * (k := int(rng.integers(1, 5))), k]) if rng.random() < 0.7 else None
+        ratio = 1 if seen is None else seen[0] / seen[1]
+        ends = [max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs]
+        held = [len(r.tokens) + (k >= n_run) for k, r in enumerate(reqs)]
+        peak = max(sum(-(-(h + s) // page) * page for h, e in zip(held, ends) if s < e) for s in range(max(ends)))
+        for blocks in {peak // page - 1, peak // page, peak // page + 1} - {0}:
+            s = R.Scheduler(pool(page, blocks * page), reserve="expected")
+            s.running, s.seen = reqs[:n_run], s.seen if seen is None else seen
+            assert s.fits_ahead(reqs[n_run:], s.expected(s.running)) == (peak <= blocks * page)
+
+
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
     reqs = small_shared_prefix(seed=1)
     c_min = R.optimal_prefill(reqs)
