@@ -43,9 +43,10 @@ and a small pool evicts prefixes that concurrently running requests could not al
 
 The same class schedules llama3_generate.py's engine, with three options (see Scheduler): reserve=False admits without
 reserving decode slots and, when the pool runs short, evicts and then preempts through 02's Scheduler, which this one
-extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able;
-chunk_tokens cuts long prompts into chunks (Sarathi-Serve's chunked prefill), so that with mixed=True no running
-request waits longer than one chunk's step for its next token -- the report's last table shows the step timeline.
+extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able,
+with a decode step between two prefill steps while requests decode; chunk_tokens cuts long prompts into chunks
+(Sarathi-Serve's chunked prefill), so that no running request waits longer than one chunk's step (prefill-first: and
+a decode step) for its next token -- the report's last table shows the step timeline.
 
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
@@ -335,7 +336,9 @@ class Scheduler(P02.Scheduler):
                     from now, the pool holds what the running requests will hold then, each growing a token a step
                     until its expected end (a share of its remaining max_new, learned: see fits_ahead).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
-                    False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
+                    False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able), a
+                    decode step between two prefill steps while requests decode (a burst of prompts or a long one's
+                    chunks do not stall the streams step after step).
       chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
                     many tokens (mixed: decode tokens count too); a prompt that does not fit what is left of the
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
@@ -346,9 +349,9 @@ class Scheduler(P02.Scheduler):
       radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
-      prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d    every stream waits for all of L
-      prefill-first, chunks  d d d [PPPP] [PPPP] [PPPP] [PPPP] d d d    the same wait, in four steps
-      mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d    a token to every stream each step"""
+      prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d                every stream waits for all of L
+      prefill-first, chunks  d d d [PPPP] d [PPPP] d [PPPP] d [PPPP] d d d  a chunk's wait; L's token 3 steps later
+      mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d         a token to every stream each step"""
 
     def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0, radix=True, reserve=True,
                  mixed=True, preempt="recompute", chunk_tokens=None):
@@ -360,7 +363,7 @@ class Scheduler(P02.Scheduler):
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
-        self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
+        self.chunked, self.prefilled = None, False  # the request whose prompt is part-way in (chunked prefill)
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0,
                           peak_running=0)
@@ -408,6 +411,9 @@ class Scheduler(P02.Scheduler):
         the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
         one token for each running request); lock their prefixes, open their rows."""
         self.swap_in()
+        if self.prefilled and self.running and not self.mixed:  # a decode step between two prefill steps: a stream
+            self.prefilled = False  # waits one prefill step at most
+            return []
         room, tree, new, prefill, spare = self.max_running - len(self.running), self.tree, [], 0, None
         step = self.max_prefill_tokens if self.chunk_tokens is None else \
             self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
@@ -506,13 +512,17 @@ class Scheduler(P02.Scheduler):
                           ahead) for r in reqs], int).reshape(-1, 2)
 
     def make_room(self, n_tokens):
-        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
-        if self.tree is None:
-            return 0
-        evicted = self.tree.evict(n_tokens - self.kv.room())
+        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first; then, in a decode
+        step (prefill-first runs them between a prompt's chunks), send the prompt part-way in back to the queue."""
+        evicted = self.tree.evict(n_tokens - self.kv.room()) if self.tree else 0
         self.stats["evicted_tokens"] += evicted
         if evicted:
             self.log("evict", None, evicted)
+        elif self.chunked is not None and not self.prefilled:
+            r, evicted = self.chunked, max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
+            self.log("hold_back", r, 0)
+            self.release(r)
+            self.waiting.appendleft(r)
         return evicted
 
     def preempt(self, r):
@@ -562,6 +572,7 @@ class Scheduler(P02.Scheduler):
     def batch(self, new):
         """This step's requests: the admitted ones (prefill-first), with every running one (mixed), or, when none
         was admitted, the running ones."""
+        self.prefilled = bool(new)
         return self.running + new if self.mixed and new else new or self.running
 
     def step(self, forward=None):
@@ -841,8 +852,8 @@ def main(argv=None):
     for name, r in c["schedules"].items():
         print(f"  {name:<24}{' '.join(map(str, r['step_tokens'][:9])):<36}{r['max_wait_tokens']:>13}"
               f"{r['long_prompt_first_token_after']:>16}{c['behind'][name]:>14.0f}")
-    print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
-          "token every chunk.")
+    print("  Prefill-first stalls every stream for the whole prompt; in chunks, for a chunk (a decode step runs "
+          "between two prefill steps); mixed steps give each stream a token every chunk, no step between.")
     print("  One behind it: a 32-token prompt arriving halfway through its first step; chunked, it goes in beside it.")
     a = admission
     print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
