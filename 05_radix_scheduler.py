@@ -440,7 +440,8 @@ class Scheduler(P02.Scheduler):
         if aware or self.policy not in CACHE_AWARE:
             ready = POLICIES[self.policy](tree, self.rng, ready)
         batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
-        ahead = self.expected(self.running) if self.reserve == "expected" else None  # once per step
+        ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)]) \
+            if self.reserve == "expected" else None  # the running and admitted ones': each once a step
         for r in ready:
             if len(new) - first == room:
                 break
@@ -459,7 +460,7 @@ class Scheduler(P02.Scheduler):
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
                 need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
-                if (need > budget + delta or ahead is not None and not self.fits_ahead(new + [r], ahead)) and (
+                if (need > budget + delta or ahead is not None and not self.fits_ahead([r], ahead)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
@@ -481,6 +482,7 @@ class Scheduler(P02.Scheduler):
                 new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
             new.append(r)
+            ahead = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
             self.log("admit", r, cached)
             prefill += r.n_new
             if cut:  # the step is full
@@ -492,7 +494,7 @@ class Scheduler(P02.Scheduler):
         return new
 
     def fits_ahead(self, new, running) -> bool:
-        """LightLLM's look-ahead over the running requests (their expected(): running) and `new`: request j holds
+        """LightLLM's look-ahead over `running` (expected() of those running and admitted) and `new`: request j holds
         held_j + s KV tokens s steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e
         descending, requests 0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of
         those sums, a running sum (held + P - 1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
