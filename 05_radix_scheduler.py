@@ -43,9 +43,10 @@ and a small pool evicts prefixes that concurrently running requests could not al
 
 The same class schedules llama3_generate.py's engine, with three options (see Scheduler): reserve=False admits without
 reserving decode slots and, when the pool runs short, evicts and then preempts through 02's Scheduler, which this one
-extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able;
-chunk_tokens cuts long prompts into chunks (Sarathi-Serve's chunked prefill), so that with mixed=True no running
-request waits longer than one chunk's step for its next token -- the report's last table shows the step timeline.
+extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able,
+with a decode step between two prefill steps while requests decode; chunk_tokens cuts long prompts into chunks
+(Sarathi-Serve's chunked prefill), so that no running request waits longer than one chunk's step (prefill-first: and
+a decode step) for its next token -- the report's last table shows the step timeline.
 
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
 Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
@@ -336,7 +337,9 @@ class Scheduler(P02.Scheduler):
                     from now, the pool holds what the running requests will hold then, each growing a token a step
                     until its expected end (a share of its remaining max_new, learned: see fits_ahead).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
-                    False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able).
+                    False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able), a
+                    decode step between two prefill steps while requests decode (a burst of prompts or a long one's
+                    chunks do not stall the streams step after step).
       chunk_tokens  chunked prefill (Sarathi-Serve; SGLang's chunked_prefill_size): no step feeds more than this
                     many tokens (mixed: decode tokens count too); a prompt that does not fit what is left of the
                     step's budget is cut there and continued next step (`chunked`, at most one request at a time,
@@ -347,9 +350,9 @@ class Scheduler(P02.Scheduler):
       radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
-      prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d    every stream waits for all of L
-      prefill-first, chunks  d d d [PPPP] [PPPP] [PPPP] [PPPP] d d d    the same wait, in four steps
-      mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d    a token to every stream each step"""
+      prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d                every stream waits for all of L
+      prefill-first, chunks  d d d [PPPP] d [PPPP] d [PPPP] d [PPPP] d d d  a chunk's wait; L's token 3 steps later
+      mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d         a token to every stream each step"""
 
     def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0, radix=True, reserve=True,
                  mixed=True, preempt="recompute", chunk_tokens=None):
@@ -361,7 +364,7 @@ class Scheduler(P02.Scheduler):
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
-        self.chunked = None  # the request whose prompt is part-way in (chunked prefill)
+        self.chunked, self.prefilled = None, False  # the request whose prompt is part-way in (chunked prefill)
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0,
                           peak_running=0)
@@ -409,6 +412,9 @@ class Scheduler(P02.Scheduler):
         the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
         one token for each running request); lock their prefixes, open their rows."""
         self.swap_in()
+        if self.prefilled and self.running and not self.mixed:  # a decode step between two prefill steps: a stream
+            self.prefilled = False  # waits one prefill step at most
+            return []
         room, tree, new, prefill, spare = self.max_running - len(self.running), self.tree, [], 0, None
         step = self.max_prefill_tokens if self.chunk_tokens is None else \
             self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
@@ -435,6 +441,8 @@ class Scheduler(P02.Scheduler):
         if aware or self.policy not in CACHE_AWARE:
             ready = POLICIES[self.policy](tree, self.rng, ready)
         batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
+        ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)]) \
+            if self.reserve == "expected" else None  # the running and admitted ones': each once a step
         for r in ready:
             if len(new) - first == room:
                 break
@@ -453,7 +461,7 @@ class Scheduler(P02.Scheduler):
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
                 need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
-                if (need > budget + delta or self.reserve == "expected" and not self.fits_ahead(new + [r])) and (
+                if (need > budget + delta or ahead is not None and not self.fits_ahead([r], ahead)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
@@ -475,6 +483,7 @@ class Scheduler(P02.Scheduler):
                 new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
             new.append(r)
+            ahead = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
             self.log("admit", r, cached)
             prefill += r.n_new
             if cut:  # the step is full
@@ -485,28 +494,38 @@ class Scheduler(P02.Scheduler):
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
 
-    def fits_ahead(self, new) -> bool:
-        """LightLLM's look-ahead over the running requests and `new`: request j holds len(tokens) + s KV tokens s
-        steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e descending, requests
-        0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of those sums. e_j is
-        `ratio` of its remaining max_new: the mean output / max_new of the finished requests, from 1 (no evidence:
-        every output runs to max_new); a preemption counts as one that ran to max_new (the estimate was too low)."""
-        reqs, P, ratio = self.running + new, self.kv.page, self.seen[0] / self.seen[1]
-        ends = np.array([max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs])  # expected steps
-        held = np.array([len(r.tokens) for r in reqs]) + (np.arange(len(reqs)) >= len(self.running))  # a prefill
-        order = np.argsort(-ends, kind="stable")  # step may leave the running ones be: a new one is a step ahead
-        ends, held = ends[order], held[order]
-        at = -(-(held[None, :] + ends[:, None] - 1) // P) * P  # at[i, j]: j's slots at step ends[i] - 1
-        return int(np.tril(at).sum(1).max(initial=0)) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
+    def fits_ahead(self, new, running) -> bool:
+        """LightLLM's look-ahead over `running` (expected() of those running and admitted) and `new`: request j holds
+        held_j + s KV tokens s steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e
+        descending, requests 0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of
+        those sums, a running sum (held + P - 1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
+        P, (ends, held) = self.kv.page, np.concatenate([running, self.expected(new, ahead=1)]).T
+        order = np.argsort(-ends, kind="stable")
+        (q, r), (a, b), i = np.divmod(held[order] + P - 1, P), np.divmod(ends[order] - 1, P), np.arange(len(ends))
+        ge = np.eye(P + 1, dtype=int)[r].cumsum(0)[:, ::-1].cumsum(1)[:, ::-1]  # ge[i, v]: requests 0..i with r >= v
+        peak = P * (q.cumsum() + (i + 1) * a + ge[i, P - b]).max()
+        return int(peak) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
+
+    def expected(self, reqs, ahead=0):
+        """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output / max_new of the
+        finished requests, from 1: every output runs to max_new; a preemption counts as one that ran to max_new),
+        held its KV tokens (+ ahead: a prefill step may leave the running ones be, so a new one is a step ahead)."""
+        ratio = self.seen[0] / self.seen[1]
+        return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)), len(r.prompt) + len(r.output) +
+                          ahead) for r in reqs], int).reshape(-1, 2)
 
     def make_room(self, n_tokens):
-        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first."""
-        if self.tree is None:
-            return 0
-        evicted = self.tree.evict(n_tokens - self.kv.room())
+        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first; then, in a decode
+        step (prefill-first runs them between a prompt's chunks), send the prompt part-way in back to the queue."""
+        evicted = self.tree.evict(n_tokens - self.kv.room()) if self.tree else 0
         self.stats["evicted_tokens"] += evicted
         if evicted:
             self.log("evict", None, evicted)
+        elif self.chunked is not None and not self.prefilled:
+            r, evicted = self.chunked, max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
+            self.log("hold_back", r, 0)
+            self.release(r)
+            self.waiting.appendleft(r)
         return evicted
 
     def preempt(self, r):
@@ -559,6 +578,7 @@ class Scheduler(P02.Scheduler):
     def batch(self, new):
         """This step's requests: the admitted ones (prefill-first), with every running one (mixed), or, when none
         was admitted, the running ones."""
+        self.prefilled = bool(new)
         return self.running + new if self.mixed and new else new or self.running
 
     def step(self, forward=None):
@@ -838,8 +858,8 @@ def main(argv=None):
     for name, r in c["schedules"].items():
         print(f"  {name:<24}{' '.join(map(str, r['step_tokens'][:9])):<36}{r['max_wait_tokens']:>13}"
               f"{r['long_prompt_first_token_after']:>16}{c['behind'][name]:>14.0f}")
-    print("  Prefill-first stalls every stream for the whole prompt, chunks or not; mixed steps give each stream a "
-          "token every chunk.")
+    print("  Prefill-first stalls every stream for the whole prompt; in chunks, for a chunk (a decode step runs "
+          "between two prefill steps); mixed steps give each stream a token every chunk, no step between.")
     print("  One behind it: a 32-token prompt arriving halfway through its first step; chunked, it goes in beside it.")
     a = admission
     print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
