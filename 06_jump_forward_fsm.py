@@ -672,8 +672,8 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
     (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})")]
 COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
-ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars (one
-ANY_TEXT = 12_000  # level deeper where the regex stays this short: each level multiplies a free value's states)
+ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars (deeper
+ANY_TEXT = 25_000  # where the regex stays this short and fits the budget: 2, at the root and its members up to 8)
 NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
 MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
@@ -692,20 +692,14 @@ def _digits(lo: str, hi: str) -> list:
     n, d0, d1 = len(lo) - 1, int(lo[0]), int(hi[0])
     if lo[1:] == "0" * n and hi[1:] == "9" * n:  # a whole block: [d0-d1] then any n digits
         return [f"[{d0}-{d1}]" + ("[0-9]" + f"{{{n}}}" if n else "")]
-    out = [lo[0] + r for r in _digits(lo[1:], "9" * n)]
-    if d1 - d0 > 1:
-        out += [f"[{d0 + 1}-{d1 - 1}]" + ("[0-9]" + f"{{{n}}}" if n else "")]
-    return out + [hi[0] + r for r in _digits("0" * n, hi[1:])]
+    middle = [f"[{d0 + 1}-{d1 - 1}]" + ("[0-9]" + f"{{{n}}}" if n else "")] * (d1 - d0 > 1)
+    return [lo[0] + r for r in _digits(lo[1:], "9" * n)] + middle + [hi[0] + r for r in _digits("0" * n, hi[1:])]
 
 
 def _natural_range(lo: int, hi: int) -> list:
     """Regexes for the naturals lo..hi (no leading zeros)."""
-    out = []
-    for n in range(len(str(lo)), len(str(hi)) + 1):
-        a, b = max(lo, 10 ** (n - 1) if n > 1 else 0), min(hi, 10 ** n - 1)
-        if a <= b:
-            out += _digits(str(a), str(b))
-    return out
+    spans = ((max(lo, 10 ** (n - 1) * (n > 1)), min(hi, 10 ** n - 1)) for n in range(len(str(lo)), len(str(hi)) + 1))
+    return [r for a, b in spans if a <= b for r in _digits(str(a), str(b))]  # one length of digits at a time
 
 
 def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
@@ -720,10 +714,8 @@ def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
 def _fraction_digits(lo: str, hi: str) -> list:
     """Regexes for the non-empty digit strings t, at most len(lo) long, with lo <= (t padded with zeros) <= hi."""
     n = len(lo)
-    if n == 0:
-        return []
-    if lo == "0" * n and hi == "9" * n:
-        return [f"[0-9]{{1,{n}}}"]
+    if lo == "0" * n and hi == "9" * n:  # any digits (none if n is 0)
+        return [f"[0-9]{{1,{n}}}"] * (n > 0)
 
     def then(a, b):  # what follows the first digit: may be nothing only if a is all zeros
         alts = _fraction_digits(a, b)
@@ -853,8 +845,10 @@ class _SchemaCompiler:
         if "integer" in types and "number" not in types and any("number" in str(p.get("type")) for p in parts):
             self.approximate(parts, "a number that is an integer is written only as an integer")
         if not any(k in p for p in parts for k in COMBINATORS | set().union(*KEYWORDS.values())):  # any value
-            if refs.count("*") >= self.depth:
-                self.approximate(parts, f"any value is written at most {self.depth} deep")
+            refs += ("^",) * (not refs.count("*") and refs.count(".") + refs.count("[") < 2)  # the root, its members:
+            depth = self.depth if "^" in refs else min(self.depth, ANY_DEPTH + 1)  # self.depth deep (one copy each)
+            if refs.count("*") >= depth or refs[-1:] == ("[",) and refs.count("*") > ANY_DEPTH + 1:  # past 2 levels,
+                self.approximate(parts, f"any value is written at most {depth} deep")  # arrays of scalars (linear)
                 types -= {"object", "array"}
             refs += ("*",)
         types -= {"integer"} if "number" in types else set()
@@ -994,7 +988,7 @@ class _SchemaCompiler:
             n, tail = max((len(_head(p)) for p in parts), default=0), ""
             for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
                 try:
-                    item = self.regex([_mark(p, _item(p, i)) for p in parts], f"{path}[{i}]", refs)
+                    item = self.regex([_mark(p, _item(p, i)) for p in parts], f"{path}[{i}]", refs + ("[",))
                 except _Empty:
                     hi, tail = i, ""
                     continue
@@ -1027,7 +1021,7 @@ class _SchemaCompiler:
             own = lambda p: [s for q, s in p.get("patternProperties", {}).items() if re.search(q, k)] + (
                 [p["properties"][k]] if k in p.get("properties", {}) else []) or [p.get("additionalProperties", True)]
             try:
-                value = self.regex([_mark(p, s) for p in parts for s in own(p)], f"{path}.{k}", refs)
+                value = self.regex([_mark(p, s) for p in parts for s in own(p)], f"{path}.{k}", refs + (".",))
                 fields.append((f"(?:, {_literal(k)}: {value})", k in required))
             except _Empty:
                 if k in required:
@@ -1038,7 +1032,7 @@ class _SchemaCompiler:
                 f'"{_pattern(r)}"' if r == q else f'(?~"{_pattern(r)}")' for r in pats]
             with contextlib.suppress(_Empty):
                 others.append(f"(?&{'|'.join(key)}): " + self.regex([_mark(p, p.get("patternProperties", {}).get(
-                    q, p.get("additionalProperties", True))) for p in parts], f"{path}.*", refs))
+                    q, p.get("additionalProperties", True))) for p in parts], f"{path}.*", refs + (".",)))
         if len(pats) > 1:
             self.approximate(parts, "a key two patternProperties match is not written")
         if others and set(names) - {k for p in parts if not p.get(NEGATED) for k in [*p.get("properties", {}),
@@ -1078,11 +1072,17 @@ def schema_to_regex(schema, path="$") -> str:
     is compiled (and cached) within the same COMPILE_BUDGET_S."""
     try:
         with budget():
-            out = _SchemaCompiler(schema).regex([schema], path)
-            deeper = _SchemaCompiler(schema, ANY_DEPTH + 1).regex([schema], path) if len(out) < ANY_TEXT // 2 else out
-            out = deeper if len(deeper) < ANY_TEXT else out  # free values one level deeper, where that stays short
+            t0, out = time.perf_counter(), _SchemaCompiler(schema).regex([schema], path)
             if not compile_regex(out).accept.any():
                 raise _Empty("its parts exclude each other")
+            rate, deep = (time.perf_counter() - t0) / len(out), out  # the seconds a character of it took
+            with contextlib.suppress(ValueError):  # free values deeper, up to 8, while the regex stays short and
+                for depth in range(ANY_DEPTH + 1, 9):  # fits the budget left (its time estimated); else as they were
+                    text = _SchemaCompiler(schema, depth).regex([schema], path)
+                    if text == deep or len(text) >= ANY_TEXT or rate * len(text) > _deadline[0] - time.perf_counter():
+                        break
+                    deep = text
+                out = compile_regex(deep) and deep
             return out
     except _Empty as e:
         raise ValueError(f"{path}: no document satisfies this schema ({e})") from None

@@ -958,5 +958,5 @@ def test_held_schemas_sound_and_complete():
             assert valid or not accepted, (item["name"], doc)
             counts["valid"], counts["accepted"] = counts["valid"] + valid, counts["accepted"] + (valid and accepted)
     print(dict(counts))
-    floor = (0.84, 0.96) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
+    floor = (0.84, 0.97) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
     assert counts["compiled"] >= floor[0] * n and counts["accepted"] >= floor[1] * counts["valid"], counts
