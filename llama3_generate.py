@@ -1737,12 +1737,14 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
                     front.jobs[jid].put(*item)
 
     def read(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
+        msgs = []
         with contextlib.suppress(EOFError, OSError):
             while True:
-                msgs = [conn.recv()]
-                while conn.poll():
-                    msgs.append(conn.recv())
-                loop.call_soon_threadsafe(deliver, msgs)
+                msgs.append(conn.recv())
+                if not conn.poll():
+                    loop.call_soon_threadsafe(deliver, msgs)
+                    msgs = []
+        loop.call_soon_threadsafe(deliver, msgs)  # the last ones, read just before the pipe's end
         loop.call_soon_threadsafe(setattr, server, "should_exit", True)  # the pipe's end: the server stops
     server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
                                            **uvicorn_config))
