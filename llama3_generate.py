@@ -1103,7 +1103,8 @@ class Engine:
     """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS. A step either prefills what 05
     admits (longest cached prefix first, by default) or, when none is admitted, decodes one token of every running
     sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode step a pure,
-    CUDA-graph-able batch (with a decode step between two prefill steps, so a stream waits one prefill at most). schedule="mixed" runs an admitting step with one decode token of every running sequence
+    CUDA-graph-able batch (with a decode step between two prefill steps, so a stream waits one prefill at most).
+    schedule="mixed" runs an admitting step with one decode token of every running sequence
     (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked
     prefill, 05). Finished sequences retire into the radix cache. 05 admits while the pool holds every running
     sequence's expected tokens (reserve="expected"; True: all of max_new; False: the prompts that fit now). When
