@@ -46,7 +46,9 @@ import gc
 import importlib
 import json
 import math
+import os
 import re
+import runpy
 import sys
 import textwrap
 import time
@@ -181,8 +183,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
         if jump:  # append the forced string, re-tokenize, keep the common token prefix
             text, state = text + jump, index.dfa.walk(state, jump)
             new = list(prompt_ids) + tok.encode(text.decode())
-            common = next((i for i, (a, b) in enumerate(zip(ids, new)) if a != b), min(len(ids), len(new)))
-            ids, keep = new, min(keep, common)
+            ids, keep = new, min(keep, len(os.path.commonprefix([ids, new])))  # (any sequences)
             stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
         allowed = index.allowed(state)
         if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
@@ -299,22 +300,18 @@ class _Parser:
 
     def quantifier(self, peek=False):
         """-> (lo, hi or None), consumed unless peek, or None. A `{` that is no quantifier is a literal."""
-        c, at = self.peek(), self.i
-        if c in ("*", "+", "?"):
-            q, end = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c], at + 1
-        elif c == "{" and "}" in self.p[at:]:
-            end = self.p.index("}", at) + 1
-            lo, comma, hi = self.p[at + 1:end - 1].partition(",")
-            if not (lo or comma) or not all(x == "" or x.isascii() and x.isdigit() for x in (lo, hi)):
-                return None
-            q = (int(lo or 0), None if comma and not hi else int(hi or lo))
-            if q[1] is not None and q[0] > q[1]:
-                self.error("min repeat greater than max repeat", at)
-            if max(q[0], q[1] or 0) > 1000:
-                self.error("repeat count above 1000", at)
-        else:
+        m = re.compile(r"([*+?])|\{([0-9]*)(,?)([0-9]*)\}").match(self.p, self.i)
+        if not m or m[0] == "{}":
             return None
-        self.i = at if peek else end
+        c, lo, comma, hi = m.groups()
+        q = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c] if c else (int(lo or 0), None if comma and not hi else
+                                                                         int(hi or lo))
+        if q[1] is not None and q[0] > q[1]:
+            self.error("min repeat greater than max repeat")
+        if max(q[0], q[1] or 0) > 1000:
+            self.error("repeat count above 1000")
+        if not peek:
+            self.i = m.end()
         return q
 
     def atom(self):
@@ -386,30 +383,27 @@ class _Parser:
 
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
 
+def _split(lo: tuple, hi: tuple, low: int, high: int) -> list:
+    """Equal-length digit sequences lo <= hi, digits low..high -> sequences of digit ranges ((a0, b0), (a1, b1), ...)
+    matching exactly the sequences from lo to hi: fix the first digit while lo and hi share it, else split off
+    lo's block, the whole blocks between, and hi's. Decimal ranges (_digits) and UTF-8's base-64 tails alike."""
+    n = len(lo) - 1
+    if lo[1:] == (low,) * n and hi[1:] == (high,) * n:  # one whole block (or a single digit)
+        return [((lo[0], hi[0]),) + ((low, high),) * n]
+    if lo[0] == hi[0]:
+        return [((lo[0], lo[0]),) + s for s in _split(lo[1:], hi[1:], low, high)]
+    return ([((lo[0], lo[0]),) + s for s in _split(lo[1:], (high,) * n, low, high)]
+            + [((lo[0] + 1, hi[0] - 1),) + ((low, high),) * n] * (hi[0] - lo[0] > 1)
+            + [((hi[0], hi[0]),) + s for s in _split((low,) * n, hi[1:], low, high)])
+
+
 @functools.lru_cache(maxsize=4096)
 def utf8_ranges(lo, hi):
-    """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching exactly
-    their UTF-8 encodings: split until each byte position is one range. Surrogates are skipped."""
-    out, todo = [], [(lo, hi)]
-    while todo:
-        lo, hi = todo.pop()
-        split = next((m for m in (0x7F, 0x7FF, 0xD7FF, 0xDFFF, 0xFFFF) if lo <= m < hi), None)
-        if split is not None:  # different encoded lengths (or the surrogate block) on each side
-            todo += [(lo, split), (split + 1, hi)]
-            continue
-        if 0xD800 <= lo <= 0xDFFF:
-            continue
-        for i in (1, 2, 3):  # lo must start, and hi end, a full block of the trailing i continuation bytes
-            m = (1 << 6 * i) - 1
-            if lo & ~m != hi & ~m and lo & m:
-                todo += [(lo, lo | m), ((lo | m) + 1, hi)]
-                break
-            if lo & ~m != hi & ~m and hi & m != m:
-                todo += [(lo, (hi & ~m) - 1), (hi & ~m, hi)]
-                break
-        else:
-            out.append(tuple(zip(chr(lo).encode(), chr(hi).encode())))
-    return out
+    """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching exactly their
+    UTF-8 encodings: per encoded length (surrogates skipped), _split over continuation bytes 0x80..0xBF."""
+    spans = ((max(lo, a), min(hi, b)) for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF),
+                                                   (0x10000, MAX_CHAR)))
+    return [seq for a, b in spans if a <= b for seq in _split(*(tuple(chr(c).encode()) for c in (a, b)), 0x80, 0xBF)]
 
 
 class _NFA:
@@ -669,12 +663,14 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
     (("additionalProperties", "additionalItems", "not", "if", "then", "else"), lambda v: isinstance(v, (dict, bool)),
      "a schema"), (("items",), lambda v: isinstance(v, (dict, bool, list)), "a schema or a list of them"),
     (("required",), lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names"),
-    (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})")]
+    (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})"),
+    (("type",), lambda v: {*([v] if isinstance(v, str) else v if isinstance(v, list) else [0])} <= set(KEYWORDS),
+     f"a type ({' '.join(KEYWORDS)}) or a list of them")]
 COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
 ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars (deeper
 ANY_TEXT = 25_000  # where the regex stays this short and fits the budget: 2, at the root and its members up to 8)
-NEGATED = "\x00negated"  # marks the parts a `not` complements (an annotation to the rest), see _SchemaCompiler.negated
+NEGATED = "\x00negated"  # marks the parts a `not` complements with its path (an annotation to the rest), see negated
 MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
@@ -684,16 +680,10 @@ def _literal(value) -> str:
 
 
 def _digits(lo: str, hi: str) -> list:
-    """Regexes for the digit strings of one length from lo to hi (the classic range-to-regex split)."""
-    if lo == hi:
-        return [lo]
-    if lo[0] == hi[0]:
-        return [lo[0] + r for r in _digits(lo[1:], hi[1:])]
-    n, d0, d1 = len(lo) - 1, int(lo[0]), int(hi[0])
-    if lo[1:] == "0" * n and hi[1:] == "9" * n:  # a whole block: [d0-d1] then any n digits
-        return [f"[{d0}-{d1}]" + ("[0-9]" + f"{{{n}}}" if n else "")]
-    middle = [f"[{d0 + 1}-{d1 - 1}]" + ("[0-9]" + f"{{{n}}}" if n else "")] * (d1 - d0 > 1)
-    return [lo[0] + r for r in _digits(lo[1:], "9" * n)] + middle + [hi[0] + r for r in _digits("0" * n, hi[1:])]
+    """Regexes for the digit strings of one length from lo to hi: _split's ranges, a run of [0-9] as [0-9]{k}."""
+    texts = ("".join(str(a) if a == b else f"[{a}-{b}]" for a, b in seq) for seq in _split(
+        tuple(map(int, lo)), tuple(map(int, hi)), 0, 9))
+    return [re.sub(r"(?:\[0-9\]){2,}", lambda m: f"[0-9]{{{len(m[0]) // 5}}}", text) for text in texts]
 
 
 def _natural_range(lo: int, hi: int) -> list:
@@ -806,7 +796,7 @@ class _SchemaCompiler:
     drops out (an optional property, an anyOf branch), else the schema is refused."""
 
     def __init__(self, root, depth=ANY_DEPTH):
-        self.root, self.lossy, self.depth = root, [], depth
+        self.root, self.depth = root, depth
         self.legacy = isinstance(root, dict) and re.fullmatch(  # drafts 3-7: a $ref's siblings are ignored
             r"http://json-schema\.org/draft-0[3467]/schema#?", str(root.get("$schema")))
 
@@ -859,19 +849,13 @@ class _SchemaCompiler:
     def negated(self, rest, schema, path, refs):
         """The regex of rest and schema, to be complemented: it must hold every document of rest's layout that
         the schema accepts, so an approximation where the schema takes part (parts marked NEGATED) is refused."""
-        before = len(self.lossy)
-        try:
-            out = self.regex(rest + [_mark({NEGATED: True}, schema)], path, refs)
-        except _Empty:
-            return None  # it accepts nothing: its complement, everything
-        if len(self.lossy) > before:
-            _fail(path, f"cannot be complemented exactly: {self.lossy[-1]}")
-        return out
+        with contextlib.suppress(_Empty):  # it accepts nothing: its complement, everything
+            return self.regex(rest + [_mark({NEGATED: path}, schema)], path, refs)
 
     def approximate(self, parts, why):
-        """Noted where the regex holds fewer documents than the parts accept: harmless, unless complemented."""
-        if any(p.get(NEGATED) and len(p) > 1 for p in parts):
-            self.lossy.append(why)
+        """Where the regex holds fewer documents than the parts accept: harmless, unless a `not` complements it."""
+        for p in (p for p in parts if p.get(NEGATED) and len(p) > 1):
+            _fail(p[NEGATED], f"cannot be complemented exactly: {why}")
 
     def flatten(self, parts, path, refs):
         """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by keyword."""
@@ -889,10 +873,6 @@ class _SchemaCompiler:
             for key in (k for k in s if k in UNSUPPORTED and s[k] != NO_OPS.get(k, ())):
                 _fail(path, f"unsupported keyword {key!r} (it would change which documents are valid, and this "
                             f"compiler cannot express it)")
-            if "type" in s and not all(isinstance(t, str) and t in KEYWORDS for t in (
-                    [s["type"]] if isinstance(s["type"], str) else s["type"] if isinstance(s["type"], list) else [0])):
-                _fail(path, f"unsupported schema type {s['type']!r} (string integer number boolean null object array; "
-                            f"enum const anyOf)")
             for keys, ok, what in VALUE_CHECKS:
                 for key in (k for k in keys if k in s and not ok(s[k])):
                     _fail(path, f"{key} {s[key]!r} is not {what}")
@@ -1063,7 +1043,7 @@ def _item(p, i):  # what part p asks of an array's item i: past its head, additi
 
 def _mark(parent, schema):
     """schema, marked NEGATED if its parent is: it comes from what a `not` complements."""
-    return {**schema, NEGATED: True} if parent.get(NEGATED) and isinstance(schema, dict) else schema
+    return {**schema, NEGATED: parent[NEGATED]} if parent.get(NEGATED) and isinstance(schema, dict) else schema
 
 
 def schema_to_regex(schema, path="$") -> str:
@@ -1131,21 +1111,10 @@ def demo_model():
     return Character
 
 
-def every_property_required(schema):
-    """The schema with every object's properties required: what the optional ones cost, measured against it."""
-    if isinstance(schema, list):
-        return [every_property_required(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: every_property_required(v) if k != "properties" else {p: every_property_required(s) for p, s in v.items()}
-           for k, v in schema.items()}
-    return {**out, "required": list(out["properties"])} if "properties" in out else out
-
-
 def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None) -> dict:
     """Build the index, then decode the same prompt masking-only and with jump-forward (greedy). Checks each
     completion: the DFA and Python's `re` accept it, its ids decode to it, and, given the Pydantic model whose
-    schema `pattern` is, its model_validate_json; then measures what the model's optional properties cost."""
+    schema `pattern` is, its model_validate_json."""
     index, prompt_ids = TokenIndex(pattern, tok), tok.chat(prompt)
     cache_len = len(prompt_ids) + 2 * max_new_tokens + 512  # room for re-tokenized jump strings too
     runs = [constrained_decode(index, tok, prompt_ids, model_logits_fn(model, cache_len), max_new_tokens,
@@ -1155,26 +1124,15 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
                                                      and _python_re_accepts(pattern, r["text"])),
                  decodes=tok.decode(r["ids"]) == r["text"], valid=r["finished"] and _validates(pydantic, r["text"]),
                  output_tokens=len(r["ids"]), tokenizer_tokens=len(tok.encode(r["text"])))  # tokenizer: same text
-    edges = index.compressed_edges()
+    edges, (a, b) = index.compressed_edges(), runs
     out = dict(name=name, regex=pattern, dfa_states=len(index.dfa.table), index_build_s=round(index.build_s, 3),
-               compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())))
-    for key in ("completion", "matches", "decodes", "valid", "forward_passes", "tokens_computed", "output_tokens",
-                "tokenizer_tokens", "jumps", "jumped_bytes", "seconds"):
-        out[key] = {mode: r[key] for mode, r in zip(MODES, runs)}
-    (a, b), ids = (r["text"] for r in runs), [r["ids"] for r in runs]
-    t = next((i for i, (x, y) in enumerate(zip(*ids)) if x != y), min(map(len, ids)))  # where the two part
-    out["tokens_part_at_char"] = len(tok.decode(ids[0][:t]))
-    out["texts_part_at_char"] = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-    out["forward_pass_ratio"] = runs[0]["forward_passes"] / max(1, runs[1]["forward_passes"])
-    out["speedup"] = runs[0]["seconds"] / runs[1]["seconds"]
-    if pydantic:  # the user's own validator; what the model's optional properties cost jump-forward
-        schema = pydantic.model_json_schema()
-        objects = [(pydantic.__name__, schema)] + list(schema.get("$defs", {}).items())
-        out.update(validator=f"{pydantic.__name__}.model_validate_json",
-                   optional_properties=[f"{n}.{k}" for n, o in objects for k in o.get("properties", {})
-                                        if k not in o.get("required", [])],
-                   optional_cost=optional_cost(model, tok, schema, prompt, max_new_tokens))
-    return out
+               compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())),
+               **{key: {mode: r[key] for mode, r in zip(MODES, runs)} for key in a if key not in ("ids", "text")},
+               tokens_part_at_char=len(tok.decode(os.path.commonprefix([a["ids"], b["ids"]]))),  # where the two part
+               texts_part_at_char=len(os.path.commonprefix([a["text"], b["text"]])),
+               forward_pass_ratio=a["forward_passes"] / max(1, b["forward_passes"]),
+               speedup=a["seconds"] / b["seconds"])
+    return {**out, "validator": f"{pydantic.__name__}.model_validate_json"} if pydantic else out
 
 
 def _python_re_accepts(pattern, text) -> bool:  # the independent check, where re reads it (not 06's own groups)
@@ -1184,11 +1142,9 @@ def _python_re_accepts(pattern, text) -> bool:  # the independent check, where r
 
 
 def _validates(pydantic, text) -> bool:
-    try:
-        pydantic and pydantic.model_validate_json(text)
-        return True
-    except ValueError:  # pydantic's ValidationError is a ValueError
-        return False
+    with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError
+        return not pydantic or pydantic.model_validate_json(text) is not None
+    return False
 
 
 def replay_forward_passes(index, tok, prompt_ids, text) -> int:
@@ -1196,118 +1152,38 @@ def replay_forward_passes(index, tok, prompt_ids, text) -> int:
     what the FSM costs for one document, with no model."""
     token_of, want = {b: i for i, b in enumerate(index.trie.token_bytes) if b}, text.encode()
 
-    def logits_fn(ids, keep):
+    def logits_fn(ids, keep):  # (vocab,): 1 for the longest token that continues the text, else for EOS
         rest = want[len(b"".join(map(tok.token_bytes, ids[len(prompt_ids):]))):]
-        logits = torch.zeros(index.vocab)  # (vocab,)
         longest = next((rest[:k] for k in range(min(len(rest), 64), 0, -1) if rest[:k] in token_of), None)
-        logits[token_of[longest] if longest else index.eos] = 1
-        return logits
+        return torch.zeros(index.vocab).index_fill_(0, torch.tensor(token_of[longest] if longest else index.eos), 1)
     r = constrained_decode(index, tok, prompt_ids, logits_fn, 4 * len(want) + 8)
     assert r["text"] == text, (r["text"], text)
     return r["forward_passes"]
 
 
-def optional_cost(model, tok, schema, prompt, max_new_tokens) -> dict:
-    """What optional properties cost jump-forward: the model writes a document with every property required;
-    replay it under that schema and under the schema as given (where it is valid too), same tokens."""
-    given, required = (TokenIndex(schema_to_regex(s), tok) for s in (schema, every_property_required(schema)))
-    prompt_ids = tok.chat(prompt)
-    logits_fn = model_logits_fn(model, len(prompt_ids) + 2 * max_new_tokens + 512)
-    r = constrained_decode(required, tok, prompt_ids, logits_fn, max_new_tokens)
-    forced = lambda index: sum(map(len, index.compressed_edges().values()))
-    return dict(document=r["text"], bytes=len(r["text"].encode()), finished=r["finished"],
-                forced_bytes={"as_given": forced(given), "every_property_required": forced(required)},
-                replayed_forward_passes={k: r["finished"] and replay_forward_passes(i, tok, prompt_ids, r["text"])
-                                         for k, i in (("as_given", given), ("every_property_required", required))})
-
-
 def report(prompt, runs) -> None:
+    say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
     print(f"prompt: {prompt!r}")
     for r in runs:
         print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, token index built in {r['index_build_s']:.2f} s; "
               f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
+        g = {mode: {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v} for mode in MODES}
         for mode in MODES:
             print(f"--- {mode}:\n{r['completion'][mode]}")
-        for mode in MODES:
-            g = {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v}
-            print(f"  {mode:13s} forward passes {g['forward_passes']:4d}   tokens computed {g['tokens_computed']:4d}   "
-                  f"output tokens {g['output_tokens']:4d} (tokenizer: {g['tokenizer_tokens']:4d})   "
-                  f"jumps {g['jumps']:3d}   {g['seconds']:6.2f} s   matches: {g['matches']}")
-        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, "
-              f"{r['speedup']:.2f}x less wall time")
+        for mode, x in g.items():
+            print(f"  {mode:13s} forward passes {x['forward_passes']:4d}   tokens computed {x['tokens_computed']:4d}   "
+                  f"output tokens {x['output_tokens']:4d} (tokenizer: {x['tokenizer_tokens']:4d})   "
+                  f"jumps {x['jumps']:3d}   {x['seconds']:6.2f} s   matches: {x['matches']}")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
-        say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
+        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall "
+              f"time")
         say(f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the regex): "
             f"{ok('matches')}; their token ids decode to the text: {ok('decodes')}" +
             (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
-        m, j = r["output_tokens"]["masking_only"], r["tokenizer_tokens"]["masking_only"]
-        say(f"why the answers differ: both are greedy over the same model, but not over the same tokens. Masking only "
-            f"lets the model spell the forced text with any tokens the mask allows ({m} tokens where the tokenizer "
-            f"writes {j} for the same text); jump-forward appends it as the tokenizer writes it. The token sequences "
-            f"part at character {r['tokens_part_at_char']}, the texts at character {r['texts_part_at_char']}: from "
-            f"there each answer goes on from a different context.")
-        if "optional_cost" in r:
-            q = r["optional_cost"]
-            f, p = q["forced_bytes"], q["replayed_forward_passes"]
-            say(f"optional properties cost jump-forward: {', '.join(r['optional_properties'])} may be left out, so "
-                f"where the member before each ends, the model must choose (write it or go on) where a required key "
-                f"is jumped. Compressed FSM: {f['as_given']} forced bytes as given, {f['every_property_required']} "
-                f"with every property required." + (
-                    f" The document the model writes when every property is required ({q['bytes']} bytes), replayed "
-                    f"(the longest token each step, no model): {p['as_given']} forward passes as given, "
-                    f"{p['every_property_required']} required (+{p['as_given'] - p['every_property_required']})."
-                    if q["finished"] else ""))
-
-
-BENCH_SAMPLE = "tests/data/06_schemas.json.gz"  # held schemas from SchemaStore with a document each: (see tests)
-
-
-def bench(tok, path=BENCH_SAMPLE) -> dict:
-    """--bench (CPU): the held schemas compiled by 06 (into its token index), xgrammar and llguidance on one
-    tokenizer: coverage, compile time, and each token's mask time along one valid document per schema."""
-    import gzip
-    items, vocab, out = json.load(gzip.open(path)), token_trie(tok).token_bytes, {}
-    engines = {"06": (lambda s: [TokenIndex(schema_to_regex(s), tok), 0], lambda m: m[0].allowed(m[1]),
-                      lambda m, t: m.__setitem__(1, m[0].step(m[1], t)) or m[1] >= 0)}
-    try:
-        import xgrammar as xgr
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[tok.eos_id])
-        xc = xgr.GrammarCompiler(info, max_threads=1)
-        bits = xgr.allocate_token_bitmask(1, len(vocab))
-        engines["xgrammar"] = (lambda s: xgr.GrammarMatcher(xc.compile_json_schema(json.dumps(s), strict_mode=False)),
-                               lambda m: m.fill_next_token_bitmask(bits), lambda m, t: m.accept_token(t))
-    except ImportError:
-        print("xgrammar is not installed: pip install xgrammar (to compare with it)")
-    try:
-        import llguidance as llg
-        lt = llg.LLTokenizer(llg.TokenizerWrapper(type("T", (), dict(  # the vocabulary as bytes, as 06 sees it
-            tokens=vocab, eos_token_id=tok.eos_id, bos_token_id=None, __call__=lambda _, b: tok.encode(b.decode())))()))
-        engines["llguidance"] = (lambda s: llg.LLMatcher(lt, llg.LLMatcher.grammar_from_json_schema(s)),
-                                 lambda m: m.compute_bitmask(), lambda m, t: m.consume_token(t))
-    except ImportError:
-        print("llguidance is not installed: pip install llguidance (to compare with it)")
-    for name, (compile_, mask, advance) in engines.items():
-        compile_s, mask_s = [], []
-        for item in items:
-            t0 = time.perf_counter()
-            try:
-                m = compile_(item["schema"])
-                assert not getattr(m, "is_error", bool)()  # llguidance reports its refusals here
-            except Exception:  # noqa: BLE001 -- each library refuses in its own way
-                continue
-            compile_s.append(time.perf_counter() - t0)
-            for t in tok.encode(item["document"] or ""):
-                t0 = time.perf_counter()
-                mask(m)
-                mask_s.append(time.perf_counter() - t0)
-                if not advance(m, t):
-                    break
-        q = lambda xs, p, unit: round(float(np.percentile(xs, p)) * unit, 1) if xs else None  # noqa: E731
-        out[name] = dict(compiled=f"{len(compile_s)}/{len(items)}", tokens=len(mask_s),
-                         compile_ms_p50_p99=[q(compile_s, p, 1e3) for p in (50, 99)],
-                         mask_us_p50_p99=[q(mask_s, p, 1e6) for p in (50, 99)])
-        print(f"{name:10s} {out[name]}", flush=True)
-    return out
+        say(f"why the answers differ: masking only spells the forced text with any tokens the mask allows "
+            f"({g['masking_only']['output_tokens']} tokens, the tokenizer: {g['masking_only']['tokenizer_tokens']}); "
+            f"jump-forward, as the tokenizer writes it. The token sequences part at character "
+            f"{r['tokens_part_at_char']}, the texts at {r['texts_part_at_char']}: from there, different contexts.")
 
 
 def main(argv=None):
@@ -1320,35 +1196,34 @@ def main(argv=None):
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--bench", action="store_true", help=f"06 vs xgrammar and llguidance on {BENCH_SAMPLE} (CPU)")
+    ap.add_argument("--bench", action="store_true", help="06 vs xgrammar and llguidance: tests/bench_06.py (CPU)")
     args = ap.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
-    if args.bench:
-        return bench(L.load_model(args.model)[1])
+    if args.bench:  # the peers beside 06 (they are not the lesson): held schemas, compile and mask times
+        return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_06.py"),
+                              run_name="__main__")
     if args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be >= 1")
     try:  # bad input fails here, before the model loads
-        tasks = [dict(name="regex", pattern=args.regex)] if args.regex is not None else []
+        tasks = [("regex", args.regex, None)] if args.regex is not None else []
         if args.json_schema:
             with open(args.json_schema) as f:
-                tasks.append(dict(name=f"JSON schema {args.json_schema}", pattern=schema_to_regex(json.load(f))))
+                tasks.append((f"JSON schema {args.json_schema}", schema_to_regex(json.load(f)), None))
         if not tasks:
-            try:
-                character = demo_model()
-            except ImportError:
-                sys.exit("error: the demo's model needs pydantic (pip install -r requirements.txt), or pass --regex")
-            tasks = [dict(name="character profile regex (SGLang)", pattern=CHARACTER_REGEX),
-                     dict(name="Pydantic model Character", pattern=schema_to_regex(character.model_json_schema()),
-                          pydantic=character)]
-        for task in tasks:
-            compile_regex(task["pattern"])
+            character = demo_model()
+            tasks = [("character profile regex (SGLang)", CHARACTER_REGEX, None),
+                     ("Pydantic model Character", schema_to_regex(character.model_json_schema()), character)]
+        for _, pattern, _ in tasks:
+            compile_regex(pattern)
+    except ImportError:
+        sys.exit("error: the demo's model needs pydantic (pip install -r requirements.txt), or pass --regex")
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         sys.exit(f"error: {e}")
     try:
         model, tok = L.load_model(args.model)
-        runs = [compare(model, tok, t["name"], t["pattern"], args.prompt, args.max_new_tokens, t.get("pydantic"))
-                for t in tasks]
+        runs = [compare(model, tok, name, pattern, args.prompt, args.max_new_tokens, pydantic)
+                for name, pattern, pydantic in tasks]
     except (L.UserError, ValueError) as e:
         sys.exit(f"error: {e}")
     if args.json:
