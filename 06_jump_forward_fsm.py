@@ -31,14 +31,11 @@ emitting far more tokens than the tokenizer would for the same text; the report 
 Read in order: the token index and the compressed FSM, then jump-forward decoding; then the machinery they
 stand on, each part under its heading with its why (regex -> byte DFA, JSON schema -> regex); the demo last.
 
-References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the
-LMSYS blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf,
-"Efficient Guided Generation for LLMs" (Outlines, 2023); Thompson (1968); Russ Cox, "Regular Expression
-Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs; interegular, the regex parser Outlines and
-SGLang used.
+References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the LMSYS
+blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf, "Efficient
+Guided Generation for LLMs" (Outlines, 2023); Thompson (1968); Russ Cox, "Regular Expression Matching Can Be Simple
+And Fast"; Rust regex-syntax's utf8.rs; interegular, the regex parser Outlines and SGLang used.
 """
-from __future__ import annotations
-
 import argparse
 import contextlib
 import functools
@@ -95,13 +92,12 @@ def token_trie(tok) -> TokenTrie:
 
 
 class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask
-    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once per (regex,
-    tokenizer) by walking the token trie alongside the DFA, breadth-first, a chunk of start states at once,
-    keeping only the (state, node) pairs still alive. The DFA first keeps only bytes that are one-byte tokens
-    (a vocabulary may lack some), then only states that can still accept: a live byte path is then a token
-    path, so decoding never reaches a state with no allowed token unless it may stop. Also holds the
-    compressed FSM: jump(state) -> forced string."""
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask (n_states,
+    vocab / 8); EOS only in accepting states, no other special token ever. Built once per (regex, tokenizer) by
+    walking the token trie alongside the DFA, breadth-first, a chunk of start states at once, keeping only the
+    (state, node) pairs still alive. The DFA first keeps only bytes that are one-byte tokens (a vocabulary may lack
+    some), then only states that can still accept: a live byte path is then a token path, so decoding never reaches
+    a state with no allowed token unless it may stop. Also holds the compressed FSM: jump(state) -> forced string."""
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
@@ -609,15 +605,11 @@ def compile_regex(pattern: str) -> DFA:
 # ======== THE MACHINERY, 2: JSON schema -> regex ================================================
 # A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys, strings as
 # ensure_ascii=False writes them), properties in schema order: keys, quotes and separators become jump strings.
-# Exact or refused: type (a list, or none: every type), string (minLength/maxLength in characters, `pattern` over
-# characters JSON writes unescaped, the FORMATS), integer and number (exact ranges; a bounded number is written as a
-# plain decimal), boolean, null, object (properties, required, then other members by patternProperties and
-# additionalProperties, min/maxProperties, dependencies), array (items, prefixItems, minItems/maxItems), enum, const,
-# anyOf, allOf, oneOf, not and if/then/else (on DFAs), $ref (recursion unrolled MAX_REF_DEPTH deep). Where a subset
-# is written (uniqueItems: one item at most; see approximate()), the parts a `not` complements are refused. UNSUPPORTED
-# keywords are refused by name; any other keyword is an annotation, which validators ignore (title, $comment, x-...,
-# formats they do not check). Optional properties cost jump-forward: where the member before one ends, the FSM holds
-# a choice (`, "key": `, the next key or `}`) only the model can make -- where a required key would be jumped whole.
+# Exact or refused: the KEYWORDS of each type, COMBINATORS (not and oneOf on DFAs), FORMATS; bounded numbers are
+# written as plain decimals. UNSUPPORTED keywords are refused by name; any other keyword is an annotation, which
+# validators ignore (title, $comment, x-..., formats they do not check). Where a subset is written (see approximate()),
+# the parts a `not` complements are refused. Optional properties cost jump-forward: where the member before one ends,
+# the FSM holds a choice (`, "key": `, the next key or `}`) only the model can make, where a required key is jumped.
 
 _HEX = "[0-9a-fA-F]"
 STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'  # as json.dumps writes one: one text
@@ -664,7 +656,8 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
      "a schema"), (("items",), lambda v: isinstance(v, (dict, bool, list)), "a schema or a list of them"),
     (("required",), lambda v: isinstance(v, list) and all(isinstance(k, str) for k in v), "a list of names"),
     (("format",), lambda v: v not in UNEXACT_FORMATS, f"a format a regex states exactly ({', '.join(FORMATS)})"),
-    (("type",), lambda v: {*([v] if isinstance(v, str) else v if isinstance(v, list) else [0])} <= set(KEYWORDS),
+    (("type",), lambda v: all(isinstance(t, str) and t in KEYWORDS for t in
+                              ([v] if isinstance(v, str) else v if isinstance(v, list) else [0])),
      f"a type ({' '.join(KEYWORDS)}) or a list of them")]
 COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
 MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
@@ -898,16 +891,14 @@ class _SchemaCompiler:
 
     def union(self, makers, path, what) -> str:
         """(?:a|b|...) of the alternatives that accept something; _Empty if none does."""
-        if len(makers) == 1:
-            return makers[0]()
         out, why = [], []
         for make in makers:
             try:
                 out.append(make())
             except _Empty as e:
-                why.append(str(e))
+                why.append(e)
         if not out:
-            raise _Empty(f"{path}: no {what} accepts anything ({why[0]}{', ...' * (len(why) > 1)})")
+            raise why[0] if len(why) == 1 else _Empty(f"{path}: no {what} accepts anything ({why[0]}, ...)")
         return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
 
     def accepts(self, parts, value, path, refs) -> bool:
@@ -965,10 +956,12 @@ class _SchemaCompiler:
             if any(p.get("uniqueItems") for p in parts):  # no two items alike: surely, with at most one
                 self.approximate(parts, "an array of unique items is written with at most one")
                 hi = min(hi, 1) if lo <= 1 else _fail(path, "uniqueItems with minItems above 1 is not supported")
-            n, tail = max((len(_head(p)) for p in parts), default=0), ""
+            heads, tail = [_items(p) for p in parts], ""
+            n = max((len(head) for head, _ in heads), default=0)
             for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
                 try:
-                    item = self.regex([_mark(p, _item(p, i)) for p in parts], f"{path}[{i}]", refs + ("[",))
+                    item = self.regex([_mark(p, head[i] if i < len(head) else rest) for p, (head, rest) in
+                                       zip(parts, heads)], f"{path}[{i}]", refs + ("[",))
                 except _Empty:
                     hi, tail = i, ""
                     continue
@@ -1031,14 +1024,11 @@ class _SchemaCompiler:
         return f"(?,{body})" if required or low else f"(?:(?,{body}))?"
 
 
-def _head(p) -> list:
-    """The schemas of an array's first items: prefixItems (2020-12), or items as a list (before)."""
-    return p.get("prefixItems", p["items"] if isinstance(p.get("items"), list) else [])
-
-
-def _item(p, i):  # what part p asks of an array's item i: past its head, additionalItems (before) or items
-    head, old = _head(p), isinstance(p.get("items"), list)
-    return head[i] if i < len(head) else p.get("additionalItems", True) if old else p.get("items", True)
+def _items(p) -> tuple:
+    """(the schemas of an array's first items, of every item after them): prefixItems and items (2020-12), or items
+    as a list and additionalItems (before)."""
+    old = isinstance(p.get("items"), list)
+    return p.get("prefixItems", p["items"] if old else []), p.get("additionalItems" if old else "items", True)
 
 
 def _mark(parent, schema):
@@ -1083,9 +1073,8 @@ MODES = ("masking_only", "jump_forward")
 
 def demo_model():
     """The demo's Pydantic model, as users hand one to a constrained decoder (Model.model_json_schema()): nested
-    models ($defs/$ref), an Enum, a Literal, bounded int and float, string and list lengths, and two fields with
-    defaults, which the schema leaves out of `required`; extra="forbid" (additionalProperties false), else the layout
-    would let the model write other members too. Pydantic is imported here: 06 compiles schema dicts."""
+    models ($defs/$ref), an Enum, a Literal, bounded int and float, lengths, two fields with defaults (not required);
+    extra="forbid" (additionalProperties false), else the model may write other members. 06 compiles schema dicts."""
     from enum import Enum
     from typing import Annotated, Literal, Optional
 
@@ -1128,8 +1117,6 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
     out = dict(name=name, regex=pattern, dfa_states=len(index.dfa.table), index_build_s=round(index.build_s, 3),
                compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())),
                **{key: {mode: r[key] for mode, r in zip(MODES, runs)} for key in a if key not in ("ids", "text")},
-               tokens_part_at_char=len(tok.decode(os.path.commonprefix([a["ids"], b["ids"]]))),  # where the two part
-               texts_part_at_char=len(os.path.commonprefix([a["text"], b["text"]])),
                forward_pass_ratio=a["forward_passes"] / max(1, b["forward_passes"]),
                speedup=a["seconds"] / b["seconds"])
     return {**out, "validator": f"{pydantic.__name__}.model_validate_json"} if pydantic else out
@@ -1147,55 +1134,34 @@ def _validates(pydantic, text) -> bool:
     return False
 
 
-def replay_forward_passes(index, tok, prompt_ids, text) -> int:
-    """Forward passes jump-forward spends writing `text` when each choice is the longest token continuing it:
-    what the FSM costs for one document, with no model."""
-    token_of, want = {b: i for i, b in enumerate(index.trie.token_bytes) if b}, text.encode()
-
-    def logits_fn(ids, keep):  # (vocab,): 1 for the longest token that continues the text, else for EOS
-        rest = want[len(b"".join(map(tok.token_bytes, ids[len(prompt_ids):]))):]
-        longest = next((rest[:k] for k in range(min(len(rest), 64), 0, -1) if rest[:k] in token_of), None)
-        return torch.zeros(index.vocab).index_fill_(0, torch.tensor(token_of[longest] if longest else index.eos), 1)
-    r = constrained_decode(index, tok, prompt_ids, logits_fn, 4 * len(want) + 8)
-    assert r["text"] == text, (r["text"], text)
-    return r["forward_passes"]
-
-
 def report(prompt, runs) -> None:
-    say = lambda text: print(textwrap.fill(text, 116, initial_indent="  ", subsequent_indent="    "))
     print(f"prompt: {prompt!r}")
     for r in runs:
         print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, token index built in {r['index_build_s']:.2f} s; "
               f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
-        g = {mode: {k: v[mode] for k, v in r.items() if isinstance(v, dict) and mode in v} for mode in MODES}
         for mode in MODES:
             print(f"--- {mode}:\n{r['completion'][mode]}")
-        for mode, x in g.items():
+        for mode, x in ((mode, {k: v[mode] for k, v in r.items() if isinstance(v, dict)}) for mode in MODES):
             print(f"  {mode:13s} forward passes {x['forward_passes']:4d}   tokens computed {x['tokens_computed']:4d}   "
                   f"output tokens {x['output_tokens']:4d} (tokenizer: {x['tokenizer_tokens']:4d})   "
                   f"jumps {x['jumps']:3d}   {x['seconds']:6.2f} s   matches: {x['matches']}")
         ok = lambda key: "yes" if all(r[key].values()) else "NO"
-        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x less wall "
-              f"time")
-        say(f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the regex): "
-            f"{ok('matches')}; their token ids decode to the text: {ok('decodes')}" +
-            (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else "") + ".")
-        say(f"why the answers differ: masking only spells the forced text with any tokens the mask allows "
-            f"({g['masking_only']['output_tokens']} tokens, the tokenizer: {g['masking_only']['tokenizer_tokens']}); "
-            f"jump-forward, as the tokenizer writes it. The token sequences part at character "
-            f"{r['tokens_part_at_char']}, the texts at {r['texts_part_at_char']}: from there, different contexts.")
+        print(f"  jump-forward: {r['forward_pass_ratio']:.2f}x fewer forward passes, {r['speedup']:.2f}x faster")
+        checked = (f"checked, both answers: finished and accepted by the DFA and by Python's re (where it reads the "
+                   f"regex): {ok('matches')}; their token ids decode to the text: {ok('decodes')}" +
+                   (f"; {r['validator']} accepts it: {ok('valid')}" if "validator" in r else ""))
+        print(textwrap.fill(checked + ".", 116, initial_indent="  ", subsequent_indent="    "))
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Constrained decoding: masking only vs compressed FSM + jump-forward.",
-                                 epilog="--json: one object {completion, forward_passes, seconds, ...} (each keyed by "
-                                        "masking_only / jump_forward) for the first run, plus runs: [every run]")
+    ap = argparse.ArgumentParser(description="Constrained decoding: masking only vs compressed FSM + jump-forward.")
     ap.add_argument("--regex", help="constrain to this regex (Python syntax subset, see the docstring)")
     ap.add_argument("--json-schema", metavar="FILE", help="constrain to this JSON schema")
     ap.add_argument("--prompt", default=DEMO_PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
-    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--json", action="store_true", help="print one JSON object: the first run's figures (completion, "
+                    "forward_passes, ..., each keyed by masking_only / jump_forward), runs: every run's")
     ap.add_argument("--bench", action="store_true", help="06 vs xgrammar and llguidance: tests/bench_06.py (CPU)")
     args = ap.parse_args(argv)
     import llama3_generate as L
