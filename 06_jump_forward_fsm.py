@@ -1011,8 +1011,8 @@ class _SchemaCompiler:
         if others and set(names) - {k for p in parts if not p.get(NEGATED) for k in [*p.get("properties", {}),
                                                                                     *p.get("required", [])]}:
             self.approximate(parts, "an object's other members are written after the properties it names")
-        low, high = (f((p.get(k, d) for p in parts), default=d) for f, k, d in ((max, "minProperties", 0),
-                                                                            (min, "maxProperties", math.inf)))
+        low = max((p.get("minProperties", 0) for p in parts), default=0)
+        high = min((p.get("maxProperties", math.inf) for p in parts), default=math.inf)
         if low > max(len(required), 1):
             _fail(path, f"'minProperties' {low}, more than the properties required, is not supported")
         if high < len(fields) + (math.inf if others else 0):  # then only the required ones, if too many
