@@ -429,7 +429,14 @@ def tp_launch(args, argv):
         device = f"cuda:{local}"  # one GPU per rank
         torch.cuda.set_device(local)
     torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-    atexit.register(torch.distributed.destroy_process_group)
+
+    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+    atexit.register(leave)
     return rank, world, device
 
 
