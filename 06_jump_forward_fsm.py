@@ -1141,7 +1141,8 @@ def report(prompt, runs) -> None:
               f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
         for mode in MODES:
             print(f"--- {mode}:\n{r['completion'][mode]}")
-        for mode, x in ((mode, {k: v[mode] for k, v in r.items() if isinstance(v, dict)}) for mode in MODES):
+        for mode in MODES:
+            x = {k: v[mode] for k, v in r.items() if isinstance(v, dict)}  # this mode's figures
             print(f"  {mode:13s} forward passes {x['forward_passes']:4d}   tokens computed {x['tokens_computed']:4d}   "
                   f"output tokens {x['output_tokens']:4d} (tokenizer: {x['tokenizer_tokens']:4d})   "
                   f"jumps {x['jumps']:3d}   {x['seconds']:6.2f} s   matches: {x['matches']}")
