@@ -572,10 +572,8 @@ class Scheduler:
                     if batch is not self.running:
                         self.running.remove(victim)
                     self.preempt(victim)
-                else:  # held back: it waits at the head of the queue
-                    self.log("hold_back", victim, 0)
-                    self.release(victim)
-                    self.waiting.appendleft(victim)
+                else:
+                    self.hold_back(victim)
                 if not batch:  # nothing new fits next to the running ones: decode them instead
                     batch = self.running
 
@@ -592,6 +590,12 @@ class Scheduler:
         else:
             self.release(req)
             self.waiting.appendleft(req)
+
+    def hold_back(self, req):
+        """An admitted request that did not fit: its KV goes, and it waits at the head of the queue."""
+        self.log("hold_back", req, 0)
+        self.release(req)
+        self.waiting.appendleft(req)
 
     def release(self, req):
         """Drop req's KV (05 first hands its computed tokens to the radix tree)."""

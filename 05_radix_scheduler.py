@@ -442,7 +442,7 @@ class Scheduler(P02.Scheduler):
             ready = POLICIES[self.policy](tree, self.rng, ready)
         batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
         ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)]) \
-            if self.reserve == "expected" else None  # the running and admitted ones': each once a step
+            if self.reserve == "expected" and budget is not None else None  # the running and admitted ones
         for r in ready:
             if len(new) - first == room:
                 break
@@ -461,12 +461,13 @@ class Scheduler(P02.Scheduler):
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
                 need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
-                if (need > budget + delta or ahead is not None and not self.fits_ahead([r], ahead)) and (
+                grown = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])  # with r
+                if (need > budget + delta or grown is not None and not self.fits_ahead(grown)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
                     break
-                budget += delta - need
+                budget, ahead = budget + delta - need, grown
                 if self.reserve is True:
                     r.reserve = need
             if tree is not None:
@@ -483,7 +484,6 @@ class Scheduler(P02.Scheduler):
                 new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
             new.append(r)
-            ahead = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
             self.log("admit", r, cached)
             prefill += r.n_new
             if cut:  # the step is full
@@ -494,12 +494,12 @@ class Scheduler(P02.Scheduler):
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
         return new
 
-    def fits_ahead(self, new, running) -> bool:
-        """LightLLM's look-ahead over `running` (expected() of those running and admitted) and `new`: request j holds
+    def fits_ahead(self, rows) -> bool:
+        """LightLLM's look-ahead over rows, expected() of the running, admitted and new requests: request j holds
         held_j + s KV tokens s steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e
         descending, requests 0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of
         those sums, a running sum (held + P - 1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
-        P, (ends, held) = self.kv.page, np.concatenate([running, self.expected(new, ahead=1)]).T
+        P, (ends, held) = self.kv.page, rows.T
         order = np.argsort(-ends, kind="stable")
         (q, r), (a, b), i = np.divmod(held[order] + P - 1, P), np.divmod(ends[order] - 1, P), np.arange(len(ends))
         ge = np.eye(P + 1, dtype=int)[r].cumsum(0)[:, ::-1].cumsum(1)[:, ::-1]  # ge[i, v]: requests 0..i with r >= v
@@ -522,10 +522,8 @@ class Scheduler(P02.Scheduler):
         if evicted:
             self.log("evict", None, evicted)
         elif self.chunked is not None and not self.prefilled:
-            r, evicted = self.chunked, max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
-            self.log("hold_back", r, 0)
-            self.release(r)
-            self.waiting.appendleft(r)
+            evicted = max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
+            self.hold_back(self.chunked)
         return evicted
 
     def preempt(self, r):

@@ -451,7 +451,8 @@ def test_fits_ahead_vs_a_step_by_step_model(page):
         for blocks in {peak // page - 1, peak // page, peak // page + 1} - {0}:
             s = R.Scheduler(pool(page, blocks * page), reserve="expected")
             s.running, s.seen = reqs[:n_run], s.seen if seen is None else seen
-            assert s.fits_ahead(reqs[n_run:], s.expected(s.running)) == (peak <= blocks * page)
+            rows = np.concatenate([s.expected(s.running), s.expected(reqs[n_run:], ahead=1)])
+            assert s.fits_ahead(rows) == (peak <= blocks * page)
 
 
 def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
