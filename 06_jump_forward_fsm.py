@@ -676,7 +676,7 @@ def _digits(lo: str, hi: str) -> list:
     """Regexes for the digit strings of one length from lo to hi: _split's ranges, a run of [0-9] as [0-9]{k}."""
     texts = ("".join(str(a) if a == b else f"[{a}-{b}]" for a, b in seq) for seq in _split(
         tuple(map(int, lo)), tuple(map(int, hi)), 0, 9))
-    return [re.sub(r"(?:\[0-9\]){2,}", lambda m: f"[0-9]{{{len(m[0]) // 5}}}", text) for text in texts]
+    return [re.sub(r"(?:\[0-9\]){2,}", lambda m: f"[0-9]{{{m[0].count('[')}}}", text) for text in texts]
 
 
 def _natural_range(lo: int, hi: int) -> list:
