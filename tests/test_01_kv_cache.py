@@ -213,3 +213,78 @@ assert "llama3_generate" not in sys.modules, "a backend imported the model modul
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def dense_reference(q, k, v, first):
+    """float64 causal attention written out: query i sits at position first + i and sees keys 0..first + i; query
+    head h reads kv head h // (H / Hkv). q (n, H, D), k, v (L, Hkv, D)."""
+    n, H, D = q.shape
+    k, v = (x.double().repeat_interleave(H // k.shape[1], dim=1) for x in (k, v))
+    s = torch.einsum("nhd,lhd->hnl", q.double(), k) / D ** 0.5
+    s = s.masked_fill(torch.arange(len(k))[None, :] > first + torch.arange(n)[:, None], float("-inf"))
+    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_contiguous_cache_batches_against_a_brute_force_model(seed):
+    """Many requests through one ContiguousKVCache (no model): random batches of prefills, chunks and decode
+    steps, requests freed and new ones taking their rows; a Python model keeps every request's K/V as a list.
+    Positions, lengths, each token's slot (row * max_seq_len + position) and every output against float64."""
+    g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    H, Hkv, D, rows, L = 4, 2, 8, 3, 12
+    kv = m.ContiguousKVCache(1, rows, L, Hkv, D)
+    kv.k_cache.fill_(1e4), kv.v_cache.fill_(-1e4)  # poison (finite: a decode gathers masked stale columns too)
+    model, next_id = {}, 0  # seq_id -> (K rows, V rows) stored so far
+    for step in range(40):
+        live = list(model)
+        if live and rng.random() < 0.25:  # a request ends: its row goes back, empty
+            s = live[rng.integers(len(live))]
+            kv.free(s)
+            del model[s]
+            continue
+        seqs = [s for s in live if rng.random() < 0.7 and len(model[s][0]) < L]
+        if len(model) < rows and rng.random() < 0.6:
+            seqs.append(next_id)
+            model[next_id], next_id = ([], []), next_id + 1
+        if not seqs:
+            continue
+        decode = rng.random() < 0.5 and all(model[s][0] for s in seqs)
+        n_new = [1 if decode else int(rng.integers(1, L - len(model[s][0]) + 1)) for s in seqs]
+        starts = [len(model[s][0]) for s in seqs]
+        pos = kv.prepare(seqs, n_new)
+        assert pos.tolist() == [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
+        assert kv.batch_lens.tolist() == [s0 + n for s0, n in zip(starts, n_new)]
+        want = [kv.rows[s] * L + p for s, s0, n in zip(seqs, starts, n_new) for p in range(s0, s0 + n)]
+        assert kv.tok_slots.tolist() == want and len(set(kv.rows[s] for s in model if s in kv.rows)) == len(
+            [s for s in model if s in kv.rows])  # one row per request
+        T = sum(n_new)
+        q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
+        out = kv.attend(0, q, k, v)
+        t = 0
+        for s, s0, n in zip(seqs, starts, n_new):
+            model[s][0].extend(k[t:t + n]), model[s][1].extend(v[t:t + n])
+            ref = dense_reference(q[t:t + n], torch.stack(model[s][0]), torch.stack(model[s][1]), s0)
+            torch.testing.assert_close(out[t:t + n].double(), ref, atol=1e-5, rtol=1e-5)
+            t += n
+        assert {s: kv.lens[kv.rows[s]] for s in model} == {s: len(x[0]) for s, x in model.items()}
+    for s in list(model):
+        kv.free(s)
+    assert sorted(kv.free_rows) == list(range(rows)) and kv.rows == {} and kv.lens == [0] * rows
+
+
+def test_contiguous_cache_fills_a_row_exactly():
+    """A request of exactly max_seq_len tokens fits (one more is refused); every row can be taken, and a freed row
+    is taken again from position 0."""
+    kv = m.ContiguousKVCache(1, 2, 6, 1, 4)
+    assert kv.prepare(["a"], [6]).tolist() == list(range(6))
+    with pytest.raises(ValueError, match="exceed max_seq_len"):
+        kv.prepare(["a"], [1])
+    assert kv.prepare(["b"], [5]).tolist() == list(range(5)) and kv.prepare(["b"], [1]).tolist() == [5]
+    with pytest.raises(ValueError, match="no free cache row"):
+        kv.prepare(["c"], [1])
+    for _ in range(3):  # free and take again, more times than there are rows
+        kv.free("a")
+        assert kv.prepare(["c"], [2]).tolist() == [0, 1] and kv.batch_lens.tolist() == [2]
+        kv.free("c")
+        assert kv.prepare(["a"], [1]).tolist() == [0]
+    assert kv.used() == 2 * 6 and sorted(kv.rows) == ["a", "b"]

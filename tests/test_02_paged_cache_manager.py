@@ -470,3 +470,79 @@ def test_kernels_read_the_device_tables():
             t += n
         checked += 1
     assert checked > 25
+
+
+@pytest.mark.parametrize("preempt", ["recompute", "swap"])
+def test_preemption_order_against_the_policy(preempt):
+    """vLLM's policy, checked on every step of random traces through a small pool: first come first served (every
+    running request arrived before every waiting one, the queue stays in arrival order); the victim of a preemption
+    is the newest running request (the last admitted, or swapped back in); a recomputed one goes back to the head of
+    the queue (and one admitted that did not fit: few block-table rows), a swapped one comes back before any new
+    admission, swapped-out requests in the order they left."""
+    rng = random.Random(preempt)
+    for trial in range(12):
+        n, B = rng.randint(4, 9), rng.choice([1, 2, 4])
+        p, o = [rng.randint(1, 10) for _ in range(n)], [rng.randint(2, 12) for _ in range(n)]
+        blocks = max(P.cdiv(pi + oi - 1, B) for pi, oi in zip(p, o)) + rng.randint(0, 3)
+        kv = P.PagedKVCache(1, blocks, B, 1, 1, watermark=0.0, max_seqs=rng.randint(1, 5))  # few rows: held back
+        sched = P.Scheduler(kv, rng.randint(2, 6), preempt)
+        sched.waiting.extend(P.Request(i, [0] * pi, oi) for i, (pi, oi) in enumerate(zip(p, o)))
+        swapped_out, swapped_in = [], []
+        while sched.busy:
+            before, seen = [r.rid for r in sched.running], len(sched.events)
+            sched.step(lambda batch, tokens, positions: [0] * len(batch))
+            new = sched.events[seen:]
+            order = before + [e.rid for e in new if e.kind == "swap_in"]  # running, oldest (re)admission first
+            victims = [order.index(e.rid) for e in new if e.kind in ("preempt", "swap_out")]
+            kept = [order.index(r.rid) for r in sched.running if r.rid in order]
+            assert all(v > k for v in victims for k in kept), (trial, new)  # the newest go first
+            assert victims == sorted(victims, reverse=True), new  # newest first, one after the other
+            waiting = [r.rid for r in sched.waiting]
+            assert waiting == sorted(waiting), (trial, waiting)  # a preempted request is back at the head
+            assert all(r.rid < w for r in sched.running for w in waiting), (trial, new)  # nobody overtook
+            swapped_in += [e.rid for e in new if e.kind == "swap_in"]
+            if any(e.kind == "admit" for e in new):  # swapped ones come back before anyone new is admitted
+                assert len(swapped_in) == len(swapped_out), (trial, new)
+            swapped_out += [e.rid for e in new if e.kind == "swap_out"]
+        assert swapped_in == swapped_out  # first out, first back
+        assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o
+
+
+@pytest.mark.parametrize("B", [1, 3, 4])
+def test_admission_takes_exactly_what_fits_above_the_watermark(B):
+    """The first step admits, first come first served, the longest run of requests whose prompts' blocks (rounded up)
+    leave at least the watermark free; the first request only has to fit. Brute force over random prompts."""
+    rng = random.Random(B)
+    for _ in range(60):
+        blocks, wm = rng.randint(4, 30), rng.choice([0.0, 0.1, 0.2, 0.34])
+        p = [rng.randint(1, rng.choice([3 * B + 2, blocks * B])) for _ in range(rng.randint(1, 8))]  # or one alone
+        m = P.BlockManager(blocks, B, wm)
+        sched = P.Scheduler(m, rng.randint(1, 8))
+        sched.waiting.extend(P.Request(i, [0] * pi, 3) for i, pi in enumerate(p))
+        want, taken = [], 0
+        for i, pi in enumerate(p):
+            need = -(-pi // B)
+            if len(want) == sched.max_running or blocks - taken - need < (0 if i == 0 else int(wm * blocks)):
+                break
+            want.append(i)
+            taken += need
+        assert [r.rid for r in sched.admit()] == want, (blocks, wm, p)
+
+
+def test_copy_on_write_only_for_a_shared_partial_block():
+    """fork, then append: a full shared last block is not copied (the new tokens start a new block), a partial
+    one is copied once, by the first writer; the last holder writes in place."""
+    m = P.BlockManager(10, 4, 0.0)
+    m.append("a", 8)  # two full blocks
+    m.fork("a", "b")
+    assert m.append("b", 1) == [] and m.block_tables["b"][:2] == m.block_tables["a"] and m.num_free == 7
+    assert m.ref_count[m.block_tables["a"][0]] == m.ref_count[m.block_tables["a"][1]] == 2
+    m.append("c", 6)  # one full block, one half full
+    m.fork("c", "d")
+    m.fork("c", "e")
+    last = m.block_tables["c"][1]
+    assert m.blocks_needed("d", 1) == 1 and m.blocks_needed("d", 3) == 2  # the copy, then a new block
+    assert m.append("d", 1) == [(last, m.block_tables["d"][1])] and m.ref_count[last] == 2
+    assert m.append("e", 2) == [(last, m.block_tables["e"][1])] and m.ref_count[last] == 1
+    assert m.append("c", 2) == [] and m.block_tables["c"][1] == last and m.check()
+    assert m.num_free == 10 - 7  # a (and b): 2, b: 1 of its own, c: 2, d and e: a copy each

@@ -973,3 +973,94 @@ def test_held_schemas_sound_and_complete():
     print(dict(counts))
     floor = (0.84, 0.97) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
     assert counts["compiled"] >= floor[0] * n and counts["accepted"] >= floor[1] * counts["valid"], counts
+
+
+class ByteTok:
+    """Every byte a token (ids 1..256), EOS 0: what an index over bytes alone allows, for brute-force models."""
+    special, eos_id = {"<eos>": 0}, 0
+    vocab = [b"<eos>"] + [bytes([b]) for b in range(256)]
+    vocab_size = len(vocab)
+    token_bytes = vocab.__getitem__
+
+    @staticmethod
+    def encode(text):
+        return [1 + b for b in text.encode()]
+
+
+ASCII_PATTERNS = [r"(ab|cd){1,3}e?", r"abc(de|fg)hij", r'\{"name": "[a-z]{1,3}", "age": [0-9]{1,2}\}', r"x(yz)*w",
+                  r"(foo|bar)baz(qux)?", r"a{3,5}b"]
+
+
+def brute_jump(pattern, text):
+    """The forced string after text, by trying every next character with partial matching: append the one character
+    that can follow while exactly one can and text is not already a full match."""
+    out = ""
+    while regex.fullmatch(pattern, text + out) is None:
+        nxt = [c for c in map(chr, range(128)) if regex.fullmatch(pattern, text + out + c, partial=True)]
+        if len(nxt) != 1:
+            break
+        out += nxt[0]
+    return out
+
+
+@pytest.mark.parametrize("pattern", ASCII_PATTERNS)
+def test_jump_is_the_forced_string_against_partial_matching(pattern):
+    """jump(state) after random texts equals the brute-force forced string; the allowed tokens are exactly the bytes
+    that keep a partial match, EOS exactly where the text is a full match; constrained_decode with jump-forward
+    (no jump either) yields a full match."""
+    index, rng = m.TokenIndex(pattern, ByteTok()), random.Random(pattern)
+    for _ in range(15):
+        text, state = "", 0
+        while True:
+            assert index.jump(state).decode() == brute_jump(pattern, text), (pattern, text)
+            allowed = index.allowed(state)
+            want = [1 + ord(c) for c in map(chr, range(128)) if regex.fullmatch(pattern, text + c, partial=True)]
+            assert allowed[1:129].nonzero()[:, 0].add(1).tolist() == want and not allowed[129:].any()
+            assert bool(allowed[0]) == (regex.fullmatch(pattern, text) is not None), (pattern, text)
+            if not want or rng.random() < 0.1:
+                break
+            t = rng.choice(want)
+            text, state = text + chr(t - 1), index.step(state, t)
+    heads = index.compressed_edges()
+    assert all(v == index.jump(s) and v for s, v in heads.items()) and (0 in heads) == bool(index.jump(0))
+    for seed in range(4):
+        logits = random_logits_fn(ByteTok.vocab_size, seed)
+        runs = [m.constrained_decode(index, ByteTok(), [], logits, 60, jump, temperature=1.0, seed=seed)
+                for jump in (False, True)]
+        for r in runs:
+            assert r["finished"] and re.fullmatch(pattern, r["text"]), r
+
+
+def test_constrained_decode_stops_at_max_new_tokens_and_eos():
+    """max_new_tokens tokens exactly (not one more) when the model never stops; EOS ends it at once when it is
+    the only choice (no forward pass for it)."""
+    index = m.TokenIndex(r"a*", ByteTok())
+    favour_a = lambda ids, keep: torch.arange(257.0) * 0 + torch.nn.functional.one_hot(torch.tensor(1 + 97), 257) * 9
+    for n in (1, 2, 5):
+        r = m.constrained_decode(index, ByteTok(), [5], favour_a, n)
+        assert r["ids"] == [98] * n and r["text"] == "a" * n and not r["finished"] and r["forward_passes"] == n
+    r = m.constrained_decode(m.TokenIndex(r"ab", ByteTok()), ByteTok(), [5], favour_a, 10)
+    assert r["text"] == "ab" and r["finished"] and r["forward_passes"] == 0 and r["jumps"] == 1
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 1.0), (2.0, 0.8), (1.0, 0.5), (0.7, 0.3)])
+def test_sample_draws_the_nucleus_distribution(temperature, top_p):
+    """sample() against its definition, in float64: softmax(logits / temperature), cut to the smallest set of most
+    likely tokens whose mass reaches top_p (the token that crosses top_p is kept), renormalised. 40,000 draws:
+    every kept token's frequency within 5 sigma, no token outside the nucleus ever drawn; same seed, same draws."""
+    g = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
+    logits = torch.randn(8, generator=g, dtype=torch.float64) * 1.5
+    logits[3] = float("-inf")  # a masked token: never drawn
+    p = torch.softmax(logits / temperature, -1)
+    order = p.argsort(descending=True)
+    before = p[order].cumsum(0) - p[order]  # mass of the more likely tokens
+    keep = order[(before < top_p) & (p[order] > 0)]
+    want = torch.zeros_like(p)
+    want[keep] = p[keep] / p[keep].sum()
+    B = 40000
+    draws = m.sample(logits.float().expand(B, -1), temperature, top_p, torch.Generator().manual_seed(1))
+    freq = torch.bincount(draws, minlength=8).double() / B
+    assert set(draws.unique().tolist()) == set(keep.tolist())
+    assert ((freq - want).abs() <= 5 * (want * (1 - want) / B).sqrt() + 1e-9).all(), (freq, want)
+    again = m.sample(logits.float().expand(B, -1), temperature, top_p, torch.Generator().manual_seed(1))
+    assert torch.equal(draws, again) and torch.equal(m.sample(logits[None].float(), 0.0, top_p), logits.argmax()[None])

@@ -1,0 +1,346 @@
+"""Held-out subtle bugs (mutants) against each stage's CPU tests: every one must make its stage fail.
+
+    python tests/mutants.py [stage ...] [--list] [--timeout S] [--keep]
+
+Each mutant is the kind of bug an attendee writes doing the workshop's exercises (an off-by-one, a boundary one
+step off, a case forgotten, an order reversed, a count one short): an exact snippet of a lesson and its mutated
+form. The runner copies the repository to a temporary folder once, applies one mutant at a time, runs the
+stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. A snippet that no longer occurs
+exactly once in its file is reported as STALE (the lesson moved on: update the mutant). Not part of the default
+`pytest` run (it takes minutes per stage); exit status 1 if any mutant survived or went stale.
+
+References: mutation testing (DeMillo, Lipton, Sayward 1978, "Hints on test data selection"); mutmut and
+cosmic-ray do this automatically for every operator, here the list is hand-picked to the ideas each stage teaches.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import namedtuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = {"01": ["tests/test_01_kv_cache.py"], "02": ["tests/test_02_paged_cache_manager.py"],
+         "03": ["tests/test_03_token_allocator.py"], "04": ["tests/test_04_triton_token_attn.py"],
+         "05": ["tests/test_05_radix_scheduler.py"], "06": ["tests/test_06_jump_forward_fsm.py"]}
+FILES = {"01": "01_kv_cache.py", "02": "02_paged_cache_manager.py", "03": "03_token_allocator.py",
+         "04": "04_triton_token_attn.py", "05": "05_radix_scheduler.py", "06": "06_jump_forward_fsm.py"}
+SKIP = {"06": "not schemas_sound_and_complete and not not_and_one_of"}  # JSON-schema breadth (4 min): no mutant
+# below touches the schema compiler; leaving tests out can only let a mutant survive, never catch one wrongly
+Mutant = namedtuple("Mutant", "stage what old new")  # stage: its file and its tests; old -> new in that file
+
+MUTANTS = [
+    # ---- 01: the contiguous cache's prepare / attend / free, and the reference attention ----
+    Mutant("01", "a token's slot forgets its row's offset (row * max_seq_len)",
+           "(tok_rows * self.max_seq_len + positions)", "(tok_rows + positions)"),
+    Mutant("01", "the lengths the decode reads are one short",
+           "[rows, [p + n for p, n in zip(starts, n_new)]]", "[rows, [p + n - 1 for p, n in zip(starts, n_new)]]"),
+    Mutant("01", "new tokens' positions start one past the stored ones",
+           "torch.cat([torch.arange(p, p + n) for p, n in zip(starts, n_new)])",
+           "torch.cat([torch.arange(p + 1, p + n + 1) for p, n in zip(starts, n_new)])"),
+    Mutant("01", "a request exactly max_seq_len long is refused (boundary one step off)",
+           "if have + n > self.max_seq_len:", "if have + n >= self.max_seq_len:"),
+    Mutant("01", "a new request's row is not taken off the free list (two requests share a row)",
+           "self.rows[s] = self.free_rows.pop(0)", "self.rows[s] = self.free_rows[0]"),
+    Mutant("01", "free forgets to reset the row's length (the next request starts after the old tokens)",
+           "        row = self.rows.pop(seq_id)\n        self.lens[row] = 0\n",
+           "        row = self.rows.pop(seq_id)\n"),
+    Mutant("01", "free forgets to return the row (rows leak)",
+           "        self.lens[row] = 0\n        self.free_rows.append(row)\n", "        self.lens[row] = 0\n"),
+    Mutant("01", "prefill of several requests: every request reads the first one's queries",
+           "            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))\n            t += n\n",
+           "            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))\n"),
+    Mutant("01", "prefill reads one key short of the request's new length",
+           "idx = table_slots(self.table, [r], p + n, self.page)[0]",
+           "idx = table_slots(self.table, [r], p + n - 1, self.page)[0]"),
+    Mutant("01", "causal mask: a query does not see its own key",
+           "mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]",
+           "mask = torch.arange(L, device=q.device) < torch.arange(L - n, L, device=q.device)[:, None]"),
+    Mutant("01", "decode mask reads one key past each length",
+           "mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]",
+           "mask = torch.arange(k.shape[1], device=q.device) <= seq_lens[:, None]"),
+    Mutant("01", "a batch is decode when ANY request feeds one token (a mixed batch takes the decode path)",
+           "if all(n == 1 for n in n_new):  # decode", "if any(n == 1 for n in n_new):  # decode"),
+
+    # ---- 02: BlockManager (append, copy-on-write, fork, free) and the Scheduler's preemption ----
+    Mutant("02", "copy-on-write also when the shared last block is full (a needless copy)",
+           "cow = n > 0 and have % self.block_size != 0 and", "cow = n > 0 and"),
+    Mutant("02", "copy-on-write forgotten when the block is shared by two (refcount > 2 taken for > 1)",
+           "self.ref_count[last] - copied[last] > 1", "self.ref_count[last] - copied[last] > 2"),
+    Mutant("02", "copy-on-write counted per sequence, not once per shared block in a batch",
+           "self.ref_count[last] - copied[last] > 1", "self.ref_count[last] > 1"),
+    Mutant("02", "blocks needed rounded down instead of up",
+           "return cdiv(have + n, self.block_size) - len(table) + cow", "return (have + n) // self.block_size - len(table) + cow"),
+    Mutant("02", "a new sequence's blocks rounded down",
+           "        if not table:\n            return cdiv(n, self.block_size)",
+           "        if not table:\n            return n // self.block_size"),
+    Mutant("02", "a shared block goes back to the free list while another sequence still holds it",
+           "        if self.ref_count[block] == 0:\n            self.free_blocks.append(block)",
+           "        if self.ref_count[block] <= 1:\n            self.free_blocks.append(block)"),
+    Mutant("02", "fork forgets the children's references (refcounts stay 1)",
+           "        for b in self.block_tables[child]:\n            self.ref_count[b] += 1\n", ""),
+    Mutant("02", "fork aliases the parent's table instead of copying it",
+           "self.block_tables[child] = list(self.block_tables[parent])",
+           "self.block_tables[child] = self.block_tables[parent]"),
+    Mutant("02", "admission keeps the watermark free with one block to spare (>= taken for >)",
+           "- cdiv(n_tokens, self.block_size) >= (0 if alone else self.watermark_blocks)",
+           "- cdiv(n_tokens, self.block_size) > (0 if alone else self.watermark_blocks)"),
+    Mutant("02", "a request that would run alone must still leave the watermark",
+           "if not m.can_allocate(n, taken, alone=not (self.running or batch)):",
+           "if not m.can_allocate(n, taken):"),
+    Mutant("02", "preemption picks the oldest running request instead of the newest",
+           "victim = next((r for r in reversed(batch) if id(r) not in running), batch[-1])",
+           "victim = next((r for r in reversed(batch) if id(r) not in running), batch[0])"),
+    Mutant("02", "a preempted request is requeued at the tail (it loses its place)",
+           "            self.release(req)\n            self.waiting.appendleft(req)",
+           "            self.release(req)\n            self.waiting.append(req)"),
+    Mutant("02", "a held-back request is requeued at the tail",
+           "        self.log(\"hold_back\", req, 0)\n        self.release(req)\n        self.waiting.appendleft(req)",
+           "        self.log(\"hold_back\", req, 0)\n        self.release(req)\n        self.waiting.append(req)"),
+    Mutant("02", "swapped-out requests come back newest first",
+           "req, saved = self.swapped.popleft()", "req, saved = self.swapped.pop()"),
+    Mutant("02", "a request ends one token late (max_new counted with >)",
+           "self.done = token in self.stop_ids or len(self.output) >= self.max_new",
+           "self.done = token in self.stop_ids or len(self.output) > self.max_new"),
+    Mutant("02", "the device table skips the block copy-on-write replaced",
+           "first = n - 1 if n and table[n - 1] != last else n", "first = n"),
+    Mutant("02", "admission counts blocks taken this step one short",
+           "taken += cdiv(n, m.block_size)", "taken += n // m.block_size"),
+
+    # ---- 03: TokenAllocator alloc (cumsum / searchsorted), alloc_contiguous, free; TokenKVCache ----
+    Mutant("03", "alloc looks for the 0th..n-1th free slot (off by one)",
+           "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(0, n, device=self.device)"),
+    Mutant("03", "searchsorted from the right (the slot after each free one)",
+           "self._take(torch.searchsorted(cum, want))", "self._take(torch.searchsorted(cum, want, right=True))"),
+    Mutant("03", "alloc refuses to take the very last free slots",
+           "        if n > self.n_free:\n            return None\n        cum",
+           "        if n >= self.n_free:\n            return None\n        cum"),
+    Mutant("03", "alloc_contiguous without the leading zero: every run starts one slot late",
+           "c = F.pad((self.mem_state == 0).cumsum(0), (1, 0))", "c = (self.mem_state == 0).cumsum(0)"),
+    Mutant("03", "alloc_contiguous returns a run that is not free when no run exists",
+           "        if not bool(runs[start]):\n            return self.alloc(n)\n", ""),
+    Mutant("03", "alloc_contiguous takes the run one slot further",
+           "torch.arange(start, start + n, device=self.device))", "torch.arange(start + 1, start + n + 1, device=self.device))"),
+    Mutant("03", "alloc_contiguous: a run of n - 1 free slots is good enough",
+           "runs = (c[n:] - c[:-n]) == n", "runs = (c[n:] - c[:-n]) >= n - 1"),
+    Mutant("03", "free counts every freed slot as free, shared ones too",
+           "self.n_free += n_zero", "self.n_free += uniq.numel()"),
+    Mutant("03", "free drops one reference per distinct slot, not per repeat",
+           "left = self.mem_state[uniq.clamp(0, self.size - 1)] - count",
+           "left = self.mem_state[uniq.clamp(0, self.size - 1)] - 1"),
+    Mutant("03", "inc_ref accepts a free slot",
+           "if lo < 0 or hi >= self.size or low_ref <= 0:", "if lo < 0 or hi >= self.size or low_ref < 0:"),
+    Mutant("03", "prepare: each request's first new token offset counts its own tokens (cumsum, not exclusive)",
+           "first = n_t.cumsum(0) - n_t ", "first = n_t.cumsum(0) "),
+    Mutant("03", "free forgets the request's req_to_token row",
+           "        self.req_pool.free(self.rows.pop(seq_id))\n", "        self.rows.pop(seq_id)\n"),
+    Mutant("03", "prepare refuses a request exactly max_seq_len long",
+           "if n < 0 or p + n > self.max_seq_len:", "if n < 0 or p + n >= self.max_seq_len:"),
+    Mutant("03", "share_prefix moves references in the wrong order: frees its own before sharing",
+           "        self.allocator.inc_ref(slots)\n        self.req_to_token[row, start:start + slots.numel()] = slots.int()"
+           "\n        self.allocator.free(own)",
+           "        self.req_to_token[row, start:start + slots.numel()] = slots.int()\n        self.allocator.free(own)"),
+
+    # ---- 04: the decode kernel's tile loop (online softmax), the split combine, the extend kernel's mask ----
+    Mutant("04", "online softmax: the output accumulator is not rescaled by the new max",
+           "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot("),
+    Mutant("04", "online softmax: the running sum is not rescaled by the new max",
+           "l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
+    Mutant("04", "online softmax: exp instead of exp2 for the probabilities (scale is in log2 units)",
+           "p = tl.exp2(s - m_new[:, None])", "p = tl.exp(s - m_new[:, None])"),
+    Mutant("04", "a split's chunk rounded down: the last tokens belong to no split",
+           "return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N",
+           "return tl.cdiv(seq_len // num_splits, BLOCK_N) * BLOCK_N"),
+    Mutant("04", "a split reads past the request's length",
+           "end = tl.minimum(start + chunk, seq_len)", "end = start + chunk"),
+    Mutant("04", "the tile mask includes one key past the split's end",
+           "        n = n0 + offs_n\n        nmask = n < end\n", "        n = n0 + offs_n\n        nmask = n <= end\n"),
+    Mutant("04", "the combine counts one empty split too",
+           "smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))",
+           "smask = offs_s <= tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))"),
+    Mutant("04", "the combine weighs the splits with exp instead of exp2",
+           "w = tl.exp2(lse - tl.max(lse, 0))", "w = tl.exp(lse - tl.max(lse, 0))"),
+    Mutant("04", "a split's log-sum-exp mixes natural log into log2 units",
+           "m_i + tl.log2(l_i), mask=hmask)", "m_i + tl.log(l_i), mask=hmask)"),
+    Mutant("04", "the combine forgets to normalise by the weights' sum",
+           "out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)", "out = tl.sum(o * w[:, None], 0)"),
+    Mutant("04", "extend: causal mask key < query (a token does not see itself)",
+           "n[None, :] <= pos[:, None], m_i", "n[None, :] < pos[:, None], m_i"),
+    Mutant("04", "extend: the block's key range stops one short of its last query",
+           "hi = prefix + tl.minimum((r0 + BLOCK_R - 1) // GROUP + 1, n_new)",
+           "hi = prefix + tl.minimum((r0 + BLOCK_R - 1) // GROUP, n_new)"),
+    Mutant("04", "extend: each request's first query offset counts its own tokens",
+           "q_start = extend.cumsum(0, dtype=torch.int32) - extend ", "q_start = extend.cumsum(0, dtype=torch.int32) "),
+    Mutant("04", "extend: row blocks cover new tokens, not (token, head) pairs",
+           "for r in range(0, n * group, rows)]", "for r in range(0, n, rows)]"),
+    Mutant("04", "a page's slot forgets the page size (table entry + offset)",
+           "    return entry * page + n % page", "    return entry + n % page"),
+
+    # ---- 05: RadixCache match_prefix / insert (split) / evict (LRU, locks), lpm order, chunked prefill ----
+    Mutant("05", "the edge split keeps one token too many on the new node",
+           "new = Node(child.key[:n], child.value[:n], child.parent, self.serial)",
+           "new = Node(child.key[:n + 1], child.value[:n + 1], child.parent, self.serial)"),
+    Mutant("05", "a walk does not stamp the nodes it passes (LRU sees only inserts)",
+           "            child.last_access = self.clock\n            values.append(child.value)",
+           "            values.append(child.value)"),
+    Mutant("05", "evict takes the most recently used leaf first",
+           "heap = [(x.last_access, x.serial, x) for x", "heap = [(-x.last_access, x.serial, x) for x"),
+    Mutant("05", "evict also takes locked leaves",
+           "if not x.children and x.lock_ref == 0]", "if not x.children]"),
+    Mutant("05", "a parent left childless is never evicted",
+           "            if not parent.children and parent.lock_ref == 0:  # a parent left childless is the next "
+           "candidate\n                heapq.heappush(heap, (parent.last_access, parent.serial, parent))\n", ""),
+    Mutant("05", "evict frees one leaf more than needed (<= n)",
+           "while freed < n and heap:", "while freed <= n and heap:"),
+    Mutant("05", "match_prefix without compute_last: the whole prompt may be cached (no token left to compute)",
+           "key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)", "key = tuple(tokens)"),
+    Mutant("05", "insert's new leaf starts one token late",
+           "leaf = Node(key[n:], key[n:] if slots is None else slots[n:len(key)].clone(), node, self.serial)",
+           "leaf = Node(key[n + 1:], key[n + 1:] if slots is None else slots[n + 1:len(key)].clone(), node, self.serial)"),
+    Mutant("05", "insert returns the tokens it added instead of those already cached",
+           "                self.allocator.inc_ref(leaf.value)\n        return n",
+           "                self.allocator.inc_ref(leaf.value)\n        return len(key) - n"),
+    Mutant("05", "_common counts one token past the first difference",
+           "    while edge[j] == key[i + j]:\n        j += 1\n    return j",
+           "    while edge[j] == key[i + j]:\n        j += 1\n    return j + 1"),
+    Mutant("05", "lock: ancestors are not locked (only the node itself)",
+           "            node.lock_ref += 1\n            node = node.parent\n        return delta",
+           "            node.lock_ref += 1\n            break\n        return delta"),
+    Mutant("05", "lpm orders the shortest cached prefix first",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: len(r.prefix))"),
+    Mutant("05", "lpm ties broken newest first (not stable FCFS)",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: (-len(r.prefix), -r.rid))"),
+    Mutant("05", "dfs-weight visits the lightest subtree first",
+           "for c in sorted(node.children.values(), key=lambda c: -weight[c]):",
+           "for c in sorted(node.children.values(), key=lambda c: weight[c]):"),
+    Mutant("05", "reserve: a request reserves max_new slots for decode, one too many",
+           "need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block",
+           "need = -(-(extend + (r.max_new if self.reserve is True else 0)) // block) * block"),
+    Mutant("05", "chunked prefill: a prompt that exactly fills the step is cut anyway",
+           "over = prefill + extend - step  # > 0", "over = prefill + extend - step + 1  # > 0"),
+    Mutant("05", "chunked prefill: the last chunk is not recognised (samples a step late)",
+           "return self.chunk is None or self.chunk >= self.missing", "return self.chunk is None or self.chunk > self.missing"),
+    Mutant("05", "a prompt sharing a prefix with one admitted this step waits even below IN_BATCH_MIN",
+           "if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:",
+           "if aware and len(batch.match_prefix(r.tokens)[0]) > cached:"),
+    Mutant("05", "a node split at a page boundary one page early",
+           "n = _common(child.key, key, i) // self.page * self.page",
+           "n = max(self.page, (_common(child.key, key, i) - 1) // self.page * self.page)"),
+
+    # ---- 06: TokenIndex (allowed, jump / compressed edges) and jump-forward decoding ----
+    Mutant("06", "forced: a state with one byte out is forced even when it may stop (accepting)",
+           "self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept", "self.forced = (dfa.table >= 0).sum(1) == 1"),
+    Mutant("06", "forced: a state with at most one byte out (dead ends too)",
+           "self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept",
+           "self.forced = ((dfa.table >= 0).sum(1) <= 1) & ~dfa.accept"),
+    Mutant("06", "jump stops one byte short of the chain's end",
+           "            self.jumps[state] = bytes(out)", "            self.jumps[state] = bytes(out[:-1])"),
+    Mutant("06", "EOS allowed in every state, not only accepting ones",
+           "allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]", "allowed[:, self.eos] = True"),
+    Mutant("06", "the index misses tokens that end at the first trie level",
+           "allowed[owner[token >= 0] - c0, token[token >= 0]] = True",
+           "allowed[owner[token > 0] - c0, token[token > 0]] = True"),
+    Mutant("06", "compressed edges: heads only where a choice enters, not the start state",
+           "heads = np.union1d(0, self.dfa.table[~self.forced])", "heads = np.unique(self.dfa.table[~self.forced])"),
+    Mutant("06", "jump-forward keeps a partial UTF-8 character",
+           "jump = jump[len(text):len(jump.decode(\"utf-8\", \"ignore\").encode())]", "jump = jump[len(text):]"),
+    Mutant("06", "after a jump the KV keeps the old tokens (keep not cut back to the common prefix)",
+           "ids, keep = new, min(keep, len(os.path.commonprefix([ids, new])))", "ids = new"),
+    Mutant("06", "nothing-left-to-choose check ignores EOS (calls the model for a forced stop)",
+           "if allowed[index.eos] and allowed.sum() == 1:", "if allowed.sum() == 0:"),
+    Mutant("06", "top-p drops the token that crosses p (the nucleus is one short)",
+           "p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0", "p_sorted[p_sorted.cumsum(-1) > top_p] = 0"),
+    Mutant("06", "top-p keeps one token past the nucleus (>= for >)",
+           "p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0", "p_sorted[(p_sorted.cumsum(-1) - p_sorted) >= top_p] = 0"),
+    Mutant("06", "temperature multiplies instead of divides",
+           "probs = torch.softmax(logits / temperature, dim=-1)", "probs = torch.softmax(logits * temperature, dim=-1)"),
+    Mutant("06", "max_new_tokens counts one token too many",
+           "while len(ids) - n0 < max_new_tokens:", "while len(ids) - n0 <= max_new_tokens:"),
+]
+
+
+def copy_repo(dst, tests_from=None):
+    """The files the tests read: top-level .py files, pytest.ini, tests/ (git-tracked and untracked, not ignored);
+    tests_from: a git revision to take the stage tests from instead (what they caught before a change)."""
+    names = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\n")
+    for n in filter(None, names):
+        if (n.endswith(".py") and "/" not in n) or n == "pytest.ini" or n.startswith("tests/"):
+            os.makedirs(os.path.join(dst, os.path.dirname(n)), exist_ok=True)
+            if os.path.exists(os.path.join(ROOT, n)):
+                shutil.copy2(os.path.join(ROOT, n), os.path.join(dst, n))
+    for n in [t for ts in TESTS.values() for t in ts] if tests_from else []:
+        with open(os.path.join(dst, n), "w") as f:
+            f.write(subprocess.run(["git", "show", f"{tests_from}:{n}"], cwd=ROOT, capture_output=True, text=True,
+                                   check=True).stdout)
+
+
+def run(mutants, timeout, keep=False, tests_from=None, k=""):
+    work = tempfile.mkdtemp(prefix="mutants-")
+    copy_repo(work, tests_from)
+    results = []
+    try:
+        for mu in mutants:
+            path = os.path.join(work, FILES[mu.stage])
+            src = open(path).read()
+            if src.count(mu.old) != 1:
+                results.append((mu, "STALE", 0.0))
+                print(f"{mu.stage}  STALE     {mu.what} (snippet found {src.count(mu.old)} times)", flush=True)
+                continue
+            open(path, "w").write(src.replace(mu.old, mu.new))
+            t0 = time.time()
+            try:
+                cmd = [sys.executable, "-m", "pytest", *TESTS[mu.stage], "-x", "-q", "-p", "no:cacheprovider",
+                       "-m", "not gpu", "-k", " and ".join(f"({x})" for x in (SKIP.get(mu.stage), k) if x)]
+                p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout,
+                                   env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+                verdict = "SURVIVED" if p.returncode == 0 else "caught"  # 1: a test failed; 2: it broke the import
+                why = next((ln for ln in p.stdout.splitlines() if ln.startswith("FAILED")), "")
+            except subprocess.TimeoutExpired:
+                verdict, why = "caught", "(timed out: counts as caught)"
+            finally:
+                open(path, "w").write(src)
+            results.append((mu, verdict, time.time() - t0))
+            print(f"{mu.stage}  {verdict:8s} {time.time() - t0:5.0f}s  {mu.what}  {why[:100]}", flush=True)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    p.add_argument("stages", nargs="*", help=f"stages to run (default: all of {', '.join(FILES)})")
+    p.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    p.add_argument("--only", type=int, nargs="*", help="indices (of --list) to run")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per mutant (a hang counts as caught)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    p.add_argument("--tests-from", metavar="REV", help="run the stage tests of a git revision (e.g. main)")
+    p.add_argument("-k", default="", help="only the tests pytest's -k selects (a quick look, not the verdict)")
+    a = p.parse_args(argv)
+    bad = [s for s in a.stages if s not in FILES]
+    if bad:
+        p.error(f"unknown stage {bad[0]!r}: choose from {', '.join(FILES)}")
+    chosen = [(i, mu) for i, mu in enumerate(MUTANTS) if (not a.stages or mu.stage in a.stages)
+              and (a.only is None or i in a.only)]
+    if a.list:
+        for i, mu in chosen:
+            print(f"{i:3d}  {mu.stage}  {mu.what}")
+        return 0
+    results = run([mu for _, mu in chosen], a.timeout, a.keep, a.tests_from, a.k)
+    print("\nstage  mutants  caught  survived  stale")
+    for s in sorted({mu.stage for mu, _, _ in results}):
+        r = [v for mu, v, _ in results if mu.stage == s]
+        print(f"{s:5s}  {len(r):7d}  {sum(v != 'SURVIVED' and v != 'STALE' for v in r):6d}  "
+              f"{r.count('SURVIVED'):8d}  {r.count('STALE'):5d}")
+    return int(any(v in ("SURVIVED", "STALE") for _, v, _ in results))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
