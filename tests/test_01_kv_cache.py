@@ -225,38 +225,44 @@ def dense_reference(q, k, v, first):
     return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_contiguous_cache_batches_against_a_brute_force_model(seed):
-    """Many requests through one ContiguousKVCache (no model): random batches of prefills, chunks and decode
-    steps, requests freed and new ones taking their rows; a Python model keeps every request's K/V as a list.
-    Positions, lengths, each token's slot (row * max_seq_len + position) and every output against float64."""
+def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4, D=8):
+    """Drive a KVCache backend (01's rows, 02's blocks, 03's slots; room for max_seqs requests of max_len tokens)
+    through random batches of prefills, chunks and decode steps, requests freed and new ones taking their room,
+    next to a Python model holding every request's K/V as lists. Checks positions, lengths, that every live token
+    has a slot of its own that the table maps it to (the one picture), and every output against float64."""
     g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
-    H, Hkv, D, rows, L = 4, 2, 8, 3, 12
-    kv = m.ContiguousKVCache(1, rows, L, Hkv, D)
-    kv.k_cache.fill_(1e4), kv.v_cache.fill_(-1e4)  # poison (finite: a decode gathers masked stale columns too)
-    model, next_id = {}, 0  # seq_id -> (K rows, V rows) stored so far
-    for step in range(40):
+    Hkv = kv.layer_pools(0)[0].shape[1]
+    for pool in kv.layer_pools(0):
+        pool.fill_(1e4)  # poison (finite: a decode gathers masked stale columns too)
+    model, slot, next_id = {}, {}, 0  # seq_id -> (K rows, V rows) stored so far; (seq_id, position) -> its slot
+    for step in range(steps):
         live = list(model)
-        if live and rng.random() < 0.25:  # a request ends: its row goes back, empty
+        if live and rng.random() < 0.25:  # a request ends: its room goes back
             s = live[rng.integers(len(live))]
             kv.free(s)
             del model[s]
+            slot = {k: v for k, v in slot.items() if k[0] != s}
             continue
-        seqs = [s for s in live if rng.random() < 0.7 and len(model[s][0]) < L]
-        if len(model) < rows and rng.random() < 0.6:
+        seqs = [s for s in live if rng.random() < 0.7 and len(model[s][0]) < max_len]
+        if len(model) < max_seqs and rng.random() < 0.6:
             seqs.append(next_id)
             model[next_id], next_id = ([], []), next_id + 1
         if not seqs:
             continue
         decode = rng.random() < 0.5 and all(model[s][0] for s in seqs)
-        n_new = [1 if decode else int(rng.integers(1, L - len(model[s][0]) + 1)) for s in seqs]
+        n_new = [1 if decode else int(rng.integers(1, max_len - len(model[s][0]) + 1)) for s in seqs]
         starts = [len(model[s][0]) for s in seqs]
         pos = kv.prepare(seqs, n_new)
         assert pos.tolist() == [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
         assert kv.batch_lens.tolist() == [s0 + n for s0, n in zip(starts, n_new)]
-        want = [kv.rows[s] * L + p for s, s0, n in zip(seqs, starts, n_new) for p in range(s0, s0 + n)]
-        assert kv.tok_slots.tolist() == want and len(set(kv.rows[s] for s in model if s in kv.rows)) == len(
-            [s for s in model if s in kv.rows])  # one row per request
+        slot.update(zip([(s, p) for s, s0, n in zip(seqs, starts, n_new) for p in range(s0, s0 + n)],
+                        kv.tok_slots.tolist()))
+        assert len(set(slot.values())) == len(slot), "two live tokens share a slot"
+        for s in model:  # the table maps every live token to its slot
+            if model[s][0] or s in seqs:
+                n = starts[seqs.index(s)] + n_new[seqs.index(s)] if s in seqs else len(model[s][0])
+                got = m.table_slots(kv.table, [kv.rows[s]], n, kv.page)[0].tolist()
+                assert got == [slot[s, p] for p in range(n)], (step, s)
         T = sum(n_new)
         q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
         out = kv.attend(0, q, k, v)
@@ -266,10 +272,17 @@ def test_contiguous_cache_batches_against_a_brute_force_model(seed):
             ref = dense_reference(q[t:t + n], torch.stack(model[s][0]), torch.stack(model[s][1]), s0)
             torch.testing.assert_close(out[t:t + n].double(), ref, atol=1e-5, rtol=1e-5)
             t += n
-        assert {s: kv.lens[kv.rows[s]] for s in model} == {s: len(x[0]) for s, x in model.items()}
     for s in list(model):
         kv.free(s)
-    assert sorted(kv.free_rows) == list(range(rows)) and kv.rows == {} and kv.lens == [0] * rows
+    assert kv.used() == 0 and len(getattr(kv, "rows", {})) == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_contiguous_cache_batches_against_a_brute_force_model(seed):
+    """Many requests through one ContiguousKVCache (no model): each token's slot is row * max_seq_len + position."""
+    kv = m.ContiguousKVCache(1, 3, 12, 2, 8)
+    backend_against_brute_force(kv, seed)
+    assert sorted(kv.free_rows) == [0, 1, 2] and kv.lens == [0] * 3
 
 
 def test_contiguous_cache_fills_a_row_exactly():

@@ -546,3 +546,13 @@ def test_copy_on_write_only_for_a_shared_partial_block():
     assert m.append("e", 2) == [(last, m.block_tables["e"][1])] and m.ref_count[last] == 1
     assert m.append("c", 2) == [] and m.block_tables["c"][1] == last and m.check()
     assert m.num_free == 10 - 7  # a (and b): 2, b: 1 of its own, c: 2, d and e: a copy each
+
+
+@pytest.mark.parametrize("block_size,seed", [(1, 0), (4, 1), (5, 2)])
+def test_paged_cache_batches_against_a_brute_force_model(block_size, seed):
+    """01's brute-force drive through the paged backend: a pool exactly as large as three requests of 12 tokens, so
+    every block counts; each token's slot is table[row, pos // block] * block + pos % block."""
+    from test_01_kv_cache import backend_against_brute_force
+    kv = P.PagedKVCache(1, 3 * P.cdiv(12, block_size), block_size, 2, 8, watermark=0.0, max_seqs=3, max_seq_len=12)
+    backend_against_brute_force(kv, seed)
+    assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check() and sorted(kv.free_rows) == [0, 1, 2]

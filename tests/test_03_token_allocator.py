@@ -266,3 +266,14 @@ def test_cuda_decode_matches_contiguous_cache():
     kv = m.TokenKVCache.for_model(model, 200, max_requests=3, max_seq_len=64)
     kv.allocator.free(kv.allocator.alloc(120)[::2])  # scattered free slots
     assert L.generate(model, kv, prompts, 12) == want and kv.allocator.available() == 140
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_token_cache_batches_against_a_brute_force_model(seed):
+    """01's brute-force drive through the token pool: exactly 3 x 12 slots and 3 request rows, so every slot and
+    row counts (a leaked one is missed at once); each token's slot is req_to_token[row, pos]."""
+    from test_01_kv_cache import backend_against_brute_force
+    kv = m.TokenKVCache(1, 36, 2, 8, max_requests=3, max_seq_len=12)
+    backend_against_brute_force(kv, seed, steps=60)
+    assert kv.allocator.available() == 36 and sorted(kv.req_pool.free_rows) == [0, 1, 2] and kv.lens == {}
+    kv.allocator.check()
