@@ -625,3 +625,79 @@ def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
         for layer in range(model.args.n_layers):
             for got_pool, want_pool in zip(s.kv.layer_pools(layer), fresh.layer_pools(layer)):
                 torch.testing.assert_close(got_pool[slots], want_pool[fresh.slots(0)])
+
+
+def random_waiting(seed, page=1):
+    """A radix tree over random prompts of a 2-token vocabulary and requests matched against it (prefix, node)."""
+    rng = random.Random(seed)
+    kv = pool(page, 4000, rows=40)
+    sched = R.Scheduler(kv, "lpm", max_running=40)
+    for _ in range(rng.randint(2, 10)):
+        insert_new(sched.tree, kv, random_seq(rng, 2, 1, 10))
+    reqs = [sched.add(random_seq(rng, 2, 1, 12), 2) for _ in range(rng.randint(1, 14))]
+    for r in reqs:
+        r.prefix, r.node = sched.tree.match_prefix(r.tokens)
+    return sched, reqs
+
+
+def test_lpm_orders_longest_cached_prefix_first_ties_first_come():
+    """lpm, brute force: by the length of the cached prefix (Brute's longest common prefix, not the tree's word),
+    longest first; equal lengths keep their arrival order; admit() takes them in that order when all fit."""
+    for seed in range(30):
+        sched, reqs = random_waiting(seed)
+        brute = Brute()
+        for path in leaf_paths(sched.tree):
+            brute.insert(path, list(range(len(path))))
+        want = sorted(reqs, key=lambda r: (-len(brute.match(r.tokens)), r.rid))
+        assert [r.rid for r in R.POLICIES["lpm"](sched.tree, None, list(reqs))] == [r.rid for r in want]
+        assert [r.rid for r in sched.admit()] == [r.rid for r in want]
+
+
+def ancestors(node):
+    """node, its parent, ..., the root."""
+    out = [node]
+    while out[-1].parent is not None:
+        out.append(out[-1].parent)
+    return out
+
+
+def test_dfs_weight_visits_the_heaviest_subtree_first():
+    """dfs-weight, checked as its definition on random trees: a request's place is its matched node; sibling
+    subtrees come out whole (no interleaving), the one with more waiting requests first; a node's own requests
+    come after those of every node below it."""
+    for seed in range(30):
+        sched, reqs = random_waiting(seed)
+        order = R.POLICIES["dfs-weight"](sched.tree, None, list(reqs))
+        assert sorted(r.rid for r in order) == [r.rid for r in reqs]
+        below = lambda node: [i for i, r in enumerate(order) if node in ancestors(r.node)]  # its subtree's places
+        for node in sched.tree._nodes():
+            kids = sorted(node.children.values(), key=lambda c: c.serial)
+            spans = [below(c) for c in kids]
+            for s in spans:
+                assert not s or s == list(range(s[0], s[-1] + 1)), "a subtree's requests are not contiguous"
+            busy = [(s[0], -len(s)) for s in spans if s]
+            assert [n for _, n in sorted(busy)] == sorted(n for _, n in busy), "a lighter subtree went first"
+            own = [i for i, r in enumerate(order) if r.node is node]
+            assert all(i > j for i in own for s in spans for j in s), "a node's requests before its subtree's"
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
+def test_chunked_prefill_cuts_at_exactly_the_budget(mixed):
+    """Chunked prefill against its definition: a prompt of L tokens alone, steps of C tokens, is fed in chunks of C
+    and a last one of the rest (L % C, or none), one per step, and samples its first token in the step of its last
+    chunk; a prompt of exactly C runs whole in one step; two prompts that together fit C go in one step."""
+    for C in (1, 3, 4, 7):
+        for L in range(1, 3 * C + 2):
+            sched = R.Scheduler(pool(1, 64), "fcfs", chunk_tokens=C, mixed=mixed)
+            r = sched.add(list(range(1, L + 1)), 2, target=[0, 0])
+            first = None
+            while sched.busy:
+                sched.step()
+                first = first if first is not None or not r.output else sched.stats["steps"]
+            fed = [e.tokens for e in sched.events if e.kind == "prefill"]
+            assert fed == [C] * (L // C) + ([L % C] if L % C else []), (C, L, fed)
+            assert first == len(fed)  # steps counted from 1: the token comes with the last chunk
+        sched = R.Scheduler(pool(1, 64), "fcfs", chunk_tokens=C + 1, mixed=mixed)
+        a, b = sched.add([1] * C, 1, target=[0]), sched.add([2], 1, target=[0])
+        sched.step()
+        assert a.output == b.output == [0] and sched.chunked is None
