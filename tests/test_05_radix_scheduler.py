@@ -701,3 +701,16 @@ def test_chunked_prefill_cuts_at_exactly_the_budget(mixed):
         a, b = sched.add([1] * C, 1, target=[0]), sched.add([2], 1, target=[0])
         sched.step()
         assert a.output == b.output == [0] and sched.chunked is None
+
+
+def test_in_batch_sharing_waits_one_step_from_exactly_in_batch_min():
+    """Two prompts arriving together that share k uncached tokens: below IN_BATCH_MIN both prefill now (computing
+    the k tokens twice is cheaper than a step's wait); from exactly IN_BATCH_MIN on the second waits one step and
+    is then a cache hit of all k."""
+    for k in (1, R.IN_BATCH_MIN - 1, R.IN_BATCH_MIN, R.IN_BATCH_MIN + 1):
+        sched = R.Scheduler(pool(1, 400, rows=8), "lpm")
+        a, b = (sched.add([7] * k + [t, 9], 1, target=[0]) for t in (1, 2))
+        sched.run()
+        admits = [(e.step, e.rid, e.tokens) for e in sched.events if e.kind == "admit"]
+        wait = k >= R.IN_BATCH_MIN  # then b comes in the step after a's prefill, a hit of a's k tokens
+        assert admits == [(0, a.rid, 0), (1, b.rid, k) if wait else (0, b.rid, 0)], (k, admits)
