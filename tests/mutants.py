@@ -74,7 +74,8 @@ MUTANTS = [
     Mutant("02", "copy-on-write counted per sequence, not once per shared block in a batch",
            "self.ref_count[last] - copied[last] > 1", "self.ref_count[last] > 1"),
     Mutant("02", "blocks needed rounded down instead of up",
-           "return cdiv(have + n, self.block_size) - len(table) + cow", "return (have + n) // self.block_size - len(table) + cow"),
+           "return cdiv(have + n, self.block_size) - len(table) + cow",
+           "return (have + n) // self.block_size - len(table) + cow"),
     Mutant("02", "a new sequence's blocks rounded down",
            "        if not table:\n            return cdiv(n, self.block_size)",
            "        if not table:\n            return n // self.block_size"),
@@ -124,7 +125,8 @@ MUTANTS = [
     Mutant("03", "alloc_contiguous returns a run that is not free when no run exists",
            "        if not bool(runs[start]):\n            return self.alloc(n)\n", ""),
     Mutant("03", "alloc_contiguous takes the run one slot further",
-           "torch.arange(start, start + n, device=self.device))", "torch.arange(start + 1, start + n + 1, device=self.device))"),
+           "torch.arange(start, start + n, device=self.device))",
+           "torch.arange(start + 1, start + n + 1, device=self.device))"),
     Mutant("03", "alloc_contiguous: a run of n - 1 free slots is good enough",
            "runs = (c[n:] - c[:-n]) == n", "runs = (c[n:] - c[:-n]) >= n - 1"),
     Mutant("03", "free counts every freed slot as free, shared ones too",
@@ -140,10 +142,9 @@ MUTANTS = [
            "        self.req_pool.free(self.rows.pop(seq_id))\n", "        self.rows.pop(seq_id)\n"),
     Mutant("03", "prepare refuses a request exactly max_seq_len long",
            "if n < 0 or p + n > self.max_seq_len:", "if n < 0 or p + n >= self.max_seq_len:"),
-    Mutant("03", "share_prefix moves references in the wrong order: frees its own before sharing",
-           "        self.allocator.inc_ref(slots)\n        self.req_to_token[row, start:start + slots.numel()] = slots.int()"
-           "\n        self.allocator.free(own)",
-           "        self.req_to_token[row, start:start + slots.numel()] = slots.int()\n        self.allocator.free(own)"),
+    Mutant("03", "share_prefix points at the shared slots without taking a reference on them",
+           "        self.allocator.inc_ref(slots)\n        self.req_to_token[row, start:",
+           "        self.req_to_token[row, start:"),
 
     # ---- 04: the decode kernel's tile loop (online softmax), the split combine, the extend kernel's mask ----
     Mutant("04", "online softmax: the output accumulator is not rescaled by the new max",
@@ -200,7 +201,8 @@ MUTANTS = [
            "key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)", "key = tuple(tokens)"),
     Mutant("05", "insert's new leaf starts one token late",
            "leaf = Node(key[n:], key[n:] if slots is None else slots[n:len(key)].clone(), node, self.serial)",
-           "leaf = Node(key[n + 1:], key[n + 1:] if slots is None else slots[n + 1:len(key)].clone(), node, self.serial)"),
+           "leaf = Node(key[n + 1:], key[n + 1:] if slots is None else slots[n + 1:len(key)].clone(), node, "
+           "self.serial)"),
     Mutant("05", "insert returns the tokens it added instead of those already cached",
            "                self.allocator.inc_ref(leaf.value)\n        return n",
            "                self.allocator.inc_ref(leaf.value)\n        return len(key) - n"),
@@ -257,7 +259,8 @@ MUTANTS = [
     Mutant("06", "top-p sorts ascending: the nucleus is made of the least likely tokens",
            "p_sorted, idx = probs.sort(-1, descending=True)", "p_sorted, idx = probs.sort(-1)"),
     Mutant("06", "temperature multiplies instead of divides",
-           "probs = torch.softmax(logits / temperature, dim=-1)", "probs = torch.softmax(logits * temperature, dim=-1)"),
+           "probs = torch.softmax(logits / temperature, dim=-1)",
+           "probs = torch.softmax(logits * temperature, dim=-1)"),
     Mutant("06", "max_new_tokens counts one token too many",
            "while len(ids) - n0 < max_new_tokens:", "while len(ids) - n0 <= max_new_tokens:"),
 ]
