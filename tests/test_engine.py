@@ -728,3 +728,45 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
         assert len(parts) >= 2 and parts[-1][0] == "outside steps" and parts[-1][1] > -1e-6
         assert abs(sum(ms for _, ms in parts) - x["itl_max_ms"]) < 1e-6 and all(ms > 0 for _, ms in parts[:-1])
     assert "same tokens in every schedule: True" in B.serve_report(r)
+
+
+@pytest.mark.parametrize("backend", ["token", "paged"])
+def test_finish_reasons_counts_and_stop_ids_against_generate(backend):
+    """The engine's decode loop against generate()'s static one (01's contiguous cache), greedy on a random model:
+    the same tokens, cut right after the first stop id ("stop") or at exactly max_new_tokens ("length");
+    ignore_eos runs through the stop ids to max_new_tokens."""
+    model = tiny_model(seed=11)
+    C = L.lesson("01_kv_cache")
+    prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 17)]
+    free = L.generate(model, C.ContiguousKVCache.for_model(model, 3, 64), prompts, 12)
+    stop = [free[0][4], free[1][0]]  # prompt 0 stops at its 5th token (or before), prompt 1 at its first
+    for n_new in (1, 2, 7, 12):
+        want = L.generate(model, C.ContiguousKVCache.for_model(model, 3, 64), prompts, n_new, stop_ids=stop)
+        for ignore in (False, True):
+            tok = type("Tok", (), {"stop_ids": stop, "eos_id": stop[0]})()
+            e = L.Engine(model, tok, backend, kv_tokens=256, max_batch=2, cuda_graphs=False)
+            for p in prompts:
+                e.add(p, L.SamplingParams(max_new_tokens=n_new, ignore_eos=ignore))
+            got = e.run()
+            for sid, out in got.items():
+                ref = [o[:n_new] for o in free][sid] if ignore else want[sid]
+                assert out == ref, (n_new, ignore, sid)
+                assert e.finish_reasons[sid] == ("stop" if out[-1] in stop and not ignore else "length")
+
+
+def test_n_samples_each_draw_from_seed_plus_i():
+    """n samples with a seed: sample i draws from its own generator seeded seed + i, so it equals a request of one
+    sample seeded seed + i, whatever runs beside it; and the n samples differ."""
+    model = tiny_model(seed=12)
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    prompt = list(range(5, 15))
+
+    def run_one(n, seed, also=()):
+        e = L.Engine(model, tok, "token", kv_tokens=512, max_batch=4, cuda_graphs=False)
+        for p in also:
+            e.add(p, L.SamplingParams(max_new_tokens=6, temperature=1.0))
+        ids = e.add(prompt, L.SamplingParams(max_new_tokens=6, temperature=1.0, n=n, seed=seed))
+        out = e.run()
+        return [out[i] for i in ids]
+    many = run_one(3, 40, also=[[1, 2, 3]])
+    assert many == [run_one(1, 40 + i)[0] for i in range(3)] and len({tuple(o) for o in many}) == 3
