@@ -26,9 +26,11 @@ from collections import namedtuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = {"01": ["tests/test_01_kv_cache.py"], "02": ["tests/test_02_paged_cache_manager.py"],
          "03": ["tests/test_03_token_allocator.py"], "04": ["tests/test_04_triton_token_attn.py"],
-         "05": ["tests/test_05_radix_scheduler.py"], "06": ["tests/test_06_jump_forward_fsm.py"]}
+         "05": ["tests/test_05_radix_scheduler.py"], "06": ["tests/test_06_jump_forward_fsm.py"],
+         "engine": ["tests/test_engine.py"]}
 FILES = {"01": "01_kv_cache.py", "02": "02_paged_cache_manager.py", "03": "03_token_allocator.py",
-         "04": "04_triton_token_attn.py", "05": "05_radix_scheduler.py", "06": "06_jump_forward_fsm.py"}
+         "04": "04_triton_token_attn.py", "05": "05_radix_scheduler.py", "06": "06_jump_forward_fsm.py",
+         "engine": "llama3_generate.py"}
 SKIP = {"06": "not schemas_sound_and_complete and not not_and_one_of"}  # JSON-schema breadth (4 min): no mutant
 # below touches the schema compiler; leaving tests out can only let a mutant survive, never catch one wrongly
 Mutant = namedtuple("Mutant", "stage what old new")  # stage: its file and its tests; old -> new in that file
@@ -263,6 +265,25 @@ MUTANTS = [
            "probs = torch.softmax(logits * temperature, dim=-1)"),
     Mutant("06", "max_new_tokens counts one token too many",
            "while len(ids) - n0 < max_new_tokens:", "while len(ids) - n0 <= max_new_tokens:"),
+
+    # ---- the engine (llama3_generate.py): Seq.append's finish, Engine.add's n samples, Engine.forward, generate ----
+    Mutant("engine", "a sequence ends one token late (max_new_tokens counted with >)",
+           "self.done = stop or len(self.output) >= p.max_new_tokens",
+           "self.done = stop or len(self.output) > p.max_new_tokens"),
+    Mutant("engine", "ignore_eos ignored: a stop id ends the sequence anyway",
+           "stop = eos and (not p.ignore_eos or self.index is not None)", "stop = eos"),
+    Mutant("engine", "the finish reason reads the token, not the decision (ignore_eos reports stop)",
+           "self.finish = \"stop\" if stop else \"length\"", "self.finish = \"stop\" if eos else \"length\""),
+    Mutant("engine", "a constrained sequence whose regex allows only EOS still asks the model",
+           "(int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)",
+           "(int(ok.sum()) == 0 or len(self.output) >= p.max_new_tokens)"),
+    Mutant("engine", "n samples with a seed all draw from the same generator",
+           "manual_seed(params.seed + i)", "manual_seed(params.seed)"),
+    Mutant("engine", "logits taken at each sequence's first new token instead of its last",
+           "last = (torch.tensor(n_new).cumsum(0) - 1)[",
+           "last = (torch.tensor(n_new).cumsum(0) - torch.tensor(n_new))["),
+    Mutant("engine", "the static loop keeps decoding past a stop id",
+           "            active = [i for i in active if out[i][-1] not in stop_ids]\n", ""),
 ]
 
 
