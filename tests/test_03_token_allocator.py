@@ -277,3 +277,25 @@ def test_token_cache_batches_against_a_brute_force_model(seed):
     backend_against_brute_force(kv, seed, steps=60)
     assert kv.allocator.available() == 36 and sorted(kv.req_pool.free_rows) == [0, 1, 2] and kv.lens == {}
     kv.allocator.check()
+
+
+def test_share_prefix_moves_one_reference_per_slot():
+    """share_prefix against a refcount model: B's tokens start..start + n point at A's slots, which gain a
+    reference each, while B's own copies lose theirs (free again at once); freeing A then B empties the pool."""
+    for start, n in ((0, 6), (2, 5), (4, 6)):
+        kv = m.TokenKVCache(1, 40, 1, 2, max_requests=3, max_seq_len=16)
+        kv.allocator.alloc(3)  # slots are not simply 0..n-1
+        kv.prepare(["A", "B"], [10, 10])
+        a, b = kv.slots("A").tolist(), kv.slots("B").tolist()
+        ref = [int(x) for x in kv.allocator.mem_state]
+        kv.share_prefix("B", kv.slots("A")[start:start + n], start)
+        for s in a[start:start + n]:
+            ref[s] += 1
+        for s in b[start:start + n]:
+            ref[s] -= 1
+        assert kv.allocator.mem_state.tolist() == ref and kv.allocator.available() == ref.count(0)
+        assert kv.slots("B").tolist() == b[:start] + a[start:start + n] + b[start + n:]
+        kv.free("A")
+        kv.free("B")
+        assert kv.allocator.available() == 37
+        kv.allocator.check()
