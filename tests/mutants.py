@@ -1,6 +1,9 @@
 """Held-out subtle bugs (mutants) against each stage's CPU tests: every one must make its stage fail.
 
-    python tests/mutants.py [stage ...] [--list] [--timeout S] [--keep]
+    python tests/mutants.py [stage ...] [--list] [--only I ...] [--tests-from REV] [-k EXPR] [--timeout S]
+
+stage: 01 .. 06, or engine (llama3_generate.py against tests/test_engine.py). --tests-from main runs main's
+stage tests against the same mutants (what they caught before); -k narrows the tests for a quick look only.
 
 Each mutant is the kind of bug an attendee writes doing the workshop's exercises (an off-by-one, a boundary one
 step off, a case forgotten, an order reversed, a count one short): an exact snippet of a lesson and its mutated
