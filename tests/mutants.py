@@ -325,8 +325,11 @@ def run(mutants, timeout, keep=False, tests_from=None, k=""):
                        "-m", "not gpu", "-k", " and ".join(f"({x})" for x in (SKIP.get(mu.stage), k) if x)]
                 p = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout,
                                    env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
-                verdict = "SURVIVED" if p.returncode == 0 else "caught"  # 1: a test failed; 2: it broke the import
-                why = next((ln for ln in p.stdout.splitlines() if ln.startswith("FAILED")), "")
+                lines = (p.stdout + p.stderr).splitlines()
+                why = next((ln for ln in lines if ln.startswith(("FAILED", "ERROR"))), "")
+                # 1: a test failed; 2: collection broke (the mutant broke an import); else the harness did
+                verdict = "SURVIVED" if p.returncode == 0 else "caught" if why else f"rc={p.returncode}"
+                why = why or (lines[-1] if lines else "")
             except subprocess.TimeoutExpired:
                 verdict, why = "caught", "(timed out: counts as caught)"
             finally:
@@ -359,12 +362,12 @@ def main(argv=None):
             print(f"{i:3d}  {mu.stage}  {mu.what}")
         return 0
     results = run([mu for _, mu in chosen], a.timeout, a.keep, a.tests_from, a.k)
-    print("\nstage  mutants  caught  survived  stale")
+    print("\nstage   mutants  caught  survived  stale  harness errors")
     for s in sorted({mu.stage for mu, _, _ in results}):
         r = [v for mu, v, _ in results if mu.stage == s]
-        print(f"{s:5s}  {len(r):7d}  {sum(v != 'SURVIVED' and v != 'STALE' for v in r):6d}  "
-              f"{r.count('SURVIVED'):8d}  {r.count('STALE'):5d}")
-    return int(any(v in ("SURVIVED", "STALE") for _, v, _ in results))
+        n = [r.count(v) for v in ("caught", "SURVIVED", "STALE")]
+        print(f"{s:6s} {len(r):8d}  {n[0]:6d}  {n[1]:8d}  {n[2]:5d}  {len(r) - sum(n):14d}")
+    return int(any(v != "caught" for _, v, _ in results))
 
 
 if __name__ == "__main__":
