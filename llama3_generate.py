@@ -953,9 +953,6 @@ class Engine:
         return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
                     jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
 
-    def new_stats(self) -> dict:
-        return {**dict.fromkeys(self.sched.stats, 0), **self.new_counts()}
-
     @property
     def stats(self) -> dict:
         """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
@@ -1146,10 +1143,6 @@ class Engine:
     @property
     def timings(self) -> dict:
         return {s.rid: s.timings() for s in self.sched.finished}
-
-    def kv_used(self) -> int:
-        """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
-        return self.kv.used()
 
     def kv_capacity(self) -> int:
         return self.kv.capacity()

@@ -71,7 +71,8 @@ def to_transformers(model):
     with torch.device(w.device):
         hf = LlamaForCausalLM._from_config(cfg, dtype=w.dtype)
     ours = meta_state_dict(model)
-    hf.load_state_dict({k: ours[v] for k, v in L.hf_names(a.n_layers).items() if v in ours}, strict=not a.tie_embeddings)
+    hf.load_state_dict({k: ours[v] for k, v in L.hf_names(a.n_layers).items() if v in ours},
+                       strict=not a.tie_embeddings)
     return hf.eval()
 
 
