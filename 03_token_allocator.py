@@ -339,14 +339,9 @@ def main(argv=None):
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 1:
         ap.error("--requests must be >= 1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops don't parallelise, and on a shared 2-core box 2 threads time erratically
-    try:  # --bench: the peers beside the pool (they are not the lesson), timed after its figures
-        bench = a.bench and runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests",
-                                                        "bench_03.py"))
-        r = (bench["measure"] if bench else measure)(a.requests, a.seed)
-    finally:
-        torch.set_num_threads(threads)
+    bench = a.bench and runpy.run_path(  # --bench: the peers beside the pool (not the lesson), after its figures
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_03.py"))
+    r = (bench["measure"] if bench else measure)(a.requests, a.seed)
     print(json.dumps(r)) if a.json else (bench["report"] if bench else report)(r)
 
 

@@ -131,12 +131,17 @@ def bench_decode_share(batch=32, context=512, steps=20, device="cuda"):
 
 def measure(n_requests=200, seed=0, budget_s=0.2, cuda=None):
     """03's figures, then its peers' beside them on the CPU (and on CUDA where there is a GPU)."""
-    r, tp = m.measure(n_requests, seed), throughput(budget_s=budget_s, seed=seed)
-    r.update(throughput_cpu_pool_65536=tp,
-             alloc_free_speedup_vs_python_set={n: row["speedup_vs_python_set"] for n, row in tp.items()})
-    if torch.cuda.is_available() if cuda is None else cuda:
-        r["throughput_cuda_pool_1M"] = throughput("cuda", size=1 << 20, seed=seed)
-        r["gpu_decode"] = bench_decode_share()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops don't parallelise, and on a shared 2-core box 2 threads time erratically
+    try:
+        r, tp = m.measure(n_requests, seed), throughput(budget_s=budget_s, seed=seed)
+        r.update(throughput_cpu_pool_65536=tp,
+                 alloc_free_speedup_vs_python_set={n: row["speedup_vs_python_set"] for n, row in tp.items()})
+        if torch.cuda.is_available() if cuda is None else cuda:
+            r["throughput_cuda_pool_1M"] = throughput("cuda", size=1 << 20, seed=seed)
+            r["gpu_decode"] = bench_decode_share()
+    finally:
+        torch.set_num_threads(threads)
     return r
 
 
