@@ -325,10 +325,6 @@ def _require(path: str) -> str:
     return path
 
 
-PER_LAYER = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-             "feed_forward.w3", "attention_norm", "ffn_norm")
-
-
 def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
     """Before the model is built: the config agrees with itself and with the tensors, or one line names what is
     wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor name -> its shape, for every
@@ -362,7 +358,6 @@ def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs)
              "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
              "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
              "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
-    assert set(layer) == set(PER_LAYER)
     found = layers_found(shapes, "layers.")
     if found != a.n_layers:
         bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
