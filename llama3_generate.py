@@ -397,7 +397,16 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
 # Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
 # its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
 # CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
+# The all-reduce (TPSum). NCCL's ring cuts a message in N chunks and passes them round the ring in 2(N - 1) steps,
+# each a send, a receive and a handshake: for decode's 8 KB (one token's hidden state) that is ~16 us of latency on
+# NVLink, where the bytes take nanoseconds; 64 of them a token cost the 8B shape ~1 ms. One shot (vLLM's custom
+# all-reduce, here PyTorch's symmetric memory): every rank's buffer is mapped into every peer's address space, so
+# one kernel writes the partial sum, meets the peers at a barrier (flags in that memory), reads all N buffers
+# over NVLink and adds them in rank order: one step, ~6 us, the same bits on every rank (at TP 2 the same as
+# NCCL's). It reads N copies, so messages over ONE_SHOT_BYTES (prefill's) keep NCCL. Batch-1 decode runs 04's
+# fused kernels with the partial sums written into that buffer; each rank there reads 1/N of the output head and
+# an all-reduce of the logits, zero outside its rows, gathers them (x + 0 is x: exact).
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -450,8 +459,8 @@ def shard_model(model, rank: int, world: int):
     def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
         lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
 
-    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
-        torch.distributed.all_reduce(out)
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up on every rank
+        return model.tp_sum(out)
     for layer in model.layers:
         at, ff = layer.attention, layer.feed_forward
         for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
@@ -463,8 +472,44 @@ def shard_model(model, rank: int, world: int):
     # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
     model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
                                     "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp = (rank, world)
+    model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
     return model
+
+
+ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, up to 256 rows of the 8B shape
+
+
+class TPSum:
+    """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
+    ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
+    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode)."""
+
+    def __init__(self, model, rank: int, world: int):
+        w, vocab, self.rank = model.tok_embeddings.weight, model.args.vocab_size, rank
+        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
+        self.one_shot = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernel's dtypes
+        make = torch.empty
+        if self.one_shot:
+            from torch.distributed import _symmetric_memory as symm
+            make = symm.empty
+        self.part = make(ONE_SHOT_BYTES // w.element_size(), dtype=w.dtype, device=w.device)
+        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
+        if self.one_shot:
+            self.group = torch.distributed.group.WORLD.group_name
+            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+                symm.rendezvous(buf, self.group)
+
+    def __call__(self, x, out=None):
+        ops, ours = torch.ops.symm_mem, x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
+        if self.one_shot and (ours or x.numel() * x.element_size() <= ONE_SHOT_BYTES and x.dtype == self.part.dtype):
+            out = torch.empty_like(x) if out is None else out
+            if ours:  # written in symmetric memory already
+                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
+            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
+        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
+            x = out.copy_(x)
+        torch.distributed.all_reduce(x)
+        return x
 
 
 def tp_share(model, make):
@@ -1153,8 +1198,7 @@ class Engine:
         self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        tp = getattr(model, "tp", (0, 1))[1] > 1  # fused batch-1 decode has no all-reduce between its kernels
-        self.graphs = CudaGraphDecoder(self, m04, fused=fused and not tp) if graphs else None
+        self.graphs = CudaGraphDecoder(self, m04, fused=fused) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
         if self.graphs is not None and dev.type == "cuda":
             fuse_pointwise(m04)

@@ -134,6 +134,34 @@ def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
     assert quiet == ["", ""]
 
 
+def fused_decode_tokens(seed):
+    """A tiny random model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
+    interpreted): greedy and sampled tokens, and the engine's graphs' fused flag; under torchrun's variables, as
+    one rank of TP over gloo (partial sums added by tp_sum, the head split by rows)."""
+    if "WORLD_SIZE" in os.environ:
+        L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
+    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, hidden_dim=128, max_seq_len=64)
+    model = L.random_model(args, "cpu", torch.float32, seed)
+    for p in model.parameters():  # wide logits: no near ties for fp32 rounding to flip
+        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel() + seed))
+    if torch.distributed.is_initialized():
+        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=64,
+                 cuda_graphs=True, max_batch=1, multi_step=4)
+    for t in (0.0, 1.0):
+        e.add(list(range(5, 12)), L.SamplingParams(max_new_tokens=10, temperature=t, seed=seed))
+    return list(e.run().values()), e.graphs.fused
+
+
+def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
+    """TP 2 over gloo through 04's fused batch-1 kernels: greedy and sampled tokens equal TP 1's (the sampled
+    ones catch logits scaled without changing the argmax, e.g. a head summed twice)."""
+    seed = int(torch.randint(0, 10**6, ()))
+    want = fused_decode_tokens(seed)
+    got = run_ranks(2, fused_decode_tokens, seed, tmp_path=tmp_path)
+    assert want[1] and got == [[want[0], True]] * 2, (want, got)
+
+
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
     """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
     refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
