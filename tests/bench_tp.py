@@ -95,6 +95,8 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
             model.tp_sum = v.get("sum", lambda t: t)(tp)
         tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n, fused=v.get("fused", True))
         out[name] = (tok_s, step_ms(e))
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # progress
+            print(f"TP {world} {name}: {tok_s:,.0f} tok/s, {out[name][1]:.3f} ms a step", file=sys.stderr, flush=True)
         del e
         B.free()
     if tp is not None:
@@ -204,7 +206,7 @@ def report(one: dict, many: dict) -> str:
     s1, sn = one["serve_1b"], many["serve_1b"]
     tp, b1, bn = many["tp"], one["batch1_8b_decode_tok_s"], many["batch1_8b_decode_tok_s"]
     lines = [
-        f"device: {one['device']}; TP {tp} over {'NCCL and one-shot all-reduces' if one['device'] != 'cpu' else 'gloo'}",
+        f"device: {one['device']}; TP {tp} over {'NCCL and one shot' if one['device'] != 'cpu' else 'gloo'}",
         f"parity, 1B fp32, 8 prompts x 32 greedy tokens: TP {tp} tokens "
         f"{'equal' if one['parity_tokens'] == many['parity_tokens'] else 'DIFFER FROM'} TP 1's",
         f"batch-1 decode, 8B, fused kernels: TP 1 {b1:,.0f} tok/s (unfused: "
