@@ -134,16 +134,16 @@ def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
     assert quiet == ["", ""]
 
 
-def fused_decode_tokens(seed):
+def fused_decode_tokens(seed, device="cpu"):
     """A tiny random model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
     interpreted): greedy and sampled tokens, and the engine's graphs' fused flag; under torchrun's variables, as
     one rank of TP over gloo (partial sums added by tp_sum, the head split by rows)."""
     if "WORLD_SIZE" in os.environ:
-        L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
+        device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
     args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=384, hidden_dim=128, max_seq_len=64)
-    model = L.random_model(args, "cpu", torch.float32, seed)
+    model = L.random_model(args, device, torch.float32, seed)
     for p in model.parameters():  # wide logits: no near ties for fp32 rounding to flip
-        p.data.normal_(0, 0.3, generator=torch.Generator().manual_seed(p.numel() + seed))
+        p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
     if torch.distributed.is_initialized():
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
     e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=64,
@@ -189,3 +189,13 @@ def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
     got, _ = run_ranks(2, serve_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
     for name in options:
         assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
+    """The same on 2 GPUs: CUDA graphs, NCCL, the partial sums added by 04's one_shot over symmetric memory."""
+    seed = int(torch.randint(0, 10**6, ()))
+    want = fused_decode_tokens(seed, "cuda")
+    got = run_ranks(2, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
+    assert want[1] and got == [[want[0], True]] * 2, (want, got)
