@@ -580,47 +580,6 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
 
 
 @triton.jit
-def _meet(FLAGS, pid, rank, WORLD: tl.constexpr):
-    """Program pid of every rank meets here (PyTorch's sync_remote_blocks): it sets its flag on each peer, then
-    waits for each peer's on its own; a flag goes 0 -> 1 -> 0, so the next meeting starts from zeros."""
-    for p in tl.static_range(WORLD):
-        flag = tl.load(FLAGS + p).to(tl.pointer_type(tl.int32)) + pid * WORLD + rank
-        while tl.atomic_cas(flag, 0, 1, sem="release", scope="sys") != 0:
-            pass
-    mine = tl.load(FLAGS + rank).to(tl.pointer_type(tl.int32)) + pid * WORLD
-    for p in tl.static_range(WORLD):
-        while tl.atomic_cas(mine + p, 1, 0, sem="acquire", scope="sys") != 1:
-            pass
-
-
-@triton.jit
-def _one_shot(BUFS, FLAGS, OUT, N, rank, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """OUT = the sum of every rank's buffer (BUFS: their addresses, each mapped here), in rank order, in fp32:
-    an all-reduce in one step. PDL: the next kernel may load its weights meanwhile."""
-    pid = tl.program_id(0)
-    pdl_launch_next(PDL)
-    pdl_wait(PDL)  # this rank's partial sums are written
-    _meet(FLAGS, pid, rank, WORLD)  # ... and every peer's
-    cols = pid * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for r in tl.static_range(WORLD):
-        buf = tl.load(BUFS + r).to(tl.pointer_type(OUT.dtype.element_ty))
-        acc += tl.load(buf + cols, mask=cols < N, volatile=True).to(tl.float32)
-    _meet(FLAGS, pid, rank, WORLD)  # every peer has read this rank's buffer: it may be written again
-    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty), mask=cols < N)
-
-
-def one_shot(out, bufs, flags, rank: int, world: int, pdl=True):
-    """out = the all-reduce of the buffers at addresses bufs (int64 (world,)) with _one_shot; flags: int64 (world,)
-    addresses of each rank's int32 flags (64 * world of them, zeros)."""
-    block = 1024 if out.element_size() == 2 else 4096
-    grid = triton.cdiv(out.numel(), block)
-    assert grid <= 64
-    _one_shot[(grid,)](bufs, flags, out, out.numel(), rank, WORLD=world, BLOCK=block, num_warps=4, **pdl_kw(pdl))
-    return out
-
-
-@triton.jit
 def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
             ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
     """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first

@@ -1728,6 +1728,7 @@ def serve(args, ready=None):
 # symmetric memory): every rank's buffer is mapped into every peer's address space, so one kernel writes the
 # partial sum, meets the peers at a barrier (flags in that memory), reads all N buffers over NVLink and adds them
 # in rank order: one step, ~6 us, the same bits on every rank. It reads N copies: larger messages keep NCCL.
+# Tried on two H200s and slower: the same one shot as a Triton kernel chained to the next one with PDL (8 vs 6.6 us).
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1803,8 +1804,7 @@ ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, u
 class TPSum:
     """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
     ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
-    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode); those two are
-    summed by 04's one_shot, which chains to the next kernel with PDL (triton=False: PyTorch's kernel)."""
+    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode)."""
 
     def __init__(self, model, rank: int, world: int):
         w, vocab, self.rank = model.tok_embeddings.weight, model.args.vocab_size, rank
@@ -1817,25 +1817,15 @@ class TPSum:
         self.part = make(ONE_SHOT_BYTES // w.element_size(), dtype=w.dtype, device=w.device)
         self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
         if self.one_shot:
-            self.group, self.world, self.triton, self.m04 = torch.distributed.group.WORLD.group_name, world, True, \
-                triton_kernels()
-
-            def peers(buf):  # every rank's address of buf, mapped here (a collective)
-                h = symm.rendezvous(buf, self.group)
-                return torch.tensor([p + buf.data_ptr() - h.buffer_ptrs[rank] for p in h.buffer_ptrs], device=w.device)
-            self.peers = {buf.data_ptr(): peers(buf) for buf in (self.part, self.logits)}
-            self.flag_buf = symm.empty(64 * world, dtype=torch.int32, device=w.device).zero_()  # 04's one_shot's
-            self.flags = peers(self.flag_buf)
-            torch.cuda.synchronize()
-            torch.distributed.barrier()  # every rank's flags are zeros
+            self.group = torch.distributed.group.WORLD.group_name
+            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+                symm.rendezvous(buf, self.group)
 
     def __call__(self, x, out=None):
         ops, ours = torch.ops.symm_mem, x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
         if self.one_shot and (ours or x.numel() * x.element_size() <= ONE_SHOT_BYTES and x.dtype == self.part.dtype):
             out = torch.empty_like(x) if out is None else out
-            if ours and self.triton:  # written in symmetric memory already
-                return self.m04.one_shot(out, self.peers[x.data_ptr()], self.flags, self.rank, self.world)
-            if ours:
+            if ours:  # written in symmetric memory already
                 return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
             return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
         if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)

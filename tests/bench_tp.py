@@ -86,14 +86,12 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
         "one shot, unfused": dict(fused=False),
         "NCCL, fused, split head": dict(one_shot=False),
         "one shot, fused, whole head": dict(vocab=(0, model.args.vocab_size)),
-        "one shot (PyTorch's kernel), fused, split head": dict(triton=False),
-        "one shot (04's, PDL), fused, split head (after)": {},
+        "one shot, fused, split head (after)": {},
         "no all-reduce, fused, split head": dict(sum=NoSum)}
-    keep = (tp.one_shot, tp.vocab, tp.triton) if tp else None
+    keep = (tp.one_shot, tp.vocab) if tp else None
     for name, v in variants.items():
         if tp is not None:
             tp.one_shot, tp.vocab = v.get("one_shot", keep[0]), v.get("vocab", keep[1])
-            tp.triton = v.get("triton", True)
             model.tp_sum = v.get("sum", lambda t: t)(tp)
         tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n, fused=v.get("fused", True))
         out[name] = (tok_s, step_ms(e))
@@ -102,7 +100,7 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
         del e
         B.free()
     if tp is not None:
-        model.tp_sum, (tp.one_shot, tp.vocab, tp.triton) = tp, keep
+        model.tp_sum, (tp.one_shot, tp.vocab) = tp, keep
     return out
 
 
@@ -119,12 +117,8 @@ def all_reduce_bench(tp, device) -> dict:
         gathered = [torch.empty_like(x) for _ in range(world)]
         torch.distributed.all_gather(gathered, x)
         ref = sum(t.double() for t in gathered)
-        us, fns = {}, [("nccl", lambda: torch.distributed.all_reduce(nccl)), ("one_shot", lambda: tp(x, out=one))]
-        if kb <= 64:  # 04's one_shot, on partial sums written into tp.part (as fused_decode writes them)
-            ours = torch.empty_like(x)
-            fns.append(("one_shot_04", lambda: tp(tp.part[:x.numel()], out=ours)))
-        for name, fn in fns:
-            tp.part[:x.numel()].copy_(x)
+        us = {}
+        for name, fn in (("nccl", lambda: torch.distributed.all_reduce(nccl)), ("one_shot", lambda: tp(x, out=one))):
             fn()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
@@ -147,9 +141,6 @@ def all_reduce_bench(tp, device) -> dict:
         rel = lambda y: float((y.double() - ref).norm() / ref.norm())
         r[f"{kb} KB"] = dict(us, same_bits=bool(torch.equal(nccl, one)), rel_err_nccl=rel(nccl),
                              rel_err_one_shot=rel(one))
-        if kb <= 64:
-            tp(tp.part[:x.numel()], out=ours)
-            r[f"{kb} KB"].update(same_bits_04=bool(torch.equal(nccl, ours)), rel_err_04=rel(ours))
     return r
 
 
@@ -234,8 +225,7 @@ def report(one: dict, many: dict) -> str:
     for size, a in many.get("all_reduce", {}).items():
         lines.append(f"all-reduce {size:>7s} bf16: NCCL {a['nccl']:5.1f} us, one shot {a['one_shot']:5.1f} us; "
                      f"same bits: {a['same_bits']}; rel. error vs fp64: NCCL {a['rel_err_nccl']:.1e}, "
-                     f"one shot {a['rel_err_one_shot']:.1e}" + (f"; 04's one shot {a['one_shot_04']:.1f} us, same "
-                     f"bits {a['same_bits_04']}, {a['rel_err_04']:.1e}" if "one_shot_04" in a else ""))
+                     f"one shot {a['rel_err_one_shot']:.1e}")
     return "\n".join(lines)
 
 

@@ -194,7 +194,7 @@ def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
-    """The same on 2 GPUs: CUDA graphs, NCCL, the partial sums added by 04's one_shot over symmetric memory."""
+    """The same on 2 GPUs: CUDA graphs, the partial sums and logits added by the one-shot all-reduce."""
     seed = int(torch.randint(0, 10**6, ()))
     want = fused_decode_tokens(seed, "cuda")
     got = run_ranks(2, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
