@@ -142,8 +142,8 @@ def fused_decode_tokens(seed, device="cpu"):
     if "WORLD_SIZE" in os.environ:
         device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
     args = L.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=384, hidden_dim=128, max_seq_len=64)
-    model = L.random_model(args, device, torch.float32, seed)
-    for p in model.parameters():  # wide logits: no near ties for fp32 rounding to flip
+    model = L.Transformer(args).to(device).eval()
+    for p in model.parameters():  # the same on every rank; wide logits: no near ties for fp32 rounding to flip
         p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
     if torch.distributed.is_initialized():
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
