@@ -101,35 +101,49 @@ class TokenIndex:
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
+        full = compile_regex(pattern)  # a bad regex: refused before the vocabulary's walk
         self.trie = trie = token_trie(tok)
         self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        full = compile_regex(pattern)
         self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
         if not dfa.accept.any():
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
-        masks = []
+        self.dist = _to_accept(dfa).astype(np.int16)  # bytes (one-byte tokens) from each state to the nearest accept
+        masks, self.worst = [], np.zeros(len(dfa.table), np.int16)  # worst: the most any allowed token needs
         for c0 in range(0, len(dfa.table), chunk):
-            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
-            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
-            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
-            while len(node):  # one trie level per step: every alive pair to each child of its node
-                n_kids = trie.first[node + 1] - trie.first[node]
-                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
-                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
-                alive = np.flatnonzero(state >= 0)
-                owner, state, node = owner[alive], state[alive], child[alive]
-                token = trie.token_at[node]
-                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
-            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
-            assert allowed.any(1).all(), "a live state without an allowed token"
-            masks.append(np.packbits(allowed, axis=1))
+            need = self.needs(np.arange(c0, min(len(dfa.table), c0 + chunk)))
+            assert need.any(1).all(), "a live state without an allowed token"
+            masks.append(np.packbits(need > 0, axis=1))
+            self.worst[c0:c0 + chunk] = need.max(1)
         self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
         self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
         self.jumps, self.build_s = {}, time.perf_counter() - t0
 
-    def allowed(self, state: int) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`."""
-        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+    def needs(self, states) -> np.ndarray:
+        """(len(states), vocab) int16: per state, each token that keeps the DFA alive needs 1 + the bytes from where
+        it leads to the nearest accepting state (EOS: 1 where accepting); 0: not allowed. The token trie is walked
+        alongside the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples still alive."""
+        trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
+        state = np.asarray(states, np.int32)
+        owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
+        while len(node):  # one trie level per step: every alive triple to each child of its node
+            n_kids = trie.first[node + 1] - trie.first[node]
+            child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
+            owner, state = np.repeat(owner, n_kids), table[np.repeat(state, n_kids), trie.byte[child]]
+            alive = np.flatnonzero(state >= 0)
+            owner, state, node = owner[alive], state[alive], child[alive]
+            end = np.flatnonzero(trie.token_at[node] >= 0)  # the pairs where a token's bytes end
+            need[owner[end], trie.token_at[node[end]]] = dist[state[end]]
+        need[:, self.eos] = self.dfa.accept[states]
+        return need
+
+    def allowed(self, state: int, budget=math.inf) -> torch.Tensor:
+        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one included), only those
+        after which the shortest completion in one-byte tokens still fits (a constrained answer then ends within
+        max_tokens whenever its shortest does), or, if none does, those nearest to it."""
+        if budget >= self.worst[state]:
+            return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+        need = self.needs([state])[0]
+        return torch.from_numpy((need > 0) & (need <= max(budget, need[need > 0].min())))
 
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
@@ -147,14 +161,14 @@ class TokenIndex:
     def jump_forward(self, state: int, text: bytes, output: list, tok, limit=math.inf) -> tuple:
         """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced string (whole
         characters), re-tokenize the text, keep the longest common token prefix with `output` (the rest's K/V is
-        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced or the new output would
-        pass `limit` tokens (then the model writes the forced text itself)."""
+        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced or the new output and
+        a shortest completion after it would pass `limit` tokens (then the model writes the forced text itself)."""
         jump = text + self.jump(state)
         jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
-        new = tok.encode((text + jump).decode()) if jump else []
-        if not jump or len(new) > limit:
+        new, end = tok.encode((text + jump).decode()) if jump else [], self.dfa.walk(state, jump)
+        if not jump or len(new) + self.dist[end] > limit:
             return state, text, output, len(output)
-        return self.dfa.walk(state, jump), text + jump, new, len(os.path.commonprefix([output, new]))
+        return end, text + jump, new, len(os.path.commonprefix([output, new]))
 
     def compressed_edges(self) -> dict:
         """{head state: jump string} for every maximal chain (heads: the start, or entered by a choice, if forced)."""
@@ -192,7 +206,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
             stats["jumped_bytes"] += len(jumped[1]) - len(text)
             state, text, out, kept = jumped
             ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)
-        allowed = index.allowed(state)
+        allowed = index.allowed(state, max_new_tokens - (len(ids) - n0))  # room left: closes in time
         if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
             finished = True
             break
@@ -208,7 +222,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
             break
         ids.append(t)
         text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
+    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished or bool(index.dfa.accept[state]),
                 seconds=time.perf_counter() - t0, **stats)
 
 
@@ -541,13 +555,31 @@ def _determinize(nfa, start, accept):
     return np.stack(rows), np.array([accept in s for s in sets])
 
 
-def _trim(table, accept):
-    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
+def _graph(table) -> tuple:
+    """(successors, predecessors): each state's, as lists of states."""
     src, byte = np.nonzero(table >= 0)
     succ, pred = [[] for _ in table], [[] for _ in table]
     for a, b in zip(*(x.tolist() for x in np.divmod(np.unique(src * len(table) + table[src, byte]), len(table)))):
         succ[a].append(b)
         pred[b].append(a)
+    return succ, pred
+
+
+def _to_accept(dfa) -> np.ndarray:
+    """Bytes from each state to the nearest accepting one: breadth-first from those over reversed edges."""
+    pred, dist = _graph(dfa.table)[1], np.where(dfa.accept, 0, -1)
+    todo = np.flatnonzero(dfa.accept).tolist()
+    for s in todo:  # grows while read: a queue
+        for p in pred[s]:
+            if dist[p] < 0:
+                dist[p] = dist[s] + 1
+                todo.append(p)
+    return dist
+
+
+def _trim(table, accept):
+    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
+    succ, pred = _graph(table)
     live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
     if 0 not in live:
         return np.full((1, 256), -1, np.int32), np.zeros(1, bool)  # the empty language
@@ -1034,8 +1066,8 @@ class _SchemaCompiler:
             except _Empty:
                 if k in required:
                     raise
-        others, shut = [], self.closes(parts) and names and not any(  # strict: the named members only
-            "additionalProperties" in p or "patternProperties" in p for p in parts)
+        others = []  # strict: the named members (and patternProperties' keys) only, unless additionalProperties says
+        shut = self.closes(parts) and (names or pats) and not any("additionalProperties" in p for p in parts)
         for q in [None] * (not shut) + pats:  # a class of keys each: q's (None: no pattern's), no other's, no name
             key = [f'"{SAFE}"'] + [f"(?~(?:{'|'.join(map(_literal, names))}))"] * bool(names) + [
                 f'"{_pattern(r)}"' if r == q else f'(?~"{_pattern(r)}")' for r in pats]

@@ -1,5 +1,6 @@
 """06: regex -> byte DFA against Python's `re`; the token index against the `regex` module's partial matching;
 constrained decoding (random logits and the real model) always fullmatches; jump-forward re-tokenizes losslessly."""
+import contextlib
 import functools
 import importlib
 import json
@@ -976,3 +977,143 @@ def test_held_schemas_sound_and_complete():
     print(dict(counts))
     floor = (0.84, 0.97) if n == len(items) else (0.65, 0.85)  # all: the README's figures, a little under; 40 vary
     assert counts["compiled"] >= floor[0] * n and counts["accepted"] >= floor[1] * counts["valid"], counts
+
+
+# -------- issue 56: strict schemas by default, a user's regex is Python's, formats every checker accepts ---------
+
+def test_strict_writes_only_named_members_and_items_exact_writes_the_specification(monkeypatch):
+    """strict (the default, XGrammar's strict_mode): an object or array that names its members or items gets no
+    others unless it says so; a free object stays free; inside a `not`, the specification. strict=False: exact."""
+    base = {"type": "object", "properties": {"a": {"type": "integer"}, "t": {"prefixItems": [{"type": "boolean"}]},
+                                             "free": {"type": "object"}}, "required": ["a"]}
+    docs = ['{"a": 1}', '{"a": 1, "z": 2}', '{"a": 1, "t": [true]}', '{"a": 1, "t": [true, 3]}',
+            '{"a": 1, "free": {"q": [1]}}', '{"a": 1, "zz": 2}']
+    cases = [(base, "101010"), ({**base, "additionalProperties": {"type": "integer"}}, "111011"),
+             ({**base, "patternProperties": {"^z$": {}}}, "111010"), ({**base, "required": ["a", "z"]}, "010000"),
+             ({**base, "properties": {**base["properties"], "t": {"prefixItems": [{}], "items": {}}}}, "101110"),
+             ({**base, "not": {"properties": {"a": {"const": 2}}}}, "101010")]  # `not`: exact inside, closed out
+    monkeypatch.setattr(m, "ANY_TEXT", 0)  # free values nested no deeper than ANY_DEPTH: quicker
+    for schema, want in cases:
+        strict, spec = (m.compile_regex(m.schema_to_regex(schema, strict=s)) for s in (True, False))
+        assert "".join(str(int(strict.fullmatch(d))) for d in docs) == want, (schema, want)
+        for d in docs:
+            assert spec.fullmatch(d) == validator(schema).is_valid(json.loads(d)), (schema, d)
+    assert m.schema_to_regex(base) == m.schema_to_regex(base, strict=True) != exact(base)
+    with contextlib.suppress(ValueError):  # no object is valid: closing inside the `not` would let {"z": 1} through
+        assert not m.compile_regex(m.schema_to_regex({"type": "object", "not": {"properties": {"a": {}}}})).fullmatch(
+            '{"z": 1}')
+
+
+def test_strict_is_sound_and_within_exact_on_random_schemas(monkeypatch):
+    """Every document sampled from a strict DFA is valid (jsonschema) and the exact DFA accepts it too."""
+    monkeypatch.setattr(m, "ANY_TEXT", 0)
+    rng, n = random.Random(), 0
+    for _ in range(30):
+        defs = {}
+        schema = random_schema(rng, 3, defs)
+        schema = {**schema, "$defs": defs} if defs else schema
+        try:
+            strict, spec = (m.compile_regex(m.schema_to_regex(schema, strict=s)) for s in (True, False))
+        except ValueError:
+            continue
+        dist = distances(strict)
+        for doc in filter(None, (sample_dfa(strict, rng, dist, 300) for _ in range(15))):
+            assert validator(schema).is_valid(json.loads(doc)) and spec.fullmatch(doc), (schema, doc)
+            n += 1
+    assert n > 200, n
+
+
+@pytest.mark.parametrize("pattern", ["(?~a)", "(?,a)", "(?&a|b)", "", "a(", "(?P<x>a)(?P=x)", "a{2,1}", "[b-a]"])
+def test_user_regex_is_pythons_one_line_refusal(pattern):
+    """What re.compile refuses is refused in one line; 06's own groups only in a schema's regex (SchemaRegex)."""
+    with pytest.raises(ValueError) as e:
+        m.compile_regex(pattern)
+    assert "\n" not in str(e.value) and str(e.value).startswith(f"invalid regex {pattern!r}: ")
+    with pytest.raises(ValueError):
+        m.TokenIndex(pattern, None)  # refused before the tokenizer is touched
+    rng = random.Random()
+    for _ in range(300):  # random texts: refused whenever Python's re refuses them
+        text = "".join(rng.choice("a(?~,&|)[]{}1-\\*") for _ in range(rng.randrange(1, 7)))
+        try:
+            re.compile(text)
+        except re.error:
+            with pytest.raises(ValueError, match="invalid regex"):
+                m.compile_regex(text)
+    assert m.compile_regex(m.SchemaRegex("(?~a)")).fullmatch("b") and not m.compile_regex(m.SchemaRegex("(?~a)")).fullmatch("a")
+
+
+@pytest.mark.parametrize("fmt", sorted(m.FORMATS))
+def test_every_format_sampled_passes_jsonschema_format_checkers(fmt):
+    """Documents sampled from each format's DFA pass jsonschema's checkers of drafts 7 and 2020-12 (where they check
+    it), and time and date-time are written with T and Z upper case (RFC 3339 allows lower case; not every checker)."""
+    rng, dfa = random.Random(), m.compile_regex(m.schema_to_regex({"type": "string", "format": fmt}))
+    dist = distances(dfa)
+    samples = [json.loads(d) for d in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(150)))]
+    assert len(samples) > 100
+    for v in samples:
+        for cls in (jsonschema.Draft7Validator, jsonschema.Draft202012Validator):
+            assert cls.FORMAT_CHECKER.conforms(v, fmt), (fmt, v, cls.__name__)
+        assert fmt not in ("time", "date-time") or v == v.upper(), v
+
+
+def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
+    """TokenIndex.jump_forward (06's demo and the engine call it) against a reference: the bytes with one way out
+    (none where the regex may end), cut to whole characters, the text re-tokenized, the common prefix counted one
+    token at a time; the output before it is any tokenization of a byte prefix (the model's split, mid-character)."""
+    _, tok = smollm
+    rng, token_of = random.Random(), {b: i for i, b in enumerate(m.token_trie(tok).token_bytes) if b}
+    jumped = 0
+    for pattern in (m.CHARACTER_REGEX, exact(closed(SMALL_SCHEMA)), "(?:日本|é)x{2}é(?:a|bc)"):
+        index = m.TokenIndex(pattern, tok)
+        dist = distances(index.dfa)
+        for _ in range(40):
+            doc = sample_dfa(index.dfa, rng, dist).encode()
+            text, output = doc[:rng.randrange(len(doc) + 1)], []
+            while len(b"".join(map(tok.token_bytes, output))) < len(text):
+                rest = text[len(b"".join(map(tok.token_bytes, output))):]
+                output.append(token_of[rng.choice([rest[:k] for k in range(1, 9) if rest[:k] in token_of])])
+            state = s = index.dfa.walk(0, text)
+            forced = bytearray()
+            while not index.dfa.accept[s] and (index.dfa.table[s] >= 0).sum() == 1:
+                forced.append(int(np.flatnonzero(index.dfa.table[s] >= 0)[0]))
+                s = int(index.dfa.table[s, forced[-1]])
+            while forced and not _is_utf8(text + forced):
+                forced.pop()
+            got = index.jump_forward(state, text, output, tok)
+            if not forced:
+                assert got == (state, text, output, len(output))
+                continue
+            new = tok.encode((text + forced).decode())
+            kept = 0
+            while kept < min(len(new), len(output)) and new[kept] == output[kept]:
+                kept += 1
+            assert got == (index.dfa.walk(state, bytes(forced)), text + forced, new, kept), (text, forced)
+            room = len(new) + int(dist[index.dfa.walk(state, bytes(forced))])  # the output, then the shortest end
+            assert index.jump_forward(state, text, output, tok, room - 1) == (state, text, output, len(output))
+            assert index.jump_forward(state, text, output, tok, room)[1] == text + forced
+            jumped += 1
+    assert jumped > 40, jumped
+
+
+def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smollm):
+    """TokenIndex.needs against walking each token's bytes through the DFA (distances: the reference's BFS); with
+    random logits and max_new_tokens a little above the shortest document (in one-byte tokens), every answer still
+    ends accepted, within max_new_tokens, with jump-forward and without."""
+    _, tok = smollm
+    rng, vocab = random.Random(), m.token_trie(tok).token_bytes
+    for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA))):
+        index = m.TokenIndex(pattern, tok)
+        dist = distances(index.dfa)
+        assert (index.dist == dist).all()
+        for s in rng.sample(range(len(index.dfa.table)), 3):
+            ends = [index.dfa.walk(s, b) if b else -1 for b in vocab]
+            want = [dist[e] + 1 if e >= 0 else 0 for e in ends]
+            want[tok.eos_id] = int(index.dfa.accept[s])
+            assert index.needs([s])[0].tolist() == want
+        prompt = tok.chat("Answer.")
+        for seed in range(4):
+            n = int(dist[0]) + seed
+            for jump in (False, True):
+                r = m.constrained_decode(index, tok, prompt, random_logits_fn(tok.vocab_size, seed), n,
+                                         jump_forward=jump, temperature=1.0, seed=seed)
+                assert r["finished"] and index.dfa.fullmatch(r["text"]) and len(r["ids"]) <= n, (n, r)
