@@ -137,13 +137,13 @@ class TokenIndex:
         return need
 
     def allowed(self, state: int, budget=math.inf) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one included), only those
-        after which the shortest completion in one-byte tokens still fits (a constrained answer then ends within
-        max_tokens whenever its shortest does), or, if none does, those nearest to it."""
-        if budget >= self.worst[state]:
+        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one included) and room for
+        a shortest completion in one-byte tokens, only the tokens after which it still fits: from there on the
+        answer ends within max_tokens (where it has no such room yet, every token, as without a budget)."""
+        if not self.dist[state] <= budget < self.worst[state]:
             return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
         need = self.needs([state])[0]
-        return torch.from_numpy((need > 0) & (need <= max(budget, need[need > 0].min())))
+        return torch.from_numpy((need > 0) & (need <= budget))
 
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
@@ -161,12 +161,13 @@ class TokenIndex:
     def jump_forward(self, state: int, text: bytes, output: list, tok, limit=math.inf) -> tuple:
         """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced string (whole
         characters), re-tokenize the text, keep the longest common token prefix with `output` (the rest's K/V is
-        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced or the new output and
-        a shortest completion after it would pass `limit` tokens (then the model writes the forced text itself)."""
+        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced, or the new output
+        would pass `limit` tokens or lose the room a shortest completion had (then the model writes it itself)."""
         jump = text + self.jump(state)
         jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
         new, end = tok.encode((text + jump).decode()) if jump else [], self.dfa.walk(state, jump)
-        if not jump or len(new) + self.dist[end] > limit:
+        fits = lambda n, s: n + self.dist[s] <= limit  # room for a shortest completion (see allowed)
+        if not jump or len(new) > limit or fits(len(output), state) and not fits(len(new), end):
             return state, text, output, len(output)
         return end, text + jump, new, len(os.path.commonprefix([output, new]))
 

@@ -1091,9 +1091,11 @@ def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
             while kept < min(len(new), len(output)) and new[kept] == output[kept]:
                 kept += 1
             assert got == (index.dfa.walk(state, bytes(forced)), text + forced, new, kept), (text, forced)
-            room = len(new) + int(dist[index.dfa.walk(state, bytes(forced))])  # the output, then the shortest end
-            assert index.jump_forward(state, text, output, tok, room - 1) == (state, text, output, len(output))
-            assert index.jump_forward(state, text, output, tok, room)[1] == text + forced
+            end = index.dfa.walk(state, bytes(forced))
+            for limit in (len(new) - 1, len(new) + dist[end] - 1, len(output) + dist[state], len(new) + dist[end]):
+                kept_room = len(output) + dist[state] > limit or len(new) + dist[end] <= limit  # no room lost
+                want = text + forced if len(new) <= limit and kept_room else text
+                assert index.jump_forward(state, text, output, tok, limit)[1] == want, (text, forced, limit)
             jumped += 1
     assert jumped > 40, jumped
 
@@ -1101,7 +1103,7 @@ def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
 def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smollm):
     """TokenIndex.needs against walking each token's bytes through the DFA (distances: the reference's BFS); with
     random logits and max_new_tokens a little above the shortest document (in one-byte tokens), every answer still
-    ends accepted, within max_new_tokens, with jump-forward and without."""
+    ends accepted, within max_new_tokens, with jump-forward and without; below that, a budget changes no mask."""
     _, tok = smollm
     rng, vocab = random.Random(), m.token_trie(tok).token_bytes
     for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA))):
@@ -1113,6 +1115,8 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
             want = [dist[e] + 1 if e >= 0 else 0 for e in ends]
             want[tok.eos_id] = int(index.dfa.accept[s])
             assert index.needs([s])[0].tolist() == want
+            assert index.allowed(s, dist[s] - 1).tolist() == index.allowed(s).tolist() == [w > 0 for w in want]
+            assert index.allowed(s, dist[s]).tolist() == [0 < w <= dist[s] for w in want]
         prompt = tok.chat("Answer.")
         for seed in range(4):
             n = int(dist[0]) + seed
@@ -1120,3 +1124,19 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
                 r = m.constrained_decode(index, tok, prompt, random_logits_fn(tok.vocab_size, seed), n,
                                          jump_forward=jump, temperature=1.0, seed=seed)
                 assert r["finished"] and index.dfa.fullmatch(r["text"]) and len(r["ids"]) <= n, (n, r)
+
+
+def test_jump_forward_keeps_the_room_a_shortest_completion_had():
+    """A tokenizer whose re-tokenization is longer than the model's split (one token per byte; the model wrote "ab"
+    merged): a jump that would leave no room for the shortest completion is not taken, one that would is."""
+    class Tok:
+        special, eos_id = {"<eos>": 0}, 0
+        vocab = [b"<eos>"] + [bytes([b]) for b in range(256)] + [b"ab"]
+        vocab_size, token_bytes = len(vocab), vocab.__getitem__
+        encode = staticmethod(lambda text: [1 + b for b in text.encode()])
+    index = m.TokenIndex("ababab(?:c|d)zz", Tok())
+    state, output = index.dfa.walk(0, b"abab"), [257, 257]  # 2 tokens; then "ab" forced, 3 bytes at the least
+    assert index.jump(state) == b"ab" and index.dist[state] == 5
+    assert index.jump_forward(state, b"abab", output, Tok(), 7)[1] == b"abab"  # 6 tokens + 3 > 7: no jump
+    assert index.jump_forward(state, b"abab", output, Tok(), 9)[1:] == (b"ababab", [98, 99] * 3, 0)
+    assert index.jump_forward(state, b"abab", output, Tok(), 6)[1] == b"ababab"  # no room before: no loss
