@@ -868,16 +868,14 @@ class Seq(R05.Req):
         return changed
 
     def jump_forward(self):
-        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens.
-        Returns the index in tokens of the first token that changed (None: no jump)."""
-        jump = self.text + self.index.jump(self.fsm)
-        jump = jump[len(self.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
-        new = self.tok.encode((self.text + jump).decode()) if jump else []
-        if not jump or len(new) > self.params.max_new_tokens:  # no room: the model writes it token by token
+        """06's jump-forward (TokenIndex.jump_forward): the FSM's forced string appended without the model, the
+        output re-tokenized so the model sees its own tokens, within max_new_tokens. Returns the index in tokens of
+        the first token that changed (None: no jump)."""
+        text = self.text
+        self.fsm, self.text, new, common = self.index.jump_forward(self.fsm, text, self.output, self.tok,
+                                                                   self.params.max_new_tokens)
+        if self.text == text:
             return None
-        self.fsm, self.text = self.index.dfa.walk(self.fsm, jump), self.text + jump
-        out = self.output
-        common = next((i for i, (a, b) in enumerate(zip(out, new)) if a != b), min(len(out), len(new)))
         self.jumped += len(new) - common
         self.output = new
         return len(self.prompt) + common
