@@ -1051,8 +1051,8 @@ def test_every_format_sampled_passes_jsonschema_format_checkers(fmt):
     it), and time and date-time are written with T and Z upper case (RFC 3339 allows lower case; not every checker)."""
     rng, dfa = random.Random(), m.compile_regex(m.schema_to_regex({"type": "string", "format": fmt}))
     dist = distances(dfa)
-    samples = [json.loads(d) for d in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(150)))]
-    assert len(samples) > 100
+    samples = [json.loads(d) for d in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(80)))]
+    assert len(samples) > 50
     for v in samples:
         for cls in (jsonschema.Draft7Validator, jsonschema.Draft202012Validator):
             assert cls.FORMAT_CHECKER.conforms(v, fmt), (fmt, v, cls.__name__)
