@@ -5,7 +5,7 @@ every KV backend, in pools small enough that requests wait, get preempted (recom
 once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
 the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
 ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU, shared with
-other agents' tests (load average 5): 40 s by pytest's count, 48 s with start-up, 29 s of CPU.
+other agents' tests (load average 5-9): 50-75 s by pytest's count (the fused batch-1 test, interpreted: 30 s of it).
 
 On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
 import contextlib
