@@ -28,10 +28,10 @@ from CUDA graphs, batch 1 in six Triton kernels per layer (04), greedy batches k
 Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows) everything runs its
 PyTorch paths.
 
-Top to bottom: the command line's flags (parsed before torch loads, so --help answers at once); the model;
-tensor parallelism (--tp N: the model split over N processes); weights; tokenizers; generate (a static batch
+Top to bottom, in the order a reader needs them: the model; weights; tokenizers; generate (a static batch
 through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine); GPU decode
-(CudaGraphDecoder); the command line (main).
+(CudaGraphDecoder); then the server (--serve), tensor parallelism (--tp N: the model split over N processes) and
+the command line (its flags, parsed before torch loads so that --help answers at once, and main).
 Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for style;
@@ -40,6 +40,7 @@ nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row pe
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import atexit
 import base64
@@ -61,83 +62,11 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
-
-    def _get_help_string(self, action):
-        if "default" in action.help or action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def cli_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
-    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
-                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
-    add = ap.add_argument
-    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
-        "default: 'What is the capital of France?')")
-    add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
-    add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
-    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens of this mass")
-    add("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
-    add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
-    add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
-    add("--regex", help="constrain every completion to fullmatch this regex (06)")
-    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
-    add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
-    add("--backend", default="token", choices=["contiguous", "paged", "token"],
-        help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
-    add("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: what the requests need, "
-        "at most 64 running at once, capped by free memory)")
-    add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
-        "runs flash-attn's paged kernel when flash-attn is installed)")
-    add("--no-radix", action="store_true", help="token and paged backends: no radix prefix cache (05)")
-    add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
-        "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
-    add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
-        "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
-    add("--schedule", default="prefill-first", choices=["prefill-first", "mixed"], help="a step that admits "
-        "prompts prefills them alone (vLLM's v0 order: running streams wait) or with one decode token of every "
-        "running sequence (SGLang's mixed steps)")
-    add("--chunk-tokens", type=int, default=None, help="chunked prefill (05): no step feeds more than this many "
-        "tokens; a longer prompt is prefilled over several steps (default: a prompt runs whole)")
-    add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
-    add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
-        "kernels per layer")
-    add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
-    add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
-    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
-        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
-        "tokens; with --json, one JSON object per event")
-    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
-        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
-        "its tokens per second after that)")
-    add("--device", default="cpu", help="cpu, cuda or cuda:N")
-    add("--serve", action="store_true", help="serve the OpenAI API over HTTP (/v1/completions, /v1/chat/completions, "
-        "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
-    add("--host", default="127.0.0.1", help="--serve: the address to listen on")
-    add("--port", type=int, default=8000, help="--serve: the port to listen on")
-    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
-    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
-    ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
-    args = ap.parse_args(argv)
-    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
-                           ("--temperature", args.temperature >= 0, ">= 0"),
-                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
-                           ("--block-size", args.block_size >= 1, ">= 1"),
-                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
-                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
-        if not ok:
-            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
-    return args
-
-
-if __name__ == "__main__":
-    ARGS = cli_args()  # before the heavy imports below
+if __name__ == "__main__":  # --help and bad numbers answer before torch loads (seconds): define the last
+    # section's DefaultsOnce and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
+    exec(compile(ast.Module([n for n in ast.parse(open(__file__).read()).body
+                             if getattr(n, "name", None) in ("DefaultsOnce", "cli_args")], []), __file__, "exec"))
+    ARGS = cli_args()
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +102,8 @@ def triton_kernels():
 
 
 # ----------------------------------------------------------------------------------------------
-# The model
+# The model: Llama 3 in plain PyTorch (RMSNorm, RoPE with Llama 3.1's scaling, grouped-query attention,
+# SwiGLU). It never touches a KV cache: every layer hands q, k, v to kv.attend, so any lesson runs under it.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -384,119 +314,8 @@ def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensor parallelism: one model over N processes (Megatron-LM's split, as gpt-fast's tp.py beside its model)
-# ----------------------------------------------------------------------------------------------
-# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
-#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
-#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
-#     those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
-#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
-# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
-# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
-# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
-# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
-
-def tp_launch(args, argv):
-    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
-    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
-    world = int(os.environ.get("WORLD_SIZE", args.tp))
-    if args.tp < 1 or args.tp not in (1, world):
-        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
-                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
-    if world == 1:
-        return 0, 1, args.device
-    if "RANK" not in os.environ:
-        import socket
-        import subprocess
-        with socket.socket() as s:  # a free port for the ranks to meet at
-            s.bind(("127.0.0.1", 0))
-            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
-            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
-                p.kill()  # (a no-op on one that has exited)
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
-    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
-    if device.startswith("cuda"):
-        if torch.cuda.device_count() < world:
-            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
-        device = f"cuda:{local}"  # one GPU per rank
-        torch.cuda.set_device(local)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-
-    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
-        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        torch.distributed.destroy_process_group()
-    atexit.register(leave)
-    return rank, world, device
-
-
-def shard_model(model, rank: int, world: int):
-    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
-    a = model.args
-    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
-        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
-                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
-
-    def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
-        lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
-
-    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
-        torch.distributed.all_reduce(out)
-    for layer in model.layers:
-        at, ff = layer.attention, layer.feed_forward
-        for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
-            keep(lin, 0)
-        for lin in (at.wo, ff.w2):
-            keep(lin, 1)
-            lin.register_forward_hook(all_reduce)
-        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
-    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
-    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
-                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp = (rank, world)
-    return model
-
-
-def tp_share(model, make):
-    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1:
-        return make()
-    box = [None]
-    if rank == 0:
-        try:
-            box[0] = make()
-        except UserError as e:
-            box[0] = e
-    torch.distributed.broadcast_object_list(box, 0)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]
-
-
-def tp_sampled(model, sample, n: int) -> list:
-    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
-    schedule). Without TP: sample()."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1 or n == 0:
-        return sample()
-    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
-    torch.distributed.broadcast(ids, 0)
-    return ids.tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# Weights: GGUF (default), Meta, Hugging Face
+# Weights: GGUF (the default), Meta and Hugging Face checkpoints, each checked (names, shapes, norms)
+# before the model is built; loaded as data only (safetensors, weights_only), since a checkpoint is untrusted.
 # ----------------------------------------------------------------------------------------------
 
 def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -826,7 +645,8 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizers (tiktoken BPE) and chat templates
+# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF, tokenizer.json),
+# each with its chat template and stop tokens.
 # ----------------------------------------------------------------------------------------------
 
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -971,7 +791,8 @@ def hf_tokenizer(path: str) -> Tokenizer:
 
 
 # ----------------------------------------------------------------------------------------------
-# The decode loop
+# generate: a static batch through any backend, prefill then decode until every sequence stops;
+# the lessons' parity tests run the model through it.
 # ----------------------------------------------------------------------------------------------
 
 sample = lesson("06_jump_forward_fsm").sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
@@ -1022,7 +843,8 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 
 
 # ----------------------------------------------------------------------------------------------
-# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints
+# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints;
+# a step is schedule, forward, sample, postprocess.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -1355,7 +1177,8 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU decode: CUDA graphs, greedy multi-step
+# GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's fused
+# kernels, greedy batches several steps per host sync.
 # ----------------------------------------------------------------------------------------------
 
 class CudaGraphDecoder:
@@ -1556,91 +1379,8 @@ class CudaGraphDecoder:
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
-    return dev
-
-
-def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
-    ids = []
-    for p in prompts:
-        if not p.strip():
-            raise UserError("empty prompt")
-        ids.append(tok.chat(p) if chat else tok.encode(p, bos=True))
-        if len(ids[-1]) + max_new_tokens > context:
-            raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
-                            f"context of {context} tokens")
-    return ids
-
-
-def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
-    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
-    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
-    a = model.args
-    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
-        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
-            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
-    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
-    if want > limit and (asked or longest > limit):
-        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
-        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
-                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
-    return min(want, limit)
-
-
-def progress_bar(total: int, quiet: bool):
-    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
-    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
-    if quiet or total < 2 or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
-def decode_rate(engine) -> str:
-    st = engine.stats
-    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
-
-
-def print_events(events, as_json=False):
-    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
-    for e in events:
-        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
-              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
-
-
-def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
-    """The engine the flags ask for (the CLI's and the server's)."""
-    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
-                  block_size=args.block_size, radix=False if args.no_radix else None,
-                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
-                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The server (--serve): the OpenAI API over the same engine
+# The server (--serve): the OpenAI API over the same engine; the engine runs in a thread of this
+# process, HTTP in a process of its own.
 # ----------------------------------------------------------------------------------------------
 
 class EngineThread(threading.Thread):
@@ -1964,6 +1704,278 @@ def serve(args, ready=None):
         worker.close()
     if worker.http.exitcode:  # it died on its own: say so
         sys.exit(f"error: the HTTP server's process exited with status {worker.http.exitcode}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as gpt-fast's tp.py
+# beside its model; the model's code is the same at TP 1.
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
+#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
+#     those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
+#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
+# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
+# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
+    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+
+    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+    atexit.register(leave)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    a = model.args
+    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
+        lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
+
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
+        torch.distributed.all_reduce(out)
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
+            keep(lin, 0)
+        for lin in (at.wo, ff.w2):
+            keep(lin, 1)
+            lin.register_forward_hook(all_reduce)
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp = (rank, world)
+    return model
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
+def tp_sampled(model, sample, n: int) -> list:
+    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+    schedule). Without TP: sample()."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1 or n == 0:
+        return sample()
+    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+    torch.distributed.broadcast(ids, 0)
+    return ids.tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: its flags (parsed before torch loads: see the top of the file), the helpers main uses,
+# and main: load, build the engine, add the prompts, run, print the completions and the figures.
+# ----------------------------------------------------------------------------------------------
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
+
+    def _get_help_string(self, action):
+        if "default" in action.help or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def cli_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
+    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
+                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
+    add = ap.add_argument
+    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
+        "default: 'What is the capital of France?')")
+    add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
+    add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens of this mass")
+    add("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
+    add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
+    add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+    add("--regex", help="constrain every completion to fullmatch this regex (06)")
+    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
+    add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
+    add("--backend", default="token", choices=["contiguous", "paged", "token"],
+        help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
+    add("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: what the requests need, "
+        "at most 64 running at once, capped by free memory)")
+    add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
+        "runs flash-attn's paged kernel when flash-attn is installed)")
+    add("--no-radix", action="store_true", help="token and paged backends: no radix prefix cache (05)")
+    add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
+        "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
+    add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
+        "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
+    add("--schedule", default="prefill-first", choices=["prefill-first", "mixed"], help="a step that admits "
+        "prompts prefills them alone (vLLM's v0 order: running streams wait) or with one decode token of every "
+        "running sequence (SGLang's mixed steps)")
+    add("--chunk-tokens", type=int, default=None, help="chunked prefill (05): no step feeds more than this many "
+        "tokens; a longer prompt is prefilled over several steps (default: a prompt runs whole)")
+    add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
+    add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
+        "kernels per layer")
+    add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
+    add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
+    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
+        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
+        "tokens; with --json, one JSON object per event")
+    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
+        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
+        "its tokens per second after that)")
+    add("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add("--serve", action="store_true", help="serve the OpenAI API over HTTP (/v1/completions, /v1/chat/completions, "
+        "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
+    add("--host", default="127.0.0.1", help="--serve: the address to listen on")
+    add("--port", type=int, default=8000, help="--serve: the port to listen on")
+    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
+    args = ap.parse_args(argv)
+    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
+                           ("--temperature", args.temperature >= 0, ">= 0"),
+                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
+                           ("--block-size", args.block_size >= 1, ">= 1"),
+                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
+                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    return args
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
+    ids = []
+    for p in prompts:
+        if not p.strip():
+            raise UserError("empty prompt")
+        ids.append(tok.chat(p) if chat else tok.encode(p, bos=True))
+        if len(ids[-1]) + max_new_tokens > context:
+            raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {context} tokens")
+    return ids
+
+
+def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
+    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
+            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
+    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
+    if want > limit and (asked or longest > limit):
+        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
+        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
+                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
+    return min(want, limit)
+
+
+def progress_bar(total: int, quiet: bool):
+    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
+    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def decode_rate(engine) -> str:
+    st = engine.stats
+    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
+
+
+def print_events(events, as_json=False):
+    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
+    for e in events:
+        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
+              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
+
+
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+    """The engine the flags ask for (the CLI's and the server's)."""
+    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
+                  block_size=args.block_size, radix=False if args.no_radix else None,
+                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
+                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def main(argv=None):
