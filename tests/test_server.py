@@ -274,7 +274,7 @@ BAD = {  # request -> what its 400 must say, and the field it names
         "name": "f", "parameters": {"type": "object"}}}], "tool_choice": {"type": "function", "function": {
             "name": "g"}}}, "tool_choice", "tool_choice"),
     "content part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
-        "url": "http://x"}}]}]}, "messages", "messages.0.content"),
+        "url": "http://x"}}]}]}, "content.list[Part].0.type", "messages"),
 }
 
 
@@ -335,6 +335,7 @@ def test_a_request_that_fails_ends_alone(srv, monkeypatch):
     assert plain(srv) and srv.worker.is_alive() and idle(srv)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_if_the_engine_dies_the_server_says_so_and_exits(ckpt):
     class Fatal(BaseException):
         pass
@@ -459,9 +460,10 @@ def reference_step(srv, seq, out, temperature, frequency=0.5):
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "oslo", "rome"]},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 14}},
-           "required": ["city", "days"]}
+           "required": ["city", "days"], "additionalProperties": False}
 ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
-                                          "label": {"type": "string", "maxLength": 8}}, "required": ["hour"]}
+                                          "label": {"type": "string", "maxLength": 8}}, "required": ["hour"],
+         "additionalProperties": False}
 
 
 @pytest.mark.parametrize("choice", ["named", "required", "none"])
