@@ -937,13 +937,12 @@ class Seq(R05.Req):
 def penalize(batch, logits):
     """OpenAI's penalties: each row's logits minus frequency_penalty x the times a token came in its output so far,
     minus presence_penalty if it came at all, plus its logit_bias."""
-    rows = [i for i, s in enumerate(batch) if s.params.frequency_penalty or s.params.presence_penalty or
-            s.params.logit_bias]
-    logits = logits.clone() if rows else logits
-    for i in rows:
-        p, vocab = batch[i].params, logits.shape[-1]
-        count = torch.bincount(torch.tensor(batch[i].output, dtype=torch.long), minlength=vocab)[:vocab]
-        logits[i] -= (p.frequency_penalty * count + p.presence_penalty * (count > 0)).to(logits)
+    rows = [(i, s.params, s.output) for i, s in enumerate(batch) if s.params.frequency_penalty or
+            s.params.presence_penalty or s.params.logit_bias]
+    logits, vocab = logits.clone() if rows else logits, logits.shape[-1]
+    for i, p, out in rows:
+        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits)
+        logits[i] -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(logits)
         for t, b in (p.logit_bias or {}).items():
             logits[i, t] += b
     return logits
@@ -1430,9 +1429,9 @@ class EngineThread(threading.Thread):
         super().__init__(daemon=True, name="engine")
         self.engine, self.live, self.stopping, self.out, self.failed = engine, {}, False, [], None
 
-    def serve_http(self, sock, name: str, max_tokens: int, log_level: str):
+    def serve_http(self, sock, name: str, max_tokens: int, log_level: str) -> int:
         """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one and on sock (bound
-        here: the serving line comes before uvicorn's); returns once it listens."""
+        here: the serving line comes before uvicorn's); returns its port once it listens."""
         import multiprocessing
         e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
         self.http = multiprocessing.get_context("spawn").Process(target=http_process, name="http", daemon=True, args=(
@@ -1440,7 +1439,7 @@ class EngineThread(threading.Thread):
         self.http.start()
         theirs.close(), sock.close()  # the server's: its exit reads here as the pipe's end, and frees the port
         try:
-            self.conn.recv()
+            return self.conn.recv()
         except EOFError:
             raise UserError("the HTTP server did not start (see above)") from None
 
@@ -1552,7 +1551,7 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
     async def started(sockets=None):  # listening: the pipe's reader, and word to the engine's process
         await startup(sockets)
         threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
-        conn.send("listening")
+        conn.send(sock.getsockname()[1])
     server.startup = started
     server.run([sock])
 
@@ -1645,7 +1644,8 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
         stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
         frequency_penalty: float | None = Field(None, ge=-2, le=2)
         presence_penalty: float | None = Field(None, ge=-2, le=2)
-        logit_bias: dict[int, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+        logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],  # token id -> added to its logit
+                         Annotated[float, Field(ge=-100, le=100)]] | None = None
         logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
         response_format: Format | None = None
         regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
@@ -1672,41 +1672,35 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
         pass
     app = FastAPI(title=f"llama3_generate.py: {name}")
-    error = lambda message, param=None, status=400, code=None: JSONResponse({"error": dict(
+    error = lambda message, param=None, status=400, code=None, headers=None: JSONResponse({"error": dict(
         message=message, type="invalid_request_error" if status < 500 else "server_error", param=param, code=code)},
-        status)
+        status, headers)
     app.exception_handler(Refused)(lambda req, e: error(*e.args))
-    app.exception_handler(HTTPException)(lambda req, e: error(str(e.detail), None, e.status_code))
+    app.exception_handler(HTTPException)(lambda req, e: error(str(e.detail), None, e.status_code, None, e.headers))
     app.exception_handler(Exception)(lambda req, e: error(f"the server failed: {e!r}", None, 500))
 
     @app.exception_handler(RequestValidationError)
     def invalid(req, e):  # the field at fault: the deepest error's; param: its top-level field
         err = max(e.errors(), key=lambda err: len(err["loc"]))
-        if err["type"] == "json_invalid":
-            return error(f"Invalid JSON: {err.get('ctx', {}).get('error', '')}")
-        where = ".".join(map(str, err["loc"][1:]))
-        return error(f"{where}: {err['msg']}" if where else err["msg"], where.split(".")[0] or None)
+        where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
+        return error(f"{where}: {err['msg']}" if where else f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
+                     if err["type"] == "json_invalid" else err["msg"], where.split(".")[0] or None)
 
     def alive():  # once the engine has failed, every route says so
         if front.failed:
             raise Refused(front.failed, None, 503)
 
+    @app.get("/health")  # the same: 200 while the engine serves
     @app.get("/v1/models")
     def models():
         alive()
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
 
-    @app.get("/health")
-    def health():
-        alive()
-        return {"status": "ok"}
-
     async def handle(body, request, chat: bool):
-        bad = [k for k, ok in REFUSED.items() if (body.model_extra or {}).get(k) not in (ok, None)]
-        if bad:
-            raise Refused(f"{bad[0]}: not supported by this server", bad[0])
+        for bad in [k for k, ok in REFUSED.items() if (body.model_extra or {}).get(k) not in (ok, None)][:1]:
+            raise Refused(f"{bad}: not supported by this server", bad)
         if body.model != name:
-            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
+            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 404, "model_not_found")
         alive()
         field, tools, pick, msgs = ("messages", body.tools or [], body.tool_choice, body.messages) if chat else (
             "prompt", [], "none", [])
@@ -1724,7 +1718,8 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
             f"{json.dumps([t.function.model_dump() for t in tools])}")] * bool(tools)  # as templates with tools do
         ids = tok.chat(msgs) if chat else body.prompt if isinstance(body.prompt, list) else tok.encode(
             body.prompt, bos=True)
-        for where, got in ((field, ids), ("logit_bias", body.logit_bias or ())):
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
+        for where, got in ((field, ids), ("logit_bias", bias)):
             if not all(0 <= t < front.vocab_size for t in got):
                 raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
         asked = (body.max_completion_tokens if chat else None) or body.max_tokens
@@ -1759,7 +1754,7 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
         stop, n = [body.stop] if isinstance(body.stop, str) else body.stop or [], body.n or 1
         params = SamplingParams(n_new, 1.0 if body.temperature is None else body.temperature, body.top_p or 1.0,
                                 bool(body.ignore_eos), regex, n, body.seed, body.frequency_penalty or 0.0,
-                                body.presence_penalty or 0.0, body.logit_bias, k)
+                                body.presence_penalty or 0.0, bias, k)
         job = Job(front, params, [s for s in stop if s])
         front.send("add", job.id, (ids, params, index))
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
@@ -1779,7 +1774,7 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
                         **{key: message} if chat else {"text": text})
 
         def logprobs(i):  # OpenAI's shapes, from each token's (token, logprob, [(token, logprob)] of the top k)
-            one = lambda t, lp: dict(token=tok.token_bytes(t).decode(errors="replace"), logprob=lp,
+            one = lambda t, lp: dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
                                      bytes=list(tok.token_bytes(t)))
             got = [(one(t, lp), [one(*x) for x in top]) for t, lp, top in job.lps[i]]
             return None if k is None else {"content": [{**e, "top_logprobs": top} for e, top in got]} if chat else dict(
@@ -1840,8 +1835,9 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
             return await handle(body, request, chat)
         post.__annotations__ = {"body": Chat if chat else Completion, "request": Request}  # this file's are strings
         return post
-    app.post("/v1/completions")(route(False))
-    app.post("/v1/chat/completions")(route(True))
+    errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
+    app.post("/v1/completions", responses=errors)(route(False))
+    app.post("/v1/chat/completions", responses=errors)(route(True))
     return app
 
 

@@ -242,7 +242,7 @@ def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
     assert idle(srv)
 
 
-BAD = {  # request -> what its 400 must say, and the field it names
+BAD = {  # request -> what its 400 (an unknown model: 404, as OpenAI's) must say, and the field it names
     "malformed JSON": ('{"model": "m", "prompt": ', "Invalid JSON", None),
     "unknown model": ({"model": "gpt-9", "prompt": "hi"}, "not served here", "model"),
     "negative max_tokens": ({"prompt": "hi", "max_tokens": -3}, "max_tokens", "max_tokens"),
@@ -287,7 +287,8 @@ def test_bad_requests_are_400_with_a_clear_message(srv, case):
     r = httpx.post(f"{srv.url}/{'chat/completions' if chat else 'completions'}", content=body,
                    headers={"content-type": "application/json"}, timeout=60)
     err = r.json()["error"]
-    assert r.status_code == 400 and says in err["message"] and err["type"] == "invalid_request_error", r.text
+    assert r.status_code == (404 if case == "unknown model" else 400) and says in err["message"], r.text
+    assert err["type"] == "invalid_request_error", r.text
     assert err["param"] == param and "Traceback" not in r.text and "\n" not in err["message"], r.text
     assert srv.client.models.list().data[0].id == srv.model  # still serving
 
@@ -431,7 +432,7 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
                                              seed=rng.randint(0, 99), logprobs=True, top_logprobs=k,
                                              frequency_penalty=0.5)
     entries = out.choices[0].logprobs.content
-    assert "".join(e.token for e in entries) == out.choices[0].message.content and entries
+    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == out.choices[0].message.content
     by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in tok.stop_ids}
     got = [by_bytes[bytes(e.bytes)] for e in entries]
     lps = [reference_step(srv, tok.chat(msgs) + got[:j], got[:j], temperature) for j in range(len(got))]
@@ -445,7 +446,7 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
     c = srv.client.completions.create(model=srv.model, prompt=msgs[0]["content"], max_tokens=n, temperature=0,
                                       logprobs=2)
     lp = c.choices[0].logprobs
-    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == len(lp.tokens)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
     assert all(len(d) <= 2 and max(d.values()) >= v - 1e-6 for d, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert idle(srv)
 
@@ -568,7 +569,7 @@ def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
         p.kill()
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
-    assert err.index(f"at {url}") < err.index("Uvicorn running") < err.index("interrupted"), err[-2000:]
+    assert err.index(f"at {url}") < err.index("startup complete") < err.index("interrupted"), err[-2000:]
 
 
 def test_bench_serve_http_machinery_on_a_cpu():
