@@ -431,8 +431,8 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
     out = srv.client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=n, temperature=temperature,
                                              seed=rng.randint(0, 99), logprobs=True, top_logprobs=k,
                                              frequency_penalty=0.5)
-    entries = out.choices[0].logprobs.content
-    assert b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == out.choices[0].message.content
+    entries, text = out.choices[0].logprobs.content, out.choices[0].message.content
+    assert entries and b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == text
     by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in tok.stop_ids}
     got = [by_bytes[bytes(e.bytes)] for e in entries]
     lps = [reference_step(srv, tok.chat(msgs) + got[:j], got[:j], temperature) for j in range(len(got))]
