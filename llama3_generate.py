@@ -862,6 +862,11 @@ class SamplingParams:
     logit_bias: dict | None = None
     logprobs: int | None = None     # each token's logprob, and the top this many: of the distribution sampled from
 
+    @property
+    def argmax(self) -> bool:  # the model's own argmax: greedy, nothing added (what multi-step decode on a GPU runs)
+        return not (self.temperature or self.frequency_penalty or self.presence_penalty or self.logit_bias or
+                    self.logprobs is not None)
+
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
 SCHEDULES = ("prefill-first", "mixed")  # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
@@ -1125,10 +1130,10 @@ class Engine:
 
     def sample(self, batch, logits):
         """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
-        penalties and logit_bias. A tiny temperature samples stably (logits less their max: the top token, or the
-        tied ones). If a sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
+        penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
+        sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
         logits = penalize(batch, logits)
-        if all(s.params.temperature == 0 and s.index is None and s.params.logprobs is None for s in batch):
+        if all(s.params.argmax and s.index is None for s in batch):
             return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
             banned = torch.zeros_like(logits, dtype=torch.bool)
@@ -1145,16 +1150,15 @@ class Engine:
         out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
         for (temp, top_p, gen), rows in groups.items():
             rows_t = torch.tensor(rows, device=logits.device)
-            try:
-                z = logits[rows_t]
-                out[rows_t] = sample(z - z.amax(-1, keepdim=True), temp and max(temp, 1e-30), top_p, gen)
+            try:  # a tiny temperature: 1e-30 (logits / it stay finite in float32; softmax takes their max out)
+                out[rows_t] = sample(logits[rows_t], temp and max(temp, 1e-30), top_p, gen)
             except Exception as e:
                 out[rows_t] = self.tok.eos_id
                 for i in rows:
                     batch[i].failed = f"error: sampling failed: {e!r}"
         for i, s in enumerate(batch):  # of the distribution sampled from: greedy's at temperature 1
             if s.params.logprobs is not None:
-                lp = torch.log_softmax((logits[i] - logits[i].max()) / max(s.params.temperature or 1, 1e-30), -1)
+                lp = torch.log_softmax(logits[i] / max(s.params.temperature or 1, 1e-30), -1)
                 top, t = lp.clamp(min=-9999).topk(s.params.logprobs), int(out[i])
                 s.logprobs.append((max(float(lp[t]), -9999.0), list(zip(top.indices.tolist(), top.values.tolist()))))
         return out.tolist()
@@ -1323,7 +1327,7 @@ class CudaGraphDecoder:
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
             if prev else e.sched.running
-        if batch and not any(s.params.temperature or s.index is not None for s in batch):
+        if batch and all(s.params.argmax and s.index is None for s in batch):
             k = min([e.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
