@@ -1562,11 +1562,6 @@ class Job:
         return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
-# what this server does not do: refused (a 400 naming it) unless a request sends the default (or null)
-REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
-           "prediction": None, "web_search_options": None, "modalities": ["text"]}
-
-
 def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions, streamed
     (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null: the default); what it
@@ -1582,6 +1577,8 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
     tok, m06 = front.tok, lesson("06_jump_forward_fsm")
+    REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
+               "prediction": None, "web_search_options": None, "modalities": ["text"]}  # (or null) else a 400
 
     class Format(BaseModel):
         type: Literal["text", "json_object", "json_schema"]
@@ -1652,14 +1649,12 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
         return error(f"{where}: {err['msg']}" if where else f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
                      if err["type"] == "json_invalid" else err["msg"], where.split(".")[0] or None)
 
-    def alive():  # once the engine has failed, every route says so
-        if front.failed:
-            raise Refused(front.failed, None, 503)
 
     @app.get("/health")  # the same: 200 while the engine serves
     @app.get("/v1/models")
     def models():
-        alive()
+        if front.failed:  # the engine's thread died: every route says so
+            raise Refused(front.failed, None, 503)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
 
     async def handle(body, request, chat: bool):
@@ -1667,7 +1662,8 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
             raise Refused(f"{bad}: not supported by this server", bad)
         if body.model != name:
             raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 404, "model_not_found")
-        alive()
+        if front.failed:
+            raise Refused(front.failed, None, 503)
         field, tools, pick, msgs = ("messages", body.tools or [], body.tool_choice, body.messages) if chat else (
             "prompt", [], "none", [])
         if tools and pick in (None, "auto"):
@@ -1825,10 +1821,10 @@ def serve(args, ready=None):
         name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
         sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else
                                     socket.AF_INET)
-        port = sock.getsockname()[1]
         print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
-              f"{engine.max_len:,} per sequence) at http://{args.host}:{port}/v1", file=sys.stderr, flush=True)
-        worker.serve_http(sock, name, args.max_new_tokens, "warning" if args.quiet else "info")
+              f"{engine.max_len:,} per sequence) at http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr,
+              flush=True)
+        port = worker.serve_http(sock, name, args.max_new_tokens, "warning" if args.quiet else "info")
     except (UserError, ValueError, OSError) as e:  # OSError: the port is taken
         sys.exit(f"error: {e}")
     worker.start()
