@@ -282,7 +282,7 @@ MUTANTS = [
            "(int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)",
            "(int(ok.sum()) == 0 or len(self.output) >= p.max_new_tokens)"),
     Mutant("engine", "n samples with a seed all draw from the same generator",
-           "manual_seed(params.seed + i)", "manual_seed(params.seed)"),
+           "manual_seed((params.seed + i) % 2**64)", "manual_seed(params.seed % 2**64)"),
     Mutant("engine", "logits taken at each sequence's first new token instead of its last",
            "last = (torch.tensor(n_new).cumsum(0) - 1)[",
            "last = (torch.tensor(n_new).cumsum(0) - torch.tensor(n_new))["),
