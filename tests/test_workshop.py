@@ -1,0 +1,67 @@
+"""The workshop (tests/workshop.py): every exercise is graded (cut out alone, its tests fail; the lesson passes them
+all), `start` keeps each signature, docstring and an attendee's work, and a failing grade names the exercise."""
+import ast
+import os
+import subprocess
+import sys
+
+import workshop as W
+
+
+def test_every_exercise_is_graded():
+    """CI's proof, one process for all stages (tests/workshop.py verify): ~40 s on 2 quiet cores."""
+    r = subprocess.run([sys.executable, "tests/workshop.py", "verify"], cwd=W.ROOT, capture_output=True, text=True,
+                       timeout=1200)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert r.stdout.count("fails, as it must") == len(W.EXERCISES) - ("04 _attend" not in r.stdout) * len(
+        W.exercises("04"))  # without Triton, 04's are skipped
+
+
+def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
+    for s, name in W.LESSONS.items():
+        assert W.start(s, folder=str(tmp_path)) == 0
+        path, ref = tmp_path / f"{name}.py", W.reference(s)
+        src = path.read_text()
+        tree, ref_tree = ast.parse(src), ast.parse(ref)
+        for e in W.exercises(s):
+            assert W.is_stub(src, e) and not W.is_stub(ref, e)
+            a, b = W._find(tree, e.name), W._find(ref_tree, e.name)
+            assert ast.get_docstring(a) == ast.get_docstring(b)
+            assert ast.dump(a.args) == ast.dump(b.args) and ast.dump(a.returns or ast.Pass()) == ast.dump(b.returns or ast.Pass())
+            assert [ast.dump(d) for d in a.decorator_list] == [ast.dump(d) for d in b.decorator_list]
+            assert e.hint in src and len(src.splitlines()) < len(ref.splitlines())
+        for node, ref_node in zip(tree.body, ref_tree.body):  # the rest is the lesson itself
+            if not any(e.name.split(".")[0] == getattr(node, "name", None) for e in W.exercises(s)):
+                assert ast.dump(node) == ast.dump(ref_node)
+        assert W.grade([s], str(tmp_path)) == {e: "to do" for e in W.exercises(s)}
+    path.write_text("my work")
+    assert W.start(s, folder=str(tmp_path)) == 1 and path.read_text() == "my work"  # never overwritten...
+    assert W.start(s, force=True, folder=str(tmp_path)) == 0  # ...unless asked, and then kept
+    assert (tmp_path / f"{name}.py.bak").read_text() == "my work" and W.is_stub(path.read_text(), W.exercises(s)[0])
+    assert "python -m pytest tests/test_06_jump_forward_fsm.py --workspace" in capsys.readouterr().out
+
+
+def write(path, qualname, body):
+    src = path.read_text()
+    first, last, indent = W.body_span(src, qualname)
+    lines = src.splitlines(keepends=True)
+    lines[first - 1:last] = [" " * indent + line + "\n" for line in body]
+    path.write_text("".join(lines))
+
+
+def test_a_failing_grade_names_the_exercise_and_what_it_checks(tmp_path):
+    """03 with alloc written wrong (the highest free slots first), the other two as the lesson writes them."""
+    W.start("03", folder=str(tmp_path))
+    path = tmp_path / "03_token_allocator.py"
+    write(path, "TokenAllocator.alloc", ["free = torch.nonzero(self.mem_state == 0)[:, 0]",
+                                         "return None if n > len(free) else self._take(free.flip(0)[:n])"])
+    for name in ("TokenAllocator.alloc_contiguous", "TokenAllocator.free"):
+        write(path, name, W.body(W.reference("03"), name))
+    test = "tests/test_03_token_allocator.py::test_random_ops_agree_with_brute_force"
+    r = subprocess.run([sys.executable, "-m", "pytest", test, "--workspace", "--workspace-dir", str(tmp_path),
+                        "-p", "no:cacheprovider"], cwd=W.ROOT, capture_output=True, text=True, timeout=600)
+    out = r.stdout
+    assert r.returncode == 1, out[-3000:]
+    assert "one of 03 TokenAllocator.alloc, 03 TokenAllocator.alloc_contiguous, 03 TokenAllocator.free gives a " \
+        "wrong answer; this test checks that\n  TokenAllocator.alloc: alloc returns the lowest free slots" in out
+    assert "  fails    03 TokenAllocator.alloc\n" in out

@@ -1,0 +1,457 @@
+"""The workshop: each stage's exercises are the functions that are its idea, cut out of the lesson itself (one source
+of truth: the lessons are the reference solutions), and the stage's own tests say when the attendee's are right.
+
+    python tests/workshop.py start 03     # workspace/03_token_allocator.py: the lesson with 3 bodies to write
+    python -m pytest tests/test_03_token_allocator.py --workspace     # its tests, on your copy
+    python tests/workshop.py progress     # what passes, what is still to do
+
+Which code a graded run uses: the lessons whose test files you run come from workspace/ where you started them;
+every other lesson is the reference, so 05 can be done before 04 (and an unfinished 03 never breaks 05's grade).
+A notebook started with WORKSHOP=1 in its environment (`WORKSHOP=1 jupyter lab`) runs your copy of its lesson.
+Exercises run on a CPU; 04's kernels through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only:
+Triton has no macOS or Windows wheels. tiny-llm (skyzh) and minitorch do the same: a stub, a hint, a test."""
+from __future__ import annotations
+
+import argparse
+import ast
+import functools
+import glob
+import importlib.abc
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKSPACE = os.path.join(ROOT, "workspace")  # git-ignored
+STUB = "your turn: "
+
+
+@dataclass(frozen=True)
+class Exercise:
+    stage: str      # "03"
+    name: str       # qualname in the lesson: "TokenAllocator.alloc"
+    hint: str       # one line: how
+    checks: str     # what its tests check, in words
+    tests: tuple    # the tests of tests/test_<lesson>.py that grade it (names; "name[param]" for one case)
+
+    @property
+    def lesson(self) -> str:
+        return LESSONS[self.stage]
+
+    @property
+    def id(self) -> str:
+        return f"{self.stage} {self.name}"
+
+
+LESSONS = {os.path.basename(p)[:2]: os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "0*.py")))}
+
+EXERCISES = [
+    Exercise("01", "ContiguousKVCache.prepare",
+             "give each new request a free row, check every length first, then return positions lens[row]..+n "
+             "and set tok_slots = row * max_seq_len + position",
+             "greedy decoding through your cache gives the no-cache tokens and logits; a request that does not fit is "
+             "refused and leaves the cache untouched",
+             ("test_cached_generation_equals_no_cache[c]", "test_overlong_prompt_is_refused_and_cache_stays_usable")),
+    Exercise("01", "KVCache.attend",
+             "write k, v into the pools at tok_slots; decode: attend_table over the table; prefill: gather each "
+             "request's slots with table_slots and attend_dense over them",
+             "every backend (rows, blocks, token slots) gives the no-cache logits",
+             ("test_cached_generation_equals_no_cache[c]",)),
+    Exercise("02", "BlockManager.append",
+             "need = blocks_needed(seq, n); refuse before changing anything; copy-on-write: a shared partly filled "
+             "last block is released and replaced by a fresh one (return (src, dst)); then take the new blocks",
+             "random appends, forks and frees keep the refcounts, the free list and every sequence's tokens exactly "
+             "as a brute-force model says; a shared block is copied once",
+             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]",
+              "test_batch_estimate_counts_copy_on_write_once_per_shared_block", "test_clear_errors")),
+    Exercise("02", "BlockManager.fork",
+             "the child gets a copy of the parent's block table and token count; every shared block's refcount + 1",
+             "a forked sequence reads its parent's tokens, and its own after it writes (copy-on-write)",
+             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+    Exercise("02", "BlockManager.free",
+             "KeyError for an unknown sequence; _release every block of its table (last first); forget its tokens",
+             "freed blocks come back to the free list exactly when no other sequence holds them",
+             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+    Exercise("02", "Scheduler.preempt",
+             "count and log it; swap: append (req, kv.swap_out(rid)) to swapped, req.in_kv = False; recompute: "
+             "release(req) and put it back at the head of waiting",
+             "a pool too small for the trace preempts, and every request still finishes with its own KV intact",
+             ("test_scheduler_preempts_and_keeps_every_request_kv",)),
+    Exercise("03", "TokenAllocator.alloc",
+             "cum = (mem_state == 0).cumsum(0); the k-th free slot is searchsorted(cum, k) for k = 1..n; "
+             "None if fewer than n are free; take them with _take",
+             "alloc returns the lowest free slots, exactly as a brute-force Python list does, and refuses cleanly",
+             ("test_random_ops_agree_with_brute_force", "test_exhaustion_is_a_clean_refusal")),
+    Exercise("03", "TokenAllocator.alloc_contiguous",
+             "c = free slots before i (cumsum, padded with 0); a run of n starts at i where c[i + n] - c[i] == n; "
+             "take the first, else fall back to alloc(n)",
+             "a run of n free slots is returned whenever one exists, the first one",
+             ("test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]", "test_random_ops_agree_with_brute_force")),
+    Exercise("03", "TokenAllocator.free",
+             "unique slots with counts; refcount - count must stay >= 0 and indices in range (ValueError, nothing "
+             "changed), then write the new refcounts and add the slots reaching 0 to n_free",
+             "freeing drops one reference per slot; double frees and foreign slots are refused without a change",
+             ("test_random_ops_agree_with_brute_force", "test_double_free_and_foreign_slots_are_detected")),
+    Exercise("04", "_attend",
+             "s = q k^T * qk_scale (log2 units), masked to -inf where not visible; m_new = max(m_i, rowmax s); "
+             "rescale l_i and acc by exp2(m_i - m_new), add exp2(s - m_new) and its product with v",
+             "the decode kernel equals float64 softmax attention (the online softmax over tiles)",
+             ("test_matches_reference[float32-gqa4-d64-scat-s1]",)),
+    Exercise("04", "_stage2",
+             "load each split's lse (-inf for splits that hold no tokens) and partial output; weights "
+             "exp2(lse - max lse); out = sum(w * o) / sum(w)",
+             "splitting a sequence over several programs and merging their partial softmaxes gives the reference",
+             ("test_empty_splits_and_custom_scale",)),
+    Exercise("05", "RadixCache.match_prefix",
+             "drop the last token if compute_last, keep whole pages, _walk the tree; the slots are the matched "
+             "values concatenated (the tokens themselves without an allocator)",
+             "matches, inserts and evictions give what a brute-force list of cached prompts gives",
+             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+    Exercise("05", "RadixCache.insert",
+             "_walk the full pages of tokens; the part not matched becomes a new leaf under the last node "
+             "(its slots cloned, inc_ref'd, counted evictable); return how many were cached already",
+             "the tree holds exactly the prompts inserted, shares their common prefixes, and counts refs right",
+             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+    Exercise("05", "RadixCache.evict",
+             "a heap of unlocked leaves by (last_access, serial); pop, free their slots, unlink them, push a parent "
+             "left childless and unlocked; stop once n tokens are freed",
+             "eviction frees the least recently used unlocked leaves first, never a locked one",
+             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+    Exercise("06", "TokenIndex.jump",
+             "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
+             "the compressed edges are exactly the DFA's chains of forced bytes",
+             ("test_compressed_edges_are_the_forced_chains",)),
+    Exercise("06", "constrained_decode",
+             "loop: append the forced string (jump) and re-tokenize, stop if only EOS is allowed, else mask the "
+             "logits to index.allowed(state), sample, step the DFA",
+             "every output matches the regex, with and without jump-forward, on random logits",
+             ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",)),
+]
+
+
+def exercises(stage=None) -> list:
+    return [e for e in EXERCISES if stage in (None, e.stage)]
+
+
+# -------- cutting a body out of a lesson -----------------------------------------------------------------
+
+def _find(tree, qualname):
+    node = tree
+    for part in qualname.split("."):
+        node = next(n for n in node.body if isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == part)
+    return node
+
+
+@functools.lru_cache(maxsize=16)
+def _parse(source: str):
+    return ast.parse(source)
+
+
+def body_span(source: str, qualname: str):
+    """(first line, last line, indent) of the function's body after its docstring, 1-based, inclusive."""
+    fn = _find(_parse(source), qualname)
+    body = fn.body
+    doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+        isinstance(body[0].value.value, str)
+    first = body[1] if doc and len(body) > 1 else body[0]
+    return first.lineno, fn.end_lineno, first.col_offset
+
+
+def stub_line(ex: Exercise, indent: int) -> str:
+    return " " * indent + f"raise NotImplementedError({STUB + ex.hint!r})\n"
+
+
+def stub(source: str, exs) -> str:
+    """source with each exercise's body (after its docstring) replaced by raise NotImplementedError("your turn:..")."""
+    lines = source.splitlines(keepends=True)
+    spans = sorted(((*body_span(source, e.name), e) for e in exs), key=lambda s: -s[0])  # bottom up: lines stay put
+    for first, last, indent, e in spans:
+        lines[first - 1:last] = [stub_line(e, indent)]
+    return "".join(lines)
+
+
+def is_stub(source: str, ex: Exercise) -> bool:
+    first, last, indent = body_span(source, ex.name)
+    return first == last and STUB in source.splitlines()[first - 1]
+
+
+def body(source: str, qualname: str) -> list:
+    """The lines of a function's body after its docstring, dedented (the reference's, from the lesson itself)."""
+    first, last, indent = body_span(source, qualname)
+    return [line[indent:] for line in source.splitlines()[first - 1:last]]
+
+
+def reference(stage: str) -> str:
+    with open(os.path.join(ROOT, LESSONS[stage] + ".py"), encoding="utf-8") as f:
+        return f.read()
+
+
+# -------- which lessons a run takes from the workspace ----------------------------------------------------
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Imports lesson `name` from `folder` where it is there (lessons are imported by name)."""
+
+    def __init__(self, folder, names):
+        self.folder, self.names = folder, set(names)
+
+    def find_spec(self, name, path=None, target=None):
+        file = os.path.join(self.folder, name + ".py")
+        if name in self.names and os.path.exists(file):
+            return importlib.util.spec_from_file_location(name, file)
+        return None
+
+
+def use(stages, folder=WORKSPACE):
+    """Import these stages' lessons from `folder` (where there), every other lesson from the repository. Call it
+    before anything imports a lesson. Returns the finder (sys.meta_path.remove it to undo)."""
+    finder = _Finder(folder, [LESSONS[s] for s in stages])
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+def started(folder=WORKSPACE) -> list:
+    return [s for s, name in LESSONS.items() if os.path.exists(os.path.join(folder, name + ".py"))]
+
+
+def stages_of(args) -> list:
+    """The stages whose test files a pytest command line names (none named: every stage)."""
+    named = sorted({m.group(1) for a in args for m in [re.search(r"test_(0\d)_", os.path.basename(str(a)))] if m})
+    return named or list(LESSONS)
+
+
+class Grader:
+    """pytest plugin (conftest registers it under --workspace): imports the graded stages from the workspace and
+    says, for each failing test, which exercise it grades, what it checks and the hint."""
+
+    def __init__(self, config):
+        self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
+        self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
+        self.finder = use(self.stages, self.folder)
+        self.report_path = config.getoption("workspace_report")
+        self.results = {}  # test id -> [outcome, ids of the exercises it blames]
+
+    def pytest_unconfigure(self, config):
+        if self.finder in sys.meta_path:
+            sys.meta_path.remove(self.finder)
+
+    def pytest_report_header(self, config):
+        where = os.path.relpath(self.folder, ROOT)
+        return (f"workshop: stages {', '.join(self.stages)} from {where}/, the rest from the reference lessons"
+                if self.stages else f"workshop: nothing started in {where}/ (python tests/workshop.py start 03): "
+                                    "this run grades the reference lessons")
+
+    def source(self, stage) -> str:
+        with open(os.path.join(self.folder, LESSONS[stage] + ".py"), encoding="utf-8") as f:
+            return f.read()
+
+    def explain(self, item, call):
+        """(the exercises a failing test blames, what to tell the attendee)."""
+        stage = re.search(r"test_(0\d)_", item.nodeid)
+        if not stage or stage.group(1) not in self.stages:
+            return [], ""
+        stage, lesson = stage.group(1), LESSONS[stage.group(1)]
+        err = str(call.excinfo.value) if call.excinfo else ""
+        todo = [e for e in exercises(stage) if STUB + e.hint in err]
+        if todo:
+            where = os.path.relpath(os.path.join(self.folder, lesson + ".py"))
+            return todo[:1], f"{todo[0].id} is not written yet ({where}).\n  hint: {todo[0].hint}"
+        src = self.source(stage)
+        graders = [e for e in exercises(stage) if graded(e, item.nodeid) and not is_stub(src, e)]
+        if not graders:
+            return [], ("this test checks more of the lesson than its exercises; compare your copy with the "
+                        f"reference: diff {lesson}.py {os.path.relpath(os.path.join(self.folder, lesson))}.py")
+        if len(graders) == 1:
+            e = graders[0]
+            return graders, f"{e.id} gives a wrong answer: this test checks that {e.checks}.\n  hint: {e.hint}"
+        return graders, f"one of {', '.join(e.id for e in graders)} gives a wrong answer; this test checks that\n" + \
+            "\n".join(f"  {e.name}: {e.checks}.\n    hint: {e.hint}" for e in graders)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        rep = (yield).get_result()
+        if rep.failed:
+            blame, text = self.explain(item, call)
+            if text:
+                rep.sections.append(("workshop", text))
+            self.results[item.nodeid] = ["failed", [e.id for e in blame]]
+        elif rep.when == "call" or rep.skipped:
+            self.results[item.nodeid] = [rep.outcome, []]
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if self.report_path:
+            with open(self.report_path, "w") as f:
+                json.dump(self.results, f)
+        if self.stages:
+            terminalreporter.section("workshop")
+        for s in self.stages:
+            src = self.source(s)
+            for e in exercises(s):
+                terminalreporter.line(f"  {status_of(e, self.results, is_stub(src, e)):8} {e.id}")
+
+
+def graded(ex: Exercise, nodeid: str) -> bool:
+    """Does test nodeid grade ex? ("name" names every case of a parametrized test, "name[p]" one)."""
+    file, _, name = nodeid.partition("::")
+    return os.path.basename(file) == f"test_{ex.lesson}.py" and (name in ex.tests or name.split("[")[0] in ex.tests)
+
+
+def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
+    """to do: its stub is still there; fails: a test failed on it; passes: its tests ran and passed; blocked:
+    its tests stopped at another exercise first; not run. results: {test id: [outcome, exercises blamed]}."""
+    if stubbed:
+        return "to do"
+    mine = [r for n, r in results.items() if graded(ex, n)]
+    if any(ex.id in blame for _, blame in mine):
+        return "fails"
+    if mine and all(o != "failed" for o, _ in mine):
+        return "passes" if any(o == "passed" for o, _ in mine) else "skipped"
+    return "blocked" if mine else "not run"
+
+
+# -------- the commands ------------------------------------------------------------------------------------
+
+def start(stage, force=False, folder=WORKSPACE):
+    path = os.path.join(folder, LESSONS[stage] + ".py")
+    rel = os.path.relpath(path, ROOT)
+    if os.path.exists(path) and not force:
+        print(f"{rel} exists (your work): not overwritten; `start {stage} --force` starts it again "
+              f"(the old copy is kept as {rel}.bak)")
+        return 1
+    os.makedirs(folder, exist_ok=True)
+    if os.path.exists(path):
+        shutil.copyfile(path, path + ".bak")
+    src = stub(reference(stage), exercises(stage))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(src)
+    print(f"wrote {rel}: {len(exercises(stage))} functions to write, each raising NotImplementedError now")
+    for line, e in sorted((body_span(src, e.name)[0], e) for e in exercises(stage)):
+        print(f"  line {line:4}  {e.name}: {e.hint}")
+    test = f"tests/test_{LESSONS[stage]}.py"
+    print(f"next: read {LESSONS[stage]}.py (the reference: do not peek at these functions), run it, open "
+          f"notebooks/{LESSONS[stage]}.ipynb,\nthen write the functions in {rel} and check them with\n"
+          f"  python -m pytest {test} --workspace -x\n  python tests/workshop.py progress")
+    return 0
+
+
+def grade(stages, folder=WORKSPACE, tests=None, quiet=True) -> dict:
+    """{exercise: "passes" | "to do" | "fails" | "not started"}: one pytest run per started stage."""
+    status = {}
+    for s in stages:
+        path = os.path.join(folder, LESSONS[s] + ".py")
+        if not os.path.exists(path):
+            status.update({e: "not started" for e in exercises(s)})
+            continue
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        todo = {e for e in exercises(s) if is_stub(src, e)}
+        status.update({e: "to do" for e in todo})
+        run = [e for e in exercises(s) if e not in todo]
+        if not run:
+            continue
+        ids = sorted({f"tests/test_{LESSONS[s]}.py::{t}" for e in run for t in e.tests})
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "report.json")
+            subprocess.run([sys.executable, "-m", "pytest", *ids, "-q", "-p", "no:cacheprovider", "--workspace",
+                            "--workspace-dir", folder, "--workspace-report", out],
+                           cwd=ROOT, capture_output=quiet)
+            got = json.load(open(out)) if os.path.exists(out) else {}
+        status.update({e: status_of(e, got, False) for e in run})
+    return status
+
+
+def progress(folder=WORKSPACE):
+    status = grade(list(LESSONS), folder)
+    print(f"{'stage':5}  {'exercise':28} {'status':11} tests")
+    for e in EXERCISES:
+        print(f"{e.stage:5}  {e.name:28} {status[e]:11} {len(e.tests)}")
+    done = sum(v == "passes" for v in status.values())
+    print(f"{done} of {len(status)} exercises pass")
+
+
+def verify(stages=None, say=print) -> list:
+    """CI's proof that every exercise is graded: the workspace with only that body cut out fails the tests that
+    grade it, and the untouched lesson passes them all. One process: pytest.main once per case, the lessons and
+    test files imported afresh each time, the model loaded once. Returns the problems (none: all is well)."""
+    import contextlib
+    import io
+    import time
+    os.chdir(ROOT)
+    sys.path.insert(0, ROOT)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # fast runs: only pytest and the conftest, no rewriting
+    fast = ["-q", "-x", "--assert=plain", *(f"-p no:{p}" for p in ("cacheprovider", "unraisableexception",
+                                                                    "threadexception", "faulthandler"))]
+    import llama3_generate as L
+    L.load_model = functools.lru_cache(None)(L.load_model)
+    stages = stages or [s for s in LESSONS if exercises(s) and (s != "04" or importlib.util.find_spec("triton"))]
+    problems = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for s in stages:
+            for cut in [None] + exercises(s):
+                t0 = time.perf_counter()
+                with open(os.path.join(tmp, LESSONS[s] + ".py"), "w", encoding="utf-8") as f:
+                    f.write(reference(s) if cut is None else stub(reference(s), [cut]))
+                for name in [n for n in sys.modules if re.match(r"(test_)?0\d_", n)]:
+                    del sys.modules[name]  # lessons and their test files import afresh, from the workspace
+                tests = sorted({t for e in ([cut] if cut else exercises(s)) for t in e.tests})
+                report, log = os.path.join(tmp, "report.json"), io.StringIO()
+                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    rc = pytest.main([*(f"tests/test_{LESSONS[s]}.py::{t}" for t in tests), *fast, "--workspace", "--workspace-dir", tmp,
+                                      "--workspace-report", report])
+                got = json.load(open(report)) if os.path.exists(report) else {}
+                if cut is None:
+                    bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
+                    ok = rc == 0 and not bad
+                    what = f"{s} untouched: {'passes' if ok else 'FAILS ' + ', '.join(bad)}"
+                else:
+                    ok = rc == 1 and status_of(cut, got, False) == "fails"
+                    what = f"{cut.id} cut out: {'fails, as it must' if ok else 'NOT caught (rc %s)' % rc}"
+                say(f"  {what} ({time.perf_counter() - t0:.1f} s)")
+                if not ok:
+                    problems.append(what + "\n" + log.getvalue()[-3000:])
+    return problems
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("start", help="write workspace/<lesson>.py with the stage's exercises to do")
+    st.add_argument("stage", help="01 .. 06, or all")
+    st.add_argument("--force", action="store_true", help="start again (your copy is kept as .bak)")
+    sub.add_parser("progress", help="which exercises pass")
+    sub.add_parser("list", help="every exercise, its hint and the tests that grade it")
+    so = sub.add_parser("solution", help="print the reference body of an exercise (stuck? read it, then write yours)")
+    so.add_argument("stage")
+    so.add_argument("name", help="TokenAllocator.alloc, or alloc")
+    ve = sub.add_parser("verify", help="(CI) each exercise cut out alone fails its tests; the lesson passes them")
+    ve.add_argument("stages", nargs="*")
+    a = ap.parse_args(argv)
+    if a.cmd == "start":
+        stages = list(LESSONS) if a.stage == "all" else [a.stage.zfill(2)]
+        if any(s not in LESSONS for s in stages):
+            ap.error(f"no stage {a.stage!r}: choose from {', '.join(LESSONS)} or all")
+        return max(start(s, a.force) for s in stages)
+    if a.cmd == "progress":
+        return progress()
+    if a.cmd == "solution":
+        e = next((e for e in exercises(a.stage.zfill(2)) if e.name == a.name or e.name.endswith("." + a.name)), None)
+        if e is None:
+            ap.error(f"no exercise {a.name!r} in stage {a.stage}: `python tests/workshop.py list` lists them")
+        return print("\n".join(body(reference(e.stage), e.name)))
+    if a.cmd == "verify":
+        problems = verify(a.stages)
+        print("\n".join(problems) or "every exercise is graded")
+        return int(bool(problems))
+    for e in EXERCISES:
+        print(f"{e.id}: {e.hint}\n    checks: {e.checks}\n    graded by: {', '.join(e.tests)}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
