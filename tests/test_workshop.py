@@ -7,6 +7,12 @@ import sys
 
 import workshop as W
 
+nbformat = None
+try:
+    import nbformat
+except ImportError:  # a GPU machine may have only the GPU stack
+    pass
+
 
 def test_every_exercise_is_graded():
     """CI's proof, one process for all stages (tests/workshop.py verify): ~40 s on 2 quiet cores."""
@@ -27,7 +33,8 @@ def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
             assert W.is_stub(src, e) and not W.is_stub(ref, e)
             a, b = W._find(tree, e.name), W._find(ref_tree, e.name)
             assert ast.get_docstring(a) == ast.get_docstring(b)
-            assert ast.dump(a.args) == ast.dump(b.args) and ast.dump(a.returns or ast.Pass()) == ast.dump(b.returns or ast.Pass())
+            assert ast.dump(a.args) == ast.dump(b.args)
+            assert ast.dump(a.returns or ast.Pass()) == ast.dump(b.returns or ast.Pass())
             assert [ast.dump(d) for d in a.decorator_list] == [ast.dump(d) for d in b.decorator_list]
             assert e.hint in src and len(src.splitlines()) < len(ref.splitlines())
         for node, ref_node in zip(tree.body, ref_tree.body):  # the rest is the lesson itself
@@ -65,3 +72,16 @@ def test_a_failing_grade_names_the_exercise_and_what_it_checks(tmp_path):
     assert "one of 03 TokenAllocator.alloc, 03 TokenAllocator.alloc_contiguous, 03 TokenAllocator.free gives a " \
         "wrong answer; this test checks that\n  TokenAllocator.alloc: alloc returns the lowest free slots" in out
     assert "  fails    03 TokenAllocator.alloc\n" in out
+
+
+def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_workshop():
+    if nbformat is None:
+        return
+    for s, name in W.LESSONS.items():
+        nb = nbformat.read(os.path.join(W.ROOT, "notebooks", name + ".ipynb"), as_version=4)
+        first, last = next(c for c in nb.cells if c.cell_type == "code"), nb.cells[-1]
+        assert f'if os.environ.get("WORKSHOP"): ' in first.source and f'.use(["{s}"])' in first.source
+        assert last.cell_type == "markdown" and last.source.startswith("## Your turn")
+        for text in [f"python tests/workshop.py start {s}", f"python -m pytest tests/test_{name}.py --workspace",
+                     "python tests/workshop.py progress"] + [f"`{e.name}`" for e in W.exercises(s)]:
+            assert text in last.source, (name, text)

@@ -94,7 +94,8 @@ EXERCISES = [
              "c = free slots before i (cumsum, padded with 0); a run of n starts at i where c[i + n] - c[i] == n; "
              "take the first, else fall back to alloc(n)",
              "a run of n free slots is returned whenever one exists, the first one",
-             ("test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]", "test_random_ops_agree_with_brute_force")),
+             ("test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]",
+              "test_random_ops_agree_with_brute_force")),
     Exercise("03", "TokenAllocator.free",
              "unique slots with counts; refcount - count must stay >= 0 and indices in range (ValueError, nothing "
              "changed), then write the new refcounts and add the slots reaching 0 to n_free",
@@ -209,11 +210,15 @@ class _Finder(importlib.abc.MetaPathFinder):
         return None
 
 
-def use(stages, folder=WORKSPACE):
+def use(stages, folder=WORKSPACE, say=True):
     """Import these stages' lessons from `folder` (where there), every other lesson from the repository. Call it
     before anything imports a lesson. Returns the finder (sys.meta_path.remove it to undo)."""
     finder = _Finder(folder, [LESSONS[s] for s in stages])
     sys.meta_path.insert(0, finder)
+    for s in stages if say else ():
+        mine = os.path.exists(os.path.join(folder, LESSONS[s] + ".py"))
+        print(f"{LESSONS[s]}: {'your copy in' if mine else 'the reference (not started in'} "
+              f"{os.path.relpath(folder)}{'' if mine else ')'}")
     return finder
 
 
@@ -234,7 +239,7 @@ class Grader:
     def __init__(self, config):
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
-        self.finder = use(self.stages, self.folder)
+        self.finder = use(self.stages, self.folder, say=False)
         self.report_path = config.getoption("workspace_report")
         self.results = {}  # test id -> [outcome, ids of the exercises it blames]
 
@@ -401,10 +406,10 @@ def verify(stages=None, say=print) -> list:
                 for name in [n for n in sys.modules if re.match(r"(test_)?0\d_", n)]:
                     del sys.modules[name]  # lessons and their test files import afresh, from the workspace
                 tests = sorted({t for e in ([cut] if cut else exercises(s)) for t in e.tests})
-                report, log = os.path.join(tmp, "report.json"), io.StringIO()
+                report, log = os.path.join(tmp, f"report{time.perf_counter_ns()}.json"), io.StringIO()
                 with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    rc = pytest.main([*(f"tests/test_{LESSONS[s]}.py::{t}" for t in tests), *fast, "--workspace", "--workspace-dir", tmp,
-                                      "--workspace-report", report])
+                    rc = pytest.main([*(f"tests/test_{LESSONS[s]}.py::{t}" for t in tests), *fast, "--workspace",
+                                      "--workspace-dir", tmp, "--workspace-report", report])
                 got = json.load(open(report)) if os.path.exists(report) else {}
                 if cut is None:
                     bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
