@@ -72,6 +72,12 @@ def test_a_failing_grade_names_the_exercise_and_what_it_checks(tmp_path):
     assert "one of 03 TokenAllocator.alloc, 03 TokenAllocator.alloc_contiguous, 03 TokenAllocator.free gives a " \
         "wrong answer; this test checks that\n  TokenAllocator.alloc: alloc returns the lowest free slots" in out
     assert "  fails    03 TokenAllocator.alloc\n" in out
+    write(path, "TokenAllocator.free", [W.stub_line(W.exercises("03")[2], 0).strip()])  # free: to do again
+    r = subprocess.run([sys.executable, "tests/workshop.py", "progress", "--dir", str(tmp_path)], cwd=W.ROOT,
+                       capture_output=True, text=True, timeout=600)
+    for name, status in (("alloc", "fails"), ("alloc_contiguous", "passes"), ("free", "to do")):
+        assert f"03     {'TokenAllocator.' + name:32} {status}\n" in r.stdout, r.stdout + r.stderr[-2000:]
+    assert "05     RadixCache.insert                not started\n" in r.stdout
 
 
 def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_workshop():

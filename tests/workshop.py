@@ -170,13 +170,17 @@ def stub_line(ex: Exercise, indent: int) -> str:
     return " " * indent + f"raise NotImplementedError({STUB + ex.hint!r})\n"
 
 
-def stub(source: str, exs) -> str:
-    """source with each exercise's body (after its docstring) replaced by raise NotImplementedError("your turn:..")."""
+def splice(source: str, bodies: dict) -> str:
+    """source with the body (after its docstring) of each function in bodies, {qualname: lines}, replaced."""
     lines = source.splitlines(keepends=True)
-    spans = sorted(((*body_span(source, e.name), e) for e in exs), key=lambda s: -s[0])  # bottom up: lines stay put
-    for first, last, indent, e in spans:
-        lines[first - 1:last] = [stub_line(e, indent)]
+    for first, last, _, name in sorted(((*body_span(source, n), n) for n in bodies), reverse=True):
+        lines[first - 1:last] = bodies[name]  # bottom up: the spans above stay put
     return "".join(lines)
+
+
+def stub(source: str, exs) -> str:
+    """source with each exercise's body replaced by raise NotImplementedError("your turn: <hint>")."""
+    return splice(source, {e.name: [stub_line(e, body_span(source, e.name)[2])] for e in exs})
 
 
 def is_stub(source: str, ex: Exercise) -> bool:
@@ -318,7 +322,7 @@ def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
         return "fails"
     if mine and all(o != "failed" for o, _ in mine):
         return "passes" if any(o == "passed" for o, _ in mine) else "skipped"
-    return "blocked" if mine else "not run"
+    return "blocked" if mine else "not run"  # blocked: progress grades it alone
 
 
 # -------- the commands ------------------------------------------------------------------------------------
@@ -346,8 +350,43 @@ def start(stage, force=False, folder=WORKSPACE):
     return 0
 
 
-def grade(stages, folder=WORKSPACE, tests=None, quiet=True) -> dict:
-    """{exercise: "passes" | "to do" | "fails" | "not started"}: one pytest run per started stage."""
+class Runner:
+    """pytest.main in this process, once per case, the lessons and test files imported afresh each time and the
+    model loaded once: ~1 s a case where a fresh pytest process takes ~5 (torch, the model)."""
+
+    def __init__(self):
+        os.chdir(ROOT)
+        sys.path.insert(0, ROOT)
+        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest: no plugins to rewrite
+        import llama3_generate as L
+        L.load_model = functools.lru_cache(None)(L.load_model)
+        self.tmp = tempfile.mkdtemp()
+        self.log = ""
+
+    def __call__(self, stage, source, tests, first_failure=True) -> tuple:
+        """Run tests of the stage's test file with source as its lesson -> (exit code, {test id: [outcome, blamed]})."""
+        import contextlib
+        import io
+        with open(os.path.join(self.tmp, LESSONS[stage] + ".py"), "w", encoding="utf-8") as f:
+            f.write(source)
+        for name in [n for n in sys.modules if re.match(r"(test_)?0\d_", n)]:
+            del sys.modules[name]
+        report, log = os.path.join(self.tmp, "report.json"), io.StringIO()
+        if os.path.exists(report):
+            os.remove(report)
+        quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler")
+                 for a in ("-p", "no:" + p)]
+        args = [f"tests/test_{LESSONS[stage]}.py::{t}" for t in sorted(tests)] + ["-x"] * first_failure + [
+            "-q", "--assert=plain", "--workspace", "--workspace-dir", self.tmp, "--workspace-report", report, *quiet]
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            rc = pytest.main(args)
+        self.log = log.getvalue()
+        return rc, json.load(open(report)) if os.path.exists(report) else {}
+
+
+def grade(stages, folder=WORKSPACE, run=None) -> dict:
+    """{exercise: "passes" | "fails" | "to do" | "not started"}: each exercise written is graded alone, the
+    lesson's code standing in for every other exercise, so alloc passes before free is written."""
     status = {}
     for s in stages:
         path = os.path.join(folder, LESSONS[s] + ".py")
@@ -356,71 +395,50 @@ def grade(stages, folder=WORKSPACE, tests=None, quiet=True) -> dict:
             continue
         with open(path, encoding="utf-8") as f:
             src = f.read()
-        todo = {e for e in exercises(s) if is_stub(src, e)}
-        status.update({e: "to do" for e in todo})
-        run = [e for e in exercises(s) if e not in todo]
-        if not run:
-            continue
-        ids = sorted({f"tests/test_{LESSONS[s]}.py::{t}" for e in run for t in e.tests})
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "report.json")
-            subprocess.run([sys.executable, "-m", "pytest", *ids, "-q", "-p", "no:cacheprovider", "--workspace",
-                            "--workspace-dir", folder, "--workspace-report", out],
-                           cwd=ROOT, capture_output=quiet)
-            got = json.load(open(out)) if os.path.exists(out) else {}
-        status.update({e: status_of(e, got, False) for e in run})
+        ref = reference(s)
+        for e in exercises(s):
+            if is_stub(src, e):
+                status[e] = "to do"
+                continue
+            a, b, _ = body_span(src, e.name)
+            run = run or Runner()
+            rc, got = run(s, splice(ref, {e.name: src.splitlines(keepends=True)[a - 1:b]}), e.tests)
+            mine = [o for n, (o, _) in got.items() if graded(e, n)]
+            status[e] = "fails" if "failed" in mine or rc not in (0, 1) else "passes" if "passed" in mine else "not run"
     return status
 
 
 def progress(folder=WORKSPACE):
     status = grade(list(LESSONS), folder)
-    print(f"{'stage':5}  {'exercise':28} {'status':11} tests")
+    print(f"{'stage':5}  {'exercise':32} status")
     for e in EXERCISES:
-        print(f"{e.stage:5}  {e.name:28} {status[e]:11} {len(e.tests)}")
-    done = sum(v == "passes" for v in status.values())
-    print(f"{done} of {len(status)} exercises pass")
+        print(f"{e.stage:5}  {e.name:32} {status[e]}")
+    print(f"{sum(v == 'passes' for v in status.values())} of {len(status)} exercises pass "
+          "(each graded alone: the lesson's code stands in for the others)")
 
 
 def verify(stages=None, say=print) -> list:
-    """CI's proof that every exercise is graded: the workspace with only that body cut out fails the tests that
-    grade it, and the untouched lesson passes them all. One process: pytest.main once per case, the lessons and
-    test files imported afresh each time, the model loaded once. Returns the problems (none: all is well)."""
-    import contextlib
-    import io
+    """CI's proof that every exercise is graded: the lesson with only that body cut out fails the tests that grade
+    it, blaming it, and the untouched lesson passes them all. Returns the problems (none: all is well)."""
     import time
-    os.chdir(ROOT)
-    sys.path.insert(0, ROOT)
-    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # fast runs: only pytest and the conftest, no rewriting
-    fast = ["-q", "-x", "--assert=plain", *(f"-p no:{p}" for p in ("cacheprovider", "unraisableexception",
-                                                                    "threadexception", "faulthandler"))]
-    import llama3_generate as L
-    L.load_model = functools.lru_cache(None)(L.load_model)
+    run = Runner()
     stages = stages or [s for s in LESSONS if exercises(s) and (s != "04" or importlib.util.find_spec("triton"))]
     problems = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for s in stages:
-            for cut in [None] + exercises(s):
-                t0 = time.perf_counter()
-                with open(os.path.join(tmp, LESSONS[s] + ".py"), "w", encoding="utf-8") as f:
-                    f.write(reference(s) if cut is None else stub(reference(s), [cut]))
-                for name in [n for n in sys.modules if re.match(r"(test_)?0\d_", n)]:
-                    del sys.modules[name]  # lessons and their test files import afresh, from the workspace
-                tests = sorted({t for e in ([cut] if cut else exercises(s)) for t in e.tests})
-                report, log = os.path.join(tmp, f"report{time.perf_counter_ns()}.json"), io.StringIO()
-                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    rc = pytest.main([*(f"tests/test_{LESSONS[s]}.py::{t}" for t in tests), *fast, "--workspace",
-                                      "--workspace-dir", tmp, "--workspace-report", report])
-                got = json.load(open(report)) if os.path.exists(report) else {}
-                if cut is None:
-                    bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
-                    ok = rc == 0 and not bad
-                    what = f"{s} untouched: {'passes' if ok else 'FAILS ' + ', '.join(bad)}"
-                else:
-                    ok = rc == 1 and status_of(cut, got, False) == "fails"
-                    what = f"{cut.id} cut out: {'fails, as it must' if ok else 'NOT caught (rc %s)' % rc}"
-                say(f"  {what} ({time.perf_counter() - t0:.1f} s)")
-                if not ok:
-                    problems.append(what + "\n" + log.getvalue()[-3000:])
+    for s in stages:
+        for cut in [None] + exercises(s):
+            t0 = time.perf_counter()
+            tests = {t for e in ([cut] if cut else exercises(s)) for t in e.tests}
+            rc, got = run(s, reference(s) if cut is None else stub(reference(s), [cut]), tests)
+            if cut is None:
+                bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
+                ok = rc == 0 and not bad
+                what = f"{s} untouched: {'passes' if ok else 'FAILS ' + ', '.join(bad)}"
+            else:
+                ok = rc == 1 and status_of(cut, got, False) == "fails"
+                what = f"{cut.id} cut out: {'fails, as it must' if ok else 'NOT caught (rc %s)' % rc}"
+            say(f"  {what} ({time.perf_counter() - t0:.1f} s)")
+            if not ok:
+                problems.append(what + "\n" + run.log[-3000:])
     return problems
 
 
@@ -430,7 +448,9 @@ def main(argv=None):
     st = sub.add_parser("start", help="write workspace/<lesson>.py with the stage's exercises to do")
     st.add_argument("stage", help="01 .. 06, or all")
     st.add_argument("--force", action="store_true", help="start again (your copy is kept as .bak)")
-    sub.add_parser("progress", help="which exercises pass")
+    pr = sub.add_parser("progress", help="which exercises pass")
+    for p in (st, pr):
+        p.add_argument("--dir", default=WORKSPACE, help="the workspace folder (default: workspace/)")
     sub.add_parser("list", help="every exercise, its hint and the tests that grade it")
     so = sub.add_parser("solution", help="print the reference body of an exercise (stuck? read it, then write yours)")
     so.add_argument("stage")
@@ -442,9 +462,9 @@ def main(argv=None):
         stages = list(LESSONS) if a.stage == "all" else [a.stage.zfill(2)]
         if any(s not in LESSONS for s in stages):
             ap.error(f"no stage {a.stage!r}: choose from {', '.join(LESSONS)} or all")
-        return max(start(s, a.force) for s in stages)
+        return max(start(s, a.force, a.dir) for s in stages)
     if a.cmd == "progress":
-        return progress()
+        return progress(a.dir)
     if a.cmd == "solution":
         e = next((e for e in exercises(a.stage.zfill(2)) if e.name == a.name or e.name.endswith("." + a.name)), None)
         if e is None:
