@@ -245,7 +245,7 @@ class Grader:
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
         self.finder = use(self.stages, self.folder, say=False)
         self.report_path = config.getoption("workspace_report")
-        self.results = {}  # test id -> [outcome, ids of the exercises it blames]
+        self.results = {}  # test id -> [outcome, ids of the exercises it blames, why]
 
     def pytest_unconfigure(self, config):
         if self.finder in sys.meta_path:
@@ -290,9 +290,10 @@ class Grader:
             blame, text = self.explain(item, call)
             if text:
                 rep.sections.append(("workshop", text))
-            self.results[item.nodeid] = ["failed", [e.id for e in blame]]
+            why = [line[2:].strip() for line in rep.longreprtext.splitlines() if line.startswith("E ")][:2]
+            self.results[item.nodeid] = ["failed", [e.id for e in blame], " / ".join(why)[:300]]
         elif rep.when == "call" or rep.skipped:
-            self.results[item.nodeid] = [rep.outcome, []]
+            self.results[item.nodeid] = [rep.outcome, [], ""]
 
     def pytest_terminal_summary(self, terminalreporter):
         if self.report_path:
@@ -314,14 +315,14 @@ def graded(ex: Exercise, nodeid: str) -> bool:
 
 def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
     """to do: its stub is still there; fails: a test failed on it; passes: its tests ran and passed; blocked:
-    its tests stopped at another exercise first; not run. results: {test id: [outcome, exercises blamed]}."""
+    its tests stopped at another exercise first; not run. results: {test id: [outcome, exercises blamed, why]}."""
     if stubbed:
         return "to do"
     mine = [r for n, r in results.items() if graded(ex, n)]
-    if any(ex.id in blame for _, blame in mine):
+    if any(ex.id in blame for _, blame, _ in mine):
         return "fails"
-    if mine and all(o != "failed" for o, _ in mine):
-        return "passes" if any(o == "passed" for o, _ in mine) else "skipped"
+    if mine and all(o != "failed" for o, _, _ in mine):
+        return "passes" if any(o == "passed" for o, _, _ in mine) else "skipped"
     return "blocked" if mine else "not run"  # blocked: progress grades it alone
 
 
@@ -364,7 +365,7 @@ class Runner:
         self.log = ""
 
     def __call__(self, stage, source, tests, first_failure=True) -> tuple:
-        """Run tests of the stage's test file with source as its lesson -> (exit code, {test id: [outcome, blamed]})."""
+        """Run tests of the stage's test file on source as its lesson: (rc, {test id: [outcome, blamed, why]})."""
         import contextlib
         import io
         with open(os.path.join(self.tmp, LESSONS[stage] + ".py"), "w", encoding="utf-8") as f:
@@ -403,8 +404,11 @@ def grade(stages, folder=WORKSPACE, run=None) -> dict:
             a, b, _ = body_span(src, e.name)
             run = run or Runner()
             rc, got = run(s, splice(ref, {e.name: src.splitlines(keepends=True)[a - 1:b]}), e.tests)
-            mine = [o for n, (o, _) in got.items() if graded(e, n)]
+            mine = [o for n, (o, _, _) in got.items() if graded(e, n)]
             status[e] = "fails" if "failed" in mine or rc not in (0, 1) else "passes" if "passed" in mine else "not run"
+            if status[e] == "fails":
+                why = [f"{n.split('::')[-1]}: {w}" for n, (o, _, w) in got.items() if o == "failed"]
+                status[e] += "   " + (why[0] if why else run.log.strip().splitlines()[-1])
     return status
 
 
