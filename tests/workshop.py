@@ -364,7 +364,7 @@ class Runner:
         self.tmp = tempfile.mkdtemp()
         self.log = ""
 
-    def __call__(self, stage, source, tests, first_failure=True) -> tuple:
+    def __call__(self, stage, source, tests, plain=False) -> tuple:
         """Run tests of the stage's test file on source as its lesson: (rc, {test id: [outcome, blamed, why]})."""
         import contextlib
         import io
@@ -377,8 +377,8 @@ class Runner:
             os.remove(report)
         quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler")
                  for a in ("-p", "no:" + p)]
-        args = [f"tests/test_{LESSONS[stage]}.py::{t}" for t in sorted(tests)] + ["-x"] * first_failure + [
-            "-q", "--assert=plain", "--workspace", "--workspace-dir", self.tmp, "--workspace-report", report, *quiet]
+        args = [f"tests/test_{LESSONS[stage]}.py::{t}" for t in sorted(tests)] + ["--assert=plain"] * plain + [
+            "-q", "-x", "--workspace", "--workspace-dir", self.tmp, "--workspace-report", report, *quiet]
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             rc = pytest.main(args)
         self.log = log.getvalue()
@@ -432,7 +432,7 @@ def verify(stages=None, say=print) -> list:
         for cut in [None] + exercises(s):
             t0 = time.perf_counter()
             tests = {t for e in ([cut] if cut else exercises(s)) for t in e.tests}
-            rc, got = run(s, reference(s) if cut is None else stub(reference(s), [cut]), tests)
+            rc, got = run(s, reference(s) if cut is None else stub(reference(s), [cut]), tests, plain=True)
             if cut is None:
                 bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
                 ok = rc == 0 and not bad
