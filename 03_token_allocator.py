@@ -30,7 +30,7 @@ Page size 1 means no internal fragmentation (live-token share ~100%, see the rep
 token in attention -- which is why 04 writes a Triton kernel that reads req_to_token directly. The price of the
 cumsum: every call scans the whole pool and costs a dozen tensor ops (kernel launches on a GPU) plus one host sync
 in free. So a Python set still wins for single tokens, the tensor allocator wins for big batches, and on a GPU
-either is well under 1% of an eager decode step (the report and --bench measure all three). This is LightLLM's
+either is well under 1% of an eager decode step (--bench measures all three: tests/bench_03.py). This is LightLLM's
 original MemoryManager (2023); today LightLLM and SGLang keep a tensor of free slot ids and slice n off its front
 -- O(n) work, but no refcounts and no contiguous runs.
 
@@ -43,8 +43,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
-import time
+import os
+import runpy
 
 import numpy as np
 import torch
@@ -276,86 +276,6 @@ class TokenKVCache(K01.KVCache):
 # Measurements
 # ----------------------------------------------------------------------------------------------
 
-class PythonSetAllocator:
-    """The peer: free slots in a Python set, one interpreter step per token (the reference CacheManager's way, with
-    the O(1) set.pop instead of random.choice(list(...)) -- the fastest a set gets, so the ratios are conservative)."""
-
-    def __init__(self, size: int, device="cpu"):
-        self.free_slots, self.used, self.device = set(range(size)), set(), device
-
-    def alloc(self, n: int):
-        if n > len(self.free_slots):
-            return None
-        picked = [self.free_slots.pop() for _ in range(n)]
-        self.used.update(picked)
-        return torch.tensor(picked, device=self.device)  # the slots must reach the device for attention anyway
-
-    def free(self, idx):
-        idx = idx.tolist()
-        if not self.used.issuperset(idx):
-            raise ValueError("free of a slot that is not allocated")
-        self.used.difference_update(idx)
-        self.free_slots.update(idx)
-
-
-class BlockPeer:
-    """02's BlockManager (bookkeeping only: no slot tensor is built), blocks of 16, behind alloc(n) / free(handle)."""
-
-    def __init__(self, size: int, device="cpu"):
-        self.bm, self.n = P02.BlockManager(size // 16, 16, 0.0), 0
-
-    def alloc(self, n: int):
-        self.n += 1
-        self.bm.append(self.n, n)
-        return self.n
-
-    def free(self, seq):
-        self.bm.free(seq)
-
-
-def half_full(a, size: int, seed: int = 0):
-    """Fill the pool, then free a random half: the free slots (or blocks) end up scattered."""
-    perm = torch.randperm(size, generator=torch.Generator().manual_seed(seed))
-    if isinstance(a, BlockPeer):
-        held = [a.alloc(16) for _ in range(size // 16)]
-        for j in perm[perm < len(held)][:len(held) // 2].tolist():
-            a.free(held[j])
-    else:
-        held = a.alloc(size)
-        a.free(held[perm[:size // 2].to(held.device)])
-
-
-def time_alloc_free(a, n: int, budget_s: float = 0.2, sync=lambda: None) -> float:
-    """Seconds per alloc(n) + free of what it returned."""
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < budget_s or calls < 3:
-        a.free(a.alloc(n))
-        calls += 1
-    sync()
-    return (time.perf_counter() - t0) / calls
-
-
-def throughput(device="cpu", size=65536, batches=(1, 64, 4096), budget_s=0.2, seed=0):
-    """alloc+free calls/s and tokens/s of the token allocator and its peers, same pool size, same run."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    peers = {"token": TokenAllocator, "python_set": PythonSetAllocator, "blocks_02": BlockPeer}
-    rows = {}
-    for n in batches:
-        rows[n] = r = {}
-        for name, cls in peers.items():
-            try:
-                a = cls(size, device)
-            except Exception:                                       # 02 missing or broken: compare without it
-                continue
-            half_full(a, size, seed)
-            time_alloc_free(a, n, 0.02, sync)                       # warm-up
-            t = time_alloc_free(a, n, budget_s, sync)
-            r[name] = {"calls_per_s": 1 / t, "tokens_per_s": n / t}
-            r[f"speedup_vs_{name}"] = r["token"]["calls_per_s"] / r[name]["calls_per_s"]
-        del r["speedup_vs_token"]
-    return rows
-
-
 def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_sizes=(16, 256)):
     """Serve a trace through the allocator (continuous batching, FIFO, one token per running request per step) and
     compare, every step, the live tokens with what each scheme holds for the same requests: the token pool
@@ -391,45 +311,12 @@ def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_si
             for k, v in held.items() if k != "live"}
 
 
-def measure(n_requests=200, seed=0, budget_s=0.2):
-    """Every figure of the CPU report, measured in this run."""
-    prompt, output = importlib.import_module("01_kv_cache").synthetic_trace("sharegpt", n_requests, seed)
-    live, tp = trace_live_fraction(prompt, output), throughput(budget_s=budget_s, seed=seed)
+def measure(n_requests=200, seed=0):
+    """Every figure of the report, measured in this run (--bench adds the peers': tests/bench_03.py)."""
+    prompt, output = K01.synthetic_trace("sharegpt", n_requests, seed)
+    live = trace_live_fraction(prompt, output)
     return {"trace": f"synthetic sharegpt trace, {n_requests} requests, 32 running",
-            "live_fraction": live["token_pool"],
-            "live_fraction_by_scheme": live, "throughput_cpu_pool_65536": tp,
-            "alloc_free_speedup_vs_python_set": {n: r["speedup_vs_python_set"] for n, r in tp.items()}}
-
-
-def bench_decode_share(batch=32, context=512, steps=20, device="cuda"):
-    """GPU: one decode step's alloc + free vs the step itself (random-weight Llama-3.2-1B shape, bf16)."""
-    import llama3_generate as L
-    args = L.ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
-                       rope_theta=500000.0, max_seq_len=4096, rope_scaling={"factor": 32.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = L.Transformer(args).to(torch.bfloat16)
-    size, seqs, sync = batch * (context + steps), list(range(batch)), torch.cuda.synchronize
-    kv = TokenKVCache.for_model(model, size, max_requests=batch, max_seq_len=context + steps)
-    tokens = torch.randint(0, args.vocab_size, (batch * context,), device=device)
-    model(tokens, kv.prepare(seqs, [context] * batch), kv, logits_at=torch.arange(batch, device=device))  # prefill
-    prep, step = [], []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        pos = kv.prepare(seqs, [1] * batch)                  # alloc(batch) + req_to_token writes
-        sync()
-        t1 = time.perf_counter()
-        model(tokens[:batch], pos, kv)
-        sync()
-        prep.append(t1 - t0)
-        step.append(time.perf_counter() - t0)
-    spare = TokenAllocator(size, device)
-    half_full(spare, size)
-    af, step, prep = time_alloc_free(spare, batch, 0.2, sync), float(np.median(step)), float(np.median(prep))
-    return {"device": torch.cuda.get_device_name(), "batch": batch, "context": context, "decode_step_ms": step * 1e3,
-            "alloc_free_us": af * 1e6, "alloc_free_share_of_step": af / step, "prepare_share_of_step": prep / step}
+            "live_fraction": live["token_pool"], "live_fraction_by_scheme": live}
 
 
 def report(r):
@@ -437,27 +324,14 @@ def report(r):
     print(f"live-token share of the KV memory held, over every decode step of a {r['trace']}:")
     for k, v in r["live_fraction_by_scheme"].items():
         print(f"  {k:12s} {v:7.1%}")
-    for key, tp in [(k, v) for k, v in r.items() if k.startswith("throughput")]:
-        print(f"\nalloc(n) + free on a half-full, scattered pool ({key.split('_', 1)[1]}):")
-        for n, row in tp.items():
-            for name in [k for k in row if not k.startswith("speedup")]:
-                vs = "" if name == "token" else f"   token allocator = {row['speedup_vs_' + name]:.2f}x"
-                print(f"  n={n!s:<5} {name:10s} {row[name]['calls_per_s']:11,.0f} calls/s "
-                      f"{row[name]['tokens_per_s']:14,.0f} tokens/s{vs}")
-    if "gpu_decode" in r:
-        d = r["gpu_decode"]
-        print(f"\n{d['device']}: decode step of a random Llama-3.2-1B (bf16, batch {d['batch']}, context "
-              f"{d['context']}) {d['decode_step_ms']:.2f} ms; "
-              f"alloc+free of {d['batch']} slots {d['alloc_free_us']:.0f} us"
-              f" = {d['alloc_free_share_of_step']:.2%} of it; the whole prepare() {d['prepare_share_of_step']:.2%}")
-    print("\nPage size 1 holds exactly the live tokens. The cumsum allocator does O(pool) tensor work in O(1) Python "
-          "steps:\na Python set wins for single tokens, the tensor allocator for big batches.")
+    print("\nPage size 1 holds exactly the live tokens (--bench: alloc + free against a Python set and 02's blocks).")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description="LightLLM's token-granular KV allocator: live-token share and throughput")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--bench", action="store_true", help="GPU: throughput on CUDA, alloc+free share of a decode step")
+    ap.add_argument("--bench", action="store_true", help="alloc + free vs a Python set and 02's blocks (CPU; on a "
+                    "GPU also CUDA and the share of a decode step): tests/bench_03.py")
     ap.add_argument("--requests", type=int, default=200, help="requests in the synthetic trace (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -465,18 +339,10 @@ def main(argv=None):
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 1:
         ap.error("--requests must be >= 1")
-    if a.bench and not torch.cuda.is_available():
-        sys.exit("error: --bench needs a CUDA GPU")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops don't parallelise, and on a shared 2-core box 2 threads time erratically
-    try:
-        r = measure(a.requests, a.seed)
-        if a.bench:
-            r["throughput_cuda_pool_1M"] = throughput("cuda", size=1 << 20, seed=a.seed)
-            r["gpu_decode"] = bench_decode_share()
-    finally:
-        torch.set_num_threads(threads)
-    print(json.dumps(r)) if a.json else report(r)
+    bench = a.bench and runpy.run_path(  # --bench: the peers beside the pool (not the lesson), after its figures
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_03.py"))
+    r = (bench["measure"] if bench else measure)(a.requests, a.seed)
+    print(json.dumps(r)) if a.json else (bench["report"] if bench else report)(r)
 
 
 if __name__ == "__main__":

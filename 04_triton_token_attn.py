@@ -36,19 +36,18 @@ CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels i
 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts truncate.
 
 Benchmark: `--bench` times both kernels on a GPU against flash-attn (paged decode, varlen prefill) and PyTorch
-SDPA on the same data; the configs below were tuned that way, and the README keeps the measured figures.
+SDPA on the same data (tests/bench_04.py); the configs below were tuned that way, the README keeps the figures.
 """
 from __future__ import annotations
 
 import argparse
 import functools
 import importlib
-import itertools
 import json
 import math
 import os
+import runpy
 import sys
-import time
 
 import torch
 
@@ -347,7 +346,7 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
 
 
 # Per head_dim; rows = BLOCK_R (new token, query head) pairs per program. Tuned on an H100 (bf16) over rows, BLOCK_N,
-# warps and stages by the worst ratio to flash_attn_varlen_func on EXTEND_SHAPES, timed in the same call.
+# warps and stages by the worst ratio to flash_attn_varlen_func on tests/bench_04.py's EXTEND_SHAPES, timed in one call.
 EXTEND_CONFIG = {128: dict(rows=128, block_n=32, num_warps=4, num_stages=3),
                  64: dict(rows=128, block_n=64, num_warps=4, num_stages=3)}
 
@@ -805,154 +804,12 @@ like flash-attention: whole K/V tiles before a block's first query run unmasked,
 
 
 # ----------------------------------------------------------------------------------------------
-# The GPU benchmark (--bench) and the command line
+# The command line (--bench: tests/bench_04.py)
 # ----------------------------------------------------------------------------------------------
-BENCH_SHAPES = ((1, 4096), (32, 1024), (32, 4096), (128, 2048), (8, 16384))  # decode: (batch, context)
-EXTEND_SHAPES = (  # (batch, new tokens, cached tokens) per request: the issue's prefill shapes
-    (8, 1024, 0), (32, 512, 512), (1, 8192, 0), (4, 2048, 6144))
-
-
-def _ms(fn) -> float:
-    return triton.testing.do_bench(fn, return_mode="median")  # triton's median ms, L2 flushed before each call
-
-
-def _failed(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}"[:100]  # flash-attn missing, or out of memory: say so, keep benchmarking
-
-
-def _timings(fns):
-    """Cycling through copies of the inputs (so they don't sit in L2): eager ms (do_bench median, L2 flushed
-    before each call, host launch cost included where it outlasts the flush), graph ms (CUDA-graph replay:
-    what a decode engine pays) and host us (CPU time to issue one call)."""
-    it = itertools.count()
-    fn = lambda: fns[next(it) % len(fns)]()
-    eager = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    graph = triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median")
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(50):
-        fn()
-    host_us = (time.perf_counter() - t) / 50 * 1e6
-    torch.cuda.synchronize()
-    return dict(ms=eager, graph_ms=graph, host_us=host_us)
-
-
-def _flash_fn(P, page=256):
-    """flash-attn's paged decode over a paged copy of the same K/V (pages in random order)."""
-    from flash_attn import flash_attn_with_kvcache
-    q, k_pool, v_pool, r2t, rows, lens = P
-    B, L = len(lens), int(lens[0])
-    perm = torch.randperm(B * L // page, device=q.device)
-    pages = lambda pool: torch.empty_like(pool[:B * L].view(-1, page, *pool.shape[1:])).index_copy_(
-        0, perm, pool[r2t[rows, :L].long()].view(-1, page, *pool.shape[1:]))  # (num_pages, page, n_kv_heads, D)
-    kc, vc, table = pages(k_pool), pages(v_pool), perm.view(B, -1).int()
-    return lambda: flash_attn_with_kvcache(q[:, None], kc, vc, cache_seqlens=lens, block_table=table)[:, 0]
-
-
-def _sdpa_fn(P):
-    """PyTorch SDPA on a contiguous (batch, n_kv_heads, L, head_dim) copy."""
-    q, k_pool, v_pool, r2t, rows, lens = P
-    L = int(lens[0])
-    kc, vc = (pool[r2t[rows, :L].long()].transpose(1, 2).contiguous() for pool in (k_pool, v_pool))
-    return lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True)[:, :, 0]
-
-
-def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=torch.bfloat16, **config):
-    """Times the kernel (scattered and contiguous slots), flash-attn (paged) and SDPA on the same data."""
-    dev = torch.device("cuda")
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-    y = torch.empty_like(x)
-    copy_gbs = 2 * x.numel() / _ms(lambda: y.copy_(x)) / 1e6  # read + write
-    del x, y
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    results = []
-    for B, L in shapes:
-        kv_bytes = 2 * B * L * n_kv_heads * head_dim * dtype.itemsize  # K and V, each read once
-        sets = [make_problem([L] * B, n_q_heads, n_kv_heads, head_dim, dtype, dev, seed=i)
-                for i in range(max(1, min(8, -(-3 * l2 // kv_bytes))))]
-        splits = choose_num_splits(B, n_kv_heads, L, num_sms(dev))
-        ours = lambda P: (lambda: token_decode_attention(*P, num_splits=splits, **config))
-        r = dict(batch=B, context=L, num_splits=splits, copy_gbs=copy_gbs, ours=_timings([ours(P) for P in sets]))
-        r["err"] = rel_err(ours(sets[0])(), reference_decode_attention(*sets[0])) if B * L <= 65536 else None
-        r["contig"] = _timings([ours(make_problem([L] * B, n_q_heads, n_kv_heads, head_dim, dtype, dev,
-                                                  scattered=False))])
-        for name, maker in (("flash", _flash_fn), ("sdpa", _sdpa_fn)):
-            try:
-                fns = [maker(P) for P in sets]
-                r[name] = dict(_timings(fns), err_vs_ours=rel_err(fns[0](), ours(sets[0])().double()))
-            except Exception as e:
-                r[name] = dict(why=_failed(e))
-            fns = None
-        for t in (r["ours"], r["contig"], r["flash"], r["sdpa"]):
-            t.update({k.replace("ms", "gbs"): kv_bytes / t[k] / 1e6 for k in ("ms", "graph_ms") if k in t})
-        results.append(r)
-        sets = None
-        torch.cuda.empty_cache()
-    return results
-
-
-def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 64)), dtype=torch.bfloat16, **config):
-    """The prefill kernel against flash-attn's flash_attn_varlen_func (causal, bottom-right aligned, so queries
-    see their prefix) on the same data: ours reads K/V through req_to_token from scattered slots; flash-attn gets
-    them as contiguous per-request copies, gathered outside the timed region (the easy layout). Median ms of
-    do_bench; TFLOP/s counts the visible (causal) score and output products."""
-    dev, results = torch.device("cuda"), []
-    for H, Hkv, D in heads:
-        for B, n, p in shapes:
-            _, kp, vp, r2t, rows, _ = make_problem([p + n] * B, H, Hkv, D, dtype, dev)
-            q = torch.randn(B * n, H, D, device=dev, dtype=dtype)  # (new tokens, n_q_heads, head_dim)
-            ours = lambda: token_extend_attention(q, kp, vp, r2t, rows, [p] * B, [n] * B, **config)
-            r = dict(batch=B, new=n, cached=p, n_q_heads=H, n_kv_heads=Hkv, head_dim=D, ms=_ms(ours))
-            r["tflops"] = 4 * B * H * D * (n * p + n * (n + 1) / 2) / r["ms"] / 1e9
-            try:
-                from flash_attn import flash_attn_varlen_func
-                slots = r2t[rows, :p + n].long()                            # (B, p + n)
-                k, v = kp[slots].flatten(0, 1), vp[slots].flatten(0, 1)     # (B * (p + n), n_kv_heads, D)
-                cu_q = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * n
-                cu_k = torch.arange(0, B + 1, device=dev, dtype=torch.int32) * (p + n)
-                flash = lambda k, v, **kw: flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, p + n, causal=True, **kw)
-                r["flash_ms"] = _ms(lambda: flash(k, v))
-                r["ratio"] = r["flash_ms"] / r["ms"]  # ours / flash-attn speed
-                r["err_vs_flash"] = rel_err(ours(), flash(k, v).double())
-                # the same K/V as 256-slot pages (02's block table): flash-attn's paged varlen path, and ours
-                bt = torch.arange(B * (p + n) // 256, device=dev, dtype=torch.int32).view(B, -1)  # (B, pages)
-                kc, vc = k.view(-1, 256, Hkv, D), v.view(-1, 256, Hkv, D)   # (pages, 256, n_kv_heads, D)
-                r["flash_paged_ms"] = _ms(lambda: flash(kc, vc, block_table=bt))
-                r["ours_paged_ms"] = _ms(lambda: token_extend_attention(q, k, v, bt, torch.arange(B, device=dev),
-                                                                         [p] * B, [n] * B, page=256, **config))
-            except Exception as e:
-                r["flash"] = _failed(e)
-            results.append(r)
-            print(f"  {H:2d}/{Hkv} d={D:3d} {B:3d} x {n:5d} new over {p:5d} cached | ours {r['ms']:7.3f} ms "
-                  f"{r['tflops']:6.1f} TFLOP/s | flash-attn " + (f"{r['flash_ms']:7.3f} ms  ours {r['ratio']:.2f}x "
-                  f"(err {r['err_vs_flash']:.1e}) | 256-slot pages: flash-attn {r['flash_paged_ms']:7.3f} ms, ours "
-                  f"{r['ours_paged_ms']:7.3f} ms" if "ratio" in r else r["flash"]), flush=True)
-    return results
-
-
-def print_bench(results, name):
-    """bench()'s table (bench_extend prints its rows as they come); n/a where flash-attn or SDPA failed."""
-    print(f"\n{name}, copy bandwidth {results[0]['copy_gbs']:,.0f} GB/s (read + write); 32 q / 8 kv heads, d=128, "
-          "bf16, scattered slots\nGB/s = K+V bytes / time; eager: do_bench median, L2 flushed; graph: CUDA-graph "
-          "replay\nbatch context splits |  ours us  GB/s  graph us  GB/s | contig GB/s | flash us  GB/s  graph us | "
-          "sdpa us | vs flash")
-    na = lambda d, w: "" if "ms" in d else f"{'n/a':>{w}}"
-    for r in results:
-        o, c, f, s = r["ours"], r["contig"], r["flash"], r["sdpa"]
-        flash = na(f, 24) or f"{f['ms'] * 1e3:8.1f} {f['gbs']:5,.0f} {f['graph_ms'] * 1e3:9.1f}"
-        sdpa = na(s, 7) or f"{s['ms'] * 1e3:7.1f}"
-        vs_flash = na(f, 0) or f"{f['ms'] / o['ms']:4.2f}x {f['graph_ms'] / o['graph_ms']:4.2f}x"
-        print(f"{r['batch']:5d} {r['context']:7d} {r['num_splits']:6d} | {o['ms'] * 1e3:8.1f} {o['gbs']:5,.0f} "
-              f"{o['graph_ms'] * 1e3:9.1f} {o['graph_gbs']:5,.0f} | {c['gbs']:11,.0f} | {flash} | {sdpa} | {vs_flash}")
-        for k, d in (("flash", f), ("sdpa", s)):
-            if "why" in d:
-                print(f"      {k}: {d['why']}")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description="Flash-decoding over a token pool: check vs float64, or --bench on GPU.")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
-    ap.add_argument("--bench", action="store_true", help="GPU benchmark vs flash-attn and SDPA")
+    ap.add_argument("--bench", action="store_true", help="GPU benchmark vs flash-attn and SDPA: tests/bench_04.py")
     args = ap.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
@@ -963,16 +820,17 @@ def main(argv=None):
     name = torch.cuda.get_device_name() if cuda else "CPU (TRITON_INTERPRET=1)"
     rows = check(device)
     report = dict(device=name, max_rel_err=max(r["rel_err"] for r in rows), checks=rows)
-    if args.bench:
-        report["bench"] = bench()
+    if args.bench:  # the kernels beside flash-attn and SDPA (they are not the lesson): tests/bench_04.py
+        bench = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_04.py"))
+        report["bench"] = bench["bench"]()
         print(f"prefill (extend) kernel vs flash_attn_varlen_func, {name}, bf16:", file=sys.stderr)
-        report["bench_extend"] = bench_extend()
+        report["bench_extend"] = bench["bench_extend"]()
     if args.json:
         print(json.dumps(report))
     else:
         print_check(rows, name, cuda)
         if args.bench:
-            print_bench(report["bench"], name)
+            bench["print_bench"](report["bench"], name)
     if not all(r["ok"] for r in rows):
         sys.exit("error: kernel disagrees with the float64 reference beyond tolerance")
 

@@ -220,12 +220,16 @@ def test_greedy_decode_matches_contiguous_cache(smollm):
     kv.allocator.check()
 
 
-def test_cli_json_and_errors(capsys):
+def test_cli_json_and_errors(capsys, monkeypatch):
     m.main(["--json", "--requests", "12"])
     r = json.loads(capsys.readouterr().out)
     assert r["live_fraction"] == 1.0
     assert r["live_fraction_by_scheme"]["max_len_01"] < r["live_fraction_by_scheme"]["blocks_256"] < 1.0
-    assert set(r["alloc_free_speedup_vs_python_set"]) == {"1", "64", "4096"}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the CPU's peers only, on a GPU machine too
+    m.main(["--json", "--bench", "--requests", "12"])  # the peers beside it: tests/bench_03.py, after 03's figures
+    b = json.loads(capsys.readouterr().out)
+    assert b["live_fraction_by_scheme"] == r["live_fraction_by_scheme"]
+    assert set(b["alloc_free_speedup_vs_python_set"]) == {"1", "64", "4096"}
     with pytest.raises(SystemExit) as e:
         m.main(["--requests", "0"])
     assert e.value.code != 0
