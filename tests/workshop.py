@@ -63,7 +63,8 @@ EXERCISES = [
     Exercise("01", "KVCache.attend",
              "write k, v into the pools at tok_slots; decode: attend_table over the table; prefill: gather each "
              "request's slots with table_slots and attend_dense over them",
-             "every backend (rows, blocks, token slots) gives the no-cache logits",
+             "greedy decoding through the contiguous cache (its prefill and decode both attend here) gives the "
+             "no-cache tokens and logits",
              ("test_cached_generation_equals_no_cache[c]",)),
     Exercise("02", "BlockManager.append",
              "need = blocks_needed(seq, n); refuse before changing anything; copy-on-write: a shared partly filled "
@@ -328,7 +329,7 @@ def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
 
 # -------- the commands ------------------------------------------------------------------------------------
 
-def start(stage, force=False, folder=WORKSPACE):
+def start(stage, force=False, folder=WORKSPACE, say_next=True):
     path = os.path.join(folder, LESSONS[stage] + ".py")
     rel = os.path.relpath(path, ROOT)
     if os.path.exists(path) and not force:
@@ -344,8 +345,11 @@ def start(stage, force=False, folder=WORKSPACE):
     print(f"wrote {rel}: {len(exercises(stage))} functions to write, each raising NotImplementedError now")
     for line, e in sorted((body_span(src, e.name)[0], e) for e in exercises(stage)):
         print(f"  line {line:4}  {e.name}: {e.hint}")
+    if stage == "04":
+        print("04's kernels run on a CPU through Triton's interpreter (TRITON_INTERPRET=1, set for you); Triton has "
+              "Linux wheels only: on macOS or Windows do 04 on a Linux machine")
     test = f"tests/test_{LESSONS[stage]}.py"
-    print(f"next: read {LESSONS[stage]}.py (the reference: do not peek at these functions), run it, open "
+    say_next and print(f"next: read {LESSONS[stage]}.py (the reference: do not peek at these functions), run it, open "
           f"notebooks/{LESSONS[stage]}.ipynb,\nthen write the functions in {rel} and check them with\n"
           f"  python -m pytest {test} --workspace -x\n  python tests/workshop.py progress")
     return 0
@@ -466,7 +470,12 @@ def main(argv=None):
         stages = list(LESSONS) if a.stage == "all" else [a.stage.zfill(2)]
         if any(s not in LESSONS for s in stages):
             ap.error(f"no stage {a.stage!r}: choose from {', '.join(LESSONS)} or all")
-        return max(start(s, a.force, a.dir) for s in stages)
+        rc = max(start(s, a.force, a.dir, say_next=len(stages) == 1) for s in stages)
+        if len(stages) > 1:
+            print("next, stage by stage: read the lesson, run it, open its notebook, write its functions in "
+                  f"{os.path.relpath(a.dir)}/, and check them with\n  python -m pytest tests/test_0N_....py "
+                  "--workspace -x\n  python tests/workshop.py progress")
+        return rc
     if a.cmd == "progress":
         return progress(a.dir)
     if a.cmd == "solution":
