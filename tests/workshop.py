@@ -127,6 +127,12 @@ EXERCISES = [
              "left childless and unlocked; stop once n tokens are freed",
              "eviction frees the least recently used unlocked leaves first, never a locked one",
              ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+    Exercise("05", 'POLICIES["lpm"]',
+             "the waiting requests sorted by the length of their cached prefix (r.prefix), longest first; a stable "
+             "sort, so ties stay first come first served",
+             "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
+             "reaches the best possible order on a workload built for it",
+             ("test_lpm_never_worse_than_fcfs_and_reaches_the_bound",)),
     Exercise("06", "TokenIndex.jump",
              "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
              "the compressed edges are exactly the DFA's chains of forced bytes",
@@ -157,42 +163,50 @@ def _parse(source: str):
     return ast.parse(source)
 
 
-def body_span(source: str, qualname: str):
-    """(first line, last line, indent) of the function's body after its docstring, 1-based, inclusive."""
-    fn = _find(_parse(source), qualname)
-    body = fn.body
-    doc = isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
-        isinstance(body[0].value.value, str)
-    first = body[1] if doc and len(body) > 1 else body[0]
-    return first.lineno, fn.end_lineno, first.col_offset
+def span(source: str, name: str):
+    """(start, end, indent): the characters source[start:end] an exercise's attendee writes, a function's body
+    after its docstring (whole lines, indent its column), or a lambda's expression in a dict, `POLICIES["lpm"]`
+    (indent None)."""
+    tree, lines = _parse(source), source.splitlines(keepends=True)
+    at = lambda line, col: sum(map(len, lines[:line - 1])) + (len(lines[line - 1].encode()[:col].decode()) if col
+                                                               else 0)  # ast's columns count UTF-8 bytes
+    if m := re.fullmatch(r"(\w+)\[(.+)\]", name):  # a lambda in a dict
+        d = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == m[1])
+        e = next(v for k, v in zip(d.keys, d.values) if k.value == ast.literal_eval(m[2])).body
+        return at(e.lineno, e.col_offset), at(e.end_lineno, e.end_col_offset), None
+    fn = _find(tree, name)
+    doc = isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) and \
+        isinstance(fn.body[0].value.value, str)
+    first = fn.body[1] if doc and len(fn.body) > 1 else fn.body[0]
+    return at(first.lineno, 0), at(fn.end_lineno + 1, 0), first.col_offset
 
 
-def stub_line(ex: Exercise, indent: int) -> str:
-    return " " * indent + f"raise NotImplementedError({STUB + ex.hint!r})\n"
+def stub_text(ex: Exercise, indent) -> str:
+    error = f"NotImplementedError({STUB + ex.hint!r})"
+    return f"(_ for _ in ()).throw({error})" if indent is None else " " * indent + f"raise {error}\n"
 
 
 def splice(source: str, bodies: dict) -> str:
-    """source with the body (after its docstring) of each function in bodies, {qualname: lines}, replaced."""
-    lines = source.splitlines(keepends=True)
-    for first, last, _, name in sorted(((*body_span(source, n), n) for n in bodies), reverse=True):
-        lines[first - 1:last] = bodies[name]  # bottom up: the spans above stay put
-    return "".join(lines)
+    """source with what the attendee writes of each exercise in bodies, {name: text}, replaced by that text."""
+    for a, b, _, name in sorted(((*span(source, n), n) for n in bodies), reverse=True):  # bottom up
+        source = source[:a] + bodies[name] + source[b:]
+    return source
 
 
 def stub(source: str, exs) -> str:
     """source with each exercise's body replaced by raise NotImplementedError("your turn: <hint>")."""
-    return splice(source, {e.name: [stub_line(e, body_span(source, e.name)[2])] for e in exs})
+    return splice(source, {e.name: stub_text(e, span(source, e.name)[2]) for e in exs})
 
 
 def is_stub(source: str, ex: Exercise) -> bool:
-    first, last, indent = body_span(source, ex.name)
-    return first == last and STUB in source.splitlines()[first - 1]
+    a, b, indent = span(source, ex.name)
+    return source[a:b] == stub_text(ex, indent)
 
 
-def body(source: str, qualname: str) -> list:
-    """The lines of a function's body after its docstring, dedented (the reference's, from the lesson itself)."""
-    first, last, indent = body_span(source, qualname)
-    return [line[indent:] for line in source.splitlines()[first - 1:last]]
+def body(source: str, name: str) -> str:
+    """What the attendee writes of an exercise, as the lesson writes it (dedented)."""
+    a, b, indent = span(source, name)
+    return source[a:b] if indent is None else "".join(line[indent:] for line in source[a:b].splitlines(True))
 
 
 def reference(stage: str) -> str:
@@ -342,8 +356,8 @@ def start(stage, force=False, folder=WORKSPACE, say_next=True):
     src = stub(reference(stage), exercises(stage))
     with open(path, "w", encoding="utf-8") as f:
         f.write(src)
-    print(f"wrote {rel}: {len(exercises(stage))} functions to write, each raising NotImplementedError now")
-    for line, e in sorted((body_span(src, e.name)[0], e) for e in exercises(stage)):
+    print(f"wrote {rel}: {len(exercises(stage))} exercises, each raising NotImplementedError until you write it")
+    for line, e in sorted((src[:span(src, e.name)[0]].count("\n") + 1, e) for e in exercises(stage)):
         print(f"  line {line:4}  {e.name}: {e.hint}")
     if stage == "04":
         print("04's kernels run on a CPU through Triton's interpreter (TRITON_INTERPRET=1, set for you); Triton has "
@@ -405,9 +419,9 @@ def grade(stages, folder=WORKSPACE, run=None) -> dict:
             if is_stub(src, e):
                 status[e] = "to do"
                 continue
-            a, b, _ = body_span(src, e.name)
+            a, b, _ = span(src, e.name)
             run = run or Runner()
-            rc, got = run(s, splice(ref, {e.name: src.splitlines(keepends=True)[a - 1:b]}), e.tests)
+            rc, got = run(s, splice(ref, {e.name: src[a:b]}), e.tests)
             mine = [o for n, (o, _, _) in got.items() if graded(e, n)]
             status[e] = "fails" if "failed" in mine or rc not in (0, 1) else "passes" if "passed" in mine else "not run"
             if status[e] == "fails":
@@ -450,6 +464,38 @@ def verify(stages=None, say=print) -> list:
     return problems
 
 
+def your_turn(stage) -> str:
+    """The "Your turn" cell that ends the stage's notebook (`python tests/workshop.py notebooks` writes them)."""
+    name, test = LESSONS[stage], f"tests/test_{LESSONS[stage]}.py"
+    rows = "\n".join(f"| `{e.name}` | {e.checks} | {', '.join(f'`{t}`' for t in e.tests)} |" for e in exercises(stage))
+    triton = ("\n\nOn a CPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set for you); Triton has "
+              "Linux wheels only, so on macOS or Windows do this stage on a Linux machine.") if stage == "04" else ""
+    return f"""## Your turn
+
+Write this lesson's idea yourself: `python tests/workshop.py start {stage}` copies `{name}.py` into `workspace/`
+(git ignores it) with these bodies cut out, each raising `NotImplementedError` with a hint:
+
+| exercise | its tests check that | graded by (in `{test}`) |
+|---|---|---|
+{rows}
+
+Write them in `workspace/{name}.py`, then
+
+    python -m pytest {test} --workspace -x    # a failure names the exercise, what it checks, the hint
+    python tests/workshop.py progress    # each exercise graded alone: passes, fails (and why), to do
+
+Run this notebook on your code: `WORKSHOP=1 jupyter lab` (its first cell then imports `workspace/{name}.py`).{triton}"""
+
+
+def write_notebooks():
+    import nbformat
+    for stage, name in LESSONS.items():
+        path = os.path.join(ROOT, "notebooks", name + ".ipynb")
+        nb = nbformat.read(path, as_version=4)
+        nb.cells[-1] = nbformat.v4.new_markdown_cell(your_turn(stage), id=nb.cells[-1].get("id"))
+        nbformat.write(nb, path)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -463,6 +509,7 @@ def main(argv=None):
     so = sub.add_parser("solution", help="print the reference body of an exercise (stuck? read it, then write yours)")
     so.add_argument("stage")
     so.add_argument("name", help="TokenAllocator.alloc, or alloc")
+    sub.add_parser("notebooks", help="(maintainers) rewrite each lesson notebook's last cell, \"Your turn\"")
     ve = sub.add_parser("verify", help="(CI) each exercise cut out alone fails its tests; the lesson passes them")
     ve.add_argument("stages", nargs="*")
     a = ap.parse_args(argv)
@@ -482,7 +529,9 @@ def main(argv=None):
         e = next((e for e in exercises(a.stage.zfill(2)) if e.name == a.name or e.name.endswith("." + a.name)), None)
         if e is None:
             ap.error(f"no exercise {a.name!r} in stage {a.stage}: `python tests/workshop.py list` lists them")
-        return print("\n".join(body(reference(e.stage), e.name)))
+        return print(body(reference(e.stage), e.name).rstrip("\n"))
+    if a.cmd == "notebooks":
+        return write_notebooks()
     if a.cmd == "verify":
         problems = verify(a.stages)
         print("\n".join(problems) or "every exercise is graded")
