@@ -610,8 +610,8 @@ class Scheduler:
     def postprocess(self, batch, new_ids, steps: int = 1):
         """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k ids after k decode
         steps, each fed the one before; none after a chunk short of its prompt's end). Append them until the request
-        is done, then finish it, keep it running, or requeue it (jump-forward changed tokens in its KV). Returns
-        how many tokens were appended."""
+        is done, then finish it, keep it running, or requeue it (append said jump-forward changed tokens in its KV).
+        Returns how many tokens were appended."""
         was_running, stepped = set(map(id, self.running)), set(map(id, batch))
         self.running = [r for r in self.running if id(r) not in stepped]  # prefill-first leaves the running be
         appended = 0
@@ -624,18 +624,22 @@ class Scheduler:
                 continue
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 self.computed(r, fed)
-                r.append(t)
+                changed = r.append(t)  # None; or (the engine's jump-forward) the first of its tokens that changed
                 k += 1
                 if r.done:
                     break
             appended += k
             self.log(kind, r, n + k - 1)  # tokens computed into its KV
+            requeue = changed is not None and changed < r.kv_len  # jump-forward changed tokens in its KV:
+            if requeue:
+                r.kv_len = changed  # only the KV before them holds (05's tree keeps it at release)
             if r.done:
                 self.finish(r)
-            elif r.in_kv:
+            elif not requeue:
                 self.running.append(r)
-            else:  # jump-forward re-tokenized tokens already in its KV: recompute them (05's tree keeps the rest)
+            else:  # recompute the rest
                 self.log("requeue", r, held + n + k - 1)
+                self.release(r)
                 self.waiting.appendleft(r)
         self.stats["steps"] += steps
         return appended

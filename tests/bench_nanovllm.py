@@ -100,10 +100,10 @@ def main(argv=None):
         import nanovllm  # noqa: F401
     except ImportError as e:
         sys.exit(f"error: nano-vllm is not installed ({e}): see this file's docstring")
-    shape, (prompts, lens) = L.LLAMA_SHAPES["llama-3.2-1b"], B.draw(a.seqs)
+    shape, (prompts, lens) = B.LLAMA_SHAPES["llama-3.2-1b"], B.draw(a.seqs)
     r = {"device": torch.cuda.get_device_name(), "seqs": a.seqs, "output_tokens": sum(n for _, n in lens)}
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    model = L.random_model(shape, "cuda")
+    model = B.random_model(shape, "cuda")
     for name in ("token", "paged 16"):  # ours first: nano-vllm sizes its KV pool from the memory left free
         r[name] = B.serve(model, tok, prompts, lens, kv_tokens=a.seqs * 2048, **B.BENCH_BACKENDS[name])
     del model

@@ -33,13 +33,13 @@ SMALL = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=2048, hidd
 
 
 def shapes(small: bool):
-    big = {k: L.LLAMA_SHAPES[k] for k in ("llama-3.2-1b", "llama-3-8b")}
+    big = {k: B.LLAMA_SHAPES[k] for k in ("llama-3.2-1b", "llama-3-8b")}
     return {k: replace(v, **SMALL) for k, v in big.items()} if small else big
 
 
 def model_on_ranks(shape, device, dtype):
     """The random model (seed 0: the same weights on every rank), this rank's shard of it under TP."""
-    model = L.random_model(shape, device, dtype)
+    model = B.random_model(shape, device, dtype)
     if torch.distributed.is_initialized():
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
     return model

@@ -6,6 +6,7 @@ import re
 import pytest
 import torch
 
+import bench_engine as B
 import llama3_generate as L
 
 PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "What is the capital of France?"]
@@ -61,6 +62,28 @@ def test_constrained_requests_fullmatch(smollm):
         text = tok.decode([t for t in out if t not in tok.stop_ids])
         assert re.fullmatch(pattern, text), text
     assert e.stats["jump_forward_tokens"] > 0
+
+
+def test_postprocess_requeues_from_the_token_append_says_changed():
+    """02's postprocess acts on what a request's append reports (the engine's Seq: a jump-forward re-tokenized
+    tokens already in its KV, from token `changed` on): the KV before that token stays (05's tree caches exactly
+    it, not the stale token after it), the request is requeued, and readmitted it computes only what changed."""
+    R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
+
+    class Jumping(R.Req):  # at its 3rd token, output[1:] changes (output[1] is in its KV): as a jump-forward
+        def append(self, t):
+            super().append(t)
+            if len(self.output) == 3:
+                self.output[1:] = [7, 8, 9]
+                return len(self.prompt) + 1
+
+    s = R.Scheduler(T.TokenKVCache(1, 64, 1, 1, 2, 32), "lpm", 2)
+    req = Jumping(0, [1, 2, 3, 4], 8, target=list(range(20, 40)))  # simulated: the model writes target[i]
+    s.waiting.append(req)
+    s.run(check=True)
+    assert [(e.kind, e.tokens) for e in s.events if e.kind in ("admit", "prefill", "requeue")] == \
+        [("admit", 0), ("prefill", 4), ("requeue", 6), ("admit", 5), ("prefill", 3)]  # 5 cached: [1, 2, 3, 4, 20]
+    assert req.output == [20, 7, 8, 9, 24, 25, 26, 27] and s.finished == [req]
 
 
 def test_n_samples_are_reproducible(smollm):
@@ -169,7 +192,7 @@ def kv_left(e) -> int:
     if e.sched.tree:
         e.sched.tree.evict(e.kv.capacity())
         e.kv.allocator.check()
-    return e.kv_used() - (e.graphs is not None) * {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]
+    return e.kv.used() - (e.graphs is not None) * {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]
 
 
 BACKENDS = [dict(backend="token"), dict(backend="paged", block_size=4), dict(backend="contiguous")]
@@ -348,7 +371,8 @@ def test_warm_up_leaves_no_trace(graphs):
         e = L.Engine(model, tok, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
         if warm:
             gc.unfreeze()
-            assert e.warm_up(3) > 0 and e.stats == e.new_stats() and e.kv_used() == graphs
+            fresh = {**dict.fromkeys(e.sched.stats, 0), **e.new_counts()}
+            assert e.warm_up(3) > 0 and e.stats == fresh and e.kv.used() == graphs
             assert len(gc.get_objects()) < gc.get_freeze_count() // 20
             gc.unfreeze()
             assert not graphs or sorted(k for k in e.graphs.graphs if isinstance(k, int)) == [1, 2, 4]
@@ -361,8 +385,8 @@ def test_warm_up_leaves_no_trace(graphs):
 @pytest.fixture(scope="module")
 def llama_1b():
     """A random Llama-3.2-1B shape in bf16 on the GPU and transformers' model on the same weights, built once."""
-    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
-    return model, L.to_transformers(model)
+    model = B.random_model(B.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
+    return model, B.to_transformers(model)
 
 
 @pytest.mark.gpu
@@ -426,7 +450,7 @@ def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_fused_decode_matches_the_model():
     """bf16, random Llama-3.2-1B shape: fused_decode's logits and K/V against the plain model's, step by step."""
-    model = L.random_model(L.LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
+    model = B.random_model(B.LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
     m03, m04 = L.lesson("03_token_allocator"), L.lesson("04_triton_token_attn")
     kvs = [m03.TokenKVCache.for_model(model, 1024, 2, 1024) for _ in range(2)]
     prompt = torch.randint(0, 128000, (int(torch.randint(50, 500, ())),), device="cuda")
@@ -514,18 +538,24 @@ def test_cli_paged_pool_holds_what_it_admits(smollm, capsys):
     assert len(tok.encode(capsys.readouterr().out)) >= n // 2
 
 
-def test_fused_projections_change_nothing():
-    """fuse_projections (the engine's, on a GPU): one GEMM for q, k, v and one for gate, up give the same logits;
-    the separate weights become views into the stacks, so state_dict and the batch-1 kernels see the same values."""
-    model = tiny_model(seed=int(torch.randint(0, 10**6, ())))
-    tokens = torch.randint(0, 256, (9,))
-    before, names = model(tokens, torch.arange(9), L.NoCache()), list(model.state_dict())
-    L.fuse_projections(model)
-    at, ff = model.layers[1].attention, model.layers[1].feed_forward
-    assert at.wk.weight.data_ptr() == at.wqkv[at.wq.weight.shape[0]:].data_ptr()
-    assert ff.w3.weight.data_ptr() == ff.w13[ff.w1.weight.shape[0]:].data_ptr()
-    assert list(model.state_dict()) == names
-    torch.testing.assert_close(model(tokens, torch.arange(9), L.NoCache()), before, atol=1e-5, rtol=1e-5)
+def test_projections_load_stacked():
+    """stack_on_load: a checkpoint's separate q, k, v (and gate, up) projections load as one stacked weight each
+    (one GEMM where there were three), and the model's logits are transformers' over the separate weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    a = tiny_model().args
+    sd = {k: torch.randn(v.shape) * 0.3 for k, v in B.meta_state_dict(L.Transformer(a)).items()}  # Meta's names
+    model = L.Transformer(a).eval()
+    model.load_state_dict(sd)
+    assert not any(k.endswith(("wq.weight", "w1.weight")) for k in model.state_dict())  # stacked, not kept apart
+    hf = LlamaForCausalLM(LlamaConfig(hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
+                                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads,
+                                      vocab_size=a.vocab_size, rope_theta=a.rope_theta, rms_norm_eps=a.norm_eps,
+                                      max_position_embeddings=a.max_seq_len, tie_word_embeddings=True)).eval()
+    hf.load_state_dict({k: sd[v] for k, v in L.hf_names(a.n_layers).items() if v in sd}, strict=False)
+    tokens = torch.randint(0, a.vocab_size, (9,))
+    with torch.no_grad():
+        want = hf(tokens[None]).logits[0]
+    torch.testing.assert_close(model(tokens, torch.arange(9), L.NoCache()), want, atol=1e-4, rtol=1e-4)
 
 
 def test_policy_orders_admission_and_changes_no_output():

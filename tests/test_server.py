@@ -55,7 +55,7 @@ def running(*argv):
     try:
         yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
                               model=os.path.basename(L.cli_args(argv).model),
-                              held=got["w"].engine.kv_used(),  # before any request (a CUDA graph's padding slot)
+                              held=got["w"].engine.kv.used(),  # before any request (a CUDA graph's padding slot)
                               client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
     finally:
         got["w"].close()
@@ -85,7 +85,7 @@ def idle(srv, timeout=30.0):
         time.sleep(0.05)
     time.sleep(0.1)
     tree = e.sched.tree
-    return not e.busy and tree.protected_size() == 0 and e.kv_used() - tree.evictable_size() == srv.held
+    return not e.busy and tree.protected_size() == 0 and e.kv.used() - tree.evictable_size() == srv.held
 
 
 def test_greedy_completions_and_chat_equal_the_cli(srv, ckpt, capsys):

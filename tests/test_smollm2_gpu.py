@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 
+import bench_engine as B
 import llama3_generate as L
 from test_cli_checkpoints import Reference, cli, tokens
 
@@ -44,7 +45,7 @@ def ref(smollm):
     """transformers' LlamaForCausalLM on CUDA with the same weights (to_transformers: transformers' model, our
     dequantisation, which test_llama3_model.py checks against transformers' own GGUF loader on a CPU; loading the
     GGUF a second time, through transformers, cost this module 20 s)."""
-    return Reference(L.default_model_path(), L.to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
+    return Reference(L.default_model_path(), B.to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
 
 
 def serve(capsys, dtype, backend):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import bench_engine as B
 import llama3_generate as L
 from test_cli_checkpoints import PROMPTS, SHAPES, tokens, train_tokenizer
 
@@ -36,7 +37,7 @@ def checkpoint(tmp_path_factory):
                        vocab_size=tok.get_vocab_size(), hidden_dim=s["hidden_dim"], rope_theta=s["rope_theta"],
                        max_seq_len=2048, tie_embeddings=s["tie"])
     torch.manual_seed(int(torch.randint(0, 10**6, ())))
-    ours = {k: v.normal_(0, 0.2) for k, v in L.Transformer(args).state_dict().items()}
+    ours = {k: v.normal_(0, 0.2) for k, v in B.meta_state_dict(L.Transformer(args)).items()}
     save_file({hf: ours[name].contiguous() for hf, name in L.hf_names(2).items()}, f"{root}/model.safetensors")
     json.dump({"model_type": "llama", "hidden_size": s["dim"], "num_hidden_layers": 2, "num_attention_heads":
                s["n_heads"], "num_key_value_heads": s["n_kv_heads"], "vocab_size": args.vocab_size,
@@ -145,7 +146,7 @@ def test_tp_flag_starts_ranks_and_one_speaks(capfd):
 
 def test_heads_that_do_not_split_are_refused():
     """SmolLM2's attention (9 query / 3 KV heads) over 2 ranks: one line naming the head counts, nothing changed."""
-    model = L.random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
+    model = B.random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
         L.shard_model(model, 0, 2)
