@@ -84,10 +84,10 @@ def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_w
     if nbformat is None:
         return
     for s, name in W.LESSONS.items():
-        nb = nbformat.read(os.path.join(W.ROOT, "notebooks", name + ".ipynb"), as_version=4)
+        nb = nbformat.read(os.path.join(W.ROOT, "notebooks", W.NOTEBOOKS[s]), as_version=4)
         first, last = next(c for c in nb.cells if c.cell_type == "code"), nb.cells[-1]
         assert f'if os.environ.get("WORKSHOP"): ' in first.source and f'.use(["{s}"])' in first.source
         assert last.cell_type == "markdown" and last.source == W.your_turn(s)  # python tests/workshop.py notebooks
-        for text in [f"python tests/workshop.py start {s}", f"python -m pytest tests/test_{name}.py --workspace",
+        for text in [f"python tests/workshop.py start {s}", f"python -m pytest {W.TESTS[s]} --workspace",
                      "python tests/workshop.py progress"] + [f"`{e.name}`" for e in W.exercises(s)]:
             assert text in last.source, (name, text)

@@ -52,6 +52,10 @@ class Exercise:
 
 
 LESSONS = {os.path.basename(p)[:2]: os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "0*.py")))}
+LESSONS["07"] = "llama3_generate"  # the engine: its stage's tests are tests/test_engine.py, its notebook 07's
+TESTS = {s: f"tests/test_{name}.py" for s, name in LESSONS.items()} | {"07": "tests/test_engine.py"}
+NOTEBOOKS = {s: os.path.basename(p) for s in LESSONS
+             for p in glob.glob(os.path.join(ROOT, "notebooks", s + "_*.ipynb"))}
 
 EXERCISES = [
     Exercise("01", "ContiguousKVCache.prepare",
@@ -142,6 +146,14 @@ EXERCISES = [
              "logits to index.allowed(state), sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",)),
+    Exercise("07", "Engine.step",
+             "new = self.admit(on_token); on a GPU self.graphs.decode_ahead may land greedy steps (None: do one): "
+             "batch, positions = self.schedule(new), ids = self.sample(batch, self.forward(batch, positions)); "
+             "self.postprocess each landed (batch, ids, steps); add the seconds to self.counts[kind + '_s']",
+             "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
+             "and its events account for every token of a run that preempts",
+             ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
+              "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]")),
 ]
 
 
@@ -249,7 +261,7 @@ def started(folder=WORKSPACE) -> list:
 
 def stages_of(args) -> list:
     """The stages whose test files a pytest command line names (none named: every stage)."""
-    named = sorted({m.group(1) for a in args for m in [re.search(r"test_(0\d)_", os.path.basename(str(a)))] if m})
+    named = sorted({s for a in args for s, t in TESTS.items() if os.path.basename(str(a).split("::")[0]) == t[6:]})
     return named or list(LESSONS)
 
 
@@ -280,10 +292,10 @@ class Grader:
 
     def explain(self, item, call):
         """(the exercises a failing test blames, what to tell the attendee)."""
-        stage = re.search(r"test_(0\d)_", item.nodeid)
-        if not stage or stage.group(1) not in self.stages:
+        stage = next((s for s in self.stages if item.nodeid.split("::")[0].endswith(TESTS[s])), None)
+        if stage is None:
             return [], ""
-        stage, lesson = stage.group(1), LESSONS[stage.group(1)]
+        lesson = LESSONS[stage]
         err = str(call.excinfo.value) if call.excinfo else ""
         todo = [e for e in exercises(stage) if STUB + e.hint in err]
         if todo:
@@ -327,7 +339,7 @@ class Grader:
 def graded(ex: Exercise, nodeid: str) -> bool:
     """Does test nodeid grade ex? ("name" names every case of a parametrized test, "name[p]" one)."""
     file, _, name = nodeid.partition("::")
-    return os.path.basename(file) == f"test_{ex.lesson}.py" and (name in ex.tests or name.split("[")[0] in ex.tests)
+    return file.endswith(TESTS[ex.stage]) and (name in ex.tests or name.split("[")[0] in ex.tests)
 
 
 def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
@@ -364,9 +376,9 @@ def start(stage, force=False, folder=WORKSPACE, say_next=True):
     if stage == "04":
         print("04's kernels run on a CPU through Triton's interpreter (TRITON_INTERPRET=1, set for you); Triton has "
               "Linux wheels only: on macOS or Windows do 04 on a Linux machine")
-    test = f"tests/test_{LESSONS[stage]}.py"
+    test = TESTS[stage]
     say_next and print(f"next: read {LESSONS[stage]}.py (the reference: do not peek at these functions), run it, open "
-          f"notebooks/{LESSONS[stage]}.ipynb,\nthen write the functions in {rel} and check them with\n"
+          f"notebooks/{NOTEBOOKS[stage]},\nthen write the functions in {rel} and check them with\n"
           f"  python -m pytest {test} --workspace -x\n  python tests/workshop.py progress")
     return 0
 
@@ -381,7 +393,7 @@ class Runner:
         os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest: no plugins to rewrite
         import llama3_generate as L
         L.load_model = functools.lru_cache(None)(L.load_model)
-        self.tmp = tempfile.mkdtemp()
+        self.L, self.tmp = L, tempfile.mkdtemp()
         self.log = ""
 
     def __call__(self, stage, source, tests, plain=False) -> tuple:
@@ -390,14 +402,16 @@ class Runner:
         import io
         with open(os.path.join(self.tmp, LESSONS[stage] + ".py"), "w", encoding="utf-8") as f:
             f.write(source)
-        for name in [n for n in sys.modules if re.match(r"(test_)?0\d_", n)]:
-            del sys.modules[name]
+        for name in [n for n in sys.modules if re.match(r"(test_)?0\d_|test_engine$|llama3_generate$", n)]:
+            del sys.modules[name]  # imported afresh: the workspace's where this stage is graded
+        if stage != "07":
+            sys.modules["llama3_generate"] = self.L  # the reference engine, its model loaded once
         report, log = os.path.join(self.tmp, "report.json"), io.StringIO()
         if os.path.exists(report):
             os.remove(report)
         quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler")
                  for a in ("-p", "no:" + p)]
-        args = [f"tests/test_{LESSONS[stage]}.py::{t}" for t in sorted(tests)] + ["--assert=plain"] * plain + [
+        args = [f"{TESTS[stage]}::{t}" for t in sorted(tests)] + ["--assert=plain"] * plain + [
             "-q", "-x", "--workspace", "--workspace-dir", self.tmp, "--workspace-report", report, *quiet]
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             rc = pytest.main(args)
@@ -468,7 +482,7 @@ def verify(stages=None, say=print) -> list:
 
 def your_turn(stage) -> str:
     """The "Your turn" cell that ends the stage's notebook (`python tests/workshop.py notebooks` writes them)."""
-    name, test = LESSONS[stage], f"tests/test_{LESSONS[stage]}.py"
+    name, test = LESSONS[stage], TESTS[stage]
     rows = "\n".join(f"| `{e.name}` | {e.checks} | {', '.join(f'`{t}`' for t in e.tests)} |" for e in exercises(stage))
     triton = ("\n\nOn a CPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set for you); Triton has "
               "Linux wheels only, so on macOS or Windows do this stage on a Linux machine.") if stage == "04" else ""
@@ -492,9 +506,11 @@ Run this notebook on your code: `WORKSHOP=1 jupyter lab` (its first cell then im
 def write_notebooks():
     import nbformat
     for stage, name in LESSONS.items():
-        path = os.path.join(ROOT, "notebooks", name + ".ipynb")
+        path = os.path.join(ROOT, "notebooks", NOTEBOOKS[stage])
         nb = nbformat.read(path, as_version=4)
-        nb.cells[-1] = nbformat.v4.new_markdown_cell(your_turn(stage), id=nb.cells[-1].get("id"))
+        ours = nb.cells[-1].source.startswith("## Your turn")
+        cell = nbformat.v4.new_markdown_cell(your_turn(stage), **({"id": nb.cells[-1].id} if ours else {}))
+        nb.cells[-1:] = [cell] if ours else [nb.cells[-1], cell]
         nbformat.write(nb, path)
 
 
