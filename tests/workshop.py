@@ -319,7 +319,8 @@ class Grader:
             blame, text = self.explain(item, call)
             if text:
                 rep.sections.append(("workshop", text))
-            why = [line[2:].strip() for line in rep.longreprtext.splitlines() if line.startswith("E ")][:2]
+            why = [line[2:].strip() for line in rep.longreprtext.splitlines() if line.startswith("E ")
+                   and line[2:].strip()][:2]
             self.results[item.nodeid] = ["failed", [e.id for e in blame], " / ".join(why)[:300]]
         elif rep.when == "call" or rep.skipped:
             self.results[item.nodeid] = [rep.outcome, [], ""]
