@@ -7,6 +7,7 @@ of truth: the lessons are the reference solutions), and the stage's own tests sa
 
 Which code a graded run uses: the lessons whose test files you run come from workspace/ where you started them;
 every other lesson is the reference, so 05 can be done before 04 (and an unfinished 03 never breaks 05's grade).
+Stage 07 is the engine: llama3_generate.py's Engine.step, graded by tests/test_engine.py.
 A notebook started with WORKSHOP=1 in its environment (`WORKSHOP=1 jupyter lab`) runs your copy of its lesson.
 Exercises run on a CPU; 04's kernels through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only:
 Triton has no macOS or Windows wheels. tiny-llm (skyzh) and minitorch do the same: a stub, a hint, a test."""
