@@ -101,35 +101,49 @@ class TokenIndex:
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
+        full = compile_regex(pattern)  # a bad regex: refused before the vocabulary's walk
         self.trie = trie = token_trie(tok)
         self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        full = compile_regex(pattern)
         self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
         if not dfa.accept.any():
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
-        masks = []
+        self.dist = _to_accept(dfa).astype(np.int16)  # bytes (one-byte tokens) from each state to the nearest accept
+        masks, self.worst = [], np.zeros(len(dfa.table), np.int16)  # worst: the most any allowed token needs
         for c0 in range(0, len(dfa.table), chunk):
-            owner = np.arange(c0, min(len(dfa.table), c0 + chunk), dtype=np.int32)  # alive pairs: start state,
-            state, node = owner.copy(), np.zeros_like(owner)  # the DFA state after node's bytes, the trie node
-            allowed = np.zeros((len(owner), self.vocab), bool)  # (chunk, vocab)
-            while len(node):  # one trie level per step: every alive pair to each child of its node
-                n_kids = trie.first[node + 1] - trie.first[node]
-                child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
-                owner, state = np.repeat(owner, n_kids), dfa.table[np.repeat(state, n_kids), trie.byte[child]]
-                alive = np.flatnonzero(state >= 0)
-                owner, state, node = owner[alive], state[alive], child[alive]
-                token = trie.token_at[node]
-                allowed[owner[token >= 0] - c0, token[token >= 0]] = True
-            allowed[:, self.eos] = dfa.accept[c0:c0 + chunk]
-            assert allowed.any(1).all(), "a live state without an allowed token"
-            masks.append(np.packbits(allowed, axis=1))
+            need = self.needs(np.arange(c0, min(len(dfa.table), c0 + chunk)))
+            assert need.any(1).all(), "a live state without an allowed token"
+            masks.append(np.packbits(need > 0, axis=1))
+            self.worst[c0:c0 + chunk] = need.max(1)
         self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
         self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
         self.jumps, self.build_s = {}, time.perf_counter() - t0
 
-    def allowed(self, state: int) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`."""
-        return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+    def needs(self, states) -> np.ndarray:
+        """(len(states), vocab) int16: per state, each token that keeps the DFA alive needs 1 + the bytes from where
+        it leads to the nearest accepting state (EOS: 1 where accepting); 0: not allowed. The token trie is walked
+        alongside the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples still alive."""
+        trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
+        state = np.asarray(states, np.int32)
+        owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
+        while len(node):  # one trie level per step: every alive triple to each child of its node
+            n_kids = trie.first[node + 1] - trie.first[node]
+            child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
+            owner, state = np.repeat(owner, n_kids), table[np.repeat(state, n_kids), trie.byte[child]]
+            alive = np.flatnonzero(state >= 0)
+            owner, state, node = owner[alive], state[alive], child[alive]
+            end = np.flatnonzero(trie.token_at[node] >= 0)  # the pairs where a token's bytes end
+            need[owner[end], trie.token_at[node[end]]] = dist[state[end]]
+        need[:, self.eos] = self.dfa.accept[states]
+        return need
+
+    def allowed(self, state: int, budget=math.inf) -> torch.Tensor:
+        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one included) and room for
+        a shortest completion in one-byte tokens, only the tokens after which it still fits: from there on the
+        answer ends within max_tokens (where it has no such room yet, every token, as without a budget)."""
+        if not self.dist[state] <= budget < self.worst[state]:
+            return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+        need = self.needs([state])[0]
+        return torch.from_numpy((need > 0) & (need <= budget))
 
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
@@ -143,6 +157,19 @@ class TokenIndex:
                 s = int(self.dfa.table[s, out[-1]])
             self.jumps[state] = bytes(out)
         return self.jumps[state]
+
+    def jump_forward(self, state: int, text: bytes, output: list, tok, limit=math.inf) -> tuple:
+        """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced string (whole
+        characters), re-tokenize the text, keep the longest common token prefix with `output` (the rest's K/V is
+        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced, or the new output
+        would pass `limit` tokens or lose the room a shortest completion had (then the model writes it itself)."""
+        jump = text + self.jump(state)
+        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
+        new, end = tok.encode((text + jump).decode()) if jump else [], self.dfa.walk(state, jump)
+        fits = lambda n, s: n + self.dist[s] <= limit  # room for a shortest completion (see allowed)
+        if not jump or len(new) > limit or fits(len(output), state) and not fits(len(new), end):
+            return state, text, output, len(output)
+        return end, text + jump, new, len(os.path.commonprefix([output, new]))
 
     def compressed_edges(self) -> dict:
         """{head state: jump string} for every maximal chain (heads: the start, or entered by a choice, if forced)."""
@@ -174,14 +201,13 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
     stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
     t0, finished = time.perf_counter(), False
     while len(ids) - n0 < max_new_tokens:
-        jump = text + (index.jump(state) if jump_forward else b"")
-        jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
-        if jump:  # append the forced string, re-tokenize, keep the common token prefix
-            text, state = text + jump, index.dfa.walk(state, jump)
-            new = list(prompt_ids) + tok.encode(text.decode())
-            ids, keep = new, min(keep, len(os.path.commonprefix([ids, new])))  # (any sequences)
-            stats["jumps"], stats["jumped_bytes"] = stats["jumps"] + 1, stats["jumped_bytes"] + len(jump)
-        allowed = index.allowed(state)
+        jumped = index.jump_forward(state, text, ids[n0:], tok, max_new_tokens) if jump_forward else (state, text)
+        if jumped[1] != text:  # the forced string appended, re-tokenized: the common token prefix's K/V is kept
+            stats["jumps"] += 1
+            stats["jumped_bytes"] += len(jumped[1]) - len(text)
+            state, text, out, kept = jumped
+            ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)
+        allowed = index.allowed(state, max_new_tokens - (len(ids) - n0))  # room left: closes in time
         if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
             finished = True
             break
@@ -197,7 +223,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
             break
         ids.append(t)
         text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished,
+    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished or bool(index.dfa.accept[state]),
                 seconds=time.perf_counter() - t0, **stats)
 
 
@@ -320,7 +346,7 @@ class _Parser:
             if op == ":" or op in "&~," and op and not self.schema:
                 self.i += 2
             elif op:
-                self.error("unsupported group syntax '(?' (only (...), (?:...), (?&...|...), (?~...) and (?,...))")
+                self.error("unsupported group syntax '(?' (only (...) and (?:...))")
             node = self.alt()
             self.i += 1
             if self.p[self.i - 1:self.i] != ")":
@@ -530,13 +556,31 @@ def _determinize(nfa, start, accept):
     return np.stack(rows), np.array([accept in s for s in sets])
 
 
-def _trim(table, accept):
-    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
+def _graph(table) -> tuple:
+    """(successors, predecessors): each state's, as lists of states."""
     src, byte = np.nonzero(table >= 0)
     succ, pred = [[] for _ in table], [[] for _ in table]
     for a, b in zip(*(x.tolist() for x in np.divmod(np.unique(src * len(table) + table[src, byte]), len(table)))):
         succ[a].append(b)
         pred[b].append(a)
+    return succ, pred
+
+
+def _to_accept(dfa) -> np.ndarray:
+    """Bytes from each state to the nearest accepting one: breadth-first from those over reversed edges."""
+    pred, dist = _graph(dfa.table)[1], np.where(dfa.accept, 0, -1)
+    todo = np.flatnonzero(dfa.accept).tolist()
+    for s in todo:  # grows while read: a queue
+        for p in pred[s]:
+            if dist[p] < 0:
+                dist[p] = dist[s] + 1
+                todo.append(p)
+    return dist
+
+
+def _trim(table, accept):
+    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
+    succ, pred = _graph(table)
     live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
     if 0 not in live:
         return np.full((1, 256), -1, np.int32), np.zeros(1, bool)  # the empty language
@@ -596,8 +640,25 @@ def _to_dfa(node) -> DFA:
 ANY_UTF8 = ("rep", ("set", ((0, MAX_CHAR),)), 0, None)  # every UTF-8 string: what (?~A) complements within
 
 
-@functools.lru_cache(maxsize=64)
+class SchemaRegex(str):
+    """A regex the schema compiler wrote: the one kind whose text may use 06's own groups (?&...) (?~...) (?,...)."""
+
+
 def compile_regex(pattern: str) -> DFA:
+    """A user's regex in Python's syntax (what re.compile refuses is refused), or a SchemaRegex, -> its DFA."""
+    if not isinstance(pattern, SchemaRegex):
+        why = None if pattern else "empty (it allows only an empty answer)"
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            why = f"{e} (a regex in Python's syntax)"
+        if why:
+            raise ValueError(f"invalid regex {pattern!r}: {why}")
+    return _compile(pattern)
+
+
+@functools.lru_cache(maxsize=64)
+def _compile(pattern: str) -> DFA:
     with budget():
         return _to_dfa(_Parser(pattern).parse())
 
@@ -619,11 +680,11 @@ NUMBER = r"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
 _YEAR, _LEAP = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)", r"(?:0[48]|[2468][048]|[13579][26])"
 DATE = (rf"(?:{_YEAR}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"
         rf"|(?:[0-9]{{2}}{_LEAP}|{_LEAP}00)-02-29)")  # a real calendar day, year 0001-9999 (date.fromisoformat)
-TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:[zZ]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
 FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # what jsonschema's FormatChecker
            "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"   # accepts (uuid: its usual form)
                    r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])", "date": DATE, "time": TIME,
-           "date-time": DATE + "[tT]" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}
+           "date-time": DATE + "T" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}  # T, Z upper case
 _PCHAR, _NC = (rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={c}]|%{_HEX}{{2}})" for c in (":@", "@"))  # RFC 3986's (a subset)
 _REF = lambda first: (rf"(?://(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%{_HEX}{{2}})*(?::[0-9]*)?(?:/{_PCHAR}*)*|/(?:{_PCHAR}+"
                       rf"(?:/{_PCHAR}*)*)?|{first}+(?:/{_PCHAR}*)*)?(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
@@ -788,8 +849,8 @@ class _SchemaCompiler:
     the list allows is one alternative, built from every member's keywords for that type. A part nothing satisfies
     drops out (an optional property, an anyOf branch), else the schema is refused."""
 
-    def __init__(self, root, depth=ANY_DEPTH):
-        self.root, self.depth = root, depth
+    def __init__(self, root, depth=ANY_DEPTH, strict=True):
+        self.root, self.depth, self.strict = root, depth, strict
         self.legacy = isinstance(root, dict) and re.fullmatch(  # drafts 3-7: a $ref's siblings are ignored
             r"http://json-schema\.org/draft-0[3467]/schema#?", str(root.get("$schema")))
 
@@ -844,6 +905,11 @@ class _SchemaCompiler:
         the schema accepts, so an approximation where the schema takes part (parts marked NEGATED) is refused."""
         with contextlib.suppress(_Empty):  # it accepts nothing: its complement, everything
             return self.regex(rest + [_mark({NEGATED: path}, schema)], path, refs)
+
+    def closes(self, parts) -> bool:
+        """Strict mode (XGrammar's strict_mode): an object or array that names members or items, and says nothing
+        of others, gets no others; inside a `not` the specification's reading (what it complements must be exact)."""
+        return self.strict and not any(p.get(NEGATED) for p in parts)
 
     def approximate(self, parts, why):
         """Where the regex holds fewer documents than the parts accept: harmless, unless a `not` complements it."""
@@ -905,7 +971,7 @@ class _SchemaCompiler:
         """Whether `value` is a document of every schema in `parts`: its json.dumps text, or the same with floats
         as plain decimals (1e-07 as 0.0000001, how bounded numbers are written), matches their regex."""
         try:
-            dfa = compile_regex(self.regex([_shape(value)] + parts, path, refs))
+            dfa = _compile(self.regex([_shape(value)] + parts, path, refs))
         except _Empty:
             return False
         return dfa.fullmatch(json.dumps(value, ensure_ascii=False)) or dfa.fullmatch(_plain(value))
@@ -957,10 +1023,12 @@ class _SchemaCompiler:
                 self.approximate(parts, "an array of unique items is written with at most one")
                 hi = min(hi, 1) if lo <= 1 else _fail(path, "uniqueItems with minItems above 1 is not supported")
             heads, tail = [_items(p) for p in parts], ""
-            n = max((len(head) for head, _ in heads), default=0)
+            n = max((len(head) for head, _, _ in heads), default=0)
+            if self.closes(parts) and n and not any(named for _, _, named in heads):  # no items past the head
+                heads = [(head, False, True) for head, _, _ in heads]
             for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
                 try:
-                    item = self.regex([_mark(p, head[i] if i < len(head) else rest) for p, (head, rest) in
+                    item = self.regex([_mark(p, head[i] if i < len(head) else rest) for p, (head, rest, _) in
                                        zip(parts, heads)], f"{path}[{i}]", refs + ("[",))
                 except _Empty:
                     hi, tail = i, ""
@@ -999,8 +1067,9 @@ class _SchemaCompiler:
             except _Empty:
                 if k in required:
                     raise
-        others = []
-        for q in [None] + pats:  # one class of keys each: q's (none: no pattern's), no other pattern's, no name
+        others = []  # strict: the named members (and patternProperties' keys) only, unless additionalProperties says
+        shut = self.closes(parts) and (names or pats) and not any("additionalProperties" in p for p in parts)
+        for q in [None] * (not shut) + pats:  # a class of keys each: q's (None: no pattern's), no other's, no name
             key = [f'"{SAFE}"'] + [f"(?~(?:{'|'.join(map(_literal, names))}))"] * bool(names) + [
                 f'"{_pattern(r)}"' if r == q else f'(?~"{_pattern(r)}")' for r in pats]
             with contextlib.suppress(_Empty):
@@ -1025,10 +1094,11 @@ class _SchemaCompiler:
 
 
 def _items(p) -> tuple:
-    """(the schemas of an array's first items, of every item after them): prefixItems and items (2020-12), or items
-    as a list and additionalItems (before)."""
+    """(the schemas of an array's first items, of every item after them, whether p names the latter): prefixItems
+    and items (2020-12), or items as a list and additionalItems (before)."""
     old = isinstance(p.get("items"), list)
-    return p.get("prefixItems", p["items"] if old else []), p.get("additionalItems" if old else "items", True)
+    rest = "additionalItems" if old else "items"
+    return p.get("prefixItems", p["items"] if old else []), p.get(rest, True), rest in p
 
 
 def _mark(parent, schema):
@@ -1036,24 +1106,27 @@ def _mark(parent, schema):
     return {**schema, NEGATED: parent[NEGATED]} if parent.get(NEGATED) and isinstance(schema, dict) else schema
 
 
-def schema_to_regex(schema, path="$") -> str:
+def schema_to_regex(schema, path="$", strict=True) -> SchemaRegex:
     """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: this
     section's heading), or a ValueError naming what it cannot express, or that no document satisfies it; its DFA
-    is compiled (and cached) within the same COMPILE_BUDGET_S."""
+    is compiled (and cached) within the same COMPILE_BUDGET_S. strict (the default, XGrammar's): an object or
+    array that names its members or items gets no others unless it says so (additionalProperties,
+    patternProperties, items past prefixItems); else a small model invents members until max_tokens cuts it.
+    strict=False: the specification's reading (absent additionalProperties: any other member)."""
     try:
         with budget():
-            t0, out = time.perf_counter(), _SchemaCompiler(schema).regex([schema], path)
-            if not compile_regex(out).accept.any():
+            t0, out = time.perf_counter(), _SchemaCompiler(schema, ANY_DEPTH, strict).regex([schema], path)
+            if not _compile(out).accept.any():
                 raise _Empty("its parts exclude each other")
             rate, deep = (time.perf_counter() - t0) / len(out), out  # the seconds a character of it took
             with contextlib.suppress(ValueError):  # free values deeper, up to 8, while the regex stays short and
                 for depth in range(ANY_DEPTH + 1, 9):  # fits the budget left (its time estimated); else as they were
-                    text = _SchemaCompiler(schema, depth).regex([schema], path)
+                    text = _SchemaCompiler(schema, depth, strict).regex([schema], path)
                     if text == deep or len(text) >= ANY_TEXT or rate * len(text) > _deadline[0] - time.perf_counter():
                         break
                     deep = text
-                out = compile_regex(deep) and deep
-            return out
+                out = _compile(deep) and deep
+            return SchemaRegex(out)
     except _Empty as e:
         raise ValueError(f"{path}: no document satisfies this schema ({e})") from None
 

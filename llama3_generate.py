@@ -868,16 +868,14 @@ class Seq(R05.Req):
         return changed
 
     def jump_forward(self):
-        """06: append the FSM's forced string without the model, re-tokenized so the model sees its own tokens.
-        Returns the index in tokens of the first token that changed (None: no jump)."""
-        jump = self.text + self.index.jump(self.fsm)
-        jump = jump[len(self.text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only (as 06)
-        new = self.tok.encode((self.text + jump).decode()) if jump else []
-        if not jump or len(new) > self.params.max_new_tokens:  # no room: the model writes it token by token
+        """06's jump-forward (TokenIndex.jump_forward): the FSM's forced string appended without the model, the
+        output re-tokenized so the model sees its own tokens, within max_new_tokens. Returns the index in tokens of
+        the first token that changed (None: no jump)."""
+        text = self.text
+        self.fsm, self.text, new, common = self.index.jump_forward(self.fsm, text, self.output, self.tok,
+                                                                   self.params.max_new_tokens)
+        if self.text == text:
             return None
-        self.fsm, self.text = self.index.dfa.walk(self.fsm, jump), self.text + jump
-        out = self.output
-        common = next((i for i, (a, b) in enumerate(zip(out, new)) if a != b), min(len(out), len(new)))
         self.jumped += len(new) - common
         self.output = new
         return len(self.prompt) + common
@@ -1078,7 +1076,7 @@ class Engine:
             banned = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
                 if s.index is not None:
-                    ok = s.index.allowed(s.fsm).to(logits.device)  # (vocab,) bool
+                    ok = s.index.allowed(s.fsm, s.params.max_new_tokens - len(s.output)).to(logits.device)
                     banned[i] = True
                     banned[i, :len(ok)] = ~ok
             logits = logits.masked_fill(banned, float("-inf"))
@@ -1812,7 +1810,10 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--n", type=int, default=1, help="samples per prompt (they share the prompt's KV through the radix cache)")
     add("--ignore-eos", action="store_true", help="keep generating past end-of-turn tokens")
     add("--regex", help="constrain every completion to fullmatch this regex (06)")
-    add("--json-schema", help="constrain every completion to JSON matching this schema file (06)")
+    add("--json-schema", help="constrain every completion to JSON matching this schema file (06); strict, as "
+        "XGrammar: an object or array that names its members or items gets no others unless the schema says so")
+    add("--json-schema-exact", action="store_true", help="--json-schema as the specification reads it (where a "
+        "schema is silent, e.g. no additionalProperties, any other member is allowed)")
     add("--no-chat", action="store_true", help="raw text completion instead of the chat template")
     add("--backend", default="token", choices=["contiguous", "paged", "token"],
         help="KV cache: contiguous (01), paged (02) or token pool + radix cache (03-05)")
@@ -1859,6 +1860,8 @@ def cli_args(argv=None) -> argparse.Namespace:
                            ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
         if not ok:
             ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    if args.regex is not None and args.json_schema:
+        ap.error("--regex and --json-schema: give one of them")
     return args
 
 
@@ -1960,7 +1963,7 @@ def main(argv=None):
                 schema = json.load(open(args.json_schema))
             except (OSError, ValueError) as e:
                 raise UserError(f"--json-schema {args.json_schema}: {e}") from None
-            regex = lesson("06_jump_forward_fsm").schema_to_regex(schema)
+            regex = lesson("06_jump_forward_fsm").schema_to_regex(schema, strict=not args.json_schema_exact)
         if regex is not None:
             lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
         if args.n > 1 and args.temperature == 0 and not args.quiet:

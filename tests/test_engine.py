@@ -758,3 +758,36 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
         assert len(parts) >= 2 and parts[-1][0] == "outside steps" and parts[-1][1] > -1e-6
         assert abs(sum(ms for _, ms in parts) - x["itl_max_ms"]) < 1e-6 and all(ms > 0 for _, ms in parts[:-1])
     assert "same tokens in every schedule: True" in B.serve_report(r)
+
+
+def test_cli_regex_is_pythons_alone_and_schemas_strict_unless_exact(tmp_path, capsys, monkeypatch):
+    """Issue 56: a regex Python's re refuses (06's own groups too), an empty one, a regex beside a schema: each one
+    line and exit status 1 before the model loads; --json-schema is strict unless --json-schema-exact."""
+    monkeypatch.setattr(L, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "boolean"}')
+    for argv, msg in [(["--regex", "(?~a)"], "unknown extension ?~"), (["--regex", ""], "empty"),
+                      (["--regex", "a", "--json-schema", str(schema)], "--regex and --json-schema")]:
+        with pytest.raises(SystemExit) as e:
+            L.main(argv + ["hi"])
+        code = e.value.code
+        assert isinstance(code, str) and code.startswith("error: ") and "\n" not in code and msg in code, code
+    m06, seen = L.lesson("06_jump_forward_fsm"), []
+    monkeypatch.setattr(m06, "schema_to_regex", lambda s, strict=True: seen.append(strict) or 1 / 0)
+    for exact in ([], ["--json-schema-exact"]):
+        with pytest.raises(ZeroDivisionError):
+            L.main(["--json-schema", str(schema), *exact, "hi"])
+    assert seen == [True, False]
+
+
+def test_cli_constrained_answer_closes_within_max_new_tokens(smollm, tmp_path, capsys):
+    """Issue 56: an unbounded array the model would fill past --max-new-tokens closes in time (the engine's mask
+    keeps room for the shortest end once it fits): finish_reason "stop", and the document parses."""
+    import json
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}}, '
+                      '"required": ["fruits"]}')
+    L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "24", "List one hundred fruits."])
+    out = json.loads(capsys.readouterr().out)
+    assert out["finish_reason"] == "stop" and len(out["token_ids"]) <= 24, out
+    assert isinstance(json.loads(out["text"])["fruits"], list)
