@@ -142,9 +142,16 @@ EXERCISES = [
              "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
              "the compressed edges are exactly the DFA's chains of forced bytes",
              ("test_compressed_edges_are_the_forced_chains",)),
+    Exercise("06", "TokenIndex.jump_forward",
+             "append jump(state), cut to whole UTF-8 characters; re-tokenize text + it; keep the common token prefix "
+             "with output; no jump (return what you got) if nothing is forced or it would pass limit or lose the room "
+             "a shortest completion (self.dist) had",
+             "jump-forward gives what a byte-by-byte walk of the forced text gives, and never takes the room a "
+             "shortest completion needs",
+             ("test_jump_forward_keeps_the_room_a_shortest_completion_had",)),
     Exercise("06", "constrained_decode",
-             "loop: append the forced string (jump) and re-tokenize, stop if only EOS is allowed, else mask the "
-             "logits to index.allowed(state), sample, step the DFA",
+             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop if only EOS is allowed "
+             "(index.allowed(state, room left)); else mask the logits to the allowed tokens, sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",)),
     Exercise("07", "Engine.step",
