@@ -539,10 +539,18 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     """One decode step of one sequence in six kernels per layer: model(tokens, positions, kv) at batch 1, over any
     backend's pool (kv.layer_pools, kv.table, kv.page). kv.batch_rows, batch_lens hold the step's table row and
     length (CudaGraphDecoder's static buffers); the slot comes from the table. Returns fp32 logits (1, vocab).
-    pdl: launch every kernel with PDL (see above); None = on a GPU."""
-    a, attn = model.args, token_decode_attention
+    pdl: launch every kernel with PDL (see above); None = on a GPU. Under tensor parallelism (model.tp_sum, see
+    llama3_generate.py) wo and w2 write partial sums (rank 0's with the residual) for tp_sum to add up, and each
+    rank computes its rows tp_sum.vocab of the logits, which tp_sum gathers."""
+    a, attn, tp = model.args, token_decode_attention, getattr(model, "tp_sum", None)
     cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
     h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
+
+    def add(x, w, config):  # h += w @ x, summed over the ranks under TP
+        if tp is None:
+            return gemv(x, w, h, residual=h, config=config, pdl=pdl)
+        part = gemv(x, w, tp.part[:a.dim], residual=h if tp.rank == 0 else None, config=config, pdl=pdl)
+        return tp(part, out=h)
     block = math.gcd(a.dim, 256)
     _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
@@ -559,13 +567,15 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
             kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), num_warps=cfg["qkv"][2],
             **pdl_kw(pdl))
         attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
-        gemv(att.view(-1), at.wo.weight, h, residual=h, config=cfg["o"], pdl=pdl)
+        add(att.view(-1), at.wo.weight, cfg["o"])
         w1, w3 = ff.w13.weight.chunk(2)  # gate and up, stacked
         gemv(h, w1, act, norm=layer.ffn_norm.weight, w3=w3, eps=a.norm_eps, config=cfg["w13"], pdl=pdl)
-        gemv(act, ff.w2.weight, h, residual=h, config=cfg["w2"], pdl=pdl)
+        add(act, ff.w2.weight, cfg["w2"])
     logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
-    return gemv(h, model.output.weight, logits[0], norm=model.norm.weight, eps=a.norm_eps, config=cfg["head"],
-                pdl=pdl)[None]
+    lo, hi = tp.vocab if tp else (0, a.vocab_size)  # this rank's rows of the head
+    mine = gemv(h, model.output.weight[lo:hi], (tp.logits if tp else logits[0])[lo:hi], norm=model.norm.weight,
+                eps=a.norm_eps, config=cfg["head"], pdl=pdl)
+    return (tp(tp.logits, out=logits[0]) if tp else mine)[None]
 
 
 @triton.jit

@@ -934,9 +934,8 @@ class Engine:
         self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        tp = getattr(model, "tp", (0, 1))[1] > 1  # fused batch-1 decode has no all-reduce between its kernels
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
-        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused=fused and not tp) \
+        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused=fused) \
             if graphs else None
         if self.graphs is not None and dev.type == "cuda":
             model.use_kernels(m04)
@@ -1677,11 +1676,19 @@ def serve(args, ready=None):
 #   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
 #     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
 # Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample (the 8B shape's head is 1/16 of its weights, read on every rank).
+# on rank 0 need no gather to sample. Batch-1 decode (04's fused kernels) reads only 1/N of the head (the 8B
+# shape's is 1/16 of its weights): each rank's rows of the logits, zero elsewhere, summed by an all-reduce.
 # Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
 # its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
 # CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves one sum on every rank, the head is whole.
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
+# The all-reduce (TPSum). NCCL's ring cuts a message in N chunks and passes them round the ring in 2(N - 1) steps,
+# each a send, a receive and a handshake: ~16 us for decode's 8 KB (one token's hidden state) on NVLink, where the
+# bytes take nanoseconds; 64 a token cost the 8B shape ~1 ms. One shot (vLLM's custom all-reduce; here PyTorch's
+# symmetric memory): every rank's buffer is mapped into every peer's address space, so one kernel writes the
+# partial sum, meets the peers at a barrier (flags in that memory), reads all N buffers over NVLink and adds them
+# in rank order: one step, ~6 us, the same bits on every rank. It reads N copies: larger messages keep NCCL.
+# Tried on two H200s and slower: the same one shot as a Triton kernel chained to the next one with PDL (8 vs 6.6 us).
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1735,8 +1742,8 @@ def shard_model(model, rank: int, world: int):
         w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
         lin.weight = nn.Parameter(w, requires_grad=False)
 
-    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up in place on every rank
-        torch.distributed.all_reduce(out)
+    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up on every rank
+        return model.tp_sum(out)
     for layer in model.layers:
         at, ff = layer.attention, layer.feed_forward
         keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
@@ -1748,8 +1755,44 @@ def shard_model(model, rank: int, world: int):
     # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
     model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
                                     "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp = (rank, world)
+    model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
     return model
+
+
+ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, up to 256 rows of the 8B shape
+
+
+class TPSum:
+    """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
+    ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
+    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode)."""
+
+    def __init__(self, model, rank: int, world: int):
+        w, vocab, self.rank = model.tok_embeddings.weight, model.args.vocab_size, rank
+        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
+        self.one_shot = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernel's dtypes
+        make = torch.empty
+        if self.one_shot:
+            from torch.distributed import _symmetric_memory as symm
+            make = symm.empty
+        self.part = make(ONE_SHOT_BYTES // w.element_size(), dtype=w.dtype, device=w.device)
+        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
+        if self.one_shot:
+            self.group = torch.distributed.group.WORLD.group_name
+            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+                symm.rendezvous(buf, self.group)
+
+    def __call__(self, x, out=None):
+        ops, ours = torch.ops.symm_mem, x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
+        if self.one_shot and (ours or x.numel() * x.element_size() <= ONE_SHOT_BYTES and x.dtype == self.part.dtype):
+            out = torch.empty_like(x) if out is None else out
+            if ours:  # written in symmetric memory already
+                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
+            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
+        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
+            x = out.copy_(x)
+        torch.distributed.all_reduce(x)
+        return x
 
 
 def tp_share(model, make):

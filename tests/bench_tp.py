@@ -4,12 +4,17 @@ Llama 3 shapes. Run from the repository root on a machine with N GPUs:
 
     python tests/bench_tp.py --tp 2          # one report: parity, batch-1 decode, serving
     python tests/bench_tp.py --tp 2 --json   # the figures as one JSON object
+    python tests/bench_tp.py --tp 2 --breakdown  # also where a batch-1 step's time goes, variant by variant
 
 1. parity: the random 1B shape in fp32, 8 prompts of random tokens, 32 greedy tokens each: TP N's tokens equal TP 1's
 2. batch-1 decode, the random 8B shape in bf16, as the command line runs it (token backend, CUDA graphs, greedy
-   multi-step; TP N without the fused batch-1 kernels, which have no all-reduce): tok/s of whole requests minus
-   their first token (bench_engine's engine_decode_tok_s), TP 1 also without the fused kernels
+   multi-step, 04's fused batch-1 kernels): tok/s of whole requests minus their first token (bench_engine's
+   engine_decode_tok_s), TP 1 also without the fused kernels. --breakdown: each variant's tok/s and the GPU's ms
+   per step (its 16-step graph replayed on a padding row: host work left out), TP N's all-reduce as NCCL, one
+   shot or left out (wrong tokens, the time without it), fused or not, the head whole or split; and all-reduces
+   of 8 KB to 2 MB, NCCL against one shot (64 in a CUDA graph; the sums compared bit for bit)
 3. serving: nano-vllm's workload (256 requests, prompt and output lengths uniform in [100, 1024]) on the 1B shape
+   (--breakdown: at TP N also with NCCL all-reduces)
 
 Each TP size runs in processes of its own, started as torchrun starts them (RANK, WORLD_SIZE, ...); rank 0
 writes its figures. --device cpu --small runs the same on CPUs over gloo with small shapes (a smoke test)."""
@@ -45,6 +50,100 @@ def model_on_ranks(shape, device, dtype):
     return model
 
 
+class NoSum:
+    """model.tp_sum with the adding left out: wrong tokens, the time without all-reduces."""
+
+    def __init__(self, tp):
+        self.__dict__.update(vars(tp))
+
+    def __call__(self, x, out=None):
+        return x if out is None else out.copy_(x)
+
+
+def step_ms(e, replays=10) -> float:
+    """GPU ms per batch-1 decode step: e's 16-step graph replayed on a padding row (no host work between)."""
+    g, k = e.graphs, e.multi_step
+    saved = [x.clone() for x in (g.tokens, g.positions, g.rows, g.lens)]
+    g.rows[0], g.lens[0], g.positions[0] = g.pad_row, 1, 0
+    g.graphs[(1, k)]()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        g.graphs[(1, k)]()
+    end.record()
+    torch.cuda.synchronize()
+    for x, v in zip((g.tokens, g.positions, g.rows, g.lens), saved):
+        x.copy_(v)
+    return start.elapsed_time(end) / replays / k
+
+
+def decode_variants(model, tok, prompt, n, world) -> dict:
+    """--breakdown: batch-1 decode of each variant, (tok/s, GPU ms per step)."""
+    tp, out = getattr(model, "tp_sum", None), {}
+    variants = {"unfused": dict(fused=False), "fused": {}} if world == 1 else {
+        "NCCL, unfused (before)": dict(fused=False, one_shot=False),
+        "no all-reduce, unfused": dict(fused=False, sum=NoSum),
+        "one shot, unfused": dict(fused=False),
+        "NCCL, fused, split head": dict(one_shot=False),
+        "one shot, fused, whole head": dict(vocab=(0, model.args.vocab_size)),
+        "one shot, fused, split head (after)": {},
+        "no all-reduce, fused, split head": dict(sum=NoSum)}
+    keep = (tp.one_shot, tp.vocab) if tp else None
+    for name, v in variants.items():
+        if tp is not None:
+            tp.one_shot, tp.vocab = v.get("one_shot", keep[0]), v.get("vocab", keep[1])
+            model.tp_sum = v.get("sum", lambda t: t)(tp)
+        tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n, fused=v.get("fused", True))
+        out[name] = (tok_s, step_ms(e))
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # progress
+            print(f"TP {world} {name}: {tok_s:,.0f} tok/s, {out[name][1]:.3f} ms a step", file=sys.stderr, flush=True)
+        del e
+        B.free()
+    if tp is not None:
+        model.tp_sum, (tp.one_shot, tp.vocab) = tp, keep
+    return out
+
+
+def all_reduce_bench(tp, device) -> dict:
+    """--breakdown: bf16 all-reduces of 8 KB .. 2 MB, NCCL against tp_sum's one shot: us each (64 in a row in a
+    CUDA graph), and whether the sums are the same bits."""
+    r, world = {}, torch.distributed.get_world_size()
+    for kb in (8, 64, 512, 2048):
+        x = torch.randn(kb * 512, generator=torch.Generator(device).manual_seed(torch.distributed.get_rank()),
+                        device=device).bfloat16()
+        nccl = x.clone()
+        torch.distributed.all_reduce(nccl)
+        one = tp(x)
+        gathered = [torch.empty_like(x) for _ in range(world)]
+        torch.distributed.all_gather(gathered, x)
+        ref = sum(t.double() for t in gathered)
+        us = {}
+        for name, fn in (("nccl", lambda: torch.distributed.all_reduce(nccl)), ("one_shot", lambda: tp(x, out=one))):
+            fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(64):
+                    fn()
+            g.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                g.replay()
+            end.record()
+            torch.cuda.synchronize()
+            us[name] = start.elapsed_time(end) * 1000 / 5 / 64
+            del g
+        nccl.copy_(x)
+        torch.distributed.all_reduce(nccl)
+        tp(x, out=one)
+        rel = lambda y: float((y.double() - ref).norm() / ref.norm())
+        r[f"{kb} KB"] = dict(us, same_bits=bool(torch.equal(nccl, one)), rel_err_nccl=rel(nccl),
+                             rel_err_one_shot=rel(one))
+    return r
+
+
 def rank_main(args):
     """One rank (or TP 1's single process): the three measurements; rank 0 prints them as JSON."""
     rank, world, device = L.tp_launch(SimpleNamespace(tp=int(os.environ.get("WORLD_SIZE", 1)), device=args.device), [])
@@ -64,9 +163,13 @@ def rank_main(args):
     model = model_on_ranks(eight_b, device, torch.bfloat16 if cuda else torch.float32)
     prompt = torch.randint(0, eight_b.vocab_size, (128,), generator=rng).tolist()
     n = 256 if cuda else 16
-    r["batch1_8b_decode_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n, fused=False)[0]
+    if args.breakdown and cuda:
+        r["breakdown"] = decode_variants(model, tok, prompt, n, world)
+        if world > 1:
+            r["all_reduce"] = all_reduce_bench(model.tp_sum, device)
+    r["batch1_8b_decode_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n)[0]  # fused: 04's batch-1 kernels
     if world == 1 and cuda:
-        r["batch1_8b_decode_fused_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n)[0]
+        r["batch1_8b_decode_unfused_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n, fused=False)[0]
     r["weight_GB_per_rank"] = B.weight_bytes(model) / 1e9
     del model
     B.free()
@@ -76,6 +179,10 @@ def rank_main(args):
     lens = torch.randint(top // 10, top + 1, (n_seqs, 2), generator=rng).tolist()
     prompts = [torch.randint(0, one_b.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     r["serve_1b"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
+    if args.breakdown and cuda and world > 1:
+        B.free()
+        model.tp_sum.one_shot = False
+        r["serve_1b_nccl"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if rank == 0:
         print(json.dumps(r), flush=True)
 
@@ -97,17 +204,29 @@ def launch(world: int, argv) -> dict:
 
 def report(one: dict, many: dict) -> str:
     s1, sn = one["serve_1b"], many["serve_1b"]
-    tp = many["tp"]
-    return "\n".join([
-        f"device: {one['device']}; TP {tp} over {'NCCL' if one['device'] != 'cpu' else 'gloo'}",
+    tp, b1, bn = many["tp"], one["batch1_8b_decode_tok_s"], many["batch1_8b_decode_tok_s"]
+    lines = [
+        f"device: {one['device']}; TP {tp} over {'NCCL and one shot' if one['device'] != 'cpu' else 'gloo'}",
         f"parity, 1B fp32, 8 prompts x 32 greedy tokens: TP {tp} tokens "
         f"{'equal' if one['parity_tokens'] == many['parity_tokens'] else 'DIFFER FROM'} TP 1's",
-        f"batch-1 decode, 8B: TP 1 {one['batch1_8b_decode_tok_s']:,.0f} tok/s (fused kernels: "
-        f"{one.get('batch1_8b_decode_fused_tok_s', float('nan')):,.0f}), TP {tp} {many['batch1_8b_decode_tok_s']:,.0f}"
-        f" tok/s: {many['batch1_8b_decode_tok_s'] / one['batch1_8b_decode_tok_s']:.2f}x (weights per rank "
-        f"{one['weight_GB_per_rank']:.1f} -> {many['weight_GB_per_rank']:.1f} GB)",
+        f"batch-1 decode, 8B, fused kernels: TP 1 {b1:,.0f} tok/s (unfused: "
+        f"{one.get('batch1_8b_decode_unfused_tok_s', float('nan')):,.0f}), TP {tp} {bn:,.0f} tok/s: {bn / b1:.2f}x "
+        f"(weights per rank {one['weight_GB_per_rank']:.1f} -> {many['weight_GB_per_rank']:.1f} GB)",
         f"serving, 1B, {s1['seqs']} requests: TP 1 {s1['tok_s']:,.0f} tok/s (decode {s1['decode_tok_s']:,.0f}), "
-        f"TP {tp} {sn['tok_s']:,.0f} tok/s (decode {sn['decode_tok_s']:,.0f}): {sn['tok_s'] / s1['tok_s']:.2f}x"])
+        f"TP {tp} {sn['tok_s']:,.0f} tok/s (decode {sn['decode_tok_s']:,.0f}): {sn['tok_s'] / s1['tok_s']:.2f}x"]
+    if "serve_1b_nccl" in many:
+        s = many["serve_1b_nccl"]
+        lines.append(f"  TP {tp} with NCCL all-reduces: {s['tok_s']:,.0f} tok/s (decode {s['decode_tok_s']:,.0f})")
+    if "breakdown" in many:
+        lines.append(f"batch-1 decode, 8B, by variant: tok/s | GPU ms per step (graph replays) | x fused TP 1")
+        for r in (one, many):
+            for name, (tok_s, ms) in r["breakdown"].items():
+                lines.append(f"  TP {r['tp']} {name:38s} {tok_s:7,.0f} | {ms:6.3f} | {tok_s / b1:5.2f}x")
+    for size, a in many.get("all_reduce", {}).items():
+        lines.append(f"all-reduce {size:>7s} bf16: NCCL {a['nccl']:5.1f} us, one shot {a['one_shot']:5.1f} us; "
+                     f"same bits: {a['same_bits']}; rel. error vs fp64: NCCL {a['rel_err_nccl']:.1e}, "
+                     f"one shot {a['rel_err_one_shot']:.1e}")
+    return "\n".join(lines)
 
 
 def main():
@@ -116,11 +235,12 @@ def main():
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (gloo)")
     ap.add_argument("--small", action="store_true", help="small shapes and workloads (a smoke test on CPUs)")
     ap.add_argument("--json", action="store_true", help="the figures as one JSON object")
+    ap.add_argument("--breakdown", action="store_true", help="batch-1 variants, all-reduce sizes, serving on NCCL")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # a rank started by launch()
     args = ap.parse_args()
     if args.rank:
         return rank_main(args)
-    argv = ["--device", args.device] + (["--small"] if args.small else [])
+    argv = ["--device", args.device] + (["--small"] if args.small else []) + (["--breakdown"] if args.breakdown else [])
     one, many = launch(1, argv), launch(args.tp, argv)
     print(json.dumps({"tp1": one, f"tp{args.tp}": many}) if args.json else report(one, many))
 

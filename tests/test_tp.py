@@ -5,7 +5,7 @@ every KV backend, in pools small enough that requests wait, get preempted (recom
 once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
 the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
 ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU, shared with
-other agents' tests (load average 5): 40 s by pytest's count, 48 s with start-up, 29 s of CPU.
+other agents' tests (load average 5-9): 50-75 s by pytest's count (the fused batch-1 test, interpreted: 30 s of it).
 
 On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
 import contextlib
@@ -135,6 +135,34 @@ def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
     assert quiet == ["", ""]
 
 
+def fused_decode_tokens(seed, device="cpu"):
+    """A tiny random model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
+    interpreted): greedy and sampled tokens, and the engine's graphs' fused flag; under torchrun's variables, as
+    one rank of TP over gloo (partial sums added by tp_sum, the head split by rows)."""
+    if "WORLD_SIZE" in os.environ:
+        device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
+    args = L.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=384, hidden_dim=128, max_seq_len=64)
+    model = L.Transformer(args).to(device).eval()
+    for p in model.parameters():  # the same on every rank; wide logits: no near ties for fp32 rounding to flip
+        p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
+    if torch.distributed.is_initialized():
+        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=64,
+                 cuda_graphs=True, max_batch=1, multi_step=4)
+    for t in (0.0, 1.0):
+        e.add(list(range(5, 12)), L.SamplingParams(max_new_tokens=8, temperature=t, seed=seed))
+    return list(e.run().values()), e.graphs.fused
+
+
+def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
+    """TP 2 over gloo through 04's fused batch-1 kernels: greedy and sampled tokens equal TP 1's (the sampled
+    ones catch logits scaled without changing the argmax, e.g. a head summed twice)."""
+    seed = int(torch.randint(0, 10**6, ()))
+    want = fused_decode_tokens(seed)
+    got = run_ranks(2, fused_decode_tokens, seed, tmp_path=tmp_path)
+    assert want[1] and got == [[want[0], True]] * 2, (want, got)
+
+
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
     """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
     refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
@@ -162,3 +190,13 @@ def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
     got, _ = run_ranks(2, serve_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
     for name in options:
         assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
+    """The same on 2 GPUs: CUDA graphs, the partial sums and logits added by the one-shot all-reduce."""
+    seed = int(torch.randint(0, 10**6, ()))
+    want = fused_decode_tokens(seed, "cuda")
+    got = run_ranks(2, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
+    assert want[1] and got == [[want[0], True]] * 2, (want, got)
