@@ -62,6 +62,7 @@ import math
 import os
 import pickle
 import signal
+import socket
 import statistics
 import sys
 import threading
@@ -814,6 +815,15 @@ class SamplingParams:
     regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
     n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
     seed: int | None = None   # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
+    frequency_penalty: float = 0.0  # OpenAI's: a logit minus frequency x the times its token came in the output,
+    presence_penalty: float = 0.0   # minus presence if it came at all, plus logit_bias[token] (Engine.sample)
+    logit_bias: dict | None = None
+    logprobs: int | None = None     # each token's logprob, and the top this many: of the distribution sampled from
+
+    @property
+    def argmax(self) -> bool:  # the model's own argmax: greedy, nothing added (what multi-step decode on a GPU runs)
+        return not (self.temperature or self.frequency_penalty or self.presence_penalty or self.logit_bias or
+                    self.logprobs is not None)
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
@@ -846,6 +856,7 @@ class Seq(R05.Req):
         self.finish = None      # "stop" or "length", once done
         self.jumped = 0         # tokens jump-forward appended without the model
         self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
+        self.logprobs, self.failed = [], None  # (logprob, top k) per token if asked for; "error: why" if it failed
         self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
 
     def append(self, t):
@@ -885,6 +896,20 @@ class Seq(R05.Req):
         after = self.t_last - self.t_first  # the tokens after the first, streamed over this long
         return dict(ttft_s=self.t_first - self.t_added,
                     tok_s=(len(self.output) - 1) / after if len(self.output) > 1 and after > 0 else None)
+
+
+def penalize(batch, logits):
+    """OpenAI's penalties: each row's logits minus frequency_penalty x the times a token came in its output so far,
+    minus presence_penalty if it came at all, plus its logit_bias."""
+    rows = [(i, s.params, s.output) for i, s in enumerate(batch) if s.params.frequency_penalty or
+            s.params.presence_penalty or s.params.logit_bias]
+    logits, vocab = logits.clone() if rows else logits, logits.shape[-1]
+    for i, p, out in rows:
+        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits)
+        logits[i] -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(logits)
+        for t, b in (p.logit_bias or {}).items():
+            logits[i, t] += b
+    return logits
 
 
 class Engine:
@@ -990,7 +1015,7 @@ class Engine:
         for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
             seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
             if params.seed is not None:
-                seq.gen = torch.Generator(device=self.device).manual_seed(params.seed + i)
+                seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
             first, self.n_seqs = first or seq, self.n_seqs + 1
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
@@ -1068,8 +1093,11 @@ class Engine:
         return [[next(ids)] if s.samples else [] for s in batch]
 
     def choose(self, batch, logits) -> list:
-        """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p."""
-        if all(s.params.temperature == 0 and s.index is None for s in batch):
+        """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
+        penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
+        sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
+        logits = penalize(batch, logits)
+        if all(s.params.argmax and s.index is None for s in batch):
             return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
             banned = torch.zeros_like(logits, dtype=torch.bool)
@@ -1086,7 +1114,17 @@ class Engine:
         out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
         for (temp, top_p, gen), rows in groups.items():
             rows_t = torch.tensor(rows, device=logits.device)
-            out[rows_t] = sample(logits[rows_t], temp, top_p, gen)
+            try:  # a tiny temperature: 1e-30 (logits / it stay finite in float32; softmax takes their max out)
+                out[rows_t] = sample(logits[rows_t], temp and max(temp, 1e-30), top_p, gen)
+            except Exception as e:
+                out[rows_t] = self.tok.eos_id
+                for i in rows:
+                    batch[i].failed = f"error: sampling failed: {e!r}"
+        for i, s in enumerate(batch):  # of the distribution sampled from: greedy's at temperature 1
+            if s.params.logprobs is not None:
+                lp = torch.log_softmax(logits[i] / max(s.params.temperature or 1, 1e-30), -1)
+                top, t = lp.clamp(min=-9999).topk(s.params.logprobs), int(out[i])
+                s.logprobs.append((max(float(lp[t]), -9999.0), list(zip(top.indices.tolist(), top.values.tolist()))))
         return out.tolist()
 
     def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
@@ -1259,7 +1297,7 @@ class CudaGraphDecoder:
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
             if prev else running
-        if batch and not any(s.params.temperature or s.index is not None for s in batch):
+        if batch and all(s.params.argmax and s.index is None for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
@@ -1350,20 +1388,23 @@ class EngineThread(threading.Thread):
     """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler); the HTTP server runs in
     a process of its own (serve_http), or its event loop and the engine would share one GIL. Between steps the thread
     takes in what the server sent (requests, aborts), so a request arriving now joins the running batch at the next
-    step; after each step it sends the server, in one message, each sample's new token ids (the server decodes)."""
+    step; after each step it sends the server, in one message, each sample's new token ids (the server decodes).
+    A failure while serving ends the requests it hit (finish "error: why") and the thread serves on; if the thread
+    itself dies, the server says so (503, /health) for two seconds, then stops, and --serve exits non-zero."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
-        self.engine, self.live, self.stopping, self.out = engine, {}, False, []
+        self.engine, self.live, self.stopping, self.out, self.failed = engine, {}, False, [], None
 
-    def serve_http(self, name: str, max_tokens: int, **uvicorn_config) -> int:
-        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one; returns its port."""
+    def serve_http(self, sock, name: str, max_tokens: int, log_level: str) -> int:
+        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one and on sock (bound
+        here: the serving line comes before uvicorn's); returns its port once it listens."""
         import multiprocessing
         e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
         self.http = multiprocessing.get_context("spawn").Process(target=http_process, name="http", daemon=True, args=(
-            theirs, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, uvicorn_config))
+            theirs, sock, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, log_level))
         self.http.start()
-        theirs.close()  # the server's end is its own: its exit reads here as the pipe's end
+        theirs.close(), sock.close()  # the server's: its exit reads here as the pipe's end, and frees the port
         try:
             return self.conn.recv()
         except EOFError:
@@ -1371,43 +1412,56 @@ class EngineThread(threading.Thread):
 
     def run(self):
         e = self.engine
-        while not self.stopping:
-            try:  # idle: wait for work; busy: take in all that came since the last step, then step
-                if self.conn.poll(0 if e.busy else 0.1):
-                    self.take(*self.conn.recv())
-                    continue
-                if e.busy:
-                    e.step(self.emit)
+        try:
+            while not self.stopping:
+                try:  # idle: wait for work; busy: take in all that came since the last step, then step
+                    if self.conn.poll(0 if e.busy else 0.1):
+                        self.take(*self.conn.recv())
+                        continue
+                    if e.busy:
+                        e.step(self.emit)
+                except (EOFError, OSError):  # the HTTP process is gone
+                    break
+                except Exception as exc:  # a step failed, not in one request's sampling: the running requests end
+                    for s in list(e.sched.running):
+                        s.failed = f"error: the engine failed serving this request: {exc!r}"
+                        e.abort(s.rid)
                 self.flush()
-            except (EOFError, OSError):  # the HTTP process is gone
-                break
-            except Exception as exc:  # the engine cannot go on: its requests end with an error, the server answers 503
-                self.out += [(jid, i, [], "error", 0) for jid, i, *_ in self.live.values()]
-                self.post(f"engine failed: {exc!r}")
-                raise
+        except BaseException as exc:  # the thread dies: every request ends with why, the server says so and stops
+            self.failed = f"the engine failed: {exc!r}"
+            self.out += [(jid, i, [], f"error: {self.failed}", 0, ()) for jid, i, *_ in self.live.values()]
+            self.post(self.failed)
+            self.conn.close()
+            raise
         self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
 
     def take(self, kind, jid, arg):
         e = self.engine
         if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
             ids, params, index = arg
-            for i, sid in enumerate(e.add(ids, params, index)):
-                self.live[sid] = [jid, i, 0, params.regex is not None]
+            try:
+                sids = e.add(ids, params, index)
+            except Exception as exc:  # refused by the engine: the request ends with why
+                self.out += [(jid, i, [], f"error: {exc}", 0, ()) for i in range(params.n)]
+                sids = []
+            for i, (sid, seq) in enumerate(zip(sids, list(e.sched.waiting)[-len(sids):])):
+                self.live[sid] = [jid, i, 0, params.regex is not None, seq]
         else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
             for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
                 e.abort(sid)
         self.flush()
 
     def emit(self, sid, out, finish=None):  # sample sid's new token ids (all, where jump-forward may re-tokenize)
-        sample = self.live[sid]  # [request id, sample index, tokens sent, send all]
-        self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out)))
+        sample = self.live[sid]  # [request id, sample index, tokens sent, send all, its Seq]
+        lps = sample[4].logprobs[sample[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
+        self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out), lps))
         sample[2] = len(out)
 
     def flush(self):
         """Requests finished (or aborted) since the last look: their last tokens and finish reason."""
         e = self.engine
         for s in e.pop_finished():
-            self.emit(s.rid, s.output, s.finish)
+            self.emit(s.rid, s.output, s.failed or s.finish)
             del self.live[s.rid]
         self.post()
 
@@ -1424,7 +1478,7 @@ class EngineThread(threading.Thread):
         self.http.join(15)
 
 
-def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, uvicorn_config: dict):
+def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, log_level: str):
     """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read on a thread of its
     own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's end."""
     import uvicorn
@@ -1436,8 +1490,8 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
     front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0,
                             send=send)
 
-    def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens) each; why it failed
-        for items, failed in msgs:
+    def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens, logprobs) each; why
+        for items, failed in msgs:  # the engine failed
             front.failed = failed or front.failed
             for jid, *item in items:
                 if jid in front.jobs:
@@ -1451,37 +1505,38 @@ def http_process(conn, tok, max_len: int, vocab_size: int, name: str, max_tokens
                 if not conn.poll():
                     loop.call_soon_threadsafe(deliver, msgs)
                     msgs = []
-        loop.call_soon_threadsafe(deliver, msgs)  # the last ones, read just before the pipe's end
-        loop.call_soon_threadsafe(setattr, server, "should_exit", True)  # the pipe's end: the server stops
+        loop.call_soon_threadsafe(deliver, msgs)  # the last ones, read just before the pipe's end; then the server
+        loop.call_soon_threadsafe(lambda: loop.call_later(2 * bool(front.failed), setattr, server, "should_exit", True))
     server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
-                                           **uvicorn_config))
+                                           log_level=log_level))
     server.capture_signals, startup = contextlib.nullcontext, server.startup
 
-    async def started(sockets=None):  # listening: the pipe's reader, and the port to the engine's process
+    async def started(sockets=None):  # listening: the pipe's reader, and word to the engine's process
         await startup(sockets)
         threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
-        conn.send(server.servers[0].sockets[0].getsockname()[1])
+        conn.send(sock.getsockname()[1])
     server.startup = started
-    server.run()
+    server.run([sock])
 
 
 class Job:
     """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the bytes it read and the text held back. Its handler takes all that came since it last looked from
-    its asyncio queue: (sample, text, finish reason, tokens) each."""
+    its output, the bytes it read, the text held back and its tokens' logprobs. Its handler takes all that came since
+    it last looked from its asyncio queue: (sample, text, finish reason, tokens) each."""
 
     def __init__(self, front, params, stop):
         self.front, self.params, self.stop, n = front, params, stop, params.n
         self.id = front.n = front.n + 1
         self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
         self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
-        self.n_bytes, self.held = [0] * n, [""] * n
+        self.n_bytes, self.held, self.lps = [0] * n, [""] * n, [[] for _ in range(n)]
 
-    def put(self, i, ids, finish, n):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
+    def put(self, i, ids, finish, n, lps):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
         if self.done[i]:
             return
         tok, whole = self.front.tok, self.params.regex is not None  # jump-forward may re-tokenize: all ids again
         keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
+        self.lps[i] += [(t, *lp) for t, lp in zip(ids, lps) if keep(t)]  # (token, logprob, [(token, logprob)])
         new = b"".join(tok.token_bytes(t) for t in ids if keep(t))[self.n_bytes[i] if whole else 0:]
         self.n_bytes[i] += len(new)  # each token decoded once (final: a partial character at the end as U+FFFD)
         text = self.held[i] = self.held[i] + self.utf8[i].decode(new, final=bool(finish))  # held back and new
@@ -1505,77 +1560,143 @@ class Job:
 
 
 def make_app(front: SimpleNamespace, name: str, max_tokens: int):
-    """The OpenAI API: GET /v1/models, POST /v1/completions and /v1/chat/completions, streamed (server-sent events)
-    or not. Pydantic validates each body; what it refuses, or the engine cannot fit, is a 400 naming the field."""
+    """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions, streamed
+    (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null: the default); what it
+    refuses, what REFUSED names, or what the engine cannot fit is a 400 with OpenAI's error object naming the field.
+    JSON mode, a json_schema and a forced tool choice are 06's grammars (vLLM's guided tool choice: the output is
+    {"name": ..., "arguments": ...} of a tool, answered as its tool call); tool_choice "auto" is refused."""
     import functools
-    from typing import Literal
+    from typing import Annotated, Literal
     import jsonschema
-    from fastapi import FastAPI
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, Field, ValidationError
+    from pydantic import BaseModel, ConfigDict, Field
+    from starlette.exceptions import HTTPException
     tok, m06 = front.tok, lesson("06_jump_forward_fsm")
+    REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
+               "prediction": None, "web_search_options": None, "modalities": ["text"]}  # (or null) else a 400
 
     class Format(BaseModel):
-        type: Literal["text", "json_schema"]
+        type: Literal["text", "json_object", "json_schema"]
         json_schema: dict | None = None  # {"name": ..., "schema": {...}}
 
+    class Function(BaseModel):
+        name: str
+        description: str | None = None
+        parameters: dict = {"type": "object", "properties": {}}
+
+    class Tool(BaseModel):
+        type: Literal["function"]
+        function: Function
+
     class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
+        model_config = ConfigDict(extra="allow")  # (but those REFUSED)
         model: str
         prompt: str | list[int] = Field(min_length=1)  # text, or token ids
         max_tokens: int | None = Field(None, ge=1)
-        temperature: float = Field(1.0, ge=0, le=2)
-        top_p: float = Field(1.0, gt=0, le=1)
-        n: int = Field(1, ge=1, le=MAX_BATCH)
-        seed: int | None = None
+        temperature: float | None = Field(None, ge=0, le=2)  # null: OpenAI's 1
+        top_p: float | None = Field(None, gt=0, le=1)
+        n: int | None = Field(None, ge=1, le=MAX_BATCH)
+        seed: int | None = None  # any integer (the engine reduces it to its generator's range)
         stop: str | list[str] | None = None
-        stream: bool = False
+        stream: bool | None = None
         stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
+        frequency_penalty: float | None = Field(None, ge=-2, le=2)
+        presence_penalty: float | None = Field(None, ge=-2, le=2)
+        logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],  # token id -> added to its logit
+                         Annotated[float, Field(ge=-100, le=100)]] | None = None
+        logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
         response_format: Format | None = None
         regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
-        ignore_eos: bool = False  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
+        ignore_eos: bool | None = None  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
+
+    class Part(BaseModel):
+        type: Literal["text"]
+        text: str
 
     class Message(BaseModel):
-        role: Literal["system", "user", "assistant"]
-        content: str
+        role: Literal["system", "developer", "user", "assistant", "tool"]
+        content: str | list[Part] | None = None
+        tool_calls: list[dict] | None = None
 
     class Chat(Completion):
         prompt: None = None
         messages: list[Message] = Field(min_length=1)
         max_completion_tokens: int | None = Field(None, ge=1)
+        logprobs: bool | None = None
+        top_logprobs: int | None = Field(None, ge=0, le=20)
+        tools: list[Tool] | None = None
+        tool_choice: Literal["none", "auto", "required"] | Tool | None = None  # Tool: the one named
 
     class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
         pass
     app = FastAPI(title=f"llama3_generate.py: {name}")
-    app.exception_handler(Refused)(lambda req, e: JSONResponse({"error": dict(
-        message=e.args[0], type="invalid_request_error", param=e.args[1], code=e.args[3])}, e.args[2]))
+    error = lambda message, param=None, status=400, code=None, headers=None: JSONResponse({"error": dict(
+        message=message, type="invalid_request_error" if status < 500 else "server_error", param=param, code=code)},
+        status, headers)
+    app.exception_handler(Refused)(lambda req, e: error(*e.args))
+    app.exception_handler(HTTPException)(lambda req, e: error(str(e.detail), None, e.status_code, None, e.headers))
+    app.exception_handler(Exception)(lambda req, e: error(f"the server failed: {e!r}", None, 500))
 
+    @app.exception_handler(RequestValidationError)
+    def invalid(req, e):  # the field at fault: the deepest error's; param: its top-level field
+        err = max(e.errors(), key=lambda err: len(err["loc"]))
+        where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
+        return error(f"{where}: {err['msg']}" if where else f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
+                     if err["type"] == "json_invalid" else err["msg"], where.split(".")[0] or None)
+
+
+    @app.get("/health")  # the same: 200 while the engine serves
     @app.get("/v1/models")
     def models():
+        if front.failed:  # the engine's thread died: every route says so
+            raise Refused(front.failed, None, 503)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
 
-    async def handle(request, chat: bool):
-        try:
-            body = (Chat if chat else Completion).model_validate_json(await request.body())
-        except ValidationError as e:
-            err = e.errors()[0]
-            where = ".".join(map(str, err["loc"]))
-            raise Refused(f"{where + ': ' if where else ''}{err['msg']}", where or None, 400, None) from None
+    async def handle(body, request, chat: bool):
+        for bad in [k for k, ok in REFUSED.items() if (body.model_extra or {}).get(k) not in (ok, None)][:1]:
+            raise Refused(f"{bad}: not supported by this server", bad)
         if body.model != name:
-            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 400, "model_not_found")
+            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 404, "model_not_found")
         if front.failed:
-            raise Refused(front.failed, None, 503, None)
-        ids = tok.chat([m.model_dump() for m in body.messages]) if chat else body.prompt if isinstance(
-            body.prompt, list) else tok.encode(body.prompt, bos=True)
-        if not all(0 <= t < front.vocab_size for t in ids):
-            raise Refused(f"prompt: token ids must be in [0, {front.vocab_size})", "prompt", 400, None)
-        n_new = (body.max_completion_tokens if chat else None) or body.max_tokens or max_tokens
+            raise Refused(front.failed, None, 503)
+        field, tools, pick, msgs = ("messages", body.tools or [], body.tool_choice, body.messages) if chat else (
+            "prompt", [], "none", [])
+        if tools and pick in (None, "auto"):
+            raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", a named '
+                          'function or "none"', "tool_choice")
+        tools = [t for t in tools if pick == "required" or isinstance(pick, Tool) and t.function.name ==
+                 pick.function.name]
+        if isinstance(pick, Tool) and not tools:
+            raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
+        text = lambda m: m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []) or (
+            json.dumps(m.tool_calls) if m.tool_calls else "")
+        msgs = [dict(role="system" if m.role == "developer" else m.role, content=text(m)) for m in msgs] + [dict(
+            role="system", content=f'Call one of these functions, as {{"name": ..., "arguments": ...}}: '
+            f"{json.dumps([t.function.model_dump() for t in tools])}")] * bool(tools)  # as templates with tools do
+        ids = tok.chat(msgs) if chat else body.prompt if isinstance(body.prompt, list) else tok.encode(
+            body.prompt, bos=True)
+        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
+        for where, got in ((field, ids), ("logit_bias", bias)):
+            if not all(0 <= t < front.vocab_size for t in got):
+                raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
+        asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+        n_new = asked or max(1, min(max_tokens, front.max_len - len(ids)))  # unasked: up to the server's default
         if len(ids) + n_new > front.max_len:
             raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {front.max_len} tokens a "
-                          f"sequence may hold here (the model's context, or the KV pool)", "max_tokens", 400, None)
-        regex, fmt, index = body.regex, body.response_format, None
-        try:
-            if fmt is not None and fmt.type == "json_schema":
-                schema = (fmt.json_schema or {}).get("schema")
+                          f"sequence may hold here (the model's context, or the KV pool)", field if len(ids) >=
+                          front.max_len else "max_completion_tokens" if chat and body.max_completion_tokens else
+                          "max_tokens", 400, "context_length_exceeded")
+        regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
+        kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
+        try:  # a call of a tool: {"name": its name, "arguments": its parameters} (their $defs hoisted); JSON mode
+            schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                                 "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters}}
+                                for t in tools], "$defs": {k: v for t in tools for k, v in t.function.parameters.get(
+                "$defs", {}).items()}} if tools else {"type": "object", "additionalProperties": True} if (
+                fmt.type == "json_object") else (fmt.json_schema or {}).get("schema", 0) if fmt.type != "text" else None
+            if schema is not None:
                 if not isinstance(schema, dict) or regex is not None:
                     raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
                 jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
@@ -1584,28 +1705,64 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
                 m06.compile_regex(regex)
                 front.indexes[regex] = index = await asyncio.to_thread(m06.TokenIndex, regex, tok)
         except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
-            field = "response_format" if fmt else "regex"
-            raise Refused(f"{field}: {str(e).splitlines()[0]}", field, 400, None) from None
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        params = SamplingParams(n_new, body.temperature, body.top_p, body.ignore_eos, regex, body.n, body.seed)
+            raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
+        k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs  # top k, or None: none
+        if k is not None and (body.stream or regex is not None):
+            raise Refused("logprobs: not with stream, nor with a constrained output (jump-forward re-tokenizes it)",
+                          "logprobs")
+        stop, n = [body.stop] if isinstance(body.stop, str) else body.stop or [], body.n or 1
+        params = SamplingParams(n_new, 1.0 if body.temperature is None else body.temperature, body.top_p or 1.0,
+                                bool(body.ignore_eos), regex, n, body.seed, body.frequency_penalty or 0.0,
+                                body.presence_penalty or 0.0, bias, k)
         job = Job(front, params, [s for s in stop if s])
         front.send("add", job.id, (ids, params, index))
         head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
                     model=name, object="chat.completion" if chat else "text_completion")
         usage = lambda tokens: dict(prompt_tokens=len(ids), completion_tokens=sum(tokens),
                                     total_tokens=len(ids) + sum(tokens))
-        choice = lambda i, text, finish, key: dict(index=i, finish_reason=finish, logprobs=None, **(
-            {key: {"role": "assistant", "content": text}} if chat else {"text": text}))
-        if not body.stream:
-            texts, finish, tokens = [""] * body.n, [None] * body.n, [0] * body.n
-            while None in finish:
-                for i, text, finish[i], tokens[i] in await job.take():
-                    texts[i] += text
-            return JSONResponse({**head, "usage": usage(tokens), "choices": [
-                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]})
+        texts, finish, tokens = [""] * n, [None] * n, [0] * n
+        failed = lambda: next((f[7:] for f in finish if f and f.startswith("error: ")), None)
+
+        def choice(i, text, finish, key):
+            message = {"role": "assistant", "content": text}
+            if tools and finish == "stop":  # the call, complete
+                call, finish = json.loads(text), "tool_calls"
+                message.update(content=None, tool_calls=[dict(index=0, id=f"call_{os.urandom(12).hex()}", type=
+                               "function", function=dict(name=call["name"], arguments=json.dumps(call["arguments"])))])
+            return dict(index=i, finish_reason=finish, logprobs=logprobs(i),
+                        **{key: message} if chat else {"text": text})
+
+        def logprobs(i):  # OpenAI's shapes, from each token's (token, logprob, [(token, logprob)] of the top k)
+            one = lambda t, lp: dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
+                                     bytes=list(tok.token_bytes(t)))
+            got = [(one(t, lp), [one(*x) for x in top]) for t, lp, top in job.lps[i]]
+            return None if k is None else {"content": [{**e, "top_logprobs": top} for e, top in got]} if chat else dict(
+                tokens=[e["token"] for e, _ in got], token_logprobs=[e["logprob"] for e, _ in got],
+                top_logprobs=[{x["token"]: x["logprob"] for x in top} for _, top in got])
+
+        def stop():  # the client went away, or a sample failed: the request stops and frees its KV
+            if None in finish:
+                front.send("abort", job.id, None)
+                front.jobs.pop(job.id, None)
+        if not body.stream:  # all of it, unless its client goes away first
+            gone = asyncio.ensure_future(request.receive())  # its next message: "http.disconnect", once gone
+            try:
+                while None in finish and not failed():
+                    take = asyncio.ensure_future(job.take())
+                    await asyncio.wait((take, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not take.done():
+                        return take.cancel()
+                    for i, text, finish[i], tokens[i] in take.result():
+                        texts[i] += text
+            finally:
+                gone.cancel()
+                stop()
+            if failed():
+                raise Refused(failed(), None, 500)
+            return {**head, "usage": usage(tokens), "choices": [
+                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]}
 
         async def events():  # server-sent events: one per new text (all that came since the last write), then [DONE]
-            finish, tokens = [None] * body.n, [0] * body.n
             head["object"] += ".chunk" if chat else ""
             data = lambda chunk: f"data: {json.dumps({**head, **chunk})}\n\n"
             # an event's JSON, per sample and finish reason, serialized once and cut where its text goes
@@ -1614,21 +1771,32 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
                 while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
                     out = []
                     for i, text, finish[i], tokens[i] in await job.take():
-                        a, b = around(i, finish[i])
-                        out.append(f"{a}{json.dumps(text)}{b}")
+                        texts[i] += text
+                        if failed():  # its last event: OpenAI's error object
+                            yield f"data: {json.dumps({'error': dict(message=failed(), type='server_error')})}\n\n"
+                            return
+                        if tools and finish[i]:  # a tool call goes out whole, once complete
+                            out.append(data({"choices": [choice(i, texts[i], finish[i], "delta")]}))
+                        elif not tools:
+                            a, b = around(i, finish[i])
+                            out.append(f"{a}{json.dumps(text)}{b}")
                     if None not in finish:  # the usage (if asked for) and [DONE] go out in the last write
                         if (body.stream_options or {}).get("include_usage"):
                             out.append(data({"choices": [], "usage": usage(tokens)}))
                         out.append("data: [DONE]\n\n")
                     yield "".join(out)
-            finally:  # the client went away (the task was cancelled): its request stops and frees its KV
-                if None in finish:
-                    front.send("abort", job.id, None)
-                    front.jobs.pop(job.id, None)
+            finally:
+                stop()
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    for path, chat in (("/v1/completions", False), ("/v1/chat/completions", True)):  # Starlette's plain routes:
-        app.add_route(path, functools.partial(handle, chat=chat), methods=["POST"])  # handle() validates, 400 as OpenAI
+    def route(chat: bool):  # POST routes, in /openapi.json with their bodies (validated; 400s: invalid above)
+        async def post(body, request):
+            return await handle(body, request, chat)
+        post.__annotations__ = {"body": Chat if chat else Completion, "request": Request}  # this file's are strings
+        return post
+    errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
+    app.post("/v1/completions", responses=errors)(route(False))
+    app.post("/v1/chat/completions", responses=errors)(route(True))
     return app
 
 
@@ -1648,12 +1816,14 @@ def serve(args, ready=None):
             engine.warm_up(engine.max_batch)
         worker = EngineThread(engine)
         name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
-        port = worker.serve_http(name, args.max_new_tokens, host=args.host, port=args.port,
-                                 log_level="warning" if args.quiet else "info")
-    except (UserError, ValueError) as e:
+        sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else
+                                    socket.AF_INET)
+        print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
+              f"{engine.max_len:,} per sequence) at http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr,
+              flush=True)
+        port = worker.serve_http(sock, name, args.max_new_tokens, "warning" if args.quiet else "info")
+    except (UserError, ValueError, OSError) as e:  # OSError: the port is taken
         sys.exit(f"error: {e}")
-    print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
-          f"{engine.max_len:,} per sequence) at http://{args.host}:{port}/v1", file=sys.stderr)
     worker.start()
     if ready:
         ready(port, worker)
@@ -1661,8 +1831,8 @@ def serve(args, ready=None):
         worker.http.join()  # until Ctrl-C here (KeyboardInterrupt), close() or the HTTP process's end
     finally:
         worker.close()
-    if worker.http.exitcode:  # it died on its own: say so
-        sys.exit(f"error: the HTTP server's process exited with status {worker.http.exitcode}")
+    if worker.failed or worker.http.exitcode:  # the engine, or the server, died on its own: say so
+        sys.exit(f"error: {worker.failed or f'the HTTP server process exited with status {worker.http.exitcode}'}")
 
 
 # ----------------------------------------------------------------------------------------------

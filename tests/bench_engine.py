@@ -18,6 +18,7 @@ import gc
 import json
 import math
 import os
+import socket
 import sys
 import time
 from dataclasses import replace
@@ -603,7 +604,7 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
         e.reset()
         log(f"{rate} req/s in process: {x}")
     worker = L.EngineThread(e)
-    url = f"http://127.0.0.1:{worker.serve_http('bench', 16, host='127.0.0.1', port=0, log_level='warning')}/v1"
+    url = f"http://127.0.0.1:{worker.serve_http(socket.create_server(('127.0.0.1', 0)), 'bench', 16, 'warning')}/v1"
     worker.start()
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         for rate, arrivals in draws.items():

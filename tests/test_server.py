@@ -44,8 +44,14 @@ def running(*argv):
     """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process (its HTTP server in a process of its
     own): its URL, engine and thread."""
     got = {}
-    t = threading.Thread(target=L.serve, args=(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]),
-                                               lambda port, worker: got.update(port=port, w=worker)))
+
+    def serve():  # its exit status, if it exits with one
+        try:
+            L.serve(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]), lambda port, w: got.update(port=port,
+                                                                                                        w=w))
+        except SystemExit as e:
+            got["exit"] = e.code
+    t = threading.Thread(target=serve)
     t.start()
     for _ in range(1200):  # bounded: 120 s
         if "w" in got:
@@ -53,7 +59,7 @@ def running(*argv):
         time.sleep(0.1)
     url = f"http://127.0.0.1:{got['port']}/v1"
     try:
-        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"],
+        yield SimpleNamespace(url=url, engine=got["w"].engine, worker=got["w"], got=got,
                               model=os.path.basename(L.cli_args(argv).model),
                               held=got["w"].engine.kv.used(),  # before any request (a CUDA graph's padding slot)
                               client=openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120))
@@ -236,58 +242,309 @@ def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
     assert idle(srv)
 
 
-BAD = {  # request -> what its 400 must say
-    "malformed JSON": ('{"model": "m", "prompt": ', "Invalid JSON"),
-    "unknown model": ({"model": "gpt-9", "prompt": "hi"}, "not served here"),
-    "negative max_tokens": ({"prompt": "hi", "max_tokens": -3}, "max_tokens"),
-    "temperature": ({"prompt": "hi", "temperature": -1}, "temperature"),
-    "missing prompt": ({"max_tokens": 3}, "prompt: Field required"),
+BAD = {  # request -> what its 400 (an unknown model: 404, as OpenAI's) must say, and the field it names
+    "malformed JSON": ('{"model": "m", "prompt": ', "Invalid JSON", None),
+    "unknown model": ({"model": "gpt-9", "prompt": "hi"}, "not served here", "model"),
+    "negative max_tokens": ({"prompt": "hi", "max_tokens": -3}, "max_tokens", "max_tokens"),
+    "temperature": ({"prompt": "hi", "temperature": -1}, "temperature", "temperature"),
+    "temperature over 2": ({"prompt": "hi", "temperature": 2.01}, "temperature", "temperature"),
+    "missing prompt": ({"max_tokens": 3}, "prompt: Field required", "prompt"),
     "invalid schema": ({"prompt": "hi", "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format"),
-    "bad regex": ({"prompt": "hi", "regex": "(ab"}, "regex"),
-    "over the context": ({"prompt": "sea " * 3000, "max_tokens": 4}, "exceeds"),
-    "can never fit": ({"prompt": "hi", "max_tokens": 100000}, "exceeds"),
-    "empty chat": ({"messages": []}, "messages"),
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, "response_format",
+        "response_format"),
+    "bad regex": ({"prompt": "hi", "regex": "(ab"}, "regex", "regex"),
+    "over the context": ({"prompt": "sea " * 3000, "max_tokens": 4}, "exceeds", "prompt"),
+    "chat over the context": ({"messages": [{"role": "user", "content": "sea " * 3000}]}, "exceeds", "messages"),
+    "can never fit": ({"prompt": "hi", "max_tokens": 100000}, "exceeds", "max_tokens"),
+    "empty chat": ({"messages": []}, "messages", "messages"),
+    "echo": ({"prompt": "hi", "echo": True}, "echo", "echo"),
+    "best_of": ({"prompt": "hi", "best_of": 2}, "best_of", "best_of"),
+    "suffix": ({"prompt": "hi", "suffix": "end"}, "suffix", "suffix"),
+    "frequency_penalty": ({"prompt": "hi", "frequency_penalty": 2.5}, "frequency_penalty", "frequency_penalty"),
+    "presence_penalty": ({"prompt": "hi", "presence_penalty": -2.5}, "presence_penalty", "presence_penalty"),
+    "logit_bias value": ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
+    "logit_bias token": ({"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias", "logit_bias"),
+    "top_logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21},
+                     "top_logprobs", "top_logprobs"),
+    "completions logprobs": ({"prompt": "hi", "logprobs": 6}, "logprobs", "logprobs"),
+    "n": ({"prompt": "hi", "n": 0}, "n", "n"),
+    "tool_choice auto": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}], "tool_choice": "auto"}, "tool_choice", "tool_choice"),
+    "unknown tool": ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}], "tool_choice": {"type": "function", "function": {
+            "name": "g"}}}, "tool_choice", "tool_choice"),
+    "content part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+        "url": "http://x"}}]}]}, "content.list[Part].0.type", "messages"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_requests_are_400_with_a_clear_message(srv, case):
-    body, says = BAD[case]
+    body, says, param = BAD[case]
     chat = "messages" in body if isinstance(body, dict) else False
     if isinstance(body, dict):
         body = json.dumps({"model": srv.model, **body} if case != "unknown model" else body)
     r = httpx.post(f"{srv.url}/{'chat/completions' if chat else 'completions'}", content=body,
                    headers={"content-type": "application/json"}, timeout=60)
     err = r.json()["error"]
-    assert r.status_code == 400 and says in err["message"] and err["type"] == "invalid_request_error", r.text
-    assert "Traceback" not in r.text and "\n" not in err["message"]
+    assert r.status_code == (404 if case == "unknown model" else 400) and says in err["message"], r.text
+    assert err["type"] == "invalid_request_error", r.text
+    assert err["param"] == param and "Traceback" not in r.text and "\n" not in err["message"], r.text
     assert srv.client.models.list().data[0].id == srv.model  # still serving
 
 
-def disconnect(srv, max_tokens=2000, cut_by=1000):
-    """A stream that its client closes a few tokens in: it stops (well before max_tokens) and its slots are freed."""
+def plain(srv):  # a plain request still gets its answer
+    out = srv.client.completions.create(model=srv.model, prompt="sea", max_tokens=3, temperature=0)
+    return out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body", [dict(seed=2**64), dict(seed=2**64 - 1, n=2), dict(seed=-(2**70)),
+                                  dict(temperature=1e-38), dict(temperature=2.2e-313, seed=3),
+                                  dict(temperature=5e-324, n=2), dict(top_p=1e-300, temperature=1)])
+def test_no_request_stops_the_engine(srv, body):
+    """The probes that killed the engine (issue 55): each is served (a tiny temperature: as greedy within a
+    hair's breadth), the engine serves on, and a health check says so."""
+    kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=6)
+    out = srv.client.completions.create(**kw, **body)
+    assert [c.finish_reason for c in out.choices] == [out.choices[0].finish_reason] * body.get("n", 1)
+    assert out.choices[0].finish_reason in ("stop", "length")
+    if body.get("temperature", 1) < 1e-30:  # the most likely token each step: greedy's text
+        assert out.choices[0].text == srv.client.completions.create(**kw, temperature=0).choices[0].text
+    assert plain(srv) and srv.worker.is_alive() and httpx.get(srv.url[:-3] + "/health").status_code == 200
+    assert idle(srv)
+
+
+def test_a_request_that_fails_ends_alone(srv, monkeypatch):
+    """A failure while serving one request (here: its sampling raises) ends that request with OpenAI's error object
+    (or a stream's last event), while a request running beside it and every later one are served."""
+    real = L.sample
+
+    def sample(logits, temperature, *a, **k):
+        if abs(temperature - 0.777) < 1e-9:
+            raise RuntimeError("boom")
+        return real(logits, temperature, *a, **k)
+    monkeypatch.setattr(L, "sample", sample)
+    kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=24, extra_body={"ignore_eos": True})
+    beside = srv.client.completions.create(**kw, temperature=0.5, stream=True)  # running when the other fails
+    first = next(iter(beside))
+    r = httpx.post(f"{srv.url}/completions", json={**kw.pop("extra_body"), **kw, "temperature": 0.777}, timeout=60)
+    assert r.status_code == 500 and "boom" in r.json()["error"]["message"], r.text
+    with pytest.raises(openai.APIError, match="boom"):
+        list(srv.client.completions.create(**kw, temperature=0.777, stream=True))
+    rest = list(beside)
+    assert rest[-1].choices[0].finish_reason == "length" and len(rest) + 1 >= 2
+    assert plain(srv) and srv.worker.is_alive() and idle(srv)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_if_the_engine_dies_the_server_says_so_and_exits(ckpt):
+    class Fatal(BaseException):
+        pass
+    with running("--model", ckpt, "--kv-tokens", "2048") as s:
+        def step(*a, **k):
+            raise Fatal("the engine's thread ends")
+        s.engine.step = step
+        r = httpx.post(f"{s.url}/completions", json=dict(model=s.model, prompt="hi", max_tokens=4), timeout=60)
+        assert r.status_code >= 500 and r.json()["error"]["message"], r.text
+        for _ in range(300):  # bounded: 30 s
+            if not s.worker.http.is_alive():
+                break
+            with contextlib.suppress(httpx.TransportError):  # it says so until its process stops
+                for path in ("/health", "/v1/models"):
+                    h = httpx.get(s.url[:-3] + path, timeout=5)
+                    assert h.status_code == 503 and "engine" in h.json()["error"]["message"]
+            time.sleep(0.1)
+        assert not s.worker.http.is_alive()
+    assert s.got["exit"] and "engine" in str(s.got["exit"])  # a message: exit status 1
+
+
+def test_nulls_bounds_seeds_and_content_parts(srv):
+    """OpenAI accepts null for its optional fields and any integer seed; content may be a list of text parts."""
+    rng = random.Random()
+    prompt = words(rng, 5)
+    msgs = [{"role": "user", "content": prompt}]
+    kw = dict(model=srv.model, max_tokens=8, temperature=0)
+    want = srv.client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
+    body = {**kw, "messages": [{"role": "user", "content": [{"type": "text", "text": prompt[:5]},
+                                                            {"type": "text", "text": prompt[5:]}]}],
+            "temperature": None, "top_p": None, "n": None, "stream": None, "seed": None, "stop": None,
+            "max_tokens": 8, "frequency_penalty": None, "presence_penalty": None, "logit_bias": None,
+            "logprobs": None, "top_logprobs": None, "user": "u", "store": False, "metadata": {"k": "v"}}
+    r = httpx.post(f"{srv.url}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text  # temperature null: OpenAI's default 1, sampled
+    r = httpx.post(f"{srv.url}/chat/completions", json={**body, "temperature": 0}, timeout=60)
+    assert r.json()["choices"][0]["message"]["content"] == want
+    seed = rng.randint(2**64, 2**80)  # a seed beyond the generator's range: reduced to it, reproducibly
+    ask = lambda s: [c.text for c in srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=8,
+                                                                     temperature=1.0, n=2, seed=s).choices]
+    assert ask(seed) == ask(seed) and ask(seed) != ask(seed + 1)
+
+
+def reference(srv, ids, n, temperature=0.0, frequency=0.0, presence=0.0, bias=None):
+    """A plain decode loop (full recompute, float64) with OpenAI's formulas: each step's logits minus frequency x
+    (times the token came so far) minus presence x (it came at all) plus its bias; greedy. Returns the tokens and
+    each step's log-probabilities over logits / temperature (1 when greedy)."""
+    model, out, lps = srv.engine.model, [], []
+    for _ in range(n):
+        seq = ids + out
+        z = model(torch.tensor(seq), torch.arange(len(seq)), L.NoCache(), logits_at=torch.tensor([len(seq) - 1]))
+        z = z[0].double()
+        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(z))[:len(z)].double()
+        z = z - frequency * count - presence * (count > 0).double()
+        for t, b in (bias or {}).items():
+            z[int(t)] += b
+        lps.append(torch.log_softmax(z / (temperature or 1.0), -1))
+        out.append(int(z.argmax()))
+        if out[-1] in srv.engine.tok.stop_ids:
+            break
+    return out, lps
+
+
+def text_of(srv, ids):
+    return srv.engine.tok.decode([t for t in ids if t not in srv.engine.tok.stop_ids])
+
+
+def test_penalties_and_logit_bias_follow_openai_formulas(srv):
+    rng = random.Random()
+    prompt, n = words(rng, 4), 16
+    ids = srv.engine.tok.encode(prompt, bos=True)
+    plain_out, _ = reference(srv, ids, n)
+    frequency, presence = rng.uniform(0.5, 2), rng.uniform(0.5, 2)
+    bias = {str(plain_out[0]): -100.0, str(rng.randrange(100, 700)): rng.uniform(1, 4)}
+    want, _ = reference(srv, ids, n, frequency=frequency, presence=presence, bias=bias)
+    assert want != plain_out  # the formulas change this output: the test can tell
+    got = srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=n, temperature=0,
+                                        frequency_penalty=frequency, presence_penalty=presence, logit_bias=bias)
+    assert got.choices[0].text == text_of(srv, want)
+    t = rng.randrange(100, 700)  # +100: that token every step
+    got = srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=5, temperature=0.8,
+                                        logit_bias={str(t): 100})
+    assert got.choices[0].text == srv.engine.tok.decode([t] * 5)
+    assert idle(srv)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
+    rng = random.Random()
+    msgs, n, k = [{"role": "user", "content": words(rng, 4)}], 8, rng.randint(1, 5)
+    tok = srv.engine.tok
+    out = srv.client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=n, temperature=temperature,
+                                             seed=rng.randint(0, 99), logprobs=True, top_logprobs=k,
+                                             frequency_penalty=0.5)
+    entries, text = out.choices[0].logprobs.content, out.choices[0].message.content
+    assert entries and b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == text
+    by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in tok.stop_ids}
+    got = [by_bytes[bytes(e.bytes)] for e in entries]
+    lps = [reference_step(srv, tok.chat(msgs) + got[:j], got[:j], temperature) for j in range(len(got))]
+    for e, t, lp in zip(entries, got, lps):
+        assert abs(e.logprob - float(lp[t])) < 1e-3
+        top = lp.topk(k)
+        assert [by_bytes.get(bytes(x.bytes)) for x in e.top_logprobs] == top.indices.tolist()
+        assert all(abs(x.logprob - float(v)) < 1e-3 for x, v in zip(e.top_logprobs, top.values))
+        if temperature == 0:
+            assert t == int(top.indices[0])
+    c = srv.client.completions.create(model=srv.model, prompt=msgs[0]["content"], max_tokens=n, temperature=0,
+                                      logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
+    assert all(len(d) <= 2 and max(d.values()) >= v - 1e-6 for d, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert idle(srv)
+
+
+def reference_step(srv, seq, out, temperature, frequency=0.5):
+    """log_softmax((logits - frequency x counts) / temperature) after seq: one step of the distribution sampled from."""
+    z = srv.engine.model(torch.tensor(seq), torch.arange(len(seq)), L.NoCache(),
+                         logits_at=torch.tensor([len(seq) - 1]))[0].double()
+    z = z - frequency * torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(z))[:len(z)].double()
+    return torch.log_softmax(z / (temperature or 1.0), -1)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "oslo", "rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 14}},
+           "required": ["city", "days"], "additionalProperties": False}
+ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                                          "label": {"type": "string", "maxLength": 8}}, "required": ["hour"],
+         "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["named", "required", "none"])
+def test_forced_tool_calls_are_constrained_by_their_schema(srv, choice):
+    """tools with a forced tool_choice: the answer is a tool call whose arguments are valid JSON of its function's
+    parameters schema (checked by jsonschema), finish "tool_calls" (vLLM's guided tool choice); "none": text."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}}]
+    tool_choice = {"named": {"type": "function", "function": {"name": "set_alarm"}}}.get(choice, choice)
+    msgs = [{"role": "user", "content": words(random.Random(), 6)}]
+    for stream in (False, True):
+        kw = dict(model=srv.model, messages=msgs, max_tokens=120, tools=tools, tool_choice=tool_choice,
+                  temperature=random.choice([0, 1.0]), stream=stream)
+        if stream:
+            chunks = list(srv.client.chat.completions.create(**kw))
+            calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or []]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+            content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) or None
+        else:
+            out = srv.client.chat.completions.create(**kw).choices[0]
+            calls, finish, content = out.message.tool_calls or [], out.finish_reason, out.message.content
+        if choice == "none":
+            assert not calls and finish in ("stop", "length") and content is not None
+            continue
+        assert finish == "tool_calls" and content is None and len(calls) == 1 and calls[0].id, (calls, finish)
+        name = calls[0].function.name
+        assert name == "set_alarm" if choice == "named" else name in ("get_weather", "set_alarm")
+        jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER if name == "get_weather" else ALARM)
+    assert idle(srv)
+
+
+def test_json_object_mode_answers_a_json_object(srv):
+    quote, close = (srv.engine.tok.encode(c)[0] for c in '"}')  # pushed: the object closes within max_tokens
+    out = srv.client.chat.completions.create(
+        model=srv.model, messages=[{"role": "user", "content": words(random.Random(), 5)}], max_tokens=64,
+        temperature=random.choice([0, 1.0]), response_format={"type": "json_object"},
+        logit_bias={str(quote): 30, str(close): 30})
+    assert out.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_the_api_describes_itself_and_errors_are_openais(srv):
+    spec = httpx.get(srv.url[:-3] + "/openapi.json").json()
+    for path, field in (("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert field in spec["components"]["schemas"][ref.split("/")[-1]]["properties"]
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v1/nothing"), ("GET", "/v1/completions")):
+        r = httpx.request(method, srv.url[:-3] + path, timeout=10)
+        assert r.status_code in (404, 405) and set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text
+
+
+def disconnect(srv, max_tokens=2000, cut_by=1000, stream=True):
+    """A request whose client goes away a few tokens in (a stream it closes; a plain request it stops waiting for):
+    it stops (well before max_tokens) and its slots are freed."""
     e = srv.engine
     first = e.n_seqs
     body = {"model": srv.model, "prompt": words(random.Random(), 5), "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
-    assert sum(g.startswith("data: ") for g in got) >= 3
+            "ignore_eos": True, "stream": stream}
+    if not stream:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.url}/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    else:
+        with httpx.stream("POST", f"{srv.url}/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(6)]  # a few tokens in, then the client goes away
+        assert sum(g.startswith("data: ") for g in got) >= 3
     assert idle(srv, timeout=20), "its slots are back (radix cache only, unlocked), nothing runs"
     done = [ev for ev in e.events if ev.kind == "finish" and ev.rid == first]
     assert done and done[0].tokens < cut_by, f"aborted after {done[0].tokens} of its {max_tokens} tokens"
 
 
-def test_a_client_that_disconnects_frees_its_slots(srv):
-    disconnect(srv)
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_slots(srv, stream):
+    disconnect(srv, stream=stream)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
 def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
     """A process of its own, Ctrl-C while a stream is open: the stream ends (finish "abort", [DONE]), the process
-    says one line and exits 130, no traceback."""
+    says one line and exits 130, no traceback. At the start it says where it serves, then uvicorn's lines follow."""
     with socket.socket() as s:  # a free loopback port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -312,6 +569,7 @@ def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
         p.kill()
     assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "abort"
     assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err, err[-2000:]
+    assert err.index(f"at {url}") < err.index("startup complete") < err.index("interrupted"), err[-2000:]
 
 
 def test_bench_serve_http_machinery_on_a_cpu():
