@@ -155,9 +155,10 @@ EXERCISES = [
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",)),
     Exercise("07", "Engine.step",
-             "new = self.admit(on_token); on a GPU self.graphs.decode_ahead may land greedy steps (None: do one): "
-             "batch, positions = self.schedule(new), ids = self.sample(batch, self.forward(batch, positions)); "
-             "self.postprocess each landed (batch, ids, steps); add the seconds to self.counts[kind + '_s']",
+             "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
+             "self.graphs.decode_ahead may land greedy steps (None: do one): batch, positions = self.schedule(new), "
+             "ids = self.sample(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
+             "steps); add the seconds to self.counts[kind + '_s']",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
              "and its events account for every token of a run that preempts",
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
