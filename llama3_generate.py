@@ -1033,7 +1033,9 @@ class Engine:
     def step(self, on_token=None):
         """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
         t0, kind = time.perf_counter(), "decode"
-        new = self.admit(on_token)  # 05's admission
+        if self.sched.waiting or self.sched.chunked:  # admitting changes the batch: a chunk in flight lands first
+            t0 += self.land(on_token)  # its seconds count as decode
+        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
         landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
         if landed is None:  # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
             batch, positions = self.schedule(new)
@@ -1056,17 +1058,14 @@ class Engine:
         a multi-step chunk not landed yet."""
         return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
 
-    def admit(self, on_token=None) -> list:
-        """05's admission (its policy, lpm first by default). It may change the batch: the tokens of a multi-step
-        chunk still in flight land first."""
-        if self.sched.waiting or self.sched.chunked:
-            self.land(on_token)
-        return self.sched.admit()
-
-    def land(self, on_token=None):
-        """Post-process the multi-step chunk in flight, if any."""
+    def land(self, on_token=None) -> float:
+        """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
+        GPU) count as decode, whichever step lands it; returns them."""
+        t0 = time.perf_counter()
         for batch, ids, steps in self.graphs.land() if self.graphs is not None else ():
             self.postprocess(batch, ids, steps, on_token)
+        self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
+        return seconds
 
     def schedule(self, new):
         """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""

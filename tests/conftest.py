@@ -12,9 +12,21 @@ HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)
 
-import llama3_generate  # noqa: E402 (after TRITON_INTERPRET)
 
-llama3_generate.cpu_threads()  # one thread on 2 cores, for this process and those it starts (why: its docstring)
+
+def pytest_addoption(parser):
+    g = parser.getgroup("workshop", "grade your own copy of a lesson (python tests/workshop.py start 03)")
+    g.addoption("--workspace", action="store_true", help="the lessons of the test files run come from workspace/")
+    g.addoption("--workspace-dir", help="another workspace folder")
+    g.addoption("--workspace-report", help="write {test id: outcome} as JSON here (workshop.py progress reads it)")
+
+
+def pytest_configure(config):
+    if config.getoption("workspace"):  # before anything imports a lesson
+        import workshop  # tests/workshop.py
+        config.pluginmanager.register(workshop.Grader(config), "workshop")
+    import llama3_generate  # after TRITON_INTERPRET (and the workspace's import hook)
+    llama3_generate.cpu_threads()  # one thread on 2 cores, for this process and those it starts (why: its docstring)
 
 
 def pytest_collection_modifyitems(config, items):

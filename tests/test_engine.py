@@ -304,6 +304,32 @@ def test_multi_step_random_workloads_match_one_step(kw):
         assert run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6)) == one, (prompts, max_new, tok.stop_ids)
 
 
+@pytest.mark.triton
+def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch):
+    """A multi-step chunk's seconds (the wait for its k steps) count as decode, also where the next prefill
+    step's admission lands it (prefill-first: a decode step between two prefill steps). On a fake clock, a
+    prefill takes 1000 s, a one-step decode or reading a chunk 1 s: prefill_s and decode_s are those sums."""
+    model, tok = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    clock, took, trace = [0.0], {"prefill": 0.0, "decode": 0.0}, []
+    forward, read, step = L.Engine.forward, L.CudaGraphDecoder.read, L.Engine.step
+
+    def spend(kind, seconds):
+        clock[0], took[kind] = clock[0] + seconds, took[kind] + seconds
+        trace[-1].append(kind)
+    monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(L.Engine, "step", lambda self, *a: (trace.append([]), step(self, *a))[1])
+    monkeypatch.setattr(L.Engine, "forward", lambda self, batch, *a: (
+        spend(*(("prefill", 1000.0) if batch[0].n_new > 1 else ("decode", 1.0))), forward(self, batch, *a))[1])
+    monkeypatch.setattr(L.CudaGraphDecoder, "read", staticmethod(lambda c: (spend("decode", 1.0), read(c))[1]))
+    e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
+                 fused=False, multi_step=4)
+    for n in (12, 9, 14):
+        e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
+    e.run()
+    assert ["decode", "prefill"] in trace, trace  # a chunk landed by a prefill step
+    assert (e.stats["prefill_s"], e.stats["decode_s"]) == (took["prefill"], took["decode"]), trace
+
+
 SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed", chunk_tokens=7),
               dict(schedule="mixed", chunk_tokens=1)]
 
