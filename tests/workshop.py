@@ -64,20 +64,24 @@ EXERCISES = [
              "and set tok_slots = row * max_seq_len + position",
              "greedy decoding through your cache gives the no-cache tokens and logits; a request that does not fit is "
              "refused and leaves the cache untouched",
-             ("test_cached_generation_equals_no_cache[c]", "test_overlong_prompt_is_refused_and_cache_stays_usable")),
+             ("test_cached_generation_equals_no_cache[c]", "test_overlong_prompt_is_refused_and_cache_stays_usable",
+              "test_contiguous_cache_batches_against_a_brute_force_model",
+              "test_contiguous_cache_fills_a_row_exactly")),
     Exercise("01", "KVCache.attend",
              "write k, v into the pools at tok_slots; decode: attend_table over the table; prefill: gather each "
              "request's slots with table_slots and attend_dense over them",
              "greedy decoding through the contiguous cache (its prefill and decode both attend here) gives the "
              "no-cache tokens and logits",
-             ("test_cached_generation_equals_no_cache[c]",)),
+             ("test_cached_generation_equals_no_cache[c]",
+              "test_contiguous_cache_batches_against_a_brute_force_model")),
     Exercise("02", "BlockManager.append",
              "need = blocks_needed(seq, n); refuse before changing anything; copy-on-write: a shared partly filled "
              "last block is released and replaced by a fresh one (return (src, dst)); then take the new blocks",
              "random appends, forks and frees keep the refcounts, the free list and every sequence's tokens exactly "
              "as a brute-force model says; a shared block is copied once",
              ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]",
-              "test_batch_estimate_counts_copy_on_write_once_per_shared_block", "test_clear_errors")),
+              "test_batch_estimate_counts_copy_on_write_once_per_shared_block", "test_clear_errors",
+              "test_copy_on_write_only_for_a_shared_partial_block")),
     Exercise("02", "BlockManager.fork",
              "the child gets a copy of the parent's block table and token count; every shared block's refcount + 1",
              "a forked sequence reads its parent's tokens, and its own after it writes (copy-on-write)",
@@ -90,7 +94,7 @@ EXERCISES = [
              "count and log it; swap: append (req, kv.swap_out(rid)) to swapped, req.in_kv = False; recompute: "
              "release(req) and put it back at the head of waiting",
              "a pool too small for the trace preempts, and every request still finishes with its own KV intact",
-             ("test_scheduler_preempts_and_keeps_every_request_kv",)),
+             ("test_scheduler_preempts_and_keeps_every_request_kv", "test_preemption_order_against_the_policy")),
     Exercise("03", "TokenAllocator.alloc",
              "cum = (mem_state == 0).cumsum(0); the k-th free slot is searchsorted(cum, k) for k = 1..n; "
              "None if fewer than n are free; take them with _take",
@@ -137,11 +141,13 @@ EXERCISES = [
              "sort, so ties stay first come first served",
              "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
              "reaches the best possible order on a workload built for it",
-             ("test_lpm_never_worse_than_fcfs_and_reaches_the_bound",)),
+             ("test_lpm_never_worse_than_fcfs_and_reaches_the_bound",
+              "test_lpm_orders_longest_cached_prefix_first_ties_first_come")),
     Exercise("06", "TokenIndex.jump",
              "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
              "the compressed edges are exactly the DFA's chains of forced bytes",
-             ("test_compressed_edges_are_the_forced_chains",)),
+             ("test_compressed_edges_are_the_forced_chains",
+              "test_jump_is_the_forced_string_against_partial_matching")),
     Exercise("06", "TokenIndex.jump_forward",
              "append jump(state), cut to whole UTF-8 characters; re-tokenize text + it; keep the common token prefix "
              "with output; no jump (return what you got) if nothing is forced or it would pass limit or lose the room "
@@ -153,7 +159,8 @@ EXERCISES = [
              "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop if only EOS is allowed "
              "(index.allowed(state, room left)); else mask the logits to the allowed tokens, sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
-             ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",)),
+             ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",
+              "test_constrained_decode_stops_at_max_new_tokens_and_eos")),
     Exercise("07", "Engine.step",
              "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
              "self.graphs.decode_ahead may land greedy steps (None: do one): batch, positions = self.schedule(new), "
