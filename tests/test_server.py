@@ -433,7 +433,8 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
                                              frequency_penalty=0.5)
     entries, text = out.choices[0].logprobs.content, out.choices[0].message.content
     assert entries and b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == text
-    by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size) if i not in tok.stop_ids}
+    by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size)}  # a top k may hold EOS too
+    assert len(by_bytes) == tok.vocab_size
     got = [by_bytes[bytes(e.bytes)] for e in entries]
     lps = [reference_step(srv, tok.chat(msgs) + got[:j], got[:j], temperature) for j in range(len(got))]
     for e, t, lp in zip(entries, got, lps):
