@@ -433,10 +433,11 @@ def _gemv_tile(acc, acc3, ss, w, w3, X, G, cols, NORM: tl.constexpr, GLU: tl.con
 
 
 @triton.jit
-def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+def _gemv(X, G, W, W3, RES, OUT, PEERS, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, RESID: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PUSH: tl.constexpr = 0, PDL: tl.constexpr = False):
     """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn) * (W3 xn).
-    PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the previous kernel."""
+    PDL (programmatic dependent launch): the first weight tile is loaded before waiting for the previous kernel.
+    PUSH (tensor parallelism): the rows go to OUT's place on each of PUSH ranks instead, PEERS their addresses."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -459,7 +460,12 @@ def _gemv(X, G, W, W3, RES, OUT, K, eps, NORM: tl.constexpr, GLU: tl.constexpr, 
         y = y / (1 + tl.exp(-y)) * (tl.sum(acc3, 1) * scale)
     if RESID:  # OUT may be RES: each program reads its own rows before writing them
         y += tl.load(RES + rows).to(tl.float32)
-    tl.store(OUT + rows, y.to(OUT.dtype.element_ty))
+    if PUSH:  # a NaN stored is the canonical one, never an empty slot's bits (_lamport_sum)
+        y = tl.where(y == y, y, float("nan"))
+        for r in tl.static_range(PUSH):
+            tl.store(tl.load(PEERS + r).to(tl.pointer_type(OUT.dtype.element_ty)) + rows, y.to(OUT.dtype.element_ty))
+    else:
+        tl.store(OUT + rows, y.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -519,19 +525,47 @@ def fused_decode_ok(model) -> bool:
     return a.dim % 16 == 0 and a.hidden_dim % 16 == 0 and a.head_dim % 2 == 0  # BLOCK_K = gcd(config, K) >= 16
 
 
-# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (1B shape, graph replay)
-FUSED_CONFIG = dict(qkv=(2, 512, 2),  # qkv: RoPE pairs (2 rows each) per program
-                     o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))
+# (rows per program, BLOCK_K, num_warps) per call site: the best of sweeps on an H200 (graph replays of 32 calls
+# over distinct weights, PDL-chained) at the 8B shape's TP 1, 2 and 4 shapes, each within 4% of the best per shape
+FUSED_CONFIG = dict(qkv=(2, 1024, 2),  # qkv: RoPE pairs (2 rows each) per program
+                     o=(4, 1024, 2), w13=(1, 1024, 4), w2=(4, 512, 8), head=(8, 512, 2))
 
 
-def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False):
-    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode."""
+def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024, 4), pdl=False, push=None):
+    """out = w @ x (x (K,), w (N, K)), with _gemv's options; out may be `residual` (in place). pdl: see fused_decode.
+    push: int64 (ranks,) addresses of out's place on every rank (_gemv's PUSH)."""
     (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
     rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)  # the interpreter pays per program
     _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w, w3 if w3 is not None else w,
-                                    residual if residual is not None else out, out, K, eps, NORM=norm is not None,
-                                    GLU=w3 is not None, RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, K), num_warps=num_warps, **pdl_kw(pdl))
+                                    residual if residual is not None else out, out, push if push is not None else out,
+                                    K, eps, NORM=norm is not None, GLU=w3 is not None, RESID=residual is not None,
+                                    BLOCK_N=rows_per_program, BLOCK_K=math.gcd(block_k, K),
+                                    PUSH=0 if push is None else len(push), num_warps=num_warps, **pdl_kw(pdl))
+    return out
+
+
+@triton.jit
+def _lamport_sum(SLOTS, OUT, N, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """OUT = the sum of SLOTS' WORLD rows of N (their bits as integers) in rank order, in fp32. A rank's row fills
+    as its pushes land (_gemv's PUSH), and an element still all ones has not landed: the data is its own flag,
+    so no barrier (Lamport's one-shot all-reduce, as TensorRT-LLM's). Read, each goes back to all ones."""
+    pdl_launch_next(PDL)  # the next kernel may load its first weight tile while the peers' pushes land
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for r in tl.static_range(WORLD):
+        x = tl.load(SLOTS + r * N + cols, volatile=True)
+        while tl.max((x == -1).to(tl.int32), 0) > 0:
+            x = tl.load(SLOTS + r * N + cols, volatile=True)
+        acc += x.to(OUT.dtype.element_ty, bitcast=True).to(tl.float32)
+        tl.store(SLOTS + r * N + cols, tl.full([BLOCK], -1, x.dtype))
+    pdl_wait(PDL)  # this rank's previous kernel is done: OUT may be its residual
+    tl.store(OUT + cols, acc.to(OUT.dtype.element_ty))
+
+
+def lamport_sum(slots, out, pdl=True):
+    """out (N,) = the sum of slots (ranks, N) (same-width integer view) through _lamport_sum."""
+    world, n = slots.shape
+    _lamport_sum[(n // math.gcd(n, 512),)](slots, out, n, WORLD=world, BLOCK=math.gcd(n, 512), **pdl_kw(pdl))
     return out
 
 
@@ -540,17 +574,20 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     backend's pool (kv.layer_pools, kv.table, kv.page). kv.batch_rows, batch_lens hold the step's table row and
     length (CudaGraphDecoder's static buffers); the slot comes from the table. Returns fp32 logits (1, vocab).
     pdl: launch every kernel with PDL (see above); None = on a GPU. Under tensor parallelism (model.tp_sum, see
-    llama3_generate.py) wo and w2 write partial sums (rank 0's with the residual) for tp_sum to add up, and each
-    rank computes its rows tp_sum.vocab of the logits, which tp_sum gathers."""
+    llama3_generate.py) wo and w2 push partial sums (rank 0's with the residual) into every rank's tp.lamport,
+    where _lamport_sum adds them up (tp(part) where there is none: gloo), and each rank computes its rows tp.vocab
+    of the logits, which tp gathers."""
     a, attn, tp = model.args, token_decode_attention, getattr(model, "tp_sum", None)
     cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
     h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
 
-    def add(x, w, config):  # h += w @ x, summed over the ranks under TP
-        if tp is None:
-            return gemv(x, w, h, residual=h, config=config, pdl=pdl)
-        part = gemv(x, w, tp.part[:a.dim], residual=h if tp.rank == 0 else None, config=config, pdl=pdl)
-        return tp(part, out=h)
+    def add(x, w, config, use):  # h += w @ x, summed over the ranks under TP (one use of tp.lamport, alternating)
+        res = h if tp is None or tp.rank == 0 else None
+        if tp is None or tp.push is None:
+            return gemv(x, w, h, residual=res, config=config, pdl=pdl) if tp is None else \
+                tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h)
+        gemv(x, w, tp.lamport[use, tp.rank], residual=res, config=config, pdl=pdl, push=tp.push[use])
+        return lamport_sum(tp.lamport[use].view(torch.int16 if h.element_size() == 2 else torch.int32), h, pdl)
     block = math.gcd(a.dim, 256)
     _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
@@ -567,10 +604,10 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
             kv_rows, HALF=half, BLOCK_P=pairs, BLOCK_K=math.gcd(cfg["qkv"][1], a.dim), num_warps=cfg["qkv"][2],
             **pdl_kw(pdl))
         attn(q[None], kp, vp, kv.table, kv.batch_rows, kv.batch_lens, out=att, pdl=pdl, page=kv.page)
-        add(att.view(-1), at.wo.weight, cfg["o"])
+        add(att.view(-1), at.wo.weight, cfg["o"], 0)
         w1, w3 = ff.w13.weight.chunk(2)  # gate and up, stacked
         gemv(h, w1, act, norm=layer.ffn_norm.weight, w3=w3, eps=a.norm_eps, config=cfg["w13"], pdl=pdl)
-        add(act, ff.w2.weight, cfg["w2"])
+        add(act, ff.w2.weight, cfg["w2"], 1)
     logits = torch.empty(1, a.vocab_size, dtype=torch.float32, device=h.device)
     lo, hi = tp.vocab if tp else (0, a.vocab_size)  # this rank's rows of the head
     mine = gemv(h, model.output.weight[lo:hi], (tp.logits if tp else logits[0])[lo:hi], norm=model.norm.weight,

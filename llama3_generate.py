@@ -1857,7 +1857,10 @@ def serve(args, ready=None):
 # symmetric memory): every rank's buffer is mapped into every peer's address space, so one kernel writes the
 # partial sum, meets the peers at a barrier (flags in that memory), reads all N buffers over NVLink and adds them
 # in rank order: one step, ~6 us, the same bits on every rank. It reads N copies: larger messages keep NCCL.
-# Tried on two H200s and slower: the same one shot as a Triton kernel chained to the next one with PDL (8 vs 6.6 us).
+# Batch-1 decode (04's fused kernels) needs no barrier at all (Lamport's all-reduce, as TensorRT-LLM's): wo's and
+# w2's kernel stores its partial sum into its slot on every rank; an empty slot holds all ones (a NaN arithmetic
+# never makes), so a small kernel waits until no element of its N slots is, adds them in rank order and empties
+# them: one one-way NVLink trip, while the next kernel (PDL) loads its weights. (Flags and a barrier were slower.)
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1934,10 +1937,12 @@ ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, u
 class TPSum:
     """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
     ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
-    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode)."""
+    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode). On GPUs 04's
+    fused_decode pushes partial sums into `lamport`, two uses of (world, dim) slots kept all ones when empty:
+    push[use] holds the addresses of this rank's slot of that use on every rank (04's _lamport_sum)."""
 
     def __init__(self, model, rank: int, world: int):
-        w, vocab, self.rank = model.tok_embeddings.weight, model.args.vocab_size, rank
+        w, vocab, self.rank, self.push = model.tok_embeddings.weight, model.args.vocab_size, rank, None
         self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
         self.one_shot = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernel's dtypes
         make = torch.empty
@@ -1947,9 +1952,14 @@ class TPSum:
         self.part = make(ONE_SHOT_BYTES // w.element_size(), dtype=w.dtype, device=w.device)
         self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
         if self.one_shot:
-            self.group = torch.distributed.group.WORLD.group_name
-            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
-                symm.rendezvous(buf, self.group)
+            self.group, dim = torch.distributed.group.WORLD.group_name, model.args.dim
+            self.lamport = make(2, world, dim, dtype=w.dtype, device=w.device)
+            self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
+            torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
+            for buf in (self.part, self.logits, self.lamport):  # a collective: every rank maps every peer's buffer
+                ptrs = symm.rendezvous(buf, self.group).buffer_ptrs
+            at = [self.lamport[use, rank].data_ptr() - ptrs[rank] for use in (0, 1)]  # the slots' offsets
+            self.push = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
 
     def __call__(self, x, out=None):
         ops, ours = torch.ops.symm_mem, x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())

@@ -9,10 +9,10 @@ Llama 3 shapes. Run from the repository root on a machine with N GPUs:
 1. parity: the random 1B shape in fp32, 8 prompts of random tokens, 32 greedy tokens each: TP N's tokens equal TP 1's
 2. batch-1 decode, the random 8B shape in bf16, as the command line runs it (token backend, CUDA graphs, greedy
    multi-step, 04's fused batch-1 kernels): tok/s of whole requests minus their first token (bench_engine's
-   engine_decode_tok_s), TP 1 also without the fused kernels. --breakdown: each variant's tok/s and the GPU's ms
-   per step (its 16-step graph replayed on a padding row: host work left out), TP N's all-reduce as NCCL, one
-   shot or left out (wrong tokens, the time without it), fused or not, the head whole or split; and all-reduces
-   of 8 KB to 2 MB, NCCL against one shot (64 in a CUDA graph; the sums compared bit for bit)
+   engine_decode_tok_s). --breakdown: each variant's tok/s and the GPU's ms per step (its 16-step graph replayed
+   on a padding row: host work left out): the kernel configs before issue 57's sweep, TP N's all-reduce as NCCL,
+   PyTorch's one shot, Lamport's or left out (wrong tokens, the time without it); and all-reduces of 8 KB to
+   2 MB, NCCL against one shot (64 in a CUDA graph; the sums compared bit for bit)
 3. serving: nano-vllm's workload (256 requests, prompt and output lengths uniform in [100, 1024]) on the 1B shape
    (--breakdown: at TP N also with NCCL all-reduces)
 
@@ -77,30 +77,35 @@ def step_ms(e, replays=10) -> float:
     return start.elapsed_time(end) / replays / k
 
 
+OLD_CONFIG = dict(qkv=(2, 512, 2), o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))  # issue 57's
+M04 = L.lesson("04_triton_token_attn")
+
+
 def decode_variants(model, tok, prompt, n, world) -> dict:
-    """--breakdown: batch-1 decode of each variant, (tok/s, GPU ms per step)."""
-    tp, out = getattr(model, "tp_sum", None), {}
-    variants = {"unfused": dict(fused=False), "fused": {}} if world == 1 else {
-        "NCCL, unfused (before)": dict(fused=False, one_shot=False),
-        "no all-reduce, unfused": dict(fused=False, sum=NoSum),
-        "one shot, unfused": dict(fused=False),
-        "NCCL, fused, split head": dict(one_shot=False),
-        "one shot, fused, whole head": dict(vocab=(0, model.args.vocab_size)),
-        "one shot, fused, split head (after)": {},
-        "no all-reduce, fused, split head": dict(sum=NoSum)}
-    keep = (tp.one_shot, tp.vocab) if tp else None
+    """--breakdown: batch-1 decode of each variant, (tok/s, GPU ms per step): fused kernels with the configs before
+    issue 57's sweep, and TP N's all-reduce as NCCL, PyTorch's one shot, Lamport's or left out."""
+    tp, out, new = getattr(model, "tp_sum", None), {}, M04.FUSED_CONFIG
+    pytorch = dict(push=None)  # fused_decode's partial sums through tp_sum's one shot
+    variants = {"old configs (before)": dict(config=OLD_CONFIG), "new configs (after)": {}} if world == 1 else {
+        "old configs, PyTorch's one shot (before)": dict(pytorch, config=OLD_CONFIG),
+        "NCCL": dict(one_shot=False, push=None), "PyTorch's one shot": pytorch, "Lamport's (after)": {},
+        "no all-reduce": dict(push=None, sum=NoSum)}
+    keep = dict(vars(tp)) if tp else None
     for name, v in variants.items():
         if tp is not None:
-            tp.one_shot, tp.vocab = v.get("one_shot", keep[0]), v.get("vocab", keep[1])
+            vars(tp).update(keep, **{k: x for k, x in v.items() if k in keep})
             model.tp_sum = v.get("sum", lambda t: t)(tp)
-        tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n, fused=v.get("fused", True))
+        M04.FUSED_CONFIG = v.get("config", new)
+        tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n)
         out[name] = (tok_s, step_ms(e))
         if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # progress
             print(f"TP {world} {name}: {tok_s:,.0f} tok/s, {out[name][1]:.3f} ms a step", file=sys.stderr, flush=True)
         del e
         B.free()
     if tp is not None:
-        model.tp_sum, (tp.one_shot, tp.vocab) = tp, keep
+        model.tp_sum = tp
+        vars(tp).update(keep)
+    M04.FUSED_CONFIG = new
     return out
 
 
@@ -168,8 +173,6 @@ def rank_main(args):
         if world > 1:
             r["all_reduce"] = all_reduce_bench(model.tp_sum, device)
     r["batch1_8b_decode_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n)[0]  # fused: 04's batch-1 kernels
-    if world == 1 and cuda:
-        r["batch1_8b_decode_unfused_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n, fused=False)[0]
     r["weight_GB_per_rank"] = B.weight_bytes(model) / 1e9
     del model
     B.free()
@@ -209,8 +212,7 @@ def report(one: dict, many: dict) -> str:
         f"device: {one['device']}; TP {tp} over {'NCCL and one shot' if one['device'] != 'cpu' else 'gloo'}",
         f"parity, 1B fp32, 8 prompts x 32 greedy tokens: TP {tp} tokens "
         f"{'equal' if one['parity_tokens'] == many['parity_tokens'] else 'DIFFER FROM'} TP 1's",
-        f"batch-1 decode, 8B, fused kernels: TP 1 {b1:,.0f} tok/s (unfused: "
-        f"{one.get('batch1_8b_decode_unfused_tok_s', float('nan')):,.0f}), TP {tp} {bn:,.0f} tok/s: {bn / b1:.2f}x "
+        f"batch-1 decode, 8B, fused kernels: TP 1 {b1:,.0f} tok/s, TP {tp} {bn:,.0f} tok/s: {bn / b1:.2f}x "
         f"(weights per rank {one['weight_GB_per_rank']:.1f} -> {many['weight_GB_per_rank']:.1f} GB)",
         f"serving, 1B, {s1['seqs']} requests: TP 1 {s1['tok_s']:,.0f} tok/s (decode {s1['decode_tok_s']:,.0f}), "
         f"TP {tp} {sn['tok_s']:,.0f} tok/s (decode {sn['decode_tok_s']:,.0f}): {sn['tok_s'] / s1['tok_s']:.2f}x"]

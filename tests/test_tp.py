@@ -141,7 +141,7 @@ def fused_decode_tokens(seed, device="cpu"):
     one rank of TP over gloo (partial sums added by tp_sum, the head split by rows)."""
     if "WORLD_SIZE" in os.environ:
         device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
-    args = L.ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=384, hidden_dim=128, max_seq_len=64)
+    args = L.ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=384, hidden_dim=128, max_seq_len=64)
     model = L.Transformer(args).to(device).eval()
     for p in model.parameters():  # the same on every rank; wide logits: no near ties for fp32 rounding to flip
         p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
@@ -161,6 +161,26 @@ def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
     want = fused_decode_tokens(seed)
     got = run_ranks(2, fused_decode_tokens, seed, tmp_path=tmp_path)
     assert want[1] and got == [[want[0], True]] * 2, (want, got)
+
+
+def test_lamport_sum_adds_every_ranks_push_in_rank_order():
+    """04's batch-1 all-reduce, 3 ranks simulated in one process (interpreted on CPUs): each rank's wo kernel pushes
+    its partial sum (rank 0's with the residual) into its slot on every rank; every rank's _lamport_sum gives the
+    fp64 sum within bf16 rounding, the same bits on all, and leaves every slot empty (all ones) for the next use."""
+    m04, world, dim = L.lesson("04_triton_token_attn"), 3, 64
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        slots = [torch.full((2, world, dim), -1, dtype=bits).view(dtype) for _ in range(world)]
+        push = [[torch.tensor([s[use, r].data_ptr() for s in slots]) for use in (0, 1)] for r in range(world)]
+        for use in (1, 0, 1):
+            x, w, res = torch.randn(world, 32), torch.randn(world, dim, 32), torch.randn(dim)
+            for r in range(world):
+                m04.gemv(x[r].to(dtype), w[r].to(dtype), slots[r][use, r], residual=res.to(dtype) if r == 0 else None,
+                         config=(4, 32, 4), push=push[r][use])
+            got = [m04.lamport_sum(s[use].view(bits), torch.full((dim,), float("nan"), dtype=dtype), pdl=False)
+                   for s in slots]
+            want = res.double() + torch.einsum("rnk,rk->n", w.double(), x.double())
+            assert all(torch.equal(g, got[0]) for g in got) and all((s.view(bits) == -1).all() for s in slots)
+            assert (got[0].double() - want).norm() / want.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
 
 
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
@@ -193,10 +213,12 @@ def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
-    """The same on 2 GPUs: CUDA graphs, the partial sums and logits added by the one-shot all-reduce."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(world, tmp_path):
+    """The same on 2 and 4 GPUs: CUDA graphs, partial sums added by 04's Lamport all-reduce, logits by one shot."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
     seed = int(torch.randint(0, 10**6, ()))
     want = fused_decode_tokens(seed, "cuda")
-    got = run_ranks(2, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
-    assert want[1] and got == [[want[0], True]] * 2, (want, got)
+    got = run_ranks(world, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
+    assert want[1] and got == [[want[0], True]] * world, (want, got)
