@@ -89,7 +89,7 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
     variants = {"old configs (before)": dict(config=OLD_CONFIG), "new configs (after)": {}} if world == 1 else {
         "old configs, PyTorch's one shot (before)": dict(pytorch, config=OLD_CONFIG),
         "NCCL": dict(one_shot=False, push=None), "PyTorch's one shot": pytorch, "Lamport's (after)": {},
-        "no all-reduce": dict(push=None, sum=NoSum)}
+        "no all-reduce (a copy in its place)": dict(push=None, sum=NoSum)}
     keep = dict(vars(tp)) if tp else None
     for name, v in variants.items():
         if tp is not None:
@@ -223,7 +223,7 @@ def report(one: dict, many: dict) -> str:
         lines.append(f"batch-1 decode, 8B, by variant: tok/s | GPU ms per step (graph replays) | x fused TP 1")
         for r in (one, many):
             for name, (tok_s, ms) in r["breakdown"].items():
-                lines.append(f"  TP {r['tp']} {name:38s} {tok_s:7,.0f} | {ms:6.3f} | {tok_s / b1:5.2f}x")
+                lines.append(f"  TP {r['tp']} {name:42s} {tok_s:7,.0f} | {ms:6.3f} | {tok_s / b1:5.2f}x")
     for size, a in many.get("all_reduce", {}).items():
         lines.append(f"all-reduce {size:>7s} bf16: NCCL {a['nccl']:5.1f} us, one shot {a['one_shot']:5.1f} us; "
                      f"same bits: {a['same_bits']}; rel. error vs fp64: NCCL {a['rel_err_nccl']:.1e}, "
