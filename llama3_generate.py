@@ -1142,7 +1142,8 @@ class Engine:
                          ("peak_running", len(running | stepped))):
             self.counts[key] = max(self.counts[key], now)
         jumped = sum(s.jumped for s in batch)
-        appended = self.sched.postprocess(batch, ids, steps)
+        with self.graphs.beside(flight) if flight else contextlib.nullcontext():  # 03's free syncs
+            appended = self.sched.postprocess(batch, ids, steps)
         self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
         self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
         for s, new in zip(batch, ids) if on_token else ():
