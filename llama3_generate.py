@@ -1852,16 +1852,13 @@ def serve(args, ready=None):
 # its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
 # CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
 # each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
-# The all-reduce (TPSum). NCCL's ring cuts a message in N chunks and passes them round the ring in 2(N - 1) steps,
-# each a send, a receive and a handshake: ~16 us for decode's 8 KB (one token's hidden state) on NVLink, where the
-# bytes take nanoseconds; 64 a token cost the 8B shape ~1 ms. One shot (vLLM's custom all-reduce; here PyTorch's
-# symmetric memory): every rank's buffer is mapped into every peer's address space, so one kernel writes the
-# partial sum, meets the peers at a barrier (flags in that memory), reads all N buffers over NVLink and adds them
-# in rank order: one step, ~6 us, the same bits on every rank. It reads N copies: larger messages keep NCCL.
-# Batch-1 decode (04's fused kernels) needs no barrier at all (Lamport's all-reduce, as TensorRT-LLM's): wo's and
-# w2's kernel stores its partial sum into its slot on every rank; an empty slot holds all ones (a NaN arithmetic
-# never makes), so a small kernel waits until no element of its N slots is, adds them in rank order and empties
-# them: one one-way NVLink trip, while the next kernel (PDL) loads its weights. (Flags and a barrier were slower.)
+# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
+# handshake: ~16 us for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 a token: ~1 ms for the 8B
+# shape). One shot (vLLM's custom all-reduce; here PyTorch's symmetric memory): every rank's buffer is mapped into
+# every peer's address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N
+# partial sums over NVLink and adds them in rank order: ~6 us, the same bits on every rank; larger messages keep
+# NCCL. Batch-1 decode needs no barrier: wo's and w2's kernels push partial sums into every rank's slots, where the
+# data is its own flag (04's _lamport_sum, Lamport's all-reduce as in TensorRT-LLM; flags and a barrier were slower).
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1938,9 +1935,8 @@ ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, u
 class TPSum:
     """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
     ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
-    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode). On GPUs 04's
-    fused_decode pushes partial sums into `lamport`, two uses of (world, dim) slots kept all ones when empty:
-    push[use] holds the addresses of this rank's slot of that use on every rank (04's _lamport_sum)."""
+    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode), which on GPUs pushes
+    partial sums into `lamport`: 2 uses x world slots, all ones when empty, this rank's on every rank at push[use]."""
 
     def __init__(self, model, rank: int, world: int):
         w, vocab, self.rank, self.push = model.tok_embeddings.weight, model.args.vocab_size, rank, None
