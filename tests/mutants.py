@@ -261,7 +261,7 @@ MUTANTS = [
     Mutant("06", "nothing-left-to-choose check ignores EOS (calls the model for a forced stop)",
            "if allowed[index.eos] and allowed.sum() == 1:", "if allowed.sum() == 0:"),
     Mutant("06", "top-p drops the token that crosses p (the nucleus is one short)",
-           "p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0", "p_sorted[p_sorted.cumsum(-1) > top_p] = 0"),
+           "drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p", "drop = p_sorted.cumsum(-1) > top_p"),
     Mutant("06", "top-p sorts ascending: the nucleus is made of the least likely tokens",
            "p_sorted, idx = probs.sort(-1, descending=True)", "p_sorted, idx = probs.sort(-1)"),
     Mutant("06", "temperature multiplies instead of divides",
