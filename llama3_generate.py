@@ -303,6 +303,28 @@ class NoCache:
 # built, and loaded as data only (safetensors, weights_only): a checkpoint is untrusted.
 # ----------------------------------------------------------------------------------------------
 
+NAMES = [  # a layer's tensors: ours (Meta's), Hugging Face's, GGUF's; then the model's outside the layers
+    ("attention.wq", "self_attn.q_proj", "attn_q"), ("attention.wk", "self_attn.k_proj", "attn_k"),
+    ("attention.wv", "self_attn.v_proj", "attn_v"), ("attention.wo", "self_attn.o_proj", "attn_output"),
+    ("feed_forward.w1", "mlp.gate_proj", "ffn_gate"), ("feed_forward.w3", "mlp.up_proj", "ffn_up"),
+    ("feed_forward.w2", "mlp.down_proj", "ffn_down"), ("attention_norm", "input_layernorm", "attn_norm"),
+    ("ffn_norm", "post_attention_layernorm", "ffn_norm")]
+OUTER = [("tok_embeddings", "model.embed_tokens", "token_embd"), ("norm", "model.norm", "output_norm"),
+         ("output", "lm_head", "output")]
+
+
+def their_names(n_layers: int, fmt: int) -> dict:
+    """Our tensor names -> a format's: fmt 1 Hugging Face's, 2 GGUF's (NAMES' columns)."""
+    prefix = ("layers.", "model.layers.", "blk.")[fmt]
+    layers = {f"layers.{i}.{n[0]}.weight": f"{prefix}{i}.{n[fmt]}.weight" for i in range(n_layers) for n in NAMES}
+    return {f"{n[0]}.weight": f"{n[fmt]}.weight" for n in OUTER} | layers
+
+
+def hf_names(n_layers: int) -> dict:
+    """Hugging Face tensor name -> ours (Meta's)."""
+    return {v: k for k, v in their_names(n_layers, 1).items()}
+
+
 def permute_qk(sd: dict, a: ModelArgs) -> dict:
     """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2): reorder each head's q, k rows."""
     for name, heads in [(f"layers.{i}.attention.{w}.weight", h) for i in range(a.n_layers)
@@ -452,13 +474,7 @@ def load_gguf(path: str):
                      max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
     if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
         raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-             "output.weight": "output.weight"}  # ours -> GGUF's
-    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
-                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
-                 "feed_forward.w2": "ffn_down", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-    for i in range(layers_found(tensors, "blk.")):
-        names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
+    names = their_names(layers_found(tensors, "blk."), 2)
     field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
                  n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
                  hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
@@ -522,20 +538,6 @@ def load_meta(path: str):
     return args, permute_qk(sd, args), llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
 
 
-def hf_names(n_layers: int) -> dict:
-    """Hugging Face parameter name -> ours (Meta's)."""
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-                 "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-                 "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-                 "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for i in range(n_layers):
-        names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
-    return names
-
-
 def load_hf(path: str):
     """Hugging Face directory: config.json, *.safetensors, tokenizer.json. HF already uses our rotate_half order."""
     from safetensors.torch import load_file
@@ -561,15 +563,15 @@ def load_hf(path: str):
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
     names = hf_names(layers_found(hf, "model.layers."))
+    theirs = {v: k for k, v in names.items()}
     field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
                  n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
                  norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
                  rope_scaling="rope_scaling.factor")
-    theirs = {v: k for k, v in names.items()}.get
     check_checkpoint(os.path.join(path, "config.json"), args, field,
-                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs)
+                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs.get)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
-    check_norms(path, sd, theirs)
+    check_norms(path, sd, theirs.get)
     return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
 
 
