@@ -187,7 +187,9 @@ def sample(logits, temperature: float, top_p: float, generator=None):
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         p_sorted, idx = probs.sort(-1, descending=True)
-        p_sorted[(p_sorted.cumsum(-1) - p_sorted) > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p  # tokens once the mass before them reaches top_p
+        drop[:, 0] = False  # but never the likeliest (a top_p under float32's least is 0 there)
+        p_sorted[drop] = 0
         probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 

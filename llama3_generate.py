@@ -303,6 +303,28 @@ class NoCache:
 # built, and loaded as data only (safetensors, weights_only): a checkpoint is untrusted.
 # ----------------------------------------------------------------------------------------------
 
+NAMES = [  # a layer's tensors: ours (Meta's), Hugging Face's, GGUF's; then the model's outside the layers
+    ("attention.wq", "self_attn.q_proj", "attn_q"), ("attention.wk", "self_attn.k_proj", "attn_k"),
+    ("attention.wv", "self_attn.v_proj", "attn_v"), ("attention.wo", "self_attn.o_proj", "attn_output"),
+    ("feed_forward.w1", "mlp.gate_proj", "ffn_gate"), ("feed_forward.w3", "mlp.up_proj", "ffn_up"),
+    ("feed_forward.w2", "mlp.down_proj", "ffn_down"), ("attention_norm", "input_layernorm", "attn_norm"),
+    ("ffn_norm", "post_attention_layernorm", "ffn_norm")]
+OUTER = [("tok_embeddings", "model.embed_tokens", "token_embd"), ("norm", "model.norm", "output_norm"),
+         ("output", "lm_head", "output")]
+
+
+def their_names(n_layers: int, fmt: int) -> dict:
+    """Our tensor names -> a format's: fmt 1 Hugging Face's, 2 GGUF's (NAMES' columns)."""
+    prefix = ("layers.", "model.layers.", "blk.")[fmt]
+    layers = {f"layers.{i}.{n[0]}.weight": f"{prefix}{i}.{n[fmt]}.weight" for i in range(n_layers) for n in NAMES}
+    return {f"{n[0]}.weight": f"{n[fmt]}.weight" for n in OUTER} | layers
+
+
+def hf_names(n_layers: int) -> dict:
+    """Hugging Face tensor name -> ours (Meta's)."""
+    return {v: k for k, v in their_names(n_layers, 1).items()}
+
+
 def permute_qk(sd: dict, a: ModelArgs) -> dict:
     """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2): reorder each head's q, k rows."""
     for name, heads in [(f"layers.{i}.attention.{w}.weight", h) for i in range(a.n_layers)
@@ -452,13 +474,7 @@ def load_gguf(path: str):
                      max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
     if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
         raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
-    names = {"tok_embeddings.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
-             "output.weight": "output.weight"}  # ours -> GGUF's
-    per_layer = {"attention.wq": "attn_q", "attention.wk": "attn_k", "attention.wv": "attn_v",
-                 "attention.wo": "attn_output", "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up",
-                 "feed_forward.w2": "ffn_down", "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-    for i in range(layers_found(tensors, "blk.")):
-        names.update({f"layers.{i}.{ours}.weight": f"blk.{i}.{theirs}.weight" for ours, theirs in per_layer.items()})
+    names = their_names(layers_found(tensors, "blk."), 2)
     field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
                  n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
                  hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
@@ -522,20 +538,6 @@ def load_meta(path: str):
     return args, permute_qk(sd, args), llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
 
 
-def hf_names(n_layers: int) -> dict:
-    """Hugging Face parameter name -> ours (Meta's)."""
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "output.weight"}
-    per_layer = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk",
-                 "self_attn.v_proj": "attention.wv", "self_attn.o_proj": "attention.wo",
-                 "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-                 "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
-                 "post_attention_layernorm": "ffn_norm"}
-    for i in range(n_layers):
-        names.update({f"model.layers.{i}.{a}.weight": f"layers.{i}.{b}.weight" for a, b in per_layer.items()})
-    return names
-
-
 def load_hf(path: str):
     """Hugging Face directory: config.json, *.safetensors, tokenizer.json. HF already uses our rotate_half order."""
     from safetensors.torch import load_file
@@ -561,15 +563,15 @@ def load_hf(path: str):
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
     names = hf_names(layers_found(hf, "model.layers."))
+    theirs = {v: k for k, v in names.items()}
     field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
                  n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
                  norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
                  rope_scaling="rope_scaling.factor")
-    theirs = {v: k for k, v in names.items()}.get
     check_checkpoint(os.path.join(path, "config.json"), args, field,
-                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs)
+                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs.get)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
-    check_norms(path, sd, theirs)
+    check_norms(path, sd, theirs.get)
     return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
 
 
@@ -891,6 +893,10 @@ class Seq(R05.Req):
         self.output = new
         return len(self.prompt) + common
 
+    @property
+    def argmax(self) -> bool:  # the model's own argmax, nothing added, no FSM (what GPU multi-step decode runs)
+        return self.params.argmax and self.index is None
+
     def timings(self) -> dict:
         """What its user felt: time to first token, tokens per second after it."""
         after = self.t_last - self.t_first  # the tokens after the first, streamed over this long
@@ -1021,9 +1027,9 @@ class Engine:
         return list(range(self.n_seqs - params.n, self.n_seqs))
 
     def run(self, on_token=None, on_step=None) -> dict:
-        """Step until every request is done; returns {seq id: output token ids}. on_token(seq id, output so far)
-        is called after every step that gave the sequence tokens (jump-forward may re-tokenize earlier output, so
-        it gets the whole output); on_step(engine) after every step (the CLI's progress bar)."""
+        """Step until every request is done; returns {seq id: output token ids}. on_token(seq) is called
+        after every step that gave the sequence tokens (its whole output: jump-forward may re-tokenize earlier
+        output); on_step(engine) after every step (the CLI's progress bar)."""
         while self.busy:
             self.step(on_token)
             if on_step:
@@ -1051,6 +1057,12 @@ class Engine:
         seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
         if seq is not None:
             seq.finish = "abort"
+
+    def fail(self, why: str):
+        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        for s in list(self.sched.running):
+            s.failed = why
+            self.abort(s.rid)
 
     @property
     def busy(self) -> bool:
@@ -1096,7 +1108,7 @@ class Engine:
         penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
         sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
         logits = penalize(batch, logits)
-        if all(s.params.argmax and s.index is None for s in batch):
+        if all(s.argmax for s in batch):
             return logits.argmax(-1).tolist()
         if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
             banned = torch.zeros_like(logits, dtype=torch.bool)
@@ -1128,8 +1140,8 @@ class Engine:
 
     def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
         """02's postprocess (append, finish, requeue), counted: tokens fed (prefill), or appended (decode), per kind
-        of step, jump-forward's tokens and the peaks so far; on_token(seq id, output so far) for each sequence
-        given tokens (jump-forward may re-tokenize earlier output, so it gets the whole output). Returns the kind."""
+        of step, jump-forward's tokens and the peaks so far; on_token(seq) for each sequence given tokens.
+        Returns the kind."""
         running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
         fed = sum(s.n_new for s in batch)
         prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
@@ -1148,7 +1160,7 @@ class Engine:
         self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
         for s, new in zip(batch, ids) if on_token else ():
             if new:
-                on_token(s.rid, s.output)
+                on_token(s)
         return kind
 
     def pop_finished(self) -> list:
@@ -1297,7 +1309,7 @@ class CudaGraphDecoder:
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
             if prev else running
-        if batch and all(s.params.argmax and s.index is None for s in batch):
+        if batch and all(s.argmax for s in batch):
             k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
@@ -1423,13 +1435,11 @@ class EngineThread(threading.Thread):
                 except (EOFError, OSError):  # the HTTP process is gone
                     break
                 except Exception as exc:  # a step failed, not in one request's sampling: the running requests end
-                    for s in list(e.sched.running):
-                        s.failed = f"error: the engine failed serving this request: {exc!r}"
-                        e.abort(s.rid)
+                    e.fail(f"error: the engine failed serving this request: {exc!r}")
                 self.flush()
         except BaseException as exc:  # the thread dies: every request ends with why, the server says so and stops
             self.failed = f"the engine failed: {exc!r}"
-            self.out += [(jid, i, [], f"error: {self.failed}", 0, ()) for jid, i, *_ in self.live.values()]
+            self.end([(jid, i) for jid, i, *_ in self.live.values()], self.failed)
             self.post(self.failed)
             self.conn.close()
             raise
@@ -1442,26 +1452,29 @@ class EngineThread(threading.Thread):
             try:
                 sids = e.add(ids, params, index)
             except Exception as exc:  # refused by the engine: the request ends with why
-                self.out += [(jid, i, [], f"error: {exc}", 0, ()) for i in range(params.n)]
+                self.end([(jid, i) for i in range(params.n)], exc)
                 sids = []
-            for i, (sid, seq) in enumerate(zip(sids, list(e.sched.waiting)[-len(sids):])):
-                self.live[sid] = [jid, i, 0, params.regex is not None, seq]
+            for i, sid in enumerate(sids):
+                self.live[sid] = [jid, i, 0, params.regex is not None]
         else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
             for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
                 e.abort(sid)
         self.flush()
 
-    def emit(self, sid, out, finish=None):  # sample sid's new token ids (all, where jump-forward may re-tokenize)
-        sample = self.live[sid]  # [request id, sample index, tokens sent, send all, its Seq]
-        lps = sample[4].logprobs[sample[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
+    def emit(self, seq, finish=None):  # a sample's new token ids (all, where jump-forward may re-tokenize)
+        sample, out = self.live[seq.rid], seq.output  # [request id, sample index, tokens sent, send all]
+        lps = seq.logprobs[sample[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
         self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out), lps))
         sample[2] = len(out)
+
+    def end(self, samples, why):  # (request id, sample index) each: ended, saying why
+        self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
 
     def flush(self):
         """Requests finished (or aborted) since the last look: their last tokens and finish reason."""
         e = self.engine
         for s in e.pop_finished():
-            self.emit(s.rid, s.output, s.failed or s.finish)
+            self.emit(s, s.failed or s.finish)
             del self.live[s.rid]
         self.post()
 
@@ -2218,8 +2231,8 @@ def main(argv=None):
     text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
     shown = [""]
 
-    def stream(sid, out):  # print what is new; hold back a trailing partial UTF-8 character
-        now = text(out)
+    def stream(seq):  # print what is new; hold back a trailing partial UTF-8 character
+        now = text(seq.output)
         if not now.endswith("\ufffd") and now.startswith(shown[0]):
             print(now[len(shown[0]):], end="", flush=True)
             shown[0] = now

@@ -184,7 +184,7 @@ def run_stopping(e, stops: dict) -> dict:
     """e.run(), where sequence sid ends after stops[sid] tokens (an EOS its max_new_tokens did not foresee): it is
     aborted after the step that gave them (a multi-step chunk's later tokens land first)."""
     ended = []
-    on_token = lambda sid, out: ended.append(sid) if len(out) >= stops[sid] else None
+    on_token = lambda s: ended.append(s.rid) if len(s.output) >= stops[s.rid] else None
     while e.busy:
         e.step(on_token)
         for sid in ended:
@@ -327,7 +327,7 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     token (TTFT) and the gap between deliveries (inter-token latency as vLLM's bench_serving counts it).
     itl_max_steps: the longest gap's steps, [tokens fed by kind, ms] each, and the time outside any step."""
     got, start, seen, steps = set(), {}, {}, []  # steps: (end, tokens fed by kind, seconds) each
-    on_token = lambda sid, out: got.add(sid)
+    on_token = lambda s: got.add(s.rid)
     t0, i = time.perf_counter(), 0
     while i < len(prompts) or engine.busy:
         now = time.perf_counter() - t0

@@ -1210,6 +1210,15 @@ def test_constrained_decode_stops_at_max_new_tokens_and_eos():
     assert r["text"] == "ab" and r["finished"] and r["forward_passes"] == 0 and r["jumps"] == 1
 
 
+def test_sample_nucleus_at_an_exact_tie_is_the_smallest():
+    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): the first two reach top_p 0.75 exactly, so the nucleus
+    is those two (the smallest set, as HF and vLLM keep), never the third; at top_p 0.5 (or ~0) the first alone."""
+    logits = torch.tensor([math.log(4), math.log(2), 0.0, 0.0])
+    for top_p, keep in ((0.75, {0, 1}), (0.5, {0}), (0.76, {0, 1, 2}), (1e-300, {0})):  # 1e-300: 0 in float32
+        draws = m.sample(logits.expand(4000, -1), 1.0, top_p, torch.Generator().manual_seed(0))
+        assert set(draws.unique().tolist()) == keep, top_p
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 1.0), (2.0, 0.8), (1.0, 0.5), (0.7, 0.3)])
 def test_sample_draws_the_nucleus_distribution(temperature, top_p):
     """sample() against its definition, in float64: softmax(logits / temperature), cut to the smallest set of most
