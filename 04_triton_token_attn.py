@@ -580,11 +580,12 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
     h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)  # (dim,) the residual stream, updated in place
 
-    def add(x, w, config, use):  # h += w @ x, summed over the ranks under TP (one use of tp.lamport, alternating)
-        res = h if tp is None or tp.rank == 0 else None
-        if tp is None or tp.push is None:
-            return gemv(x, w, h, residual=res, config=config, pdl=pdl) if tp is None else \
-                tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h)
+    def add(x, w, config, use):  # h += w @ x, summed over the ranks under TP (uses of tp.lamport alternate)
+        if tp is None:
+            return gemv(x, w, h, residual=h, config=config, pdl=pdl)
+        res = h if tp.rank == 0 else None
+        if tp.push is None:  # no symmetric memory (gloo)
+            return tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h)
         gemv(x, w, tp.lamport[use, tp.rank], residual=res, config=config, pdl=pdl, push=tp.push[use])
         return lamport_sum(tp.lamport[use].view(torch.int16 if h.element_size() == 2 else torch.int32), h, pdl)
     block = math.gcd(a.dim, 256)

@@ -1966,8 +1966,9 @@ class TPSum:
             self.lamport = make(2, world, dim, dtype=w.dtype, device=w.device)
             self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
             torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
-            for buf in (self.part, self.logits, self.lamport):  # a collective: every rank maps every peer's buffer
-                ptrs = symm.rendezvous(buf, self.group).buffer_ptrs
+            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+                symm.rendezvous(buf, self.group)
+            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs  # each rank's address of it
             at = [self.lamport[use, rank].data_ptr() - ptrs[rank] for use in (0, 1)]  # the slots' offsets
             self.push = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
 
