@@ -562,8 +562,8 @@ def load_hf(path: str):
                      rope_scaling=scaling,
                      max_seq_len=c.get("max_position_embeddings", 8192),
                      tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    names = hf_names(layers_found(hf, "model.layers."))
-    theirs = {v: k for k, v in names.items()}
+    theirs = their_names(layers_found(hf, "model.layers."), 1)  # ours -> HF's
+    names = {v: k for k, v in theirs.items()}
     field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
                  n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
                  norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
