@@ -546,8 +546,8 @@ def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024,
 @triton.jit
 def _lamport_sum(SLOTS, OUT, N, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """OUT = the sum of SLOTS' WORLD rows of N (their bits as integers) in rank order, in fp32. A rank's row fills
-    as its pushes land (_gemv's PUSH), and an element still all ones has not landed: the data is its own flag,
-    so no barrier (Lamport's one-shot all-reduce, as TensorRT-LLM's). Read, each goes back to all ones."""
+    as its pushes land (_gemv's PUSH, _lamport_push), and an element still all ones has not landed: the data is its
+    own flag, so no barrier (Lamport's one-shot all-reduce, as TensorRT-LLM's). Read, each goes back to all ones."""
     pdl_launch_next(PDL)  # the next kernel may load its first weight tile while the peers' pushes land
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
@@ -564,8 +564,34 @@ def _lamport_sum(SLOTS, OUT, N, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: t
 def lamport_sum(slots, out, pdl=True):
     """out (N,) = the sum of slots (ranks, N) (same-width integer view) through _lamport_sum."""
     world, n = slots.shape
-    _lamport_sum[(n // math.gcd(n, 512),)](slots, out, n, WORLD=world, BLOCK=math.gcd(n, 512), **pdl_kw(pdl))
+    block = math.gcd(n, 512 if n <= 8192 else 2048)  # batch 1's few programs start at once; batches' are many
+    _lamport_sum[(n // block,)](slots, out, n, WORLD=world, BLOCK=block, **pdl_kw(pdl))
     return out
+
+
+@triton.jit
+def _lamport_push(X, PEERS, N, RANK, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """X (N,) into row RANK of the (WORLD, N) slots on every rank, PEERS their addresses (NaNs made canonical)."""
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(X + cols).to(tl.float32)  # (exact for bf16 and fp32)
+    x = tl.where(x == x, x, float("nan")).to(X.dtype.element_ty)
+    for r in tl.static_range(WORLD):
+        tl.store(tl.load(PEERS + r).to(tl.pointer_type(X.dtype.element_ty)) + RANK * N + cols, x)
+
+
+def lamport_push(x, peers, rank: int):
+    """x (n elements) into row `rank` of the (world, n) slots at the start of every rank's set; peers: its addresses."""
+    n = x.numel()
+    _lamport_push[(n // math.gcd(n, 2048),)](x, peers, n, rank, WORLD=len(peers), BLOCK=math.gcd(n, 2048))
+
+
+def lamport_all_reduce(x, slots, peers, rank: int, out=None):
+    """out (x itself by default) = x summed over the ranks, Lamport's way at any size (a batch's wo and w2, after
+    cuBLAS): x pushed into every rank's slots (a set: world x >= n elements, all ones), then this rank's added up.
+    Consecutive calls alternate between two sets: a fast peer may push the next sum while this rank reads."""
+    n, bits = x.numel(), torch.int16 if x.element_size() == 2 else torch.int32
+    lamport_push(x, peers, rank)
+    return lamport_sum(slots.view(-1)[:len(peers) * n].view(bits).view(-1, n), x if out is None else out, pdl=False)
 
 
 def fused_decode(model, kv, tokens, positions, pdl=None):
@@ -584,10 +610,11 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
         if tp is None:
             return gemv(x, w, h, residual=h, config=config, pdl=pdl)
         res = h if tp.rank == 0 else None
-        if tp.push is None:  # no symmetric memory (gloo)
-            return tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h)
-        gemv(x, w, tp.lamport[use, tp.rank], residual=res, config=config, pdl=pdl, push=tp.push[use])
-        return lamport_sum(tp.lamport[use].view(torch.int16 if h.element_size() == 2 else torch.int32), h, pdl)
+        if tp.algo != "lamport":  # no symmetric memory (gloo), or a benchmark's other all-reduce
+            return tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h, use=use)
+        slots = tp.lamport[use, :tp.world * a.dim].view(tp.world, a.dim)
+        gemv(x, w, slots[tp.rank], residual=res, config=config, pdl=pdl, push=tp.push[use])
+        return lamport_sum(slots.view(torch.int16 if h.element_size() == 2 else torch.int32), h, pdl)
     block = math.gcd(a.dim, 256)
     _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
@@ -616,20 +643,23 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
 
 
 @triton.jit
-def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.constexpr, FINISH: tl.constexpr,
-            ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
+def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, FIRST, TOTAL, RANKS, BLOCK: tl.constexpr,
+            FINISH: tl.constexpr, ADVANCE: tl.constexpr, HK: tl.constexpr, PDL: tl.constexpr = False):
     """Greedy tokens of X (B, V) in two launches: program (b, c) writes the max of chunk c of row b with its first
-    index packed in one int64 (float bits made order-preserving, then V - index so ties pick the lowest index);
-    FINISH then takes each row's largest key. torch's argmax reduces a 128k-wide row in one block (28 us).
+    index packed in one int64 (float bits made order-preserving, then TOTAL - index so ties pick the lowest index);
+    FINISH then takes each row's largest key, of RANKS blocks (B, CHUNKS) of them. torch's argmax reduces a
+    128k-wide row in one block (28 us). X's columns are tokens FIRST.. of TOTAL (TP: each rank's rows of the head).
     ADVANCE (multi-step graphs): also log the token at HIST[b, pos % HK] and move the row to its next position."""
     b, c = tl.program_id(0), tl.program_id(1)
     pdl_launch_next(PDL)
     pdl_wait(PDL)
     offs = c * BLOCK + tl.arange(0, BLOCK)
     if FINISH:
-        keys = tl.load(PART + b * CHUNKS + offs, mask=offs < CHUNKS, other=0)
-        best = tl.max(tl.where(offs < CHUNKS, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
-        token = V - (best & 0xFFFFFFFF)
+        n = RANKS * CHUNKS
+        keys = tl.load(PART + (offs // CHUNKS) * tl.num_programs(0) * CHUNKS + b * CHUNKS + offs % CHUNKS,
+                       mask=offs < n, other=0)
+        best = tl.max(tl.where(offs < n, keys, tl.load(PART + b * CHUNKS)), 0)  # pad with a real key
+        token = TOTAL - (best & 0xFFFFFFFF)
         tl.store(X + b, token)
         if ADVANCE:
             pos = tl.load(POS + b)
@@ -642,22 +672,27 @@ def _argmax(X, PART, V, CHUNKS, POS, LENS, ROWS, HIST, pad_row, BLOCK: tl.conste
         m = tl.max(x, 0)
         i = tl.min(tl.where(x == m, offs, V), 0)
         bits = m.to(tl.int32, bitcast=True)
-        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (V - i)
+        key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64) * 4294967296 + (TOTAL - FIRST - i)
         tl.store(PART + b * CHUNKS + c, key)
 
 
-def argmax(logits, out, advance=None, pdl=False):
+def argmax(logits, out, advance=None, pdl=False, vocab=None, gather=None):
     """out (B,) int64 = logits (B, V) (any float dtype) .argmax(-1), through _argmax. advance = (positions (B,)
-    int64, lens (B,) int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax)."""
+    int64, lens (B,) int32, rows (B,), hist (B, HK) int64, pad_row): then also the step's advance (see _argmax).
+    Tensor parallelism's split head: vocab = (first, total), logits' columns are tokens first.. of total, and
+    gather(keys (B, chunks)) gives every rank's keys (ranks, B, chunks): each rank finds the same token."""
     B, V = logits.shape
     block = 4096
     chunks = triton.cdiv(V, block)
+    first, total = vocab or (0, V)
     part = torch.empty(B, chunks, dtype=torch.int64, device=logits.device)
-    _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, BLOCK=block, FINISH=False,
-                         ADVANCE=False, HK=1, **pdl_kw(pdl))
+    _argmax[(B, chunks)](logits, part, V, chunks, part, part, part, part, 0, first, total, 1, BLOCK=block,
+                         FINISH=False, ADVANCE=False, HK=1, **pdl_kw(pdl))
+    part = gather(part) if gather else part
     pos, lens, rows, hist, pad_row = advance or (part, part, part, part, 0)
-    _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, BLOCK=triton.next_power_of_2(chunks),
-                    FINISH=True, ADVANCE=advance is not None, HK=hist.shape[-1], **pdl_kw(pdl))
+    _argmax[(B, 1)](out, part, V, chunks, pos, lens, rows, hist, pad_row, first, total, part.numel() // (B * chunks),
+                    BLOCK=triton.next_power_of_2(part.numel() // B), FINISH=True, ADVANCE=advance is not None,
+                    HK=hist.shape[-1], **pdl_kw(pdl))
     return out
 
 

@@ -274,16 +274,16 @@ class Transformer(nn.Module):
                 m.ops = ops
 
     @torch.inference_mode()
-    def forward(self, tokens, positions, kv, logits_at=None, fp32=True):
+    def forward(self, tokens, positions, kv, logits_at=None, fp32=True, vocab=slice(None)):
         """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul);
-        fp32=False: in the weights' dtype (a greedy argmax needs no upcast copy)."""
+        fp32=False: in the weights' dtype (a greedy argmax needs no upcast copy); vocab: those tokens' alone."""
         h = self.tok_embeddings(tokens)                                  # (T, dim)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]    # (T, head_dim/2)
         for layer in self.layers:
             h = layer(h, cos, sin, kv)
         if logits_at is not None:
             h = h[logits_at]
-        logits = self.output(self.norm(h))
+        logits = F.linear(self.norm(h), self.output.weight[vocab])
         return logits.float() if fp32 else logits
 
 
@@ -1243,17 +1243,23 @@ class CudaGraphDecoder:
         kv, model = self.kv, self.model
         state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
-        fused = b == 1 and self.fused
+        fused, tp = b == 1 and self.fused, getattr(model, "tp_sum", None)
+        split = tp is not None and tp.split
 
         def run():
             kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
-            out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
-                model(tokens, positions, kv, fp32=False)
-            self.m04.argmax(out, tokens, (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row),
-                            pdl=fused and self.cuda)
+            if fused:
+                out = self.m04.fused_decode(model, kv, tokens, positions)
+            else:  # under TP, this rank's rows of the head alone: the argmax and forward() gather the rest
+                out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab) if split else slice(None))
+            advance = (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row)
+            if split and not fused:
+                tp.split_argmax(self.m04, out, tokens, advance)
+            else:
+                self.m04.argmax(out, tokens, advance, pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
         if b == 1 and k == 1 and self.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
@@ -1295,8 +1301,9 @@ class CudaGraphDecoder:
 
     def forward(self, batch, positions):
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
-        kv = self.kv
-        return self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:len(batch)].float()
+        kv, n, tp = self.kv, len(batch), getattr(self.model, "tp_sum", None)
+        logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
+        return (tp.gather(logits, 1) if tp and tp.split and (n > 1 or not self.fused) else logits).float()
 
     def decode_ahead(self, running) -> list | None:
         """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
@@ -1925,15 +1932,13 @@ def shard_model(model, rank: int, world: int):
         w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
         lin.weight = nn.Parameter(w, requires_grad=False)
 
-    def all_reduce(module, inputs, out):  # a row-parallel layer's partial sums, added up on every rank
-        return model.tp_sum(out)
     for layer in model.layers:
         at, ff = layer.attention, layer.feed_forward
         keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
         keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
-        for lin in (at.wo, ff.w2):
+        for use, lin in enumerate((at.wo, ff.w2)):  # their partial sums, added up on every rank (uses alternate)
             keep(lin, 1, [lin.weight.detach()])
-            lin.register_forward_hook(all_reduce)
+            lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp_sum(out, use=use))
         at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
     # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
     model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
@@ -1946,36 +1951,42 @@ ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, u
 
 
 class TPSum:
-    """tp_sum(x, out=None): x summed over the ranks, into out (x unchanged) or in place; one shot on GPUs up to
-    ONE_SHOT_BYTES, else NCCL (gloo on CPUs). `part` (symmetric memory) takes partial sums written in place, and
-    `logits` this rank's rows `vocab` of the head's output, zero elsewhere (04's fused_decode), which on GPUs pushes
-    partial sums into `lamport`: 2 uses x world slots, all ones when empty, this rank's on every rank at push[use]."""
+    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the sum). On GPUs
+    up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else NCCL (gloo
+    on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory: `lamport`, 2 uses of world
+    slots, all ones when empty (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part`
+    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere."""
 
     def __init__(self, model, rank: int, world: int):
-        w, vocab, self.rank, self.push = model.tok_embeddings.weight, model.args.vocab_size, rank, None
+        w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
         self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
-        self.one_shot = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernel's dtypes
-        make = torch.empty
-        if self.one_shot:
+        self.split = vocab % world == 0  # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
+        cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
+        self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
+        if cuda:
             from torch.distributed import _symmetric_memory as symm
-            make = symm.empty
-        self.part = make(ONE_SHOT_BYTES // w.element_size(), dtype=w.dtype, device=w.device)
+            make, self.group, self.m04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
+        self.part = make(cap, dtype=w.dtype, device=w.device)
         self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
-        if self.one_shot:
-            self.group, dim = torch.distributed.group.WORLD.group_name, model.args.dim
-            self.lamport = make(2, world, dim, dtype=w.dtype, device=w.device)
+        if cuda:
+            self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
             self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
             torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
             for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
                 symm.rendezvous(buf, self.group)
             ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs  # each rank's address of it
-            at = [self.lamport[use, rank].data_ptr() - ptrs[rank] for use in (0, 1)]  # the slots' offsets
-            self.push = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
+            at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
+            self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
+            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]  # n = dim: batch 1's
+            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))  # NCCL links up large sums' paths
 
-    def __call__(self, x, out=None):
-        ops, ours = torch.ops.symm_mem, x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
-        if self.one_shot and (ours or x.numel() * x.element_size() <= ONE_SHOT_BYTES and x.dtype == self.part.dtype):
-            out = torch.empty_like(x) if out is None else out
+    def __call__(self, x, out=None, use=0):
+        ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
+        small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
+        if self.algo == "lamport" and small and not ours:
+            return self.m04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
+        if self.algo != "nccl" and (ours or small):
+            ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
             if ours:  # written in symmetric memory already
                 return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
             return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
@@ -1983,6 +1994,18 @@ class TPSum:
             x = out.copy_(x)
         torch.distributed.all_reduce(x)
         return x
+
+    def gather(self, x, dim=0):
+        """Every rank's x (the same shape on each), side by side along dim (an all-gather)."""
+        out = x.new_empty(self.world * len(x), *x.shape[1:])  # the ranks' x one after another (gloo's form)
+        torch.distributed.all_gather_into_tensor(out, x.contiguous())
+        out = out.view(self.world, *x.shape)
+        return out if dim is None else torch.cat(out.unbind(), dim)
+
+    def split_argmax(self, m04, logits, out, advance, pdl=False):
+        """04's argmax of logits split by vocab rows (this rank's self.vocab): every rank's best keys gathered."""
+        return m04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
+                          gather=lambda keys: self.gather(keys, None))
 
 
 def tp_share(model, make):

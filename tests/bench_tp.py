@@ -12,9 +12,9 @@ Llama 3 shapes. Run from the repository root on a machine with N GPUs:
    engine_decode_tok_s). --breakdown: each variant's tok/s and the GPU's ms per step (its 16-step graph replayed
    on a padding row: host work left out): the kernel configs before issue 57's sweep, TP N's all-reduce as NCCL,
    PyTorch's one shot, Lamport's or left out (wrong tokens, the time without it); and all-reduces of 8 KB to
-   2 MB, NCCL against one shot (64 in a CUDA graph; the sums compared bit for bit)
+   2 MB, NCCL, one shot and Lamport's (64 in a CUDA graph; the sums compared bit for bit)
 3. serving: nano-vllm's workload (256 requests, prompt and output lengths uniform in [100, 1024]) on the 1B shape
-   (--breakdown: at TP N also with NCCL all-reduces)
+   (--breakdown: at TP N also with one shot's and NCCL's all-reduces)
 
 Each TP size runs in processes of its own, started as torchrun starts them (RANK, WORLD_SIZE, ...); rank 0
 writes its figures. --device cpu --small runs the same on CPUs over gloo with small shapes (a smoke test)."""
@@ -50,13 +50,13 @@ def model_on_ranks(shape, device, dtype):
     return model
 
 
-class NoSum:
+class NoSum(L.TPSum):
     """model.tp_sum with the adding left out: wrong tokens, the time without all-reduces."""
 
     def __init__(self, tp):
         self.__dict__.update(vars(tp))
 
-    def __call__(self, x, out=None):
+    def __call__(self, x, out=None, use=0):
         return x if out is None else out.copy_(x)
 
 
@@ -85,11 +85,11 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
     """--breakdown: batch-1 decode of each variant, (tok/s, GPU ms per step): fused kernels with the configs before
     issue 57's sweep, and TP N's all-reduce as NCCL, PyTorch's one shot, Lamport's or left out."""
     tp, out, new = getattr(model, "tp_sum", None), {}, M04.FUSED_CONFIG
-    pytorch = dict(push=None)  # fused_decode's partial sums through tp_sum's one shot
+    pytorch = dict(algo="one_shot")  # fused_decode's partial sums through tp_sum's one shot
     variants = {"old configs (before)": dict(config=OLD_CONFIG), "new configs (after)": {}} if world == 1 else {
         "old configs, PyTorch's one shot (before)": dict(pytorch, config=OLD_CONFIG),
-        "NCCL": dict(one_shot=False, push=None), "PyTorch's one shot": pytorch, "Lamport's (after)": {},
-        "no all-reduce (a copy in its place)": dict(push=None, sum=NoSum)}
+        "NCCL": dict(algo="nccl"), "PyTorch's one shot": pytorch, "Lamport's (after)": {},
+        "no all-reduce (a copy in its place)": dict(algo="nccl", sum=NoSum)}
     keep = dict(vars(tp)) if tp else None
     for name, v in variants.items():
         if tp is not None:
@@ -109,43 +109,42 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
     return out
 
 
+ALGOS = {"nccl": "NCCL", "one_shot": "one shot", "lamport": "Lamport's"}
+
+
 def all_reduce_bench(tp, device) -> dict:
-    """--breakdown: bf16 all-reduces of 8 KB .. 2 MB, NCCL against tp_sum's one shot: us each (64 in a row in a
-    CUDA graph), and whether the sums are the same bits."""
-    r, world = {}, torch.distributed.get_world_size()
-    for kb in (8, 64, 512, 2048):
+    """--breakdown: bf16 all-reduces of 8 KB .. 2 MB by NCCL, PyTorch's one shot and Lamport's (tp_sum's algos): us
+    each (64 in a row in a CUDA graph, uses alternating), the error against fp64, whether the sums are NCCL's bits."""
+    r, world, algo = {}, torch.distributed.get_world_size(), tp.algo
+    for kb in (8, 64, 512, 1024, 2048):
         x = torch.randn(kb * 512, generator=torch.Generator(device).manual_seed(torch.distributed.get_rank()),
                         device=device).bfloat16()
-        nccl = x.clone()
-        torch.distributed.all_reduce(nccl)
-        one = tp(x)
         gathered = [torch.empty_like(x) for _ in range(world)]
         torch.distributed.all_gather(gathered, x)
-        ref = sum(t.double() for t in gathered)
-        us = {}
-        for name, fn in (("nccl", lambda: torch.distributed.all_reduce(nccl)), ("one_shot", lambda: tp(x, out=one))):
-            fn()
+        ref, r[f"{kb} KB"] = sum(t.double() for t in gathered), {}
+        for tp.algo in ALGOS:
+            out = [torch.empty_like(x) for _ in range(2)]
+            pair = lambda: [tp(x, out=out[use], use=use) for use in (0, 1)]
+            pair()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                for _ in range(64):
-                    fn()
+                for _ in range(32):
+                    pair()
             g.replay()
-            torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(5):
                 g.replay()
             end.record()
             torch.cuda.synchronize()
-            us[name] = start.elapsed_time(end) * 1000 / 5 / 64
             del g
-        nccl.copy_(x)
-        torch.distributed.all_reduce(nccl)
-        tp(x, out=one)
-        rel = lambda y: float((y.double() - ref).norm() / ref.norm())
-        r[f"{kb} KB"] = dict(us, same_bits=bool(torch.equal(nccl, one)), rel_err_nccl=rel(nccl),
-                             rel_err_one_shot=rel(one))
+            r[f"{kb} KB"][tp.algo] = dict(us=start.elapsed_time(end) * 1000 / 5 / 64, out=out[0],
+                                          rel_err=float((out[0].double() - ref).norm() / ref.norm()))
+        nccl = r[f"{kb} KB"]["nccl"]["out"]
+        for a in r[f"{kb} KB"].values():
+            a["nccl_bits"] = bool(torch.equal(a.pop("out"), nccl))
+    tp.algo = algo
     return r
 
 
@@ -183,9 +182,9 @@ def rank_main(args):
     prompts = [torch.randint(0, one_b.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     r["serve_1b"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if args.breakdown and cuda and world > 1:
-        B.free()
-        model.tp_sum.one_shot = False
-        r["serve_1b_nccl"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
+        for model.tp_sum.algo in ("one_shot", "nccl"):
+            B.free()
+            r[f"serve_1b_{model.tp_sum.algo}"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if rank == 0:
         print(json.dumps(r), flush=True)
 
@@ -209,25 +208,27 @@ def report(one: dict, many: dict) -> str:
     s1, sn = one["serve_1b"], many["serve_1b"]
     tp, b1, bn = many["tp"], one["batch1_8b_decode_tok_s"], many["batch1_8b_decode_tok_s"]
     lines = [
-        f"device: {one['device']}; TP {tp} over {'NCCL and one shot' if one['device'] != 'cpu' else 'gloo'}",
+        f"device: {one['device']}; TP {tp} over " + ("gloo" if one["device"] == "cpu" else "Lamport's all-reduce "
+                                                     "(NCCL over 2 MB)"),
         f"parity, 1B fp32, 8 prompts x 32 greedy tokens: TP {tp} tokens "
         f"{'equal' if one['parity_tokens'] == many['parity_tokens'] else 'DIFFER FROM'} TP 1's",
         f"batch-1 decode, 8B, fused kernels: TP 1 {b1:,.0f} tok/s, TP {tp} {bn:,.0f} tok/s: {bn / b1:.2f}x "
         f"(weights per rank {one['weight_GB_per_rank']:.1f} -> {many['weight_GB_per_rank']:.1f} GB)",
         f"serving, 1B, {s1['seqs']} requests: TP 1 {s1['tok_s']:,.0f} tok/s (decode {s1['decode_tok_s']:,.0f}), "
         f"TP {tp} {sn['tok_s']:,.0f} tok/s (decode {sn['decode_tok_s']:,.0f}): {sn['tok_s'] / s1['tok_s']:.2f}x"]
-    if "serve_1b_nccl" in many:
-        s = many["serve_1b_nccl"]
-        lines.append(f"  TP {tp} with NCCL all-reduces: {s['tok_s']:,.0f} tok/s (decode {s['decode_tok_s']:,.0f})")
+    for algo in ("one_shot", "nccl"):
+        if f"serve_1b_{algo}" in many:
+            s = many[f"serve_1b_{algo}"]
+            lines.append(f"  TP {tp} with {ALGOS[algo]} all-reduces: {s['tok_s']:,.0f} tok/s "
+                         f"(decode {s['decode_tok_s']:,.0f}): {s['tok_s'] / s1['tok_s']:.2f}x")
     if "breakdown" in many:
         lines.append(f"batch-1 decode, 8B, by variant: tok/s | GPU ms per step (graph replays) | x fused TP 1")
         for r in (one, many):
             for name, (tok_s, ms) in r["breakdown"].items():
                 lines.append(f"  TP {r['tp']} {name:42s} {tok_s:7,.0f} | {ms:6.3f} | {tok_s / b1:5.2f}x")
     for size, a in many.get("all_reduce", {}).items():
-        lines.append(f"all-reduce {size:>7s} bf16: NCCL {a['nccl']:5.1f} us, one shot {a['one_shot']:5.1f} us; "
-                     f"same bits: {a['same_bits']}; rel. error vs fp64: NCCL {a['rel_err_nccl']:.1e}, "
-                     f"one shot {a['rel_err_one_shot']:.1e}")
+        lines.append(f"all-reduce {size:>7s} bf16, us (error vs fp64; NCCL's bits?): " + ", ".join(
+            f"{ALGOS[k]} {x['us']:5.1f} ({x['rel_err']:.1e}; {x['nccl_bits']})" for k, x in a.items()))
     return "\n".join(lines)
 
 

@@ -176,14 +176,22 @@ def test_fused_decode_matches_the_model(pdl, monkeypatch):
 @pytest.mark.triton
 def test_argmax_kernel_matches_torch():
     """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included,
-    fp32 and bf16."""
+    fp32 and bf16; also with the logits split between 2 ranks (TP's head), each rank's keys gathered."""
     m04 = L.lesson("04_triton_token_attn")
-    for B, V in ((1, 300), (3, int(torch.randint(4097, 20000, ()))), (2, 7)):
+    for B, V in ((1, 300), (3, 2 * int(torch.randint(2049, 10000, ()))), (2, 7)):  # (even: halves)
         x = torch.randn(B, V) * 5 - 30 * torch.rand(B, 1)
         x[0, V // 3] = x[0, V - 1] = x[0].max() + 1  # a tie
         for dtype in (torch.float32, torch.bfloat16):  # the graphs hand it the weights' dtype
             out = torch.full((B,), -1)
             assert m04.argmax(x.to(dtype), out).tolist() == x.to(dtype).argmax(-1).tolist()
+            if V % 2 == 0:  # TP's split head over 2 ranks: each rank's keys, then each finds the token among both's
+                halves = [(x.to(dtype)[:, r * V // 2:(r + 1) * V // 2].contiguous(), (r * V // 2, V)) for r in (0, 1)]
+                keys = []
+                for h, vocab in halves:
+                    m04.argmax(h, torch.full((B,), -1), vocab=vocab, gather=lambda k: keys.append(k.clone()) or k[None])
+                for h, vocab in halves:  # (the tie spans the halves: the first rank's index wins)
+                    got = m04.argmax(h, torch.full((B,), -1), vocab=vocab, gather=lambda k: torch.stack(keys))
+                    assert got.tolist() == out.tolist()
 
 
 def kv_left(e) -> int:

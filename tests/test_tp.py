@@ -13,6 +13,7 @@ import io
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
 from types import SimpleNamespace
@@ -154,6 +155,33 @@ def fused_decode_tokens(seed, device="cpu"):
     return list(e.run().values()), e.graphs.fused
 
 
+def graph_decode_tokens(seed, device="cpu"):
+    """fused_decode_tokens' model and requests, and two more greedy ones, through the graphs of batches (eager on
+    CPUs, without 04's batch-1 kernels): under TP each rank's logits are its rows of the head; greedy multi-step
+    steps take 04's argmax across the ranks, sampled steps the logits gathered whole."""
+    if "WORLD_SIZE" in os.environ:
+        device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
+    args = L.ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=384, hidden_dim=128, max_seq_len=64)
+    model = L.Transformer(args).to(device).eval()
+    for p in model.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
+    if torch.distributed.is_initialized():
+        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=256,
+                 cuda_graphs=True, max_batch=4, multi_step=4, fused=False)
+    for i, t in enumerate((0.0, 1.0, 0.0, 0.0)):
+        e.add(list(range(5 + i, 12 + 2 * i)), L.SamplingParams(max_new_tokens=8 + 3 * i, temperature=t, seed=seed))
+    return list(e.run().values())
+
+
+def test_split_head_under_tp_gives_tp1_tokens(tmp_path):
+    """TP 2 over gloo through the graphs of batches: each rank computes its half of the logits; greedy and sampled
+    tokens equal TP 1's (a token id off by a rank's first row, or halves gathered out of order, would differ)."""
+    seed = int(torch.randint(0, 10**6, ()))
+    want = graph_decode_tokens(seed)
+    assert run_ranks(2, graph_decode_tokens, seed, tmp_path=tmp_path) == [want] * 2
+
+
 def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
     """TP 2 over gloo through 04's fused batch-1 kernels: greedy and sampled tokens equal TP 1's (the sampled
     ones catch logits scaled without changing the argmax, e.g. a head summed twice)."""
@@ -164,23 +192,40 @@ def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
 
 
 def test_lamport_sum_adds_every_ranks_push_in_rank_order():
-    """04's batch-1 all-reduce, 3 ranks simulated in one process (interpreted on CPUs): each rank's wo kernel pushes
-    its partial sum (rank 0's with the residual) into its slot on every rank; every rank's _lamport_sum gives the
-    fp64 sum within bf16 rounding, the same bits on all, and leaves every slot empty (all ones) for the next use."""
-    m04, world, dim = L.lesson("04_triton_token_attn"), 3, 64
+    """04's all-reduce, 3 ranks simulated in one process (interpreted on CPUs), TPSum's slots: 2 sets of room for 3 x 96
+    elements. Batch 1: each rank's wo kernel pushes its partial sum (rank 0's with the residual) into its slot on
+    every rank. A batch: each rank's lamport_push, rank 0's whole lamport_all_reduce. Every rank's sum is the fp64
+    sum within bf16 rounding, the same bits on all, and every slot is empty (all ones) for the next use."""
+    m04, world, dim, cap = L.lesson("04_triton_token_attn"), 3, 64, 96
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a sum waited for a push that never landed"))
+    signal.alarm(30)  # (the test takes a second)
     for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
-        slots = [torch.full((2, world, dim), -1, dtype=bits).view(dtype) for _ in range(world)]
-        push = [[torch.tensor([s[use, r].data_ptr() for s in slots]) for use in (0, 1)] for r in range(world)]
-        for use in (1, 0, 1):
-            x, w, res = torch.randn(world, 32), torch.randn(world, dim, 32), torch.randn(dim)
+        slots = [torch.full((2, world * cap), -1, dtype=bits).view(dtype) for _ in range(world)]
+        peers = [torch.tensor([s[use].data_ptr() for s in slots]) for use in (0, 1)]
+        for use, n in ((1, dim), (0, dim), (1, dim), (0, 96), (1, 32)):
+            x, w, res = torch.randn(world, 32), torch.randn(world, n, 32), torch.randn(n)
+            part = [((res if r == 0 else 0) + w[r] @ x[r]).to(dtype) for r in range(world)]  # a batch's, per rank
+            if n == 96:  # a NaN with an empty slot's bits (all ones) is pushed as another NaN, or the sum would wait
+                part[2].view(bits)[5] = -1
+            sets = [s[use, :world * n].view(bits).view(world, n) for s in slots]
             for r in range(world):
-                m04.gemv(x[r].to(dtype), w[r].to(dtype), slots[r][use, r], residual=res.to(dtype) if r == 0 else None,
-                         config=(4, 32, 4), push=push[r][use])
-            got = [m04.lamport_sum(s[use].view(bits), torch.full((dim,), float("nan"), dtype=dtype), pdl=False)
-                   for s in slots]
+                if n == dim:
+                    m04.gemv(x[r].to(dtype), w[r].to(dtype), sets[r][r].view(dtype), config=(4, 32, 4),
+                             residual=res.to(dtype) if r == 0 else None, push=peers[use] + r * n * res.to(dtype)
+                             .element_size())
+                elif r:
+                    m04.lamport_push(part[r], peers[use], r)
+            poison = lambda: torch.full((n,), float("nan"), dtype=dtype)
+            got = [m04.lamport_all_reduce(part[0], slots[0][use], peers[use], 0, out=poison())
+                   if n != dim and r == 0 else m04.lamport_sum(sets[r], poison(), pdl=False) for r in range(world)]
             want = res.double() + torch.einsum("rnk,rk->n", w.double(), x.double())
-            assert all(torch.equal(g, got[0]) for g in got) and all((s.view(bits) == -1).all() for s in slots)
-            assert (got[0].double() - want).norm() / want.norm() < (1e-6 if dtype == torch.float32 else 2e-2)
+            assert all(torch.equal(g.view(bits), got[0].view(bits)) for g in got)
+            assert all((s.view(bits) == -1).all() for s in slots)
+            nan = torch.isnan(got[0])
+            assert nan.sum() == (n == 96) and (n != 96 or nan[5]), nan.nonzero()
+            err = (got[0].double() - want)[~nan].norm() / want[~nan].norm()
+            assert err < (1e-6 if dtype == torch.float32 else 2e-2)
+    signal.alarm(0)
 
 
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
