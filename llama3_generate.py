@@ -966,7 +966,7 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
-        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused=fused) \
+        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused, self.max_len) \
             if graphs else None
         if self.graphs is not None and dev.type == "cuda":
             model.use_kernels(m04)
@@ -1217,9 +1217,12 @@ class CudaGraphDecoder:
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
-    def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True,
+    OVERRUN = True
+
+    def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
                  buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
         self.model, self.kv, self.m04, self.multi_step = model, kv, m04, multi_step  # 04: fused_decode and argmax
+        self.max_len = max_len  # tokens a sequence may hold: a chunk's steps stay within it
         self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
         if self.buckets[-1] < max_batch:
             self.buckets.append(max_batch)
@@ -1317,7 +1320,9 @@ class CudaGraphDecoder:
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
             if prev else running
         if batch and all(s.argmax for s in batch):
-            k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) - ahead for s in batch])
+            left = (lambda s: self.max_len - len(s.tokens) + 1) if self.OVERRUN else \
+                (lambda s: s.params.max_new_tokens - len(s.output))
+            k = min([self.multi_step] + [left(s) - ahead for s in batch])
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
                     positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
