@@ -1217,8 +1217,6 @@ class CudaGraphDecoder:
 
     HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
 
-    OVERRUN = True
-
     def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
                  buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
         self.model, self.kv, self.m04, self.multi_step = model, kv, m04, multi_step  # 04: fused_decode and argmax
@@ -1310,19 +1308,20 @@ class CudaGraphDecoder:
 
     def decode_ahead(self, running) -> list | None:
         """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
-        at most the fewest tokens any sequence still may write. The next k steps are queued before the host reads
+        = multi_step unless a sequence's context ends sooner. The next k steps are queued before the host reads
         the last k, so the GPU never waits for the host: they continue the chunk in flight on the device, minus the
-        sequences that reach their max_new_tokens at its end (known without reading it) or stopped (EOS) in a
-        chunk read before. A sequence that stops at EOS wastes the steps queued after that; its extra slots are
-        freed with it. Returns the chunk landed now (see `land`), or None: nothing to do here, take one step."""
+        sequences that reach their max_new_tokens in it (known without reading it) or stopped (EOS) in a chunk
+        read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
+        wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
+        end, so chunks stay long (bounded by the nearest end, 256 requests' chunks averaged ~4 steps, and the host
+        round trips between them left the GPU idle). Returns the chunk landed now (see `land`), or None: nothing
+        to do here, take one step."""
         prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
         batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
             if prev else running
         if batch and all(s.argmax for s in batch):
-            left = (lambda s: self.max_len - len(s.tokens) + 1) if self.OVERRUN else \
-                (lambda s: s.params.max_new_tokens - len(s.output))
-            k = min([self.multi_step] + [left(s) - ahead for s in batch])
+            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])  # in context
             try:
                 with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
                     positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
@@ -1871,19 +1870,22 @@ def serve(args, ready=None):
 #   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
 #     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
 # Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample. Batch-1 decode (04's fused kernels) reads only 1/N of the head (the 8B
-# shape's is 1/16 of its weights): each rank's rows of the logits, zero elsewhere, summed by an all-reduce.
+# on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's is 1/16 of its weights):
+# batch 1 (04's fused kernels) sums each rank's rows of the logits, zero elsewhere; batches' graphs find the
+# argmax from each rank's best per 4096 rows (04's argmax, its keys gathered), and sampled steps gather the rows.
 # Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
 # its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
 # CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
 # each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
 # The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
-# handshake: ~16 us for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 a token: ~1 ms for the 8B
-# shape). One shot (vLLM's custom all-reduce; here PyTorch's symmetric memory): every rank's buffer is mapped into
+# handshake: ~8-16 us for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 a token: ~1 ms for the 8B
+# shape). One shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into
 # every peer's address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N
-# partial sums over NVLink and adds them in rank order: ~6 us, the same bits on every rank; larger messages keep
-# NCCL. Batch-1 decode needs no barrier: wo's and w2's kernels push partial sums into every rank's slots, where the
-# data is its own flag (04's _lamport_sum, Lamport's all-reduce as in TensorRT-LLM; flags and a barrier were slower).
+# partial sums over NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
+# needs no barrier: each rank pushes its partial sum into its slot on every rank, where the data is its own flag
+# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS. 2.8 us for 8 KB,
+# 7 us for a 256-row batch's 1 MB (NCCL: 7.6 and 15.5, one shot 6.6 and 14.7; 2x H200); prefill's larger sums
+# keep NCCL, which wins from about 32 MB.
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1952,7 +1954,7 @@ def shard_model(model, rank: int, world: int):
     return model
 
 
-ONE_SHOT_BYTES = 2 << 20  # all-reduces up to this size go one shot: decode's, up to 256 rows of the 8B shape
+ONE_SHOT_BYTES = 2 << 20  # sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
 
 
 class TPSum:
