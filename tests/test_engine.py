@@ -283,6 +283,30 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
 
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
+def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatch):
+    """A chunk runs all multi_step steps though a sequence reaches its max_new_tokens inside it (the tokens after
+    that dropped, as after an EOS), but never past a sequence's context: the one that fills max_seq_len to its last
+    slot ends on shorter chunks. Same tokens as one step at a time, no slot leaked."""
+    model, tok, ks = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})(), []
+    steps = L.CudaGraphDecoder.steps
+    monkeypatch.setattr(L.CudaGraphDecoder, "steps", lambda self, batch, pos, k, **kw: (ks.append(k),
+                                                                                        steps(self, batch, pos, k, **kw))[1])
+    prompts, max_new = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
+
+    def run(**opts):
+        e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, fused=False, **kw, **opts)
+        for p, n in zip(prompts, max_new):
+            e.add(p, L.SamplingParams(max_new_tokens=n))
+        outs = list(e.run().values())
+        assert kv_left(e) == 0
+        return outs
+    one = run(cuda_graphs=False)
+    assert run(cuda_graphs=True, multi_step=4) == one and list(map(len, one)) == [3, 14]
+    assert ks[0] == 4 and ks[-1] < 4, ks  # the first ends 2 steps into a 4-step chunk; the context ends the last
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_random_workloads_match_one_step(kw):
     """Random batches through the multi-step path (graphs run eagerly on a CPU): sequences stop at an EOS met
     mid-chunk and at random lengths, so chunks in flight land after their batch changed -- and the run must end
