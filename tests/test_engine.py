@@ -281,6 +281,16 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
     assert fused == one and e.graphs.fused and (1, 3) in e.graphs.graphs  # batch 1's 3 steps as one graph
 
 
+def greedy_outputs(model, tok, prompts, max_new, **opts) -> list:
+    """Each prompt's tokens (max_new[i] at most) from a fresh engine of 4 rows of 64, which ends holding no slot."""
+    e = L.Engine(model, tok, max_batch=4, max_seq_len=64, **opts)
+    for p, n in zip(prompts, max_new):
+        e.add(p, L.SamplingParams(max_new_tokens=n))
+    outs = list(e.run().values())
+    assert kv_left(e) == 0
+    return outs
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatch):
@@ -293,13 +303,7 @@ def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatc
                                                                                         steps(self, batch, pos, k, **kw))[1])
     prompts, max_new = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
 
-    def run(**opts):
-        e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, fused=False, **kw, **opts)
-        for p, n in zip(prompts, max_new):
-            e.add(p, L.SamplingParams(max_new_tokens=n))
-        outs = list(e.run().values())
-        assert kv_left(e) == 0
-        return outs
+    run = lambda **opts: greedy_outputs(model, tok, prompts, max_new, kv_tokens=256, fused=False, **kw, **opts)
     one = run(cuda_graphs=False)
     assert run(cuda_graphs=True, multi_step=4) == one and list(map(len, one)) == [3, 14]
     assert ks[0] == 4 and ks[-1] < 4, ks  # the first ends 2 steps into a 4-step chunk; the context ends the last
@@ -317,14 +321,8 @@ def test_multi_step_random_workloads_match_one_step(kw):
     rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
-    def run(prompts, max_new, **opts):
-        e = L.Engine(model, tok, kv_tokens=512, max_batch=4, max_seq_len=64, fused=False, **kw, **opts)
-        for p, n in zip(prompts, max_new):
-            e.add(p, L.SamplingParams(max_new_tokens=n))
-        outs = list(e.run().values())
-        assert kv_left(e) == 0
-        return outs
-
+    run = lambda prompts, max_new, **opts: greedy_outputs(model, tok, prompts, max_new, kv_tokens=512, fused=False,
+                                                          **kw, **opts)
     for _ in range(25):
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(1, 5))]
         max_new = rand(1, 30, len(prompts))
