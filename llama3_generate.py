@@ -1304,7 +1304,8 @@ class CudaGraphDecoder:
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
         kv, n, tp = self.kv, len(batch), getattr(self.model, "tp_sum", None)
         logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
-        return (tp.gather(logits, 1) if tp and tp.split and (n > 1 or not self.fused) else logits).float()
+        whole = not (tp and tp.split) or n == 1 and self.fused  # batch 1's fused kernels gather their own
+        return (logits if whole else tp.gather(logits, 1)).float()
 
     def decode_ahead(self, running) -> list | None:
         """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
@@ -1313,8 +1314,8 @@ class CudaGraphDecoder:
         sequences that reach their max_new_tokens in it (known without reading it) or stopped (EOS) in a chunk
         read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
         wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
-        end, so chunks stay long (bounded by the nearest end, 256 requests' chunks averaged ~4 steps, and the host
-        round trips between them left the GPU idle). Returns the chunk landed now (see `land`), or None: nothing
+        end, so chunks stay long (bounded by the nearest end, a big batch's were a few steps, and the GPU idled
+        through the host round trips between them). Returns the chunk landed now (see `land`), or None: nothing
         to do here, take one step."""
         prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
@@ -1878,14 +1879,13 @@ def serve(args, ready=None):
 # CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
 # each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
 # The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
-# handshake: ~8-16 us for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 a token: ~1 ms for the 8B
-# shape). One shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into
-# every peer's address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N
-# partial sums over NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
+# handshake: microseconds for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 sums a token). One
+# shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into every peer's
+# address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N partial sums over
+# NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
 # needs no barrier: each rank pushes its partial sum into its slot on every rank, where the data is its own flag
-# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS. 2.8 us for 8 KB,
-# 7 us for a 256-row batch's 1 MB (NCCL: 7.6 and 15.5, one shot 6.6 and 14.7; 2x H200); prefill's larger sums
-# keep NCCL, which wins from about 32 MB.
+# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of
+# NCCL's or one shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
 
 def tp_launch(args, argv):
     """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
@@ -1962,7 +1962,8 @@ class TPSum:
     up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else NCCL (gloo
     on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory: `lamport`, 2 uses of world
     slots, all ones when empty (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part`
-    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere."""
+    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere. `split`:
+    batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side by side)."""
 
     def __init__(self, model, rank: int, world: int):
         w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
@@ -2003,7 +2004,7 @@ class TPSum:
         return x
 
     def gather(self, x, dim=0):
-        """Every rank's x (the same shape on each), side by side along dim (an all-gather)."""
+        """Every rank's x (the same shape on each), side by side along dim, or stacked (dim None): an all-gather."""
         out = x.new_empty(self.world * len(x), *x.shape[1:])  # the ranks' x one after another (gloo's form)
         torch.distributed.all_gather_into_tensor(out, x.contiguous())
         out = out.view(self.world, *x.shape)

@@ -299,8 +299,8 @@ def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatc
     slot ends on shorter chunks. Same tokens as one step at a time, no slot leaked."""
     model, tok, ks = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})(), []
     steps = L.CudaGraphDecoder.steps
-    monkeypatch.setattr(L.CudaGraphDecoder, "steps", lambda self, batch, pos, k, **kw: (ks.append(k),
-                                                                                        steps(self, batch, pos, k, **kw))[1])
+    monkeypatch.setattr(L.CudaGraphDecoder, "steps",
+                        lambda self, batch, pos, k, **kw: (ks.append(k), steps(self, batch, pos, k, **kw))[1])
     prompts, max_new = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
 
     run = lambda **opts: greedy_outputs(model, tok, prompts, max_new, kv_tokens=256, fused=False, **kw, **opts)
