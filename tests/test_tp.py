@@ -174,12 +174,13 @@ def graph_decode_tokens(seed, device="cpu"):
     return list(e.run().values())
 
 
-def test_split_head_under_tp_gives_tp1_tokens(tmp_path):
-    """TP 2 over gloo through the graphs of batches: each rank computes its half of the logits; greedy and sampled
-    tokens equal TP 1's (a token id off by a rank's first row, or halves gathered out of order, would differ)."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_split_head_under_tp_gives_tp1_tokens(world, tmp_path):
+    """TP 2 and 4 over gloo through the graphs of batches: each rank computes its rows of the logits; greedy and
+    sampled tokens equal TP 1's (a token id off by a rank's first row, or rows gathered out of order, would differ)."""
     seed = int(torch.randint(0, 10**6, ()))
     want = graph_decode_tokens(seed)
-    assert run_ranks(2, graph_decode_tokens, seed, tmp_path=tmp_path) == [want] * 2
+    assert run_ranks(world, graph_decode_tokens, seed, tmp_path=tmp_path) == [want] * world
 
 
 def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
