@@ -1245,21 +1245,20 @@ class CudaGraphDecoder:
         state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused, tp = b == 1 and self.fused, getattr(model, "tp_sum", None)
-        split = tp is not None and tp.split
+        split = not fused and tp is not None and tp.split  # TP: this rank's rows of the head alone
 
         def run():
             kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
             tokens, positions = self.tokens[:b], self.positions[:b]
             if not fused:  # the slots this step writes (fused_decode reads its own)
                 self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
-            if fused:
-                out = self.m04.fused_decode(model, kv, tokens, positions)
-            else:  # under TP, this rank's rows of the head alone: the argmax and forward() gather the rest
-                out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab) if split else slice(None))
             advance = (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row)
-            if split and not fused:
+            if split:  # the argmax and forward() gather across the ranks
+                out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab))
                 tp.split_argmax(self.m04, out, tokens, advance)
             else:
+                out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
+                    model(tokens, positions, kv, fp32=False)
                 self.m04.argmax(out, tokens, advance, pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
@@ -1302,10 +1301,11 @@ class CudaGraphDecoder:
 
     def forward(self, batch, positions):
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
-        kv, n, tp = self.kv, len(batch), getattr(self.model, "tp_sum", None)
+        kv, n = self.kv, len(batch)
         logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
-        whole = not (tp and tp.split) or n == 1 and self.fused  # batch 1's fused kernels gather their own
-        return (logits if whole else tp.gather(logits, 1)).float()
+        if logits.shape[-1] < self.model.args.vocab_size:  # a rank's rows of the head (TP): all ranks' side by side
+            logits = self.model.tp_sum.gather(logits, 1)
+        return logits.float()
 
     def decode_ahead(self, running) -> list | None:
         """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
