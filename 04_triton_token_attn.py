@@ -460,10 +460,8 @@ def _gemv(X, G, W, W3, RES, OUT, PEERS, K, eps, NORM: tl.constexpr, GLU: tl.cons
         y = y / (1 + tl.exp(-y)) * (tl.sum(acc3, 1) * scale)
     if RESID:  # OUT may be RES: each program reads its own rows before writing them
         y += tl.load(RES + rows).to(tl.float32)
-    if PUSH:  # a NaN stored is the canonical one, never an empty slot's bits (_lamport_sum)
-        y = tl.where(y == y, y, float("nan"))
-        for r in tl.static_range(PUSH):
-            tl.store(tl.load(PEERS + r).to(tl.pointer_type(OUT.dtype.element_ty)) + rows, y.to(OUT.dtype.element_ty))
+    if PUSH:
+        _push(PEERS, OUT, rows, y, PUSH)
     else:
         tl.store(OUT + rows, y.to(OUT.dtype.element_ty))
 
@@ -544,6 +542,15 @@ def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024,
 
 
 @triton.jit
+def _push(PEERS, OUT, at, y, WORLD: tl.constexpr):
+    """y (fp32) stored in OUT's dtype at offsets `at` of every rank's buffer, PEERS their addresses (Lamport's push).
+    A NaN goes as the canonical one, never an empty slot's bits (_lamport_sum)."""
+    y = tl.where(y == y, y, float("nan")).to(OUT.dtype.element_ty)
+    for r in tl.static_range(WORLD):
+        tl.store(tl.load(PEERS + r).to(tl.pointer_type(OUT.dtype.element_ty)) + at, y)
+
+
+@triton.jit
 def _lamport_sum(SLOTS, OUT, N, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """OUT = the sum of SLOTS' WORLD rows of N (their bits as integers) in rank order, in fp32. A rank's row fills
     as its pushes land (_gemv's PUSH, _lamport_push), and an element still all ones has not landed: the data is its
@@ -562,8 +569,9 @@ def _lamport_sum(SLOTS, OUT, N, WORLD: tl.constexpr, BLOCK: tl.constexpr, PDL: t
 
 
 def lamport_sum(slots, out, pdl=True):
-    """out (N,) = the sum of slots (ranks, N) (same-width integer view) through _lamport_sum."""
+    """out (N,) = the sum of slots (ranks, N) (out's dtype, or its integers) through _lamport_sum."""
     world, n = slots.shape
+    slots = slots.view(torch.int16 if slots.element_size() == 2 else torch.int32)  # all ones: empty
     block = math.gcd(n, 512 if n <= 8192 else 2048)  # batch 1's few programs start at once; batches' are many
     _lamport_sum[(n // block,)](slots, out, n, WORLD=world, BLOCK=block, **pdl_kw(pdl))
     return out
@@ -571,12 +579,9 @@ def lamport_sum(slots, out, pdl=True):
 
 @triton.jit
 def _lamport_push(X, PEERS, N, RANK, WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """X (N,) into row RANK of the (WORLD, N) slots on every rank, PEERS their addresses (NaNs made canonical)."""
+    """X (N,) into row RANK of the (WORLD, N) slots on every rank, PEERS their addresses."""
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(X + cols).to(tl.float32)  # (exact for bf16 and fp32)
-    x = tl.where(x == x, x, float("nan")).to(X.dtype.element_ty)
-    for r in tl.static_range(WORLD):
-        tl.store(tl.load(PEERS + r).to(tl.pointer_type(X.dtype.element_ty)) + RANK * N + cols, x)
+    _push(PEERS, X, RANK * N + cols, tl.load(X + cols).to(tl.float32), WORLD)  # (fp32: exact for bf16 and fp32)
 
 
 def lamport_push(x, peers, rank: int):
@@ -589,9 +594,9 @@ def lamport_all_reduce(x, slots, peers, rank: int, out=None):
     """out (x itself by default) = x summed over the ranks, Lamport's way at any size (a batch's wo and w2, after
     cuBLAS): x pushed into every rank's slots (a set: world x >= n elements, all ones), then this rank's added up.
     Consecutive calls alternate between two sets: a fast peer may push the next sum while this rank reads."""
-    n, bits = x.numel(), torch.int16 if x.element_size() == 2 else torch.int32
+    n = x.numel()
     lamport_push(x, peers, rank)
-    return lamport_sum(slots.view(-1)[:len(peers) * n].view(bits).view(-1, n), x if out is None else out, pdl=False)
+    return lamport_sum(slots.view(-1)[:len(peers) * n].view(-1, n), x if out is None else out, pdl=False)
 
 
 def fused_decode(model, kv, tokens, positions, pdl=None):
@@ -614,7 +619,7 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
             return tp(gemv(x, w, tp.part[:a.dim], residual=res, config=config, pdl=pdl), out=h, use=use)
         slots = tp.lamport[use, :tp.world * a.dim].view(tp.world, a.dim)
         gemv(x, w, slots[tp.rank], residual=res, config=config, pdl=pdl, push=tp.push[use])
-        return lamport_sum(slots.view(torch.int16 if h.element_size() == 2 else torch.int32), h, pdl)
+        return lamport_sum(slots, h, pdl)
     block = math.gcd(a.dim, 256)
     _embed[(a.dim // block,)](tokens, emb, h, a.dim, BLOCK=block, **pdl_kw(pdl))
     q = torch.empty(a.n_heads, a.head_dim, dtype=h.dtype, device=h.device)
