@@ -37,9 +37,9 @@ users need Triton (Linux): the lesson first, then its float64 references, check 
 then, in an appendix, the kernels the engine borrows (batch-1 fused decode, the Lamport all-reduce,
 argmax, the model's pointwise steps).
 
-Imports: at module level torch and Triton only (01 is imported where a reference needs its table
-helper). The demo (`main`) loads llama3_generate for its CPU thread setting, and loading the model
-file imports the lessons the engine uses (01, 02, 03, 05, 06; 04 where Triton is).
+Imports: torch, Triton, then 01 (table_slots, the host twin of `_slot`) at module level. The demo
+(`main`) loads llama3_generate only for its CPU thread setting, and loading the model file imports
+the lessons the engine uses (01, 02, 03, 05, 06; 04 where Triton is).
 
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels in numpy. Its traps:
 bf16 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts
@@ -267,6 +267,34 @@ F32_CONFIG = dict(decode=dict(block_n=32, num_warps=4, num_stages=1),
                   extend=dict(rows=32, block_n=32, num_warps=4, num_stages=1))
 
 
+def _decode_inputs(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page):
+    """token_decode_attention's checks: shapes, and every length >= 1 where the lengths are on the host.
+    Returns req_rows and seq_lens on q's device, and the longest length (on the device: an upper bound)."""
+    B, H, D = q.shape
+    Hkv = k_pool.shape[1]
+    if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
+            or k_pool.stride()[1:] != (D, 1) or v_pool.stride()[1:] != (D, 1)):
+        shapes = f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
+        raise ValueError(f"bad shapes: {shapes} (need n_q_heads % n_kv_heads == 0, a power-of-two "
+                         "head_dim >= 16, contiguous slots)")
+    if not torch.is_tensor(seq_lens) or seq_lens.device.type == "cpu":
+        # cheap to check and read on the host
+        seq_lens = torch.as_tensor(seq_lens)
+        if seq_lens.numel() and int(seq_lens.min()) < 1:
+            raise ValueError("every seq_len must be >= 1 (the new token is already in the pool)")
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 1
+    else:
+        max_len = req_to_token.shape[1] * page  # an upper bound: reading a device tensor would sync
+
+    def on_q(x):
+        return x if torch.is_tensor(x) and x.device == q.device else torch.as_tensor(x, device=q.device)
+    req_rows, seq_lens = on_q(req_rows), on_q(seq_lens)
+    if req_rows.shape != (B,) or seq_lens.shape != (B,):
+        got = f"{tuple(req_rows.shape)}, {tuple(seq_lens.shape)}"
+        raise ValueError(f"req_rows, seq_lens need shape ({B},), got {got}")
+    return req_rows, seq_lens, max_len
+
+
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None,
                            sm_scale=None, out=None, pdl=False, page=1, **config):
     """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b],
@@ -284,26 +312,11 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     before it (which writes q and that token) must let it start only after its own wait."""
     B, H, D = q.shape
     Hkv = k_pool.shape[1]
-    if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
-            or k_pool.stride()[1:] != (D, 1) or v_pool.stride()[1:] != (D, 1)):
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
-                         " (need n_q_heads % n_kv_heads == 0, a power-of-two head_dim >= 16, contiguous slots)")
-    if not torch.is_tensor(seq_lens) or seq_lens.device.type == "cpu":
-        # cheap to check and read on the host
-        seq_lens = torch.as_tensor(seq_lens)
-        if seq_lens.numel() and int(seq_lens.min()) < 1:
-            raise ValueError("every seq_len must be >= 1 (the new token is already in the pool)")
-        max_len = int(seq_lens.max()) if seq_lens.numel() else 1
-    else:
-        max_len = req_to_token.shape[1] * page  # an upper bound: reading a device tensor would sync
-    req_rows, seq_lens = (x if torch.is_tensor(x) and x.device == q.device else torch.as_tensor(x, device=q.device)
-                          for x in (req_rows, seq_lens))
-    if req_rows.shape != (B,) or seq_lens.shape != (B,):
-        raise ValueError(f"req_rows, seq_lens need shape ({B},), got {tuple(req_rows.shape)}, {tuple(seq_lens.shape)}")
+    req_rows, seq_lens, max_len = _decode_inputs(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page)
     num_splits = num_splits or choose_num_splits(B, Hkv, max_len, num_sms(q.device))
     f32 = INTERPRET or q.dtype == torch.float32
-    cfg = config or (F32_CONFIG["decode"] if f32 and not INTERPRET else SPLIT_CONFIG if num_splits > 1 else
-                     UNSPLIT_CONFIG)
+    tuned = SPLIT_CONFIG if num_splits > 1 else UNSPLIT_CONFIG
+    cfg = config or (F32_CONFIG["decode"] if f32 and not INTERPRET else tuned)
     q, r2t = q.contiguous(), req_to_token.contiguous()  # no copies when they already are
     if out is None:
         out = torch.empty_like(q)  # (batch, n_q_heads, head_dim)
@@ -414,8 +427,7 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
         prefix, extend = (torch.tensor(x, dtype=torch.int32) for x in key[:2])  # (B,) each
         blocks = torch.tensor([(b, r) for b, n in enumerate(key[1]) for r in range(0, n * group, rows)],
                               dtype=torch.int32).flatten()                      # (num_blocks * 2,)
-        # (B,) first token of each request
-        q_start = extend.cumsum(0, dtype=torch.int32) - extend
+        q_start = extend.cumsum(0, dtype=torch.int32) - extend  # (B,) first token of each request
         _plan.clear()
         _plan[key] = [x.to(device, non_blocking=True) for x in (blocks, prefix, extend, q_start)]
     return _plan[key]
