@@ -903,20 +903,21 @@ def main(argv=None):
         admission = admission_trace(256, (100, 1024), 512, (1, 16, 256))
     else:
         admission = admission_trace()
-    aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values()
-             if "lpm" in runs]
+    all_runs = [runs for w in report.values() for runs in w["cache_sizes"].values()]
+    lpm_ratios = [runs["lpm"]["of_optimal"] for runs in all_runs if "lpm" in runs]
     # top level: the first workload's (generated-shared-prefix by default)
     first = next(iter(report.values()))
+    lpm_mean = float(np.mean(lpm_ratios)) if lpm_ratios else None
     summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"],
-                   workloads=report, lpm_of_optimal_mean=float(np.mean(aware)) if aware else None,
-                   chunking=chunking, admission=admission, seconds=time.perf_counter() - t0)
+                   workloads=report, lpm_of_optimal_mean=lpm_mean, chunking=chunking,
+                   admission=admission, seconds=time.perf_counter() - t0)
     if args.json:
         print(json.dumps(summary))
         return summary
     print_hit_rates(report, args.full, prefix)
     print_chunking(chunking)
     print_admission(admission)
-    if aware:
+    if lpm_ratios:
         print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
               f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")
     print(f"({summary['seconds']:.1f} s)")
