@@ -109,11 +109,15 @@ class TokenIndex:
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
         self.dist = _to_accept(dfa).astype(np.int16)  # bytes (one-byte tokens) from each state to the nearest accept
         masks, self.worst = [], np.zeros(len(dfa.table), np.int16)  # worst: the most any allowed token needs
+        # least: the least any allowed token but EOS needs (0: none is allowed)
+        self.least = np.zeros(len(dfa.table), np.int16)
         for c0 in range(0, len(dfa.table), chunk):
             need = self.needs(np.arange(c0, min(len(dfa.table), c0 + chunk)))
             assert need.any(1).all(), "a live state without an allowed token"
             masks.append(np.packbits(need > 0, axis=1))
             self.worst[c0:c0 + chunk] = need.max(1)
+            need[:, self.eos] = 0
+            self.least[c0:c0 + chunk] = np.ma.masked_equal(need, 0).min(1).filled(0)
         self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
         self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
         self.jumps, self.build_s = {}, time.perf_counter() - t0
@@ -144,6 +148,17 @@ class TokenIndex:
             return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
         need = self.needs([state])[0]
         return torch.from_numpy((need > 0) & (need <= budget))
+
+    def finish(self, state: int, room=math.inf):
+        """Whether decoding ends in `state` with `room` tokens left, before asking the model (the
+        lesson's loop and the engine's Seq both ask here). "stop": EOS is the only token that
+        allowed(state, room) holds, or no room is left where the regex may end; "length": none is
+        left before it may. None: go on, and allowed(state, room) holds a token (the first of a
+        shortest completion that fits, or EOS)."""
+        # a jump-forward may fill the room exactly: allowed(state, 0) is empty, EOS included
+        if room < 1:
+            return "stop" if self.dfa.accept[state] else "length"
+        return "stop" if self.dfa.accept[state] and not 0 < self.least[state] <= room else None
 
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
@@ -197,11 +212,12 @@ def sample(logits, temperature: float, top_p: float, generator=None):
 def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
                        temperature=0.0, seed=0) -> dict:
     """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
-    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
+    its previous call (their K/V can be reused). Returns output ids, text, finished (False: cut short
+    by max_new_tokens before the regex matched, finish "length") and the forward passes taken."""
     gen = torch.Generator().manual_seed(seed)
     ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
     stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
-    t0, finished = time.perf_counter(), False
+    t0 = time.perf_counter()
     while len(ids) - n0 < max_new_tokens:
         jumped = index.jump_forward(state, text, ids[n0:], tok, max_new_tokens) if jump_forward else (state, text)
         if jumped[1] != text:  # the forced string appended, re-tokenized: the common token prefix's K/V is kept
@@ -209,10 +225,10 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
             stats["jumped_bytes"] += len(jumped[1]) - len(text)
             state, text, out, kept = jumped
             ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)
-        allowed = index.allowed(state, max_new_tokens - (len(ids) - n0))  # room left: closes in time
-        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
-            finished = True
+        room = max_new_tokens - (len(ids) - n0)  # tokens left: the answer closes in time
+        if index.finish(state, room):  # nothing left to choose, or no room: done, no model call
             break
+        allowed = index.allowed(state, room)
         logits = logits_fn(ids, keep)  # (vocab,)
         stats["forward_passes"] += 1
         stats["tokens_computed"] += len(ids) - keep
@@ -220,13 +236,13 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
         ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
         ok[:len(allowed)] = allowed
         t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
-        if t == index.eos:
-            finished = True
+        if t == index.eos:  # allowed only where the regex may end
             break
         ids.append(t)
         text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished or bool(index.dfa.accept[state]),
-                seconds=time.perf_counter() - t0, **stats)
+    text, finished = text.decode("utf-8", "replace"), bool(index.dfa.accept[state])
+    seconds = time.perf_counter() - t0
+    return dict(ids=ids[n0:], text=text, finished=finished, seconds=seconds, **stats)
 
 
 class RollbackCache(K01.ContiguousKVCache):
