@@ -874,8 +874,7 @@ class Seq(R05.Req):
             changed = self.jump_forward()
         stop = eos and (not p.ignore_eos or self.index is not None)
         if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
-            ok = self.index.allowed(self.fsm)
-            stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
+            stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == "stop"
         self.done = stop or len(self.output) >= p.max_new_tokens
         self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
         return changed
