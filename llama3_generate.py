@@ -24,7 +24,7 @@ The engine is glue: one step is nano-vllm's,
 
     batch, positions = schedule()       05's admission (radix cache, policy), 02's room, preemption
     logits = forward(batch, positions)  the model: eager, or a CUDA graph of the decode step (GPU)
-    ids = sample(batch, logits)         06's temperature, top-p and FSM mask (TP: rank 0's, sent)
+    ids = next_tokens(batch, logits)    06's temperature, top-p and FSM mask (TP: rank 0's, sent)
     postprocess(batch, ids)             02's: append (Seq: 06's FSM, jump-forward), finish, requeue
 
 over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps
@@ -33,12 +33,16 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, in the order a reader needs them: the model; weights; tokenizers; generate (a static
-batch through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq,
-Engine); GPU decode (CudaGraphDecoder); then the server (--serve), tensor parallelism (--tp N: the
-model split over N processes) and the command line (its flags, parsed before torch loads so that
---help answers at once, and main). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP
-N on GPUs).
+Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
+parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
+them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
+says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
+weights; tensor parallelism (--tp N: the model split over N processes); the set-up the command line
+and the server share; the server (--serve); the command line (its flags, parsed before torch loads so
+that --help answers at once, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the
+engine is built from them: L01 .. L06 below); 04, where every Triton kernel lives, loads only on the
+Triton path (a GPU, or CUDA graphs asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py
+(TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
@@ -88,6 +92,16 @@ class UserError(Exception):
 def lesson(name: str):
     """Numbered files cannot be imported by name: lesson("01_kv_cache") -> the module."""
     return importlib.import_module(name)
+
+
+# The lessons the engine is built from, imported once: loading this file imports 01, 02, 03, 05
+# and 06. 04, where every Triton kernel lives, loads only on the GPU path (triton_kernels(), held
+# as L04 where it is used).
+L01 = lesson("01_kv_cache")             # the KVCache seam, its contiguous backend, the reference attention
+L02 = lesson("02_paged_cache_manager")  # the paged backend, the Scheduler's step loop, OutOfBlocks
+L03 = lesson("03_token_allocator")      # the token-pool backend
+L05 = lesson("05_radix_scheduler")      # the radix cache and its Scheduler: the engine's requests and admission
+L06 = lesson("06_jump_forward_fsm")     # sampling, the regex FSM and jump-forward
 
 
 def cpu_threads():
@@ -195,8 +209,7 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-m01 = lesson("01_kv_cache")  # 01 teaches the reference attention over cached K/V; the model's NoCache uses it too
-attend_dense, attend_decode = m01.attend_dense, m01.attend_decode
+attend_dense, attend_decode = L01.attend_dense, L01.attend_decode
 
 
 class Attention(nn.Module):
@@ -265,10 +278,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, m04):
+    def use_kernels(self, L04):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
         each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
-        ops = SimpleNamespace(**{name: getattr(m04, name) for name in vars(PYTORCH_OPS)})
+        ops = SimpleNamespace(**{name: getattr(L04, name) for name in vars(PYTORCH_OPS)})
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, FeedForward)):
                 m.ops = ops
@@ -296,6 +309,823 @@ class NoCache:
 
     def attend(self, layer_id, q, k, v):
         return attend_dense(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# generate: a static batch through any backend, prefill then decode until every sequence stops; the
+# lessons' parity tests run the model through it.
+# ----------------------------------------------------------------------------------------------
+
+sample = L06.sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
+
+
+@torch.inference_mode()
+def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop_ids=(),
+             on_token=None, timings=None, process_logits=None):
+    """Static batch: prefill every prompt in one ragged forward, then decode until each stops.
+
+    prompts: lists of token ids. kv: any backend (prepare / attend / free). Returns the new tokens per prompt.
+    on_token(i, token) streams; timings, if a dict, gets prefill and decode seconds and token counts;
+    process_logits(rows, logits) -> logits may mask or bias the next-token logits of prompts `rows`."""
+    device = model.tok_embeddings.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seqs, out = list(range(len(prompts))), [[] for _ in prompts]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    t0 = time.perf_counter()
+    tokens = torch.tensor([t for p in prompts for t in p], device=device)
+    positions = kv.prepare(seqs, [len(p) for p in prompts])  # all or nothing
+    try:
+        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
+        logits = model(tokens, positions, kv, logits_at=last)
+        active, n_decoded = seqs, 0
+        sync()
+        t1 = time.perf_counter()
+        for step in range(max_new_tokens):
+            if process_logits is not None:
+                logits = process_logits(active, logits)
+            for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
+                out[i].append(t)
+                if on_token:
+                    on_token(i, t)
+            active = [i for i in active if out[i][-1] not in stop_ids]
+            if not active or step == max_new_tokens - 1:
+                break
+            positions = kv.prepare(active, [1] * len(active))
+            logits = model(torch.tensor([out[i][-1] for i in active], device=device), positions, kv)
+            n_decoded += len(active)
+        sync()
+    finally:  # free every request, also when prepare refuses one midway
+        for s in seqs:
+            kv.free(s)
+    if timings is not None:
+        timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
+                       decode_tokens=n_decoded)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints; a
+# step is schedule, forward, next_tokens, postprocess.
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    ignore_eos: bool = False
+    regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
+    n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
+    seed: int | None = None   # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
+    frequency_penalty: float = 0.0  # OpenAI's: a logit minus frequency x the times its token came in the output,
+    presence_penalty: float = 0.0   # minus presence if it came at all, plus logit_bias[token] (Engine.choose)
+    logit_bias: dict | None = None
+    logprobs: int | None = None     # each token's logprob, and the top this many: of the distribution sampled from
+
+    @property
+    def argmax(self) -> bool:  # the model's own argmax: greedy, nothing added (what multi-step decode on a GPU runs)
+        return not (self.temperature or self.frequency_penalty or self.presence_penalty or self.logit_bias or
+                    self.logprobs is not None)
+
+
+MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
+SCHEDULES = ("prefill-first", "mixed")  # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
+
+
+OutOfBlocks = L02.OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
+
+
+BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
+    "contiguous": L01.ContiguousKVCache,     # 01: a row of max_len slots per sequence
+    "paged": L02.PagedKVCache,    # 02: blocks on demand
+    "token": L03.TokenKVCache,        # 03: one slot per token (05's radix tree shares them)
+}
+
+
+class Seq(L05.Req):
+    """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
+    feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, its
+    tokenizer, the regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
+
+    def __init__(self, rid, prompt, params, tok, index=None, after=None):
+        super().__init__(rid, prompt, params.max_new_tokens, after=after)
+        self.params = params    # SamplingParams
+        self.tok = tok          # its tokenizer: EOS, bytes, jump-forward's re-tokenization
+        self.index = index      # 06's TokenIndex of the regex, or None
+        self.fsm = 0            # the regex DFA's state after the output so far
+        self.text = b""         # the bytes the output has matched
+        self.finish = None      # "stop" or "length", once done
+        self.jumped = 0         # tokens jump-forward appended without the model
+        self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
+        self.logprobs, self.failed = [], None  # (logprob, top k) per token if asked for; "error: why" if it failed
+        self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
+
+    def append(self, t):
+        """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text.
+        Returns None, or, where a jump changed tokens, the first that changed: 02's postprocess drops the KV from
+        there on and requeues the sequence (05's radix tree keeps what came before)."""
+        p, eos, changed = self.params, t in self.tok.stop_ids, None
+        self.output.append(t)
+        self.t_last = time.perf_counter()
+        self.t_first = self.t_first or self.t_last
+        if self.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
+            self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.tok.token_bytes(t)
+            changed = self.jump_forward()
+        stop = eos and (not p.ignore_eos or self.index is not None)
+        if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
+            ok = self.index.allowed(self.fsm)
+            stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
+        self.done = stop or len(self.output) >= p.max_new_tokens
+        self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
+        return changed
+
+    def jump_forward(self):
+        """06's jump-forward (TokenIndex.jump_forward): the FSM's forced string appended without the model, the
+        output re-tokenized so the model sees its own tokens, within max_new_tokens. Returns the index in tokens of
+        the first token that changed (None: no jump)."""
+        text = self.text
+        self.fsm, self.text, new, common = self.index.jump_forward(self.fsm, text, self.output, self.tok,
+                                                                   self.params.max_new_tokens)
+        if self.text == text:
+            return None
+        self.jumped += len(new) - common
+        self.output = new
+        return len(self.prompt) + common
+
+    @property
+    def argmax(self) -> bool:  # the model's own argmax, nothing added, no FSM (what GPU multi-step decode runs)
+        return self.params.argmax and self.index is None
+
+    def timings(self) -> dict:
+        """What its user felt: time to first token, tokens per second after it."""
+        after = self.t_last - self.t_first  # the tokens after the first, streamed over this long
+        return dict(ttft_s=self.t_first - self.t_added,
+                    tok_s=(len(self.output) - 1) / after if len(self.output) > 1 and after > 0 else None)
+
+
+def penalize(batch, logits):
+    """OpenAI's penalties: each row's logits minus frequency_penalty x the times a token came in its output so far,
+    minus presence_penalty if it came at all, plus its logit_bias."""
+    rows = [(i, s.params, s.output) for i, s in enumerate(batch) if s.params.frequency_penalty or
+            s.params.presence_penalty or s.params.logit_bias]
+    logits, vocab = logits.clone() if rows else logits, logits.shape[-1]
+    for i, p, out in rows:
+        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits)
+        logits[i] -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(logits)
+        for t, b in (p.logit_bias or {}).items():
+            logits[i, t] += b
+    return logits
+
+
+class Engine:
+    """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS. A step either prefills what 05
+    admits (longest cached prefix first, by default) or, when none is admitted, decodes one token of every running
+    sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode step a pure,
+    CUDA-graph-able batch (with a decode step between two prefill steps, so a stream waits one prefill at most).
+    schedule="mixed" runs an admitting step with one decode token of every running sequence
+    (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked
+    prefill, 05). Finished sequences retire into the radix cache. 05 admits while the pool holds every running
+    sequence's expected tokens (reserve="expected"; True: all of max_new; False: the prompts that fit now). When
+    decoding outgrows the pool, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
+    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The
+    engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and
+    multi-step decode (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
+
+    max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
+    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
+
+    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
+                 max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
+                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None, reserve="expected"):
+        a, dev = model.args, model.tok_embeddings.weight.device
+        if backend not in BACKENDS or schedule not in SCHEDULES:
+            raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
+                            f"({', '.join(SCHEDULES)})")
+        if radix and not BACKENDS[backend].shares_prefixes:  # radix None: on where the backend shares
+            raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
+        self.model, self.device, self.seed = model, dev, seed
+        self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
+        self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
+        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        L04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
+        graphs = graphs and L04 is not None
+        self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
+                                                             block_size)
+        self.backend = backend
+        if L04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
+            self.kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        try:
+            self.sched = L05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
+                                       radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
+                                       preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
+        self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
+        self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
+        self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
+        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
+        self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step, fused, self.max_len) \
+            if graphs else None
+        if self.graphs is not None and dev.type == "cuda":
+            model.use_kernels(L04)
+
+    @staticmethod
+    def new_counts() -> dict:
+        return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
+                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
+
+    def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
+        """Queue a request; returns the sequence ids of its params.n samples. index: 06's TokenIndex of params.regex
+        if built elsewhere (the server's HTTP process builds it, off the engine's thread)."""
+        params = params or SamplingParams()
+        if not prompt or len(prompt) + params.max_new_tokens > self.max_len:
+            raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
+                            f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
+        if params.regex is not None:
+            if params.regex not in self.indexes:  # built once per regex and reused (it walks the whole vocabulary)
+                self.indexes[params.regex] = index or L06.TokenIndex(params.regex, self.tok)
+            index = self.indexes[params.regex]
+        first = None
+        for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
+            seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
+            if params.seed is not None:
+                seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
+            first, self.n_seqs = first or seq, self.n_seqs + 1
+            self.sched.waiting.append(seq)
+        return list(range(self.n_seqs - params.n, self.n_seqs))
+
+    def run(self, on_token=None, on_step=None) -> dict:
+        """Step until every request is done; returns {seq id: output token ids}. on_token(seq) is called
+        after every step that gave the sequence tokens (its whole output: jump-forward may re-tokenize earlier
+        output); on_step(engine) after every step (the CLI's progress bar)."""
+        while self.busy:
+            self.step(on_token)
+            if on_step:
+                on_step(self)
+        return {sid: self.finished[sid] for sid in sorted(self.finished)}
+
+    @property
+    def busy(self) -> bool:
+        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill), or tokens of
+        a multi-step chunk not landed yet."""
+        return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
+
+    def step(self, on_token=None):
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
+        t0, kind = time.perf_counter(), "decode"
+        if self.sched.waiting or self.sched.chunked:  # admitting changes the batch: a chunk in flight lands first
+            t0 += self.land(on_token)  # its seconds count as decode
+        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
+        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
+        if landed is None:  # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
+            batch, positions = self.schedule(new)
+            landed = [(batch, self.next_tokens(batch, self.forward(batch, positions)), 1)]
+        for batch, ids, steps in landed:
+            kind = self.postprocess(batch, ids, steps, on_token)
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
+
+    def land(self, on_token=None) -> float:
+        """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
+        GPU) count as decode, whichever step lands it; returns them."""
+        t0 = time.perf_counter()
+        for batch, ids, steps in self.graphs.collect() if self.graphs is not None else ():
+            self.postprocess(batch, ids, steps, on_token)
+        self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
+        return seconds
+
+    def schedule(self, new):
+        """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""
+        try:
+            return self.sched.schedule(new)
+        except OutOfBlocks as e:
+            raise UserError(f"{e} (sequence ids are request ids)") from None
+
+    def forward(self, batch, positions):
+        """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
+        the rows that sample)."""
+        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]  # samples False: a prompt's chunk
+        if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
+            return self.graphs.forward(batch, positions)
+        tokens = torch.tensor([t for s in batch for t in s.feed])
+        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
+        return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
+
+    def next_tokens(self, batch, logits) -> list:
+        """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
+        chunk short of its end. Under TP, rank 0 samples and sends them to every rank (one broadcast)."""
+        rows = [s for s in batch if s.samples]
+        ids = iter(self.tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))  # the step's host sync
+        return [[next(ids)] if s.samples else [] for s in batch]
+
+    @staticmethod
+    def tp_sampled(model, choose, n: int) -> list:
+        """Rank 0's choose() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+        schedule). Without TP: choose()."""
+        rank, world = getattr(model, "tp", (0, 1))
+        if world == 1 or n == 0:
+            return choose()
+        ids = torch.tensor(choose() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+        torch.distributed.broadcast(ids, 0)
+        return ids.tolist()
+
+    def choose(self, batch, logits) -> list:
+        """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
+        penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
+        sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
+        logits = penalize(batch, logits)
+        if all(s.argmax for s in batch):
+            return logits.argmax(-1).tolist()
+        if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
+            banned = torch.zeros_like(logits, dtype=torch.bool)
+            for i, s in enumerate(batch):
+                if s.index is not None:
+                    ok = s.index.allowed(s.fsm, s.params.max_new_tokens - len(s.output)).to(logits.device)
+                    banned[i] = True
+                    banned[i, :len(ok)] = ~ok
+            logits = logits.masked_fill(banned, float("-inf"))
+        groups = {}
+        for i, s in enumerate(batch):
+            gen = self.gen if s.gen is None else s.gen  # its own stream, or the engine's
+            groups.setdefault((s.params.temperature, s.params.top_p, gen), []).append(i)
+        out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
+        for (temp, top_p, gen), rows in groups.items():
+            rows_t = torch.tensor(rows, device=logits.device)
+            try:  # a tiny temperature: 1e-30 (logits / it stay finite in float32; softmax takes their max out)
+                out[rows_t] = sample(logits[rows_t], temp and max(temp, 1e-30), top_p, gen)
+            except Exception as e:
+                out[rows_t] = self.tok.eos_id
+                for i in rows:
+                    batch[i].failed = f"error: sampling failed: {e!r}"
+        for i, s in enumerate(batch):  # of the distribution sampled from: greedy's at temperature 1
+            if s.params.logprobs is not None:
+                lp = torch.log_softmax(logits[i] / max(s.params.temperature or 1, 1e-30), -1)
+                top, t = lp.clamp(min=-9999).topk(s.params.logprobs), int(out[i])
+                s.logprobs.append((max(float(lp[t]), -9999.0), list(zip(top.indices.tolist(), top.values.tolist()))))
+        return out.tolist()
+
+    def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
+        """02's postprocess (append, finish, requeue), counted: tokens fed (prefill), or appended (decode), per kind
+        of step, jump-forward's tokens and the peaks so far; on_token(seq) for each sequence given tokens.
+        Returns the kind."""
+        running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
+        fed = sum(s.n_new for s in batch)
+        prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
+        kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
+        flight = self.graphs.inflight if self.graphs is not None else None  # the next chunk's tokens, written now
+        ahead = {id(s): flight.k for s in flight.batch} if flight else {}
+        live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
+        live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
+        for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live),
+                         ("peak_running", len(running | stepped))):
+            self.counts[key] = max(self.counts[key], now)
+        jumped = sum(s.jumped for s in batch)
+        with self.graphs.beside(flight) if flight else contextlib.nullcontext():  # 03's free syncs
+            appended = self.sched.postprocess(batch, ids, steps)
+        self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
+        self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
+        for s, new in zip(batch, ids) if on_token else ():
+            if new:
+                on_token(s)
+        return kind
+
+    @property
+    def finished(self) -> dict:
+        """seq id -> output token ids, in the order they finished."""
+        return {s.rid: s.output for s in self.sched.finished}
+
+    @property
+    def finish_reasons(self) -> dict:
+        """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
+        return {s.rid: s.finish for s in self.sched.finished}
+
+    # ------------------------------------------------------------------------------------------
+    # What only the command line and the server ask: warm-up, aborts, failures, figures, events.
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
+        return {**self.sched.stats, **self.counts}
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
+        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
+        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
+        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        assert not (self.busy or self.finished), "warm_up() comes before add()"
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
+                self.graphs.graph(b)
+        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
+        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        self.run()
+        self.reset()
+        gc.collect()  # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
+        gc.freeze()  # of every stream; frozen, the collector leaves it alone
+        return time.perf_counter() - t0
+
+    def reset(self):
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        self.sched.reset()
+        self.counts, self.n_seqs = self.new_counts(), 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def abort(self, sid: int):
+        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
+        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
+        self.land()
+        seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
+        if seq is not None:
+            seq.finish = "abort"
+
+    def fail(self, why: str):
+        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        for s in list(self.sched.running):
+            s.failed = why
+            self.abort(s.rid)
+
+    def pop_finished(self) -> list:
+        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
+        events."""
+        done, self.sched.finished = self.sched.finished, []
+        for log in (self.sched.events, self.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+        return done
+
+    @property
+    def timings(self) -> dict:
+        return {s.rid: s.timings() for s in self.sched.finished}
+
+    def kv_capacity(self) -> int:
+        return self.kv.capacity()
+
+    @property
+    def events(self) -> list:
+        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
+        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
+        return self.sched.events
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's
+# fused kernels, greedy batches several steps per host sync.
+# ----------------------------------------------------------------------------------------------
+
+class CudaGraphDecoder:
+    """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
+
+    Any backend (01's KVCache): row r's token i is in slot table[r, i // page] * page + i % page of
+    kv.layer_pools(layer), and attend() reads through kv.table (04's kernel, or its PyTorch twin). A step's inputs
+    live in static buffers the graph was captured on (kv.bind_decode): last tokens, positions, table rows and
+    lengths; the slots to write are computed from the table on the device. Padded rows use kv.pad_row(), whose
+    pages are scratch, and attend over one token. Batch 1 runs 04's `fused_decode`. Every graph ends by writing
+    its argmax into the token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can
+    replay it k times in a row with nothing from the host between (greedy multi-step decoding; batch 1 also
+    holds its k steps as one graph), and the next k steps can be queued before the host has read these
+    (decode_ahead). The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On a
+    CPU (tests) the same buffers and steps run eagerly."""
+
+    HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
+
+    def __init__(self, model, kv, L04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
+                 buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
+        self.model, self.kv, self.L04, self.multi_step = model, kv, L04, multi_step  # 04: fused_decode and argmax
+        self.max_len = max_len  # tokens a sequence may hold: a chunk's steps stay within it
+        self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
+        if self.buckets[-1] < max_batch:
+            self.buckets.append(max_batch)
+        self.fused = fused and L04.fused_decode_ok(model)
+        self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
+        n, dev = self.buckets[-1], model.tok_embeddings.weight.device
+        self.device, self.cuda = dev, dev.type == "cuda"
+        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
+        self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
+        self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
+        self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
+        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
+        # pinned: a copy to the host that does not wait for the GPU; two of them, for two chunks in flight
+        self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
+        self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
+        self.pool = None
+        self.inflight = None  # a multi-step chunk queued on the GPU whose tokens the host has not read yet
+
+    def _capture(self, b, k=1):
+        kv, model = self.kv, self.model
+        state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
+        self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
+        fused, tp = b == 1 and self.fused, getattr(model, "tp_sum", None)
+        split = not fused and tp is not None and tp.split  # TP: this rank's rows of the head alone
+
+        def run():
+            kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
+            tokens, positions = self.tokens[:b], self.positions[:b]
+            if not fused:  # the slots this step writes (fused_decode reads its own)
+                self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
+            advance = (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row)
+            if split:  # the argmax and forward() gather across the ranks
+                out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab))
+                tp.split_argmax(self.L04, out, tokens, advance)
+            else:
+                out = self.L04.fused_decode(model, kv, tokens, positions) if fused else \
+                    model(tokens, positions, kv, fp32=False)
+                self.L04.argmax(out, tokens, advance, pdl=fused and self.cuda)
+            return out
+        key = b if k == 1 else (b, k)
+        if b == 1 and k == 1 and self.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
+            self._capture(1, self.multi_step)          # graph launches, PDL links the steps
+        if not self.cuda:
+            self.graphs[key] = lambda: [run() for _ in range(k)][-1]
+        else:
+            for _ in range(2):  # warm up (Triton compiles) outside the capture
+                run()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            gc.disable()  # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    for _ in range(k):
+                        out = run()
+            finally:
+                gc.enable()
+            self.pool = g.pool()
+            self.graphs[key] = lambda: (g.replay(), out)[1]
+        for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
+            x.copy_(saved)  # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
+
+    def graph(self, n):
+        """The replay function of the smallest bucket that holds n rows (captured on first use), and that bucket."""
+        b = next(x for x in self.buckets if x >= n)
+        if b not in self.graphs:
+            self._capture(b)
+        return self.graphs[b], b
+
+    def _load(self, batch, positions, rows, lens):
+        """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
+        n = len(batch)
+        replay, b = self.graph(n)
+        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
+        self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
+        self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
+        return replay
+
+    def forward(self, batch, positions):
+        """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
+        kv, n = self.kv, len(batch)
+        logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
+        if logits.shape[-1] < self.model.args.vocab_size:  # a rank's rows of the head (TP): all ranks' side by side
+            logits = self.model.tp_sum.gather(logits, 1)
+        return logits.float()
+
+    def decode_ahead(self, running) -> list | None:
+        """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
+        = multi_step unless a sequence's context ends sooner. The next k steps are queued before the host reads
+        the last k, so the GPU never waits for the host: they continue the chunk in flight on the device, minus the
+        sequences that reach their max_new_tokens in it (known without reading it) or stopped (EOS) in a chunk
+        read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
+        wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
+        end, so chunks stay long (bounded by the nearest end, a big batch's were a few steps, and the GPU idled
+        through the host round trips between them). Returns the chunk landed now (see `collect`), or None: nothing
+        to do here, take one step."""
+        prev, self.inflight = self.inflight, None
+        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
+        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
+            if prev else running
+        if batch and all(s.argmax for s in batch):
+            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])  # in context
+            try:
+                with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
+                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
+            except OutOfBlocks:
+                positions = None  # the 1-step path evicts or preempts
+            if positions is not None:
+                going_on = set(map(id, batch))
+                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
+                self.inflight = self.steps(batch, positions, k, keep=keep, ahead=ahead)
+        if prev is None:
+            return [] if self.inflight else None
+        return self.collect(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
+
+    def collect(self, chunk=None) -> list:
+        """A multi-step chunk's tokens (the one in flight by default), for the engine's postprocess: [(its
+        sequences still running, their k token ids each, k)], or [] where there is none."""
+        if chunk is None:
+            chunk, self.inflight = self.inflight, None
+        if chunk is None:
+            return []
+        live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
+        return [([s for s, _ in live], [t for _, t in live], chunk.k)]
+
+    def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
+        """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
+        k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
+        left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
+        they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
+        kv, n = self.kv, len(batch)
+        if keep is None:
+            replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
+        else:
+            replay, b = self.graph(n)
+            if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
+                idx = torch.tensor(keep).to(self.device, non_blocking=True)
+                for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
+                    buf[:n] = buf[idx]
+            self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
+        queued = self._event()  # for `beside`: the GPU work queued before this chunk
+        if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
+            self.graphs[n, k]()
+        else:
+            for _ in range(k):
+                replay()
+        first = [s.kv_len + ahead for s in batch]  # each sequence's first position (ahead: the chunk in flight's)
+        self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
+        hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
+        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
+
+    def _event(self):
+        """A CUDA event recorded now on the current stream (None on a CPU)."""
+        e = torch.cuda.Event() if self.cuda else None
+        if e:
+            e.record()
+        return e
+
+    @contextlib.contextmanager
+    def beside(self, chunk):
+        """GPU work queued inside (the next chunk's kv.prepare) runs on a side stream that starts where `chunk`
+        started, so beside chunk's steps instead of after them; the main stream (the next graph) waits for it.
+        What it allocates is read only there: graphs read req_to_token and their own buffers."""
+        if not (self.cuda and chunk):
+            yield
+            return
+        self.side.wait_event(chunk.queued)
+        try:
+            with torch.cuda.stream(self.side):
+                yield
+        finally:
+            torch.cuda.current_stream().wait_stream(self.side)
+
+    @staticmethod
+    def read(chunk):
+        """Wait for a chunk's k steps; returns (n, k) token ids."""
+        if chunk.done:
+            chunk.done.synchronize()
+        h = chunk.hist.tolist()
+        return [[row[(p + j) % CudaGraphDecoder.HK] for j in range(chunk.k)] for row, p in zip(h, chunk.first)]
+
+
+# ==============================================================================================
+# The core ends here: every lesson has been used. What follows serves it: tokenizers, weights,
+# tensor parallelism, the shared set-up, the OpenAI server and the command line.
+# ==============================================================================================
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
+# tokenizer.json), each with its chat template and stop tokens.
+# ----------------------------------------------------------------------------------------------
+
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+LLAMA3_STOP = ["<|eot_id|>", "<|end_of_text|>"]
+GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's regex to the rest:
+# so whitespace before a digit ends its chunk, which the last-but-one branch's lookahead reproduces.
+SMOLLM_PAT = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+
+
+class Tokenizer:
+    def __init__(self, name, ranks: dict, pat_str: str, special: dict, bos: str | None, stop: list, chat: str):
+        import tiktoken
+        self.special, self.chat_format = special, chat
+        self.vocab_size = max(max(ranks.values()), max(special.values())) + 1
+        # Byte-level vocabularies may lack some byte values (SmolLM2 lacks 21) and tiktoken panics on them: give them
+        # ranks past the vocabulary so it never does, and send text holding them down encode()'s slow path.
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        self.ranks, self.missing = ranks, bytes(missing)
+        ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
+        self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
+        self.bos_id = special[bos] if bos else None
+        self.stop_ids = [special[s] for s in stop]
+        self.eos_id = self.stop_ids[0]
+
+    def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        raw = text.encode("utf-8", "surrogatepass")
+        if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
+            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(),
+                                          disallowed_special=())
+        # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge -- HF's behaviour.
+        import regex
+        specials = f"({'|'.join(map(regex.escape, self.special))})"
+        ids, parts = [], regex.split(specials, text) if allow_special else [text]
+        for part in parts:
+            if part in self.special:
+                ids.append(self.special[part])
+                continue
+            for piece in regex.findall(self.enc._pat_str, part):
+                ids += self._bpe(piece.encode("utf-8", "surrogatepass").translate(None, self.missing))
+        return head + ids
+
+    def _bpe(self, piece: bytes) -> list[int]:
+        """Byte-pair merging as tiktoken does it: repeatedly join the adjacent pair whose join has the lowest rank."""
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            rank, i = min((self.ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
+            if rank == math.inf:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return [self.ranks[p] for p in parts]
+
+    def decode(self, ids, special: bool = True) -> str:
+        """Token ids -> text; special=False leaves out special tokens (<|im_end|>, <|eot_id|>, ...)."""
+        skip = () if special else set(self.special.values())
+        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
+
+    def token_bytes(self, i: int) -> bytes:
+        return self.enc.decode_single_token_bytes(i)
+
+    def chat(self, messages) -> list[int]:
+        """messages: a prompt string or [{"role", "content"}, ...] -> ids ending with the assistant's header.
+        Special tokens are added here as ids, never parsed out of user text."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if self.chat_format == "plain":  # a tokenizer without a chat template: the messages' text as is
+            return self.encode("\n".join(m["content"] for m in messages))
+        sp, ids = self.special, []
+        if self.chat_format == "llama3":
+            ids.append(sp["<|begin_of_text|>"])
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"],
+                        *self.encode("\n\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
+        else:  # ChatML, with SmolLM2's default system prompt
+            if messages[0]["role"] != "system":
+                system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                messages = [{"role": "system", "content": system}] + messages
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"]) + [sp["<|im_end|>"], *self.encode("\n")]
+        return ids
+
+
+def llama3_tokenizer(path: str | None = None) -> Tokenizer:
+    """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
+    if path is None:
+        package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
+        path = os.path.join(package, "llama3", "tokenizer.model")
+    ranks = {}
+    for line in open(path, "rb").read().splitlines():  # read it ourselves: tiktoken's loader copies into a cache dir
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
+    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
+    special = {s: len(ranks) + i for i, s in enumerate(names)}
+    return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>",
+                     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3")
+
+
+def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
+    """GPT-2 byte-level BPE writes each byte as a printable character; map them back. Rank = token id."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte_of = {chr(b): b for b in printable}
+    byte_of.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
+    return {bytes(byte_of[c] for c in t): i for t, i in tokens.items() if all(c in byte_of for c in t)}
+
+
+def gguf_tokenizer(reader) -> Tokenizer:
+    f = reader.fields
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}  # control / user-defined
+    ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if f["tokenizer.ggml.model"] != "gpt2" or pre not in ("smollm", "llama-bpe"):
+        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model']!r}/{pre!r}")
+    if pre == "llama-bpe":
+        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
+    return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
+
+
+def hf_tokenizer(path: str) -> Tokenizer:
+    """tokenizer.json of a byte-level BPE (Llama 3, SmolLM2, GPT-2 style)."""
+    j = json.load(open(path))
+    special = {t["content"]: t["id"] for t in j.get("added_tokens", []) if t.get("special")}
+    ranks = _byte_level_ranks({t: i for t, i in j["model"]["vocab"].items() if t not in special})
+    pre = json.dumps(j.get("pre_tokenizer"))
+    pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
+    if "<|eot_id|>" in special:
+        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
+    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
+    if not stop:
+        raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
+    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "plain")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -606,801 +1436,226 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
-# tokenizer.json), each with its chat template and stop tokens.
+# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
+# gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
+#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
+#     those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
+#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
+# on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's is 1/16 of its weights):
+# batch 1 (04's fused kernels) sums each rank's rows of the logits, zero elsewhere; batches' graphs find the
+# argmax from each rank's best per 4096 rows (04's argmax, its keys gathered), and sampled steps gather the rows.
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
+# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
+# each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
+# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
+# handshake: microseconds for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 sums a token). One
+# shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into every peer's
+# address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N partial sums over
+# NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
+# needs no barrier: each rank pushes its partial sum into its slot on every rank, where the data is its own flag
+# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of
+# NCCL's or one shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
+    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import socket
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+
+    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+    atexit.register(leave)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    a = model.args
+    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    def keep(lin, dim, parts):  # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
+        w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
+        lin.weight = nn.Parameter(w, requires_grad=False)
+
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
+        keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
+        for use, lin in enumerate((at.wo, ff.w2)):  # their partial sums, added up on every rank (uses alternate)
+            keep(lin, 1, [lin.weight.detach()])
+            lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp_sum(out, use=use))
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
+    return model
+
+
+ONE_SHOT_BYTES = 2 << 20  # sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
+
+
+class TPSum:
+    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the sum). On GPUs
+    up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else NCCL (gloo
+    on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory: `lamport`, 2 uses of world
+    slots, all ones when empty (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part`
+    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere. `split`:
+    batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side by side)."""
+
+    def __init__(self, model, rank: int, world: int):
+        w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
+        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
+        self.split = vocab % world == 0  # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
+        cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
+        self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
+        if cuda:
+            from torch.distributed import _symmetric_memory as symm
+            make, self.group, self.L04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
+        self.part = make(cap, dtype=w.dtype, device=w.device)
+        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
+        if cuda:
+            self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
+            self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
+            torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
+            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+                symm.rendezvous(buf, self.group)
+            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs  # each rank's address of it
+            at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
+            self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
+            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]  # n = dim: batch 1's
+            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))  # NCCL links up large sums' paths
+
+    def __call__(self, x, out=None, use=0):
+        ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
+        small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
+        if self.algo == "lamport" and small and not ours:
+            return self.L04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
+        if self.algo != "nccl" and (ours or small):
+            ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
+            if ours:  # written in symmetric memory already
+                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
+            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
+        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
+            x = out.copy_(x)
+        torch.distributed.all_reduce(x)
+        return x
+
+    def gather(self, x, dim=0):
+        """Every rank's x (the same shape on each), side by side along dim, or stacked (dim None): an all-gather."""
+        out = x.new_empty(self.world * len(x), *x.shape[1:])  # the ranks' x one after another (gloo's form)
+        torch.distributed.all_gather_into_tensor(out, x.contiguous())
+        out = out.view(self.world, *x.shape)
+        return out if dim is None else torch.cat(out.unbind(), dim)
+
+    def split_argmax(self, L04, logits, out, advance, pdl=False):
+        """04's argmax of logits split by vocab rows (this rank's self.vocab): every rank's best keys gathered."""
+        return L04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
+                          gather=lambda keys: self.gather(keys, None))
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    rank, world = getattr(model, "tp", (0, 1))
+    if world == 1:
+        return make()
+    box = [None]
+    if rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared set-up: the device, the dtype, the KV pool and the engine the flags ask for (the command
+# line's and the server's).
 # ----------------------------------------------------------------------------------------------
 
-LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
-LLAMA3_STOP = ["<|eot_id|>", "<|end_of_text|>"]
-GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's regex to the rest:
-# so whitespace before a digit ends its chunk, which the last-but-one branch's lookahead reproduces.
-SMOLLM_PAT = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class Tokenizer:
-    def __init__(self, name, ranks: dict, pat_str: str, special: dict, bos: str | None, stop: list, chat: str):
-        import tiktoken
-        self.special, self.chat_format = special, chat
-        self.vocab_size = max(max(ranks.values()), max(special.values())) + 1
-        # Byte-level vocabularies may lack some byte values (SmolLM2 lacks 21) and tiktoken panics on them: give them
-        # ranks past the vocabulary so it never does, and send text holding them down encode()'s slow path.
-        missing = [b for b in range(256) if bytes([b]) not in ranks]
-        self.ranks, self.missing = ranks, bytes(missing)
-        ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
-        self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-        self.bos_id = special[bos] if bos else None
-        self.stop_ids = [special[s] for s in stop]
-        self.eos_id = self.stop_ids[0]
-
-    def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
-        head = [self.bos_id] if bos and self.bos_id is not None else []
-        raw = text.encode("utf-8", "surrogatepass")
-        if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
-            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(),
-                                          disallowed_special=())
-        # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge -- HF's behaviour.
-        import regex
-        specials = f"({'|'.join(map(regex.escape, self.special))})"
-        ids, parts = [], regex.split(specials, text) if allow_special else [text]
-        for part in parts:
-            if part in self.special:
-                ids.append(self.special[part])
-                continue
-            for piece in regex.findall(self.enc._pat_str, part):
-                ids += self._bpe(piece.encode("utf-8", "surrogatepass").translate(None, self.missing))
-        return head + ids
-
-    def _bpe(self, piece: bytes) -> list[int]:
-        """Byte-pair merging as tiktoken does it: repeatedly join the adjacent pair whose join has the lowest rank."""
-        parts = [piece[i:i + 1] for i in range(len(piece))]
-        while len(parts) > 1:
-            rank, i = min((self.ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
-            if rank == math.inf:
-                break
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        return [self.ranks[p] for p in parts]
-
-    def decode(self, ids, special: bool = True) -> str:
-        """Token ids -> text; special=False leaves out special tokens (<|im_end|>, <|eot_id|>, ...)."""
-        skip = () if special else set(self.special.values())
-        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
-
-    def token_bytes(self, i: int) -> bytes:
-        return self.enc.decode_single_token_bytes(i)
-
-    def chat(self, messages) -> list[int]:
-        """messages: a prompt string or [{"role", "content"}, ...] -> ids ending with the assistant's header.
-        Special tokens are added here as ids, never parsed out of user text."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        if self.chat_format == "plain":  # a tokenizer without a chat template: the messages' text as is
-            return self.encode("\n".join(m["content"] for m in messages))
-        sp, ids = self.special, []
-        if self.chat_format == "llama3":
-            ids.append(sp["<|begin_of_text|>"])
-            for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"],
-                        *self.encode("\n\n")]
-                if m["content"] is not None:
-                    ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
-        else:  # ChatML, with SmolLM2's default system prompt
-            if messages[0]["role"] != "system":
-                system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                messages = [{"role": "system", "content": system}] + messages
-            for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
-                if m["content"] is not None:
-                    ids += self.encode(m["content"]) + [sp["<|im_end|>"], *self.encode("\n")]
-        return ids
-
-
-def llama3_tokenizer(path: str | None = None) -> Tokenizer:
-    """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
-    if path is None:
-        package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
-        path = os.path.join(package, "llama3", "tokenizer.model")
-    ranks = {}
-    for line in open(path, "rb").read().splitlines():  # read it ourselves: tiktoken's loader copies into a cache dir
-        if line.strip():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
-    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
-    special = {s: len(ranks) + i for i, s in enumerate(names)}
-    return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>",
-                     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3")
-
-
-def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
-    """GPT-2 byte-level BPE writes each byte as a printable character; map them back. Rank = token id."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    byte_of = {chr(b): b for b in printable}
-    byte_of.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
-    return {bytes(byte_of[c] for c in t): i for t, i in tokens.items() if all(c in byte_of for c in t)}
-
-
-def gguf_tokenizer(reader) -> Tokenizer:
-    f = reader.fields
-    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
-    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}  # control / user-defined
-    ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
-    pre = f.get("tokenizer.ggml.pre", "default")
-    if f["tokenizer.ggml.model"] != "gpt2" or pre not in ("smollm", "llama-bpe"):
-        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model']!r}/{pre!r}")
-    if pre == "llama-bpe":
-        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
-    return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
-
-
-def hf_tokenizer(path: str) -> Tokenizer:
-    """tokenizer.json of a byte-level BPE (Llama 3, SmolLM2, GPT-2 style)."""
-    j = json.load(open(path))
-    special = {t["content"]: t["id"] for t in j.get("added_tokens", []) if t.get("special")}
-    ranks = _byte_level_ranks({t: i for t, i in j["model"]["vocab"].items() if t not in special})
-    pre = json.dumps(j.get("pre_tokenizer"))
-    pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
-    if "<|eot_id|>" in special:
-        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
-    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
-    if not stop:
-        raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
-    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "plain")
-
-
-# ----------------------------------------------------------------------------------------------
-# generate: a static batch through any backend, prefill then decode until every sequence stops; the
-# lessons' parity tests run the model through it.
-# ----------------------------------------------------------------------------------------------
-
-sample = lesson("06_jump_forward_fsm").sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
-
-
-@torch.inference_mode()
-def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, seed=0, stop_ids=(),
-             on_token=None, timings=None, process_logits=None):
-    """Static batch: prefill every prompt in one ragged forward, then decode until each stops.
-
-    prompts: lists of token ids. kv: any backend (prepare / attend / free). Returns the new tokens per prompt.
-    on_token(i, token) streams; timings, if a dict, gets prefill and decode seconds and token counts;
-    process_logits(rows, logits) -> logits may mask or bias the next-token logits of prompts `rows`."""
-    device = model.tok_embeddings.weight.device
-    gen = torch.Generator(device=device).manual_seed(seed)
-    seqs, out = list(range(len(prompts))), [[] for _ in prompts]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    tokens = torch.tensor([t for p in prompts for t in p], device=device)
-    positions = kv.prepare(seqs, [len(p) for p in prompts])  # all or nothing
+def parse_device(name: str) -> torch.device:
     try:
-        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
-        logits = model(tokens, positions, kv, logits_at=last)
-        active, n_decoded = seqs, 0
-        sync()
-        t1 = time.perf_counter()
-        for step in range(max_new_tokens):
-            if process_logits is not None:
-                logits = process_logits(active, logits)
-            for i, t in zip(active, sample(logits, temperature, top_p, gen).tolist()):
-                out[i].append(t)
-                if on_token:
-                    on_token(i, t)
-            active = [i for i in active if out[i][-1] not in stop_ids]
-            if not active or step == max_new_tokens - 1:
-                break
-            positions = kv.prepare(active, [1] * len(active))
-            logits = model(torch.tensor([out[i][-1] for i in active], device=device), positions, kv)
-            n_decoded += len(active)
-        sync()
-    finally:  # free every request, also when prepare refuses one midway
-        for s in seqs:
-            kv.free(s)
-    if timings is not None:
-        timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
-                       decode_tokens=n_decoded)
-    return out
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
 
 
-# ----------------------------------------------------------------------------------------------
-# The engine: continuous batching over any backend, with 05's radix cache and 06's constraints; a
-# step is schedule, forward, sample, postprocess.
-# ----------------------------------------------------------------------------------------------
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    ignore_eos: bool = False
-    regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
-    n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
-    seed: int | None = None   # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
-    frequency_penalty: float = 0.0  # OpenAI's: a logit minus frequency x the times its token came in the output,
-    presence_penalty: float = 0.0   # minus presence if it came at all, plus logit_bias[token] (Engine.sample)
-    logit_bias: dict | None = None
-    logprobs: int | None = None     # each token's logprob, and the top this many: of the distribution sampled from
-
-    @property
-    def argmax(self) -> bool:  # the model's own argmax: greedy, nothing added (what multi-step decode on a GPU runs)
-        return not (self.temperature or self.frequency_penalty or self.presence_penalty or self.logit_bias or
-                    self.logprobs is not None)
+def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
+    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
+        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
+            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
+    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
+    if want > limit and (asked or longest > limit):
+        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
+        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
+                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
+    return min(want, limit)
 
 
-MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
-SCHEDULES = ("prefill-first", "mixed")  # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+    """The engine the flags ask for (the CLI's and the server's)."""
+    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
+                  block_size=args.block_size, radix=False if args.no_radix else None,
+                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
+                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
 
-
-R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests and its scheduler
-OutOfBlocks = lesson("02_paged_cache_manager").OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
-
-
-BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
-    "contiguous": lesson("01_kv_cache").ContiguousKVCache,     # 01: a row of max_len slots per sequence
-    "paged": lesson("02_paged_cache_manager").PagedKVCache,    # 02: blocks on demand
-    "token": lesson("03_token_allocator").TokenKVCache,        # 03: one slot per token (05's radix tree shares them)
-}
-
-
-class Seq(R05.Req):
-    """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
-    feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, its
-    tokenizer, the regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
-
-    def __init__(self, rid, prompt, params, tok, index=None, after=None):
-        super().__init__(rid, prompt, params.max_new_tokens, after=after)
-        self.params = params    # SamplingParams
-        self.tok = tok          # its tokenizer: EOS, bytes, jump-forward's re-tokenization
-        self.index = index      # 06's TokenIndex of the regex, or None
-        self.fsm = 0            # the regex DFA's state after the output so far
-        self.text = b""         # the bytes the output has matched
-        self.finish = None      # "stop" or "length", once done
-        self.jumped = 0         # tokens jump-forward appended without the model
-        self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
-        self.logprobs, self.failed = [], None  # (logprob, top k) per token if asked for; "error: why" if it failed
-        self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
-
-    def append(self, t):
-        """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text.
-        Returns None, or, where a jump changed tokens, the first that changed: 02's postprocess drops the KV from
-        there on and requeues the sequence (05's radix tree keeps what came before)."""
-        p, eos, changed = self.params, t in self.tok.stop_ids, None
-        self.output.append(t)
-        self.t_last = time.perf_counter()
-        self.t_first = self.t_first or self.t_last
-        if self.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
-            self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.tok.token_bytes(t)
-            changed = self.jump_forward()
-        stop = eos and (not p.ignore_eos or self.index is not None)
-        if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
-            ok = self.index.allowed(self.fsm)
-            stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
-        self.done = stop or len(self.output) >= p.max_new_tokens
-        self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
-        return changed
-
-    def jump_forward(self):
-        """06's jump-forward (TokenIndex.jump_forward): the FSM's forced string appended without the model, the
-        output re-tokenized so the model sees its own tokens, within max_new_tokens. Returns the index in tokens of
-        the first token that changed (None: no jump)."""
-        text = self.text
-        self.fsm, self.text, new, common = self.index.jump_forward(self.fsm, text, self.output, self.tok,
-                                                                   self.params.max_new_tokens)
-        if self.text == text:
-            return None
-        self.jumped += len(new) - common
-        self.output = new
-        return len(self.prompt) + common
-
-    @property
-    def argmax(self) -> bool:  # the model's own argmax, nothing added, no FSM (what GPU multi-step decode runs)
-        return self.params.argmax and self.index is None
-
-    def timings(self) -> dict:
-        """What its user felt: time to first token, tokens per second after it."""
-        after = self.t_last - self.t_first  # the tokens after the first, streamed over this long
-        return dict(ttft_s=self.t_first - self.t_added,
-                    tok_s=(len(self.output) - 1) / after if len(self.output) > 1 and after > 0 else None)
-
-
-def penalize(batch, logits):
-    """OpenAI's penalties: each row's logits minus frequency_penalty x the times a token came in its output so far,
-    minus presence_penalty if it came at all, plus its logit_bias."""
-    rows = [(i, s.params, s.output) for i, s in enumerate(batch) if s.params.frequency_penalty or
-            s.params.presence_penalty or s.params.logit_bias]
-    logits, vocab = logits.clone() if rows else logits, logits.shape[-1]
-    for i, p, out in rows:
-        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(logits)
-        logits[i] -= p.frequency_penalty * count + p.presence_penalty * (count > 0).to(logits)
-        for t, b in (p.logit_bias or {}).items():
-            logits[i, t] += b
-    return logits
-
-
-class Engine:
-    """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS. A step either prefills what 05
-    admits (longest cached prefix first, by default) or, when none is admitted, decodes one token of every running
-    sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode step a pure,
-    CUDA-graph-able batch (with a decode step between two prefill steps, so a stream waits one prefill at most).
-    schedule="mixed" runs an admitting step with one decode token of every running sequence
-    (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked
-    prefill, 05). Finished sequences retire into the radix cache. 05 admits while the pool holds every running
-    sequence's expected tokens (reserve="expected"; True: all of max_new; False: the prompts that fit now). When
-    decoding outgrows the pool, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
-    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The
-    engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and
-    multi-step decode (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
-
-    max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
-    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
-
-    def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
-                 max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None, reserve="expected"):
-        a, dev = model.args, model.tok_embeddings.weight.device
-        if backend not in BACKENDS or schedule not in SCHEDULES:
-            raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
-                            f"({', '.join(SCHEDULES)})")
-        if radix and not BACKENDS[backend].shares_prefixes:  # radix None: on where the backend shares
-            raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
-        self.model, self.device, self.seed = model, dev, seed
-        self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
-        self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
-        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
-        graphs = graphs and m04 is not None
-        self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
-                                                             block_size)
-        self.backend = backend
-        if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
-            self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
-        try:
-            self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
-                                       radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
-                                       preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
-        self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
-        self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
-        self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
-        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused, self.max_len) \
-            if graphs else None
-        if self.graphs is not None and dev.type == "cuda":
-            model.use_kernels(m04)
-
-    @staticmethod
-    def new_counts() -> dict:
-        return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
-                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
-
-    @property
-    def stats(self) -> dict:
-        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
-        return {**self.sched.stats, **self.counts}
-
-    def warm_up(self, n_seqs: int = 1) -> float:
-        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
-        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
-        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
-        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.busy or self.finished), "warm_up() comes before add()"
-        t0 = time.perf_counter()
-        if self.graphs is not None:
-            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs.graph(b)
-        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
-        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
-        self.run()
-        self.reset()
-        gc.collect()  # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
-        gc.freeze()  # of every stream; frozen, the collector leaves it alone
-        return time.perf_counter() - t0
-
-    def reset(self):
-        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
-        self.sched.reset()
-        self.counts, self.n_seqs = self.new_counts(), 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
-        """Queue a request; returns the sequence ids of its params.n samples. index: 06's TokenIndex of params.regex
-        if built elsewhere (the server's HTTP process builds it, off the engine's thread)."""
-        params = params or SamplingParams()
-        if not prompt or len(prompt) + params.max_new_tokens > self.max_len:
-            raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
-                            f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
-        if params.regex is not None:
-            if params.regex not in self.indexes:  # built once per regex and reused (it walks the whole vocabulary)
-                self.indexes[params.regex] = index or lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
-            index = self.indexes[params.regex]
-        first = None
-        for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
-            seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
-            if params.seed is not None:
-                seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
-            first, self.n_seqs = first or seq, self.n_seqs + 1
-            self.sched.waiting.append(seq)
-        return list(range(self.n_seqs - params.n, self.n_seqs))
-
-    def run(self, on_token=None, on_step=None) -> dict:
-        """Step until every request is done; returns {seq id: output token ids}. on_token(seq) is called
-        after every step that gave the sequence tokens (its whole output: jump-forward may re-tokenize earlier
-        output); on_step(engine) after every step (the CLI's progress bar)."""
-        while self.busy:
-            self.step(on_token)
-            if on_step:
-                on_step(self)
-        return {sid: self.finished[sid] for sid in sorted(self.finished)}
-
-    def step(self, on_token=None):
-        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
-        t0, kind = time.perf_counter(), "decode"
-        if self.sched.waiting or self.sched.chunked:  # admitting changes the batch: a chunk in flight lands first
-            t0 += self.land(on_token)  # its seconds count as decode
-        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
-        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
-        if landed is None:  # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
-            batch, positions = self.schedule(new)
-            landed = [(batch, self.sample(batch, self.forward(batch, positions)), 1)]
-        for batch, ids, steps in landed:
-            kind = self.postprocess(batch, ids, steps, on_token)
-        self.counts[f"{kind}_s"] += time.perf_counter() - t0
-
-    def abort(self, sid: int):
-        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
-        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        self.land()
-        seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
-        if seq is not None:
-            seq.finish = "abort"
-
-    def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
-        for s in list(self.sched.running):
-            s.failed = why
-            self.abort(s.rid)
-
-    @property
-    def busy(self) -> bool:
-        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill), or tokens of
-        a multi-step chunk not landed yet."""
-        return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
-
-    def land(self, on_token=None) -> float:
-        """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
-        GPU) count as decode, whichever step lands it; returns them."""
-        t0 = time.perf_counter()
-        for batch, ids, steps in self.graphs.land() if self.graphs is not None else ():
-            self.postprocess(batch, ids, steps, on_token)
-        self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
-        return seconds
-
-    def schedule(self, new):
-        """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""
-        try:
-            return self.sched.schedule(new)
-        except OutOfBlocks as e:
-            raise UserError(f"{e} (sequence ids are request ids)") from None
-
-    def forward(self, batch, positions):
-        """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
-        the rows that sample)."""
-        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]  # samples False: a prompt's chunk
-        if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
-            return self.graphs.forward(batch, positions)
-        tokens = torch.tensor([t for s in batch for t in s.feed])
-        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
-        return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
-
-    def sample(self, batch, logits) -> list:
-        """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
-        chunk short of its end. Under TP, rank 0 samples and sends them to every rank (one broadcast)."""
-        rows = [s for s in batch if s.samples]
-        ids = iter(tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))  # the step's host sync
-        return [[next(ids)] if s.samples else [] for s in batch]
-
-    def choose(self, batch, logits) -> list:
-        """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
-        penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
-        sample's sampling fails, it ends (EOS, s.failed says why) and the others go on."""
-        logits = penalize(batch, logits)
-        if all(s.argmax for s in batch):
-            return logits.argmax(-1).tolist()
-        if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
-            banned = torch.zeros_like(logits, dtype=torch.bool)
-            for i, s in enumerate(batch):
-                if s.index is not None:
-                    ok = s.index.allowed(s.fsm, s.params.max_new_tokens - len(s.output)).to(logits.device)
-                    banned[i] = True
-                    banned[i, :len(ok)] = ~ok
-            logits = logits.masked_fill(banned, float("-inf"))
-        groups = {}
-        for i, s in enumerate(batch):
-            gen = self.gen if s.gen is None else s.gen  # its own stream, or the engine's
-            groups.setdefault((s.params.temperature, s.params.top_p, gen), []).append(i)
-        out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
-        for (temp, top_p, gen), rows in groups.items():
-            rows_t = torch.tensor(rows, device=logits.device)
-            try:  # a tiny temperature: 1e-30 (logits / it stay finite in float32; softmax takes their max out)
-                out[rows_t] = sample(logits[rows_t], temp and max(temp, 1e-30), top_p, gen)
-            except Exception as e:
-                out[rows_t] = self.tok.eos_id
-                for i in rows:
-                    batch[i].failed = f"error: sampling failed: {e!r}"
-        for i, s in enumerate(batch):  # of the distribution sampled from: greedy's at temperature 1
-            if s.params.logprobs is not None:
-                lp = torch.log_softmax(logits[i] / max(s.params.temperature or 1, 1e-30), -1)
-                top, t = lp.clamp(min=-9999).topk(s.params.logprobs), int(out[i])
-                s.logprobs.append((max(float(lp[t]), -9999.0), list(zip(top.indices.tolist(), top.values.tolist()))))
-        return out.tolist()
-
-    def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
-        """02's postprocess (append, finish, requeue), counted: tokens fed (prefill), or appended (decode), per kind
-        of step, jump-forward's tokens and the peaks so far; on_token(seq) for each sequence given tokens.
-        Returns the kind."""
-        running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
-        fed = sum(s.n_new for s in batch)
-        prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
-        kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
-        flight = self.graphs.inflight if self.graphs is not None else None  # the next chunk's tokens, written now
-        ahead = {id(s): flight.k for s in flight.batch} if flight else {}
-        live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
-        live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
-        for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live),
-                         ("peak_running", len(running | stepped))):
-            self.counts[key] = max(self.counts[key], now)
-        jumped = sum(s.jumped for s in batch)
-        with self.graphs.beside(flight) if flight else contextlib.nullcontext():  # 03's free syncs
-            appended = self.sched.postprocess(batch, ids, steps)
-        self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
-        self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
-        for s, new in zip(batch, ids) if on_token else ():
-            if new:
-                on_token(s)
-        return kind
-
-    def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
-        events."""
-        done, self.sched.finished = self.sched.finished, []
-        for log in (self.sched.events, self.sched.decode_log):
-            if len(log) > 200_000:
-                del log[:-100_000]
-        return done
-
-    @property
-    def finished(self) -> dict:
-        """seq id -> output token ids, in the order they finished."""
-        return {s.rid: s.output for s in self.sched.finished}
-
-    @property
-    def finish_reasons(self) -> dict:
-        """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
-        return {s.rid: s.finish for s in self.sched.finished}
-
-    @property
-    def timings(self) -> dict:
-        return {s.rid: s.timings() for s in self.sched.finished}
-
-    def kv_capacity(self) -> int:
-        return self.kv.capacity()
-
-    @property
-    def events(self) -> list:
-        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
-        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
-        return self.sched.events
-
-
-# ----------------------------------------------------------------------------------------------
-# GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's
-# fused kernels, greedy batches several steps per host sync.
-# ----------------------------------------------------------------------------------------------
-
-class CudaGraphDecoder:
-    """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
-
-    Any backend (01's KVCache): row r's token i is in slot table[r, i // page] * page + i % page of
-    kv.layer_pools(layer), and attend() reads through kv.table (04's kernel, or its PyTorch twin). A step's inputs
-    live in static buffers the graph was captured on (kv.bind_decode): last tokens, positions, table rows and
-    lengths; the slots to write are computed from the table on the device. Padded rows use kv.pad_row(), whose
-    pages are scratch, and attend over one token. Batch 1 runs 04's `fused_decode`. Every graph ends by writing
-    its argmax into the token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can
-    replay it k times in a row with nothing from the host between (greedy multi-step decoding; batch 1 also
-    holds its k steps as one graph), and the next k steps can be queued before the host has read these
-    (decode_ahead). The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On a
-    CPU (tests) the same buffers and steps run eagerly."""
-
-    HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
-
-    def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
-                 buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
-        self.model, self.kv, self.m04, self.multi_step = model, kv, m04, multi_step  # 04: fused_decode and argmax
-        self.max_len = max_len  # tokens a sequence may hold: a chunk's steps stay within it
-        self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
-        if self.buckets[-1] < max_batch:
-            self.buckets.append(max_batch)
-        self.fused = fused and m04.fused_decode_ok(model)
-        self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
-        n, dev = self.buckets[-1], model.tok_embeddings.weight.device
-        self.device, self.cuda = dev, dev.type == "cuda"
-        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
-        self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
-        self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
-        self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
-        self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
-        # pinned: a copy to the host that does not wait for the GPU; two of them, for two chunks in flight
-        self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
-        self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
-        self.pool = None
-        self.inflight = None  # a multi-step chunk queued on the GPU whose tokens the host has not read yet
-
-    def _capture(self, b, k=1):
-        kv, model = self.kv, self.model
-        state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
-        self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
-        fused, tp = b == 1 and self.fused, getattr(model, "tp_sum", None)
-        split = not fused and tp is not None and tp.split  # TP: this rank's rows of the head alone
-
-        def run():
-            kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
-            tokens, positions = self.tokens[:b], self.positions[:b]
-            if not fused:  # the slots this step writes (fused_decode reads its own)
-                self.slots[:b] = kv.table[self.rows[:b], positions // kv.page] * kv.page + positions % kv.page
-            advance = (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row)
-            if split:  # the argmax and forward() gather across the ranks
-                out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab))
-                tp.split_argmax(self.m04, out, tokens, advance)
-            else:
-                out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
-                    model(tokens, positions, kv, fp32=False)
-                self.m04.argmax(out, tokens, advance, pdl=fused and self.cuda)
-            return out
-        key = b if k == 1 else (b, k)
-        if b == 1 and k == 1 and self.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
-            self._capture(1, self.multi_step)          # graph launches, PDL links the steps
-        if not self.cuda:
-            self.graphs[key] = lambda: [run() for _ in range(k)][-1]
-        else:
-            for _ in range(2):  # warm up (Triton compiles) outside the capture
-                run()
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            gc.disable()  # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
-            try:
-                with torch.cuda.graph(g, pool=self.pool):
-                    for _ in range(k):
-                        out = run()
-            finally:
-                gc.enable()
-            self.pool = g.pool()
-            self.graphs[key] = lambda: (g.replay(), out)[1]
-        for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
-            x.copy_(saved)  # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
-
-    def graph(self, n):
-        """The replay function of the smallest bucket that holds n rows (captured on first use), and that bucket."""
-        b = next(x for x in self.buckets if x >= n)
-        if b not in self.graphs:
-            self._capture(b)
-        return self.graphs[b], b
-
-    def _load(self, batch, positions, rows, lens):
-        """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
-        n = len(batch)
-        replay, b = self.graph(n)
-        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
-        self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
-        self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
-        return replay
-
-    def forward(self, batch, positions):
-        """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
-        kv, n = self.kv, len(batch)
-        logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
-        if logits.shape[-1] < self.model.args.vocab_size:  # a rank's rows of the head (TP): all ranks' side by side
-            logits = self.model.tp_sum.gather(logits, 1)
-        return logits.float()
-
-    def decode_ahead(self, running) -> list | None:
-        """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
-        = multi_step unless a sequence's context ends sooner. The next k steps are queued before the host reads
-        the last k, so the GPU never waits for the host: they continue the chunk in flight on the device, minus the
-        sequences that reach their max_new_tokens in it (known without reading it) or stopped (EOS) in a chunk
-        read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
-        wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
-        end, so chunks stay long (bounded by the nearest end, a big batch's were a few steps, and the GPU idled
-        through the host round trips between them). Returns the chunk landed now (see `land`), or None: nothing
-        to do here, take one step."""
-        prev, self.inflight = self.inflight, None
-        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
-        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
-            if prev else running
-        if batch and all(s.argmax for s in batch):
-            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])  # in context
-            try:
-                with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
-                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
-            except OutOfBlocks:
-                positions = None  # the 1-step path evicts or preempts
-            if positions is not None:
-                going_on = set(map(id, batch))
-                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
-                self.inflight = self.steps(batch, positions, k, keep=keep, ahead=ahead)
-        if prev is None:
-            return [] if self.inflight else None
-        return self.land(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
-
-    def land(self, chunk=None) -> list:
-        """A multi-step chunk's tokens (the one in flight by default), for the engine's postprocess: [(its
-        sequences still running, their k token ids each, k)], or [] where there is none."""
-        if chunk is None:
-            chunk, self.inflight = self.inflight, None
-        if chunk is None:
-            return []
-        live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
-        return [([s for s, _ in live], [t for _, t in live], chunk.k)]
-
-    def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
-        """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
-        k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
-        left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
-        they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
-        kv, n = self.kv, len(batch)
-        if keep is None:
-            replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
-        else:
-            replay, b = self.graph(n)
-            if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
-                idx = torch.tensor(keep).to(self.device, non_blocking=True)
-                for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
-                    buf[:n] = buf[idx]
-            self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
-        queued = self._event()  # for `beside`: the GPU work queued before this chunk
-        if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
-            self.graphs[n, k]()
-        else:
-            for _ in range(k):
-                replay()
-        first = [s.kv_len + ahead for s in batch]  # each sequence's first position (ahead: the chunk in flight's)
-        self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
-        hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
-        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
-
-    def _event(self):
-        """A CUDA event recorded now on the current stream (None on a CPU)."""
-        e = torch.cuda.Event() if self.cuda else None
-        if e:
-            e.record()
-        return e
-
-    @contextlib.contextmanager
-    def beside(self, chunk):
-        """GPU work queued inside (the next chunk's kv.prepare) runs on a side stream that starts where `chunk`
-        started, so beside chunk's steps instead of after them; the main stream (the next graph) waits for it.
-        What it allocates is read only there: graphs read req_to_token and their own buffers."""
-        if not (self.cuda and chunk):
-            yield
-            return
-        self.side.wait_event(chunk.queued)
-        try:
-            with torch.cuda.stream(self.side):
-                yield
-        finally:
-            torch.cuda.current_stream().wait_stream(self.side)
-
-    @staticmethod
-    def read(chunk):
-        """Wait for a chunk's k steps; returns (n, k) token ids."""
-        if chunk.done:
-            chunk.done.synchronize()
-        h = chunk.hist.tolist()
-        return [[row[(p + j) % CudaGraphDecoder.HK] for j in range(chunk.k)] for row, p in zip(h, chunk.first)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1440,7 +1695,7 @@ class EngineThread(threading.Thread):
             while not self.stopping:
                 try:  # idle: wait for work; busy: take in all that came since the last step, then step
                     if self.conn.poll(0 if e.busy else 0.1):
-                        self.take(*self.conn.recv())
+                        self.receive(*self.conn.recv())
                         continue
                     if e.busy:
                         e.step(self.emit)
@@ -1452,12 +1707,12 @@ class EngineThread(threading.Thread):
         except BaseException as exc:  # the thread dies: every request ends with why, the server says so and stops
             self.failed = f"the engine failed: {exc!r}"
             self.end([(jid, i) for jid, i, *_ in self.live.values()], self.failed)
-            self.post(self.failed)
+            self.send_out(self.failed)
             self.conn.close()
             raise
-        self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
+        self.receive("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
 
-    def take(self, kind, jid, arg):
+    def receive(self, kind, jid, arg):
         e = self.engine
         if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
             ids, params, index = arg
@@ -1474,10 +1729,10 @@ class EngineThread(threading.Thread):
         self.flush()
 
     def emit(self, seq, finish=None):  # a sample's new token ids (all, where jump-forward may re-tokenize)
-        sample, out = self.live[seq.rid], seq.output  # [request id, sample index, tokens sent, send all]
-        lps = seq.logprobs[sample[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
-        self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out), lps))
-        sample[2] = len(out)
+        entry, out = self.live[seq.rid], seq.output  # [request id, sample index, tokens sent, send all]
+        lps = seq.logprobs[entry[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
+        self.out.append((entry[0], entry[1], out if entry[3] else out[entry[2]:], finish, len(out), lps))
+        entry[2] = len(out)
 
     def end(self, samples, why):  # (request id, sample index) each: ended, saying why
         self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
@@ -1488,9 +1743,9 @@ class EngineThread(threading.Thread):
         for s in e.pop_finished():
             self.emit(s, s.failed or s.finish)
             del self.live[s.rid]
-        self.post()
+        self.send_out()
 
-    def post(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
+    def send_out(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
         if self.out or failed:
             with contextlib.suppress(OSError):  # the HTTP process is gone
                 self.conn.send((self.out, failed))
@@ -1522,7 +1777,7 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
                 if jid in front.jobs:
                     front.jobs[jid].put(*item)
 
-    def read(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
+    def read_pipe(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
         msgs = []
         with contextlib.suppress(EOFError, OSError):
             while True:
@@ -1538,7 +1793,7 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
 
     async def started(sockets=None):  # listening: the pipe's reader, and word to the engine's process
         await startup(sockets)
-        threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
+        threading.Thread(target=read_pipe, args=(asyncio.get_running_loop(),), daemon=True).start()
         conn.send(sock.getsockname()[1])
     server.startup = started
     server.run([sock])
@@ -1598,7 +1853,7 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
     from fastapi.responses import JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
-    tok, m06 = front.tok, lesson("06_jump_forward_fsm")
+    tok = front.tok
     REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
                "prediction": None, "web_search_options": None, "modalities": ["text"]}  # (or null) else a 400
 
@@ -1725,10 +1980,10 @@ def make_app(front: SimpleNamespace, name: str, max_tokens: int):
                 if not isinstance(schema, dict) or regex is not None:
                     raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
                 jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
-                regex = m06.schema_to_regex(schema)
+                regex = L06.schema_to_regex(schema)
             if regex is not None and regex not in front.indexes:  # built here (off the loop), sent with the request
-                m06.compile_regex(regex)
-                front.indexes[regex] = index = await asyncio.to_thread(m06.TokenIndex, regex, tok)
+                L06.compile_regex(regex)
+                front.indexes[regex] = index = await asyncio.to_thread(L06.TokenIndex, regex, tok)
         except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
             raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
         k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs  # top k, or None: none
@@ -1861,190 +2116,6 @@ def serve(args, ready=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
-# gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
-# ----------------------------------------------------------------------------------------------
-# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
-#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
-#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
-#     those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
-#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
-# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's is 1/16 of its weights):
-# batch 1 (04's fused kernels) sums each rank's rows of the logits, zero elsewhere; batches' graphs find the
-# argmax from each rank's best per 4096 rows (04's argmax, its keys gathered), and sampled steps gather the rows.
-# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
-# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
-# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
-# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
-# handshake: microseconds for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 sums a token). One
-# shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into every peer's
-# address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N partial sums over
-# NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
-# needs no barrier: each rank pushes its partial sum into its slot on every rank, where the data is its own flag
-# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of
-# NCCL's or one shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
-
-def tp_launch(args, argv):
-    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
-    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
-    world = int(os.environ.get("WORLD_SIZE", args.tp))
-    if args.tp < 1 or args.tp not in (1, world):
-        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
-                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
-    if world == 1:
-        return 0, 1, args.device
-    if "RANK" not in os.environ:
-        import socket
-        import subprocess
-        with socket.socket() as s:  # a free port for the ranks to meet at
-            s.bind(("127.0.0.1", 0))
-            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
-            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
-                p.kill()  # (a no-op on one that has exited)
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
-    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
-    if device.startswith("cuda"):
-        if torch.cuda.device_count() < world:
-            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
-        device = f"cuda:{local}"  # one GPU per rank
-        torch.cuda.set_device(local)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
-
-    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
-        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        torch.distributed.destroy_process_group()
-    atexit.register(leave)
-    return rank, world, device
-
-
-def shard_model(model, rank: int, world: int):
-    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
-    a = model.args
-    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
-        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
-                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
-
-    def keep(lin, dim, parts):  # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
-        w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
-        lin.weight = nn.Parameter(w, requires_grad=False)
-
-    for layer in model.layers:
-        at, ff = layer.attention, layer.feed_forward
-        keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
-        keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
-        for use, lin in enumerate((at.wo, ff.w2)):  # their partial sums, added up on every rank (uses alternate)
-            keep(lin, 1, [lin.weight.detach()])
-            lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp_sum(out, use=use))
-        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
-    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
-    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
-                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
-    return model
-
-
-ONE_SHOT_BYTES = 2 << 20  # sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
-
-
-class TPSum:
-    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the sum). On GPUs
-    up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else NCCL (gloo
-    on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory: `lamport`, 2 uses of world
-    slots, all ones when empty (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part`
-    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere. `split`:
-    batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side by side)."""
-
-    def __init__(self, model, rank: int, world: int):
-        w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
-        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
-        self.split = vocab % world == 0  # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
-        cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
-        self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
-        if cuda:
-            from torch.distributed import _symmetric_memory as symm
-            make, self.group, self.m04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
-        self.part = make(cap, dtype=w.dtype, device=w.device)
-        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
-        if cuda:
-            self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
-            self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
-            torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
-            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
-                symm.rendezvous(buf, self.group)
-            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs  # each rank's address of it
-            at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
-            self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
-            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]  # n = dim: batch 1's
-            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))  # NCCL links up large sums' paths
-
-    def __call__(self, x, out=None, use=0):
-        ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
-        small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
-        if self.algo == "lamport" and small and not ours:
-            return self.m04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
-        if self.algo != "nccl" and (ours or small):
-            ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
-            if ours:  # written in symmetric memory already
-                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
-            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
-        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
-            x = out.copy_(x)
-        torch.distributed.all_reduce(x)
-        return x
-
-    def gather(self, x, dim=0):
-        """Every rank's x (the same shape on each), side by side along dim, or stacked (dim None): an all-gather."""
-        out = x.new_empty(self.world * len(x), *x.shape[1:])  # the ranks' x one after another (gloo's form)
-        torch.distributed.all_gather_into_tensor(out, x.contiguous())
-        out = out.view(self.world, *x.shape)
-        return out if dim is None else torch.cat(out.unbind(), dim)
-
-    def split_argmax(self, m04, logits, out, advance, pdl=False):
-        """04's argmax of logits split by vocab rows (this rank's self.vocab): every rank's best keys gathered."""
-        return m04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
-                          gather=lambda keys: self.gather(keys, None))
-
-
-def tp_share(model, make):
-    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1:
-        return make()
-    box = [None]
-    if rank == 0:
-        try:
-            box[0] = make()
-        except UserError as e:
-            box[0] = e
-    torch.distributed.broadcast_object_list(box, 0)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]
-
-
-def tp_sampled(model, sample, n: int) -> list:
-    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
-    schedule). Without TP: sample()."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1 or n == 0:
-        return sample()
-    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
-    torch.distributed.broadcast(ids, 0)
-    return ids.tolist()
-
-
-# ----------------------------------------------------------------------------------------------
 # The command line: its flags (parsed before torch loads: see the top of the file), the helpers main
 # uses, and main: load, build the engine, add the prompts, run, print the completions and the
 # figures.
@@ -2129,21 +2200,6 @@ def cli_args(argv=None) -> argparse.Namespace:
     return args
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
-    return dev
-
-
 def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
     ids = []
     for p in prompts:
@@ -2154,26 +2210,6 @@ def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
             raise UserError(f"prompt of {len(ids[-1])} tokens + --max-new-tokens {max_new_tokens} exceeds the model's "
                             f"context of {context} tokens")
     return ids
-
-
-def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
-    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
-    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
-    a = model.args
-    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
-        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
-            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
-    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
-    if want > limit and (asked or longest > limit):
-        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
-        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
-                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
-    return min(want, limit)
 
 
 def progress_bar(total: int, quiet: bool):
@@ -2195,14 +2231,6 @@ def print_events(events, as_json=False):
     for e in events:
         print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
               f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
-
-
-def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
-    """The engine the flags ask for (the CLI's and the server's)."""
-    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
-                  block_size=args.block_size, radix=False if args.no_radix else None,
-                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
-                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
 
 
 def plural(n: int, word: str) -> str:
@@ -2227,9 +2255,9 @@ def main(argv=None):
                 schema = json.load(open(args.json_schema))
             except (OSError, ValueError) as e:
                 raise UserError(f"--json-schema {args.json_schema}: {e}") from None
-            regex = lesson("06_jump_forward_fsm").schema_to_regex(schema, strict=not args.json_schema_exact)
+            regex = L06.schema_to_regex(schema, strict=not args.json_schema_exact)
         if regex is not None:
-            lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
+            L06.compile_regex(regex)  # a bad or hostile regex: refused before the load
         if args.n > 1 and args.temperature == 0 and not args.quiet:
             print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
                   f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
