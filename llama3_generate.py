@@ -57,6 +57,7 @@ import atexit
 import base64
 import codecs
 import contextlib
+import functools
 import gc
 import glob
 import importlib
@@ -73,6 +74,7 @@ import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Annotated, Literal
 
 if __name__ == "__main__":  # --help and bad numbers answer before torch loads (seconds): define the last
     # section's DefaultsOnce and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
@@ -83,6 +85,7 @@ if __name__ == "__main__":  # --help and bad numbers answer before torch loads (
 import torch
 import torch.nn.functional as F
 from torch import nn
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class UserError(Exception):
@@ -1767,8 +1770,8 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
     def send(*msg):
         with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
             conn.send(msg)
-    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0,
-                            send=send)
+    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, name=name, max_tokens=max_tokens,
+                            jobs={}, indexes={}, failed=None, n=0, send=send)
 
     def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens, logprobs) each; why
         for items, failed in msgs:  # the engine failed
@@ -1787,7 +1790,7 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
                     msgs = []
         loop.call_soon_threadsafe(deliver, msgs)  # the last ones, read just before the pipe's end; then the server
         loop.call_soon_threadsafe(lambda: loop.call_later(2 * bool(front.failed), setattr, server, "should_exit", True))
-    server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
+    server = uvicorn.Server(uvicorn.Config(make_app(front), timeout_graceful_shutdown=5,
                                            log_level=log_level))
     server.capture_signals, startup = contextlib.nullcontext, server.startup
 
@@ -1839,245 +1842,405 @@ class Job:
         return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
 
 
-def make_app(front: SimpleNamespace, name: str, max_tokens: int):
+# The OpenAI API's request bodies: OpenAI's fields and bounds (null: the default). Pydantic validates each body;
+# what it refuses is a 400 naming the field (invalid_body).
+# fields OpenAI has that this server does not do: refused (a 400) unless they hold this value (or null)
+REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None,
+           "audio": None, "prediction": None, "web_search_options": None, "modalities": ["text"]}
+
+
+class Format(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None  # {"name": ..., "schema": {...}}
+
+
+class Function(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict = {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
+    model_config = ConfigDict(extra="allow")  # (but those REFUSED)
+    model: str
+    prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # null: OpenAI's 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_BATCH)
+    seed: int | None = None  # any integer (the engine reduces it to its generator's range)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],  # token id -> added to its logit
+                     Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
+    response_format: Format | None = None
+    regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
+    ignore_eos: bool | None = None  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
+
+
+class Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+    tool_calls: list[dict] | None = None
+
+
+class Chat(Completion):
+    prompt: None = None
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | Tool | None = None  # Tool: the one named
+
+
+class Refused(Exception):
+    """(message, param, status, code): answered as OpenAI's error object."""
+
+
+def make_app(front: SimpleNamespace):
     """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions, streamed
     (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null: the default); what it
     refuses, what REFUSED names, or what the engine cannot fit is a 400 with OpenAI's error object naming the field.
     JSON mode, a json_schema and a forced tool choice are 06's grammars (vLLM's guided tool choice: the output is
     {"name": ..., "arguments": ...} of a tool, answered as its tool call); tool_choice "auto" is refused."""
-    import functools
-    from typing import Annotated, Literal
-    import jsonschema
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
     from starlette.exceptions import HTTPException
-    tok = front.tok
-    REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
-               "prediction": None, "web_search_options": None, "modalities": ["text"]}  # (or null) else a 400
+    app = FastAPI(title=f"llama3_generate.py: {front.name}")
+    app.exception_handler(Refused)(lambda req, e: error_response(*e.args))
+    app.exception_handler(HTTPException)(http_error)
+    app.exception_handler(Exception)(server_error)
+    app.exception_handler(RequestValidationError)(invalid_body)
 
-    class Format(BaseModel):
-        type: Literal["text", "json_object", "json_schema"]
-        json_schema: dict | None = None  # {"name": ..., "schema": {...}}
-
-    class Function(BaseModel):
-        name: str
-        description: str | None = None
-        parameters: dict = {"type": "object", "properties": {}}
-
-    class Tool(BaseModel):
-        type: Literal["function"]
-        function: Function
-
-    class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
-        model_config = ConfigDict(extra="allow")  # (but those REFUSED)
-        model: str
-        prompt: str | list[int] = Field(min_length=1)  # text, or token ids
-        max_tokens: int | None = Field(None, ge=1)
-        temperature: float | None = Field(None, ge=0, le=2)  # null: OpenAI's 1
-        top_p: float | None = Field(None, gt=0, le=1)
-        n: int | None = Field(None, ge=1, le=MAX_BATCH)
-        seed: int | None = None  # any integer (the engine reduces it to its generator's range)
-        stop: str | list[str] | None = None
-        stream: bool | None = None
-        stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
-        frequency_penalty: float | None = Field(None, ge=-2, le=2)
-        presence_penalty: float | None = Field(None, ge=-2, le=2)
-        logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],  # token id -> added to its logit
-                         Annotated[float, Field(ge=-100, le=100)]] | None = None
-        logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
-        response_format: Format | None = None
-        regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
-        ignore_eos: bool | None = None  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
-
-    class Part(BaseModel):
-        type: Literal["text"]
-        text: str
-
-    class Message(BaseModel):
-        role: Literal["system", "developer", "user", "assistant", "tool"]
-        content: str | list[Part] | None = None
-        tool_calls: list[dict] | None = None
-
-    class Chat(Completion):
-        prompt: None = None
-        messages: list[Message] = Field(min_length=1)
-        max_completion_tokens: int | None = Field(None, ge=1)
-        logprobs: bool | None = None
-        top_logprobs: int | None = Field(None, ge=0, le=20)
-        tools: list[Tool] | None = None
-        tool_choice: Literal["none", "auto", "required"] | Tool | None = None  # Tool: the one named
-
-    class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
-        pass
-    app = FastAPI(title=f"llama3_generate.py: {name}")
-    error = lambda message, param=None, status=400, code=None, headers=None: JSONResponse({"error": dict(
-        message=message, type="invalid_request_error" if status < 500 else "server_error", param=param, code=code)},
-        status, headers)
-    app.exception_handler(Refused)(lambda req, e: error(*e.args))
-    app.exception_handler(HTTPException)(lambda req, e: error(str(e.detail), None, e.status_code, None, e.headers))
-    app.exception_handler(Exception)(lambda req, e: error(f"the server failed: {e!r}", None, 500))
-
-    @app.exception_handler(RequestValidationError)
-    def invalid(req, e):  # the field at fault: the deepest error's; param: its top-level field
-        err = max(e.errors(), key=lambda err: len(err["loc"]))
-        where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
-        return error(f"{where}: {err['msg']}" if where else f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
-                     if err["type"] == "json_invalid" else err["msg"], where.split(".")[0] or None)
-
-
-    @app.get("/health")  # the same: 200 while the engine serves
-    @app.get("/v1/models")
     def models():
-        if front.failed:  # the engine's thread died: every route says so
-            raise Refused(front.failed, None, 503)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
-
-    async def handle(body, request, chat: bool):
-        for bad in [k for k, ok in REFUSED.items() if (body.model_extra or {}).get(k) not in (ok, None)][:1]:
-            raise Refused(f"{bad}: not supported by this server", bad)
-        if body.model != name:
-            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 404, "model_not_found")
-        if front.failed:
-            raise Refused(front.failed, None, 503)
-        field, tools, pick, msgs = ("messages", body.tools or [], body.tool_choice, body.messages) if chat else (
-            "prompt", [], "none", [])
-        if tools and pick in (None, "auto"):
-            raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", a named '
-                          'function or "none"', "tool_choice")
-        tools = [t for t in tools if pick == "required" or isinstance(pick, Tool) and t.function.name ==
-                 pick.function.name]
-        if isinstance(pick, Tool) and not tools:
-            raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
-        text = lambda m: m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []) or (
-            json.dumps(m.tool_calls) if m.tool_calls else "")
-        msgs = [dict(role="system" if m.role == "developer" else m.role, content=text(m)) for m in msgs] + [dict(
-            role="system", content=f'Call one of these functions, as {{"name": ..., "arguments": ...}}: '
-            f"{json.dumps([t.function.model_dump() for t in tools])}")] * bool(tools)  # as templates with tools do
-        ids = tok.chat(msgs) if chat else body.prompt if isinstance(body.prompt, list) else tok.encode(
-            body.prompt, bos=True)
-        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
-        for where, got in ((field, ids), ("logit_bias", bias)):
-            if not all(0 <= t < front.vocab_size for t in got):
-                raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
-        asked = (body.max_completion_tokens if chat else None) or body.max_tokens
-        n_new = asked or max(1, min(max_tokens, front.max_len - len(ids)))  # unasked: up to the server's default
-        if len(ids) + n_new > front.max_len:
-            raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {front.max_len} tokens a "
-                          f"sequence may hold here (the model's context, or the KV pool)", field if len(ids) >=
-                          front.max_len else "max_completion_tokens" if chat and body.max_completion_tokens else
-                          "max_tokens", 400, "context_length_exceeded")
-        regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
-        kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
-        try:  # a call of a tool: {"name": its name, "arguments": its parameters} (their $defs hoisted); JSON mode
-            schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                                 "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters}}
-                                for t in tools], "$defs": {k: v for t in tools for k, v in t.function.parameters.get(
-                "$defs", {}).items()}} if tools else {"type": "object", "additionalProperties": True} if (
-                fmt.type == "json_object") else (fmt.json_schema or {}).get("schema", 0) if fmt.type != "text" else None
-            if schema is not None:
-                if not isinstance(schema, dict) or regex is not None:
-                    raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
-                jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
-                regex = L06.schema_to_regex(schema)
-            if regex is not None and regex not in front.indexes:  # built here (off the loop), sent with the request
-                L06.compile_regex(regex)
-                front.indexes[regex] = index = await asyncio.to_thread(L06.TokenIndex, regex, tok)
-        except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
-            raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
-        k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs  # top k, or None: none
-        if k is not None and (body.stream or regex is not None):
-            raise Refused("logprobs: not with stream, nor with a constrained output (jump-forward re-tokenizes it)",
-                          "logprobs")
-        stop, n = [body.stop] if isinstance(body.stop, str) else body.stop or [], body.n or 1
-        params = SamplingParams(n_new, 1.0 if body.temperature is None else body.temperature, body.top_p or 1.0,
-                                bool(body.ignore_eos), regex, n, body.seed, body.frequency_penalty or 0.0,
-                                body.presence_penalty or 0.0, bias, k)
-        job = Job(front, params, [s for s in stop if s])
-        front.send("add", job.id, (ids, params, index))
-        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
-                    model=name, object="chat.completion" if chat else "text_completion")
-        usage = lambda tokens: dict(prompt_tokens=len(ids), completion_tokens=sum(tokens),
-                                    total_tokens=len(ids) + sum(tokens))
-        texts, finish, tokens = [""] * n, [None] * n, [0] * n
-        failed = lambda: next((f[7:] for f in finish if f and f.startswith("error: ")), None)
-
-        def choice(i, text, finish, key):
-            message = {"role": "assistant", "content": text}
-            if tools and finish == "stop":  # the call, complete
-                call, finish = json.loads(text), "tool_calls"
-                message.update(content=None, tool_calls=[dict(index=0, id=f"call_{os.urandom(12).hex()}", type=
-                               "function", function=dict(name=call["name"], arguments=json.dumps(call["arguments"])))])
-            return dict(index=i, finish_reason=finish, logprobs=logprobs(i),
-                        **{key: message} if chat else {"text": text})
-
-        def logprobs(i):  # OpenAI's shapes, from each token's (token, logprob, [(token, logprob)] of the top k)
-            one = lambda t, lp: dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
-                                     bytes=list(tok.token_bytes(t)))
-            got = [(one(t, lp), [one(*x) for x in top]) for t, lp, top in job.lps[i]]
-            return None if k is None else {"content": [{**e, "top_logprobs": top} for e, top in got]} if chat else dict(
-                tokens=[e["token"] for e, _ in got], token_logprobs=[e["logprob"] for e, _ in got],
-                top_logprobs=[{x["token"]: x["logprob"] for x in top} for _, top in got])
-
-        def stop():  # the client went away, or a sample failed: the request stops and frees its KV
-            if None in finish:
-                front.send("abort", job.id, None)
-                front.jobs.pop(job.id, None)
-        if not body.stream:  # all of it, unless its client goes away first
-            gone = asyncio.ensure_future(request.receive())  # its next message: "http.disconnect", once gone
-            try:
-                while None in finish and not failed():
-                    take = asyncio.ensure_future(job.take())
-                    await asyncio.wait((take, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if not take.done():
-                        return take.cancel()
-                    for i, text, finish[i], tokens[i] in take.result():
-                        texts[i] += text
-            finally:
-                gone.cancel()
-                stop()
-            if failed():
-                raise Refused(failed(), None, 500)
-            return {**head, "usage": usage(tokens), "choices": [
-                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]}
-
-        async def events():  # server-sent events: one per new text (all that came since the last write), then [DONE]
-            head["object"] += ".chunk" if chat else ""
-            data = lambda chunk: f"data: {json.dumps({**head, **chunk})}\n\n"
-            # an event's JSON, per sample and finish reason, serialized once and cut where its text goes
-            around = functools.cache(lambda i, f: data({"choices": [choice(i, "\0", f, "delta")]}).split('"\\u0000"'))
-            try:
-                while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
-                    out = []
-                    for i, text, finish[i], tokens[i] in await job.take():
-                        texts[i] += text
-                        if failed():  # its last event: OpenAI's error object
-                            yield f"data: {json.dumps({'error': dict(message=failed(), type='server_error')})}\n\n"
-                            return
-                        if tools and finish[i]:  # a tool call goes out whole, once complete
-                            out.append(data({"choices": [choice(i, texts[i], finish[i], "delta")]}))
-                        elif not tools:
-                            a, b = around(i, finish[i])
-                            out.append(f"{a}{json.dumps(text)}{b}")
-                    if None not in finish:  # the usage (if asked for) and [DONE] go out in the last write
-                        if (body.stream_options or {}).get("include_usage"):
-                            out.append(data({"choices": [], "usage": usage(tokens)}))
-                        out.append("data: [DONE]\n\n")
-                    yield "".join(out)
-            finally:
-                stop()
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    def route(chat: bool):  # POST routes, in /openapi.json with their bodies (validated; 400s: invalid above)
-        async def post(body, request):
-            return await handle(body, request, chat)
-        post.__annotations__ = {"body": Chat if chat else Completion, "request": Request}  # this file's are strings
-        return post
+        return list_models(front)
+    app.get("/health")(models)  # the same: 200 while the engine serves
+    app.get("/v1/models")(models)
     errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
-    app.post("/v1/completions", responses=errors)(route(False))
-    app.post("/v1/chat/completions", responses=errors)(route(True))
+    app.post("/v1/completions", responses=errors)(route(front, False, Request))
+    app.post("/v1/chat/completions", responses=errors)(route(front, True, Request))
     return app
+
+
+def error_response(message, param=None, status=400, code=None, headers=None):
+    """OpenAI's error object."""
+    from fastapi.responses import JSONResponse
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    error = dict(message=message, type=kind, param=param, code=code)
+    return JSONResponse({"error": error}, status, headers)
+
+
+def http_error(req, e):
+    return error_response(str(e.detail), None, e.status_code, None, e.headers)
+
+
+def server_error(req, e):
+    return error_response(f"the server failed: {e!r}", None, 500)
+
+
+def invalid_body(req, e):
+    """A body pydantic refused: the field at fault is the deepest error's; param: its top-level field."""
+    err = max(e.errors(), key=lambda err: len(err["loc"]))
+    where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
+    if where:
+        message = f"{where}: {err['msg']}"
+    elif err["type"] == "json_invalid":
+        message = f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
+    else:
+        message = err["msg"]
+    return error_response(message, where.split(".")[0] or None)
+
+
+def list_models(front):
+    if front.failed:  # the engine's thread died: every route says so
+        raise Refused(front.failed, None, 503)
+    model = {"id": front.name, "object": "model", "created": 0, "owned_by": "local"}
+    return {"object": "list", "data": [model]}
+
+
+def route(front, chat: bool, request_type):
+    """A POST route, in /openapi.json with its body (validated; 400s: invalid_body)."""
+    async def endpoint(body, request):
+        return await handle(front, body, request, chat)
+    # this file's annotations are strings: FastAPI reads these
+    endpoint.__annotations__ = {"body": Chat if chat else Completion, "request": request_type}
+    return endpoint
+
+
+async def handle(front, body, request, chat: bool):
+    """One POST: the request checked and queued on the engine, then answered whole, or streamed."""
+    from fastapi.responses import StreamingResponse
+    r = await parse_request(front, body, chat)
+    r.job = Job(front, r.params, r.stop)
+    front.send("add", r.job.id, (r.ids, r.params, r.index))
+    prefix = "chatcmpl" if chat else "cmpl"
+    r.head = dict(id=f"{prefix}-{os.urandom(12).hex()}", created=int(time.time()), model=front.name,
+                  object="chat.completion" if chat else "text_completion")
+    n = r.params.n
+    r.texts, r.finish, r.tokens = [""] * n, [None] * n, [0] * n
+    if not body.stream:
+        return await complete(r, request)
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(stream(r, include_usage), media_type="text/event-stream")
+
+
+async def parse_request(front, body, chat: bool) -> SimpleNamespace:
+    """A body checked against what this server does and what fits: its prompt ids, SamplingParams, stop strings
+    and its regex's TokenIndex (where built now). Refused, saying why, where it cannot run."""
+    refuse_unsupported(front, body)
+    tools = chosen_tools(body) if chat else []
+    field = "messages" if chat else "prompt"
+    ids = prompt_ids(front.tok, body, chat, tools)
+    bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
+    for where, got in ((field, ids), ("logit_bias", bias)):
+        if not all(0 <= t < front.vocab_size for t in got):
+            raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
+    n_new = new_tokens(front, body, chat, len(ids), field)
+    regex, index = await constraint(front, body, tools)
+    k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs  # top k, or None: none
+    if k is not None and (body.stream or regex is not None):
+        why = "not with stream, nor with a constrained output (jump-forward re-tokenizes it)"
+        raise Refused(f"logprobs: {why}", "logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    temperature = 1.0 if body.temperature is None else body.temperature
+    params = SamplingParams(max_new_tokens=n_new, temperature=temperature, top_p=body.top_p or 1.0,
+                            ignore_eos=bool(body.ignore_eos), regex=regex, n=body.n or 1,
+                            seed=body.seed, frequency_penalty=body.frequency_penalty or 0.0,
+                            presence_penalty=body.presence_penalty or 0.0, logit_bias=bias,
+                            logprobs=k)
+    return SimpleNamespace(front=front, tok=front.tok, chat=chat, tools=tools, ids=ids,
+                           params=params, k=k, index=index, stop=[s for s in stop if s])
+
+
+def refuse_unsupported(front, body):
+    """A field this server does not do (REFUSED), another model's name, or an engine that failed: refused."""
+    extra = body.model_extra or {}
+    for bad in [k for k, ok in REFUSED.items() if extra.get(k) not in (ok, None)][:1]:
+        raise Refused(f"{bad}: not supported by this server", bad)
+    if body.model != front.name:
+        why = f"model {body.model!r} is not served here: {front.name!r} is"
+        raise Refused(why, "model", 404, "model_not_found")
+    if front.failed:
+        raise Refused(front.failed, None, 503)
+
+
+def chosen_tools(body) -> list:
+    """The tools a chat request's output may call: all of them ("required"), the one named, or none."""
+    tools, pick = body.tools or [], body.tool_choice
+    if tools and pick in (None, "auto"):
+        raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", '
+                      'a named function or "none"', "tool_choice")
+    named = isinstance(pick, Tool)
+    tools = [t for t in tools
+             if pick == "required" or named and t.function.name == pick.function.name]
+    if named and not tools:
+        raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
+    return tools
+
+
+def message_text(m) -> str:
+    """A chat message's text: its content, its parts joined, or its tool calls as JSON."""
+    if isinstance(m.content, str):
+        return m.content
+    parts = "".join(p.text for p in m.content or [])
+    return parts or (json.dumps(m.tool_calls) if m.tool_calls else "")
+
+
+def prompt_ids(tok, body, chat: bool, tools: list) -> list:
+    """The prompt's token ids: the chat template over the messages (and the tools), or the prompt's."""
+    if not chat:
+        return body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt, bos=True)
+    msgs = [dict(role="system" if m.role == "developer" else m.role, content=message_text(m))
+            for m in body.messages]
+    if tools:  # as templates with tools do
+        spec = json.dumps([t.function.model_dump() for t in tools])
+        call = 'Call one of these functions, as {"name": ..., "arguments": ...}: '
+        msgs.append(dict(role="system", content=call + spec))
+    return tok.chat(msgs)
+
+
+def new_tokens(front, body, chat: bool, n_prompt: int, field: str) -> int:
+    """max_tokens (max_completion_tokens), or up to the server's default; refused where it does not fit."""
+    asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+    n_new = asked or max(1, min(front.max_tokens, front.max_len - n_prompt))  # unasked: the server's default
+    if n_prompt + n_new <= front.max_len:
+        return n_new
+    if n_prompt >= front.max_len:
+        param = field
+    else:
+        param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    raise Refused(f"prompt of {n_prompt} tokens + {n_new} new tokens exceeds the {front.max_len} "
+                  f"tokens a sequence may hold here (the model's context, or the KV pool)", param, 400,
+                  "context_length_exceeded")
+
+
+def response_schema(fmt: Format, tools: list):
+    """The JSON schema the output must match: a call of a tool ({"name": its name, "arguments": its parameters},
+    their $defs hoisted), JSON mode, response_format's json_schema; None: no schema."""
+    if tools:
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t.function.name},
+                                 "arguments": t.function.parameters}}
+                 for t in tools]
+        defs = {k: v for t in tools for k, v in t.function.parameters.get("$defs", {}).items()}
+        return {"anyOf": calls, "$defs": defs}
+    if fmt.type == "json_object":
+        return {"type": "object", "additionalProperties": True}
+    if fmt.type == "json_schema":
+        return (fmt.json_schema or {}).get("schema", 0)
+    return None
+
+
+async def constraint(front, body, tools: list):
+    """(the regex the output must fullmatch, or None; its TokenIndex where built now, else None): 06's compiler over
+    regex, a schema of response_format or the tools. The index is built here (off the event loop) and sent with the
+    request, once per regex."""
+    import jsonschema
+    regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
+    kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
+    try:
+        schema = response_schema(fmt, tools)
+        if schema is not None:
+            if not isinstance(schema, dict) or regex is not None:
+                raise ValueError("give a schema as response_format.json_schema.schema "
+                                 "(and no regex beside it)")
+            jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
+            regex = L06.schema_to_regex(schema)
+        if regex is not None and regex not in front.indexes:
+            L06.compile_regex(regex)
+            index = await asyncio.to_thread(L06.TokenIndex, regex, front.tok)
+            front.indexes[regex] = index
+    except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
+        raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
+    return regex, index
+
+
+def failure(r):
+    """Why a sample of request r failed (its finish reason's "error: why"), or None."""
+    return next((f[7:] for f in r.finish if f and f.startswith("error: ")), None)
+
+
+def abandon(r):
+    """The client went away, or a sample failed: the request stops and frees its KV."""
+    if None in r.finish:
+        r.front.send("abort", r.job.id, None)
+        r.front.jobs.pop(r.job.id, None)
+
+
+async def complete(r, request):
+    """The whole answer, unless its client goes away first."""
+    gone = asyncio.ensure_future(request.receive())  # its next message: "http.disconnect", once gone
+    try:
+        while None in r.finish and not failure(r):
+            pending = asyncio.ensure_future(r.job.take())
+            await asyncio.wait((pending, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                return pending.cancel()
+            for i, text, r.finish[i], r.tokens[i] in pending.result():
+                r.texts[i] += text
+    finally:
+        gone.cancel()
+        abandon(r)
+    if failure(r):
+        raise Refused(failure(r), None, 500)
+    choices = [choice(r, i, t, f, "message") for i, (t, f) in enumerate(zip(r.texts, r.finish))]
+    return {**r.head, "usage": usage(r), "choices": choices}
+
+
+async def stream(r, include_usage: bool):
+    """Server-sent events: one per new text (all that came since the last write), then [DONE]."""
+    r.head["object"] += ".chunk" if r.chat else ""
+    around = {}  # (sample, finish reason) -> its event's JSON, serialized once, cut where its text goes
+    try:
+        while None in r.finish:  # one write per wake-up: a stream that fell behind catches up at once
+            out = []
+            for i, text, r.finish[i], r.tokens[i] in await r.job.take():
+                r.texts[i] += text
+                if failure(r):  # its last event: OpenAI's error object
+                    yield sse({"error": dict(message=failure(r), type="server_error")})
+                    return
+                if r.tools and r.finish[i]:  # a tool call goes out whole, once complete
+                    whole = choice(r, i, r.texts[i], r.finish[i], "delta")
+                    out.append(chunk_event(r, {"choices": [whole]}))
+                elif not r.tools:
+                    out.append(text_event(r, around, i, text))
+            if None not in r.finish:  # the usage (if asked for) and [DONE] go out in the last write
+                if include_usage:
+                    out.append(chunk_event(r, {"choices": [], "usage": usage(r)}))
+                out.append("data: [DONE]\n\n")
+            yield "".join(out)
+    finally:
+        abandon(r)
+
+
+def sse(data) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def chunk_event(r, chunk: dict) -> str:
+    return sse({**r.head, **chunk})
+
+
+def text_event(r, around: dict, i: int, text: str) -> str:
+    """Sample i's new text as an event: its JSON for that sample and finish reason, cut once where the text goes."""
+    key = (i, r.finish[i])
+    if key not in around:
+        whole = chunk_event(r, {"choices": [choice(r, i, "\0", r.finish[i], "delta")]})
+        around[key] = whole.split('"\\u0000"')
+    before, after = around[key]
+    return f"{before}{json.dumps(text)}{after}"
+
+
+def usage(r) -> dict:
+    n = sum(r.tokens)
+    return dict(prompt_tokens=len(r.ids), completion_tokens=n, total_tokens=len(r.ids) + n)
+
+
+def choice(r, i: int, text: str, finish, key: str) -> dict:
+    """Sample i's choice: its text (completions) or message (chat; a tool's call once complete)."""
+    message = {"role": "assistant", "content": text}
+    if r.tools and finish == "stop":  # the call, complete
+        call, finish = json.loads(text), "tool_calls"
+        function = dict(name=call["name"], arguments=json.dumps(call["arguments"]))
+        call_id = f"call_{os.urandom(12).hex()}"
+        tool_call = dict(index=0, id=call_id, type="function", function=function)
+        message.update(content=None, tool_calls=[tool_call])
+    answer = {key: message} if r.chat else {"text": text}
+    return dict(index=i, finish_reason=finish, logprobs=logprobs(r, i), **answer)
+
+
+def token_logprob(tok, t: int, lp: float) -> dict:
+    return dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
+                bytes=list(tok.token_bytes(t)))
+
+
+def logprobs(r, i: int):
+    """OpenAI's shapes, from each token's (token, logprob, [(token, logprob)] of the top k); None if not asked."""
+    if r.k is None:
+        return None
+    got = [(token_logprob(r.tok, t, lp), [token_logprob(r.tok, *x) for x in top])
+           for t, lp, top in r.job.lps[i]]
+    if r.chat:
+        return {"content": [{**e, "top_logprobs": top} for e, top in got]}
+    return dict(tokens=[e["token"] for e, _ in got], token_logprobs=[e["logprob"] for e, _ in got],
+                top_logprobs=[{x["token"]: x["logprob"] for x in top} for _, top in got])
 
 
 def serve(args, ready=None):
@@ -2238,6 +2401,7 @@ def plural(n: int, word: str) -> str:
 
 
 def main(argv=None):
+    """The command line: load, build the engine, add the prompts, run, print the completions and the figures."""
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
     if args.serve and max(args.tp, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         sys.exit("error: --serve runs in one process: not with --tp or torchrun (yet)")
@@ -2246,106 +2410,170 @@ def main(argv=None):
     rank = 0
     try:
         rank, world, device = tp_launch(args, sys.argv[1:] if argv is None or argv is args else argv)
-        args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
-        if not all(p.strip() for p in args.prompt):
-            raise UserError("empty prompt")
-        regex = args.regex
-        if args.json_schema:
-            try:
-                schema = json.load(open(args.json_schema))
-            except (OSError, ValueError) as e:
-                raise UserError(f"--json-schema {args.json_schema}: {e}") from None
-            regex = L06.schema_to_regex(schema, strict=not args.json_schema_exact)
-        if regex is not None:
-            L06.compile_regex(regex)  # a bad or hostile regex: refused before the load
-        if args.n > 1 and args.temperature == 0 and not args.quiet:
-            print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
-                  f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
-        device = parse_device(device)
-        cpu_threads()
-        t0 = time.perf_counter()
-        model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
-        model = shard_model(model, rank, world).to(device) if world > 1 else model  # each GPU holds its shard only
-        load_s = time.perf_counter() - t0
-
-        def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
-            ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
-            longest = max(map(len, ids)) + args.max_new_tokens
-            return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
-        ids, kv_tokens = tp_share(model, prompts_and_pool)
-        longest = max(map(len, ids)) + args.max_new_tokens
-        engine = new_engine(args, model, tok, kv_tokens, longest)
-        warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
-        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
-        for p in ids:
-            engine.add(p, params)
+        run = set_up(args, rank, world, device)
     except (UserError, ValueError) as e:  # ValueError: 06 names what is wrong with a regex or schema
         sys.exit(2 if rank else f"error: {e}")
     if not args.quiet:
-        print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
-              f"{f' on each of {world} ranks (tensor parallel)' if world > 1 else ''}, {device}, {args.dtype}, "
-              f"{args.backend} backend", file=sys.stderr)
-    if warm_s is not None and not args.quiet:
-        print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]", file=sys.stderr)
-    text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
+        print_loaded(args, run)
+    outs, shown, single = run_engine(args, run, rank)
+    if rank:
+        return
+    print_completions(args, run, outs, shown, single)
+    if run.regex is not None:
+        warn_cut(args, run.engine, outs)
+    if args.events:
+        print_events(run.engine.events, args.json)
+    if not args.quiet:
+        print_figures(run.engine, outs)
+
+
+def set_up(args, rank: int, world: int, device: str) -> SimpleNamespace:
+    """Check the flags, load the model (this rank's shard under TP), size the KV pool, build the engine (warmed up
+    on a GPU) and queue the prompts."""
+    args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
+    if not all(p.strip() for p in args.prompt):
+        raise UserError("empty prompt")
+    regex = cli_regex(args)
+    if args.n > 1 and args.temperature == 0 and not args.quiet:
+        print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of "
+              f"each prompt; set --temperature above 0 for different ones", file=sys.stderr)
+    device = parse_device(device)
+    cpu_threads()
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
+    if world > 1:
+        model = shard_model(model, rank, world).to(device)  # each GPU holds its shard only
+    load_s = time.perf_counter() - t0
+
+    def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
+        context = model.args.max_seq_len
+        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, context)
+        longest = max(map(len, ids)) + args.max_new_tokens
+        return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
+    ids, kv_tokens = tp_share(model, prompts_and_pool)
+    longest = max(map(len, ids)) + args.max_new_tokens
+    engine = new_engine(args, model, tok, kv_tokens, longest)
+    # apart from serving figures
+    warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, ignore_eos=args.ignore_eos, regex=regex, n=args.n)
+    for p in ids:
+        engine.add(p, params)
+    text = functools.partial(completion_text, tok, args.ignore_eos)
+    return SimpleNamespace(model=model, tok=tok, engine=engine, n_seqs=len(ids) * args.n,
+                           regex=regex, device=device, world=world, load_s=load_s, warm_s=warm_s,
+                           text=text)
+
+
+def cli_regex(args) -> str | None:
+    """--regex, or --json-schema's regex (06's), compiled here: a bad or hostile one is refused before the load."""
+    regex = args.regex
+    if args.json_schema:
+        try:
+            schema = json.load(open(args.json_schema))
+        except (OSError, ValueError) as e:
+            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+        regex = L06.schema_to_regex(schema, strict=not args.json_schema_exact)
+    if regex is not None:
+        L06.compile_regex(regex)
+    return regex
+
+
+def completion_text(tok, ignore_eos: bool, out) -> str:
+    return tok.decode([t for t in out if ignore_eos or t not in tok.stop_ids])
+
+
+def print_loaded(args, run):
+    n_params = sum(p.numel() for p in run.model.parameters()) / 1e6
+    ranks = f" on each of {run.world} ranks (tensor parallel)" if run.world > 1 else ""
+    name = args.model or "SmolLM2-135M-Instruct"
+    print(f"loaded {name} in {run.load_s:.1f} s: {run.model.args.n_layers} layers, "
+          f"{n_params:.0f}M parameters{ranks}, {run.device}, {args.dtype}, {args.backend} backend",
+          file=sys.stderr)
+    if run.warm_s is not None:
+        print(f"[warm-up {run.warm_s:.1f} s: kernel compilation and CUDA graph capture, "
+              f"once per process]", file=sys.stderr)
+
+
+def run_engine(args, run, rank: int):
+    """Serve the queued prompts: a single completion is printed as it comes, several get a progress bar. Returns
+    (the outputs, the text printed so far, single)."""
     shown = [""]
 
     def stream(seq):  # print what is new; hold back a trailing partial UTF-8 character
-        now = text(seq.output)
+        now = run.text(seq.output)
         if not now.endswith("\ufffd") and now.startswith(shown[0]):
             print(now[len(shown[0]):], end="", flush=True)
             shown[0] = now
 
-    single = len(ids) * args.n == 1 and not args.quiet and not args.json
-    bar = progress_bar(len(ids) * args.n, quiet=args.quiet or single)
+    single = run.n_seqs == 1 and not args.quiet and not args.json
+    bar = progress_bar(run.n_seqs, quiet=args.quiet or single)
 
     def advance(e):  # the progress bar: sequences done, decode rate
         bar.update(len(e.finished) - bar.n)
         bar.set_postfix_str(decode_rate(e), refresh=False)
     try:
-        outs = engine.run(stream if single else None, advance if bar else None)
+        outs = run.engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
         sys.exit(2 if rank else f"error: {e}")
     finally:
         if bar:
             bar.close()
-    if rank:
-        return
+    return outs, shown[0], single
+
+
+def print_completions(args, run, outs: dict, shown: str, single: bool):
+    """The completions: JSON lines (--json), the rest of the one streamed, one per line (--quiet), or headed."""
+    engine, text = run.engine, run.text
     if args.json:
         for sid, o in outs.items():
             print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],
                               "sample": sid % args.n, "text": text(o), "token_ids": o,
                               "finish_reason": engine.finish_reasons[sid], **engine.timings[sid]}))
     elif single:
-        print(text(outs[0])[len(shown[0]):])
+        print(text(outs[0])[len(shown):])
     elif args.quiet:  # completions may hold newlines: one JSON string per line keeps them apart
-        print("\n".join(text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False) for o in outs.values()))
+        lines = [text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False)
+                 for o in outs.values()]
+        print("\n".join(lines))
     else:
         for sid, o in outs.items():
             sample_no = f" (sample {sid % args.n + 1})" if args.n > 1 else ""
             print(f"### {args.prompt[sid // args.n]}{sample_no}\n{text(o)}\n")
-    if regex is not None:
-        for sid in outs:
-            if engine.finish_reasons[sid] == "length":
-                print(f"warning: completion {sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''} was cut "
-                      f"by --max-new-tokens before it matched the {'schema' if args.json_schema else 'regex'}: it is "
-                      f"not valid output", file=sys.stderr)
-    if args.events:
-        print_events(engine.events, args.json)
-    if not args.quiet:
-        st = engine.stats
-        rate = lambda phase: (f"{plural(st[phase + '_tokens'], 'token')} in {st[phase + '_s']:.3f} s "
-                              f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
-        hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
-        mixed = f", mixed steps {rate('mixed')}" if st["mixed_tokens"] else ""
-        ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
-        ttft = f"{ttft[0]:.0f} ms" if len(ttft) == 1 else \
-            f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
-        print(f"[prefill {rate('prefill')}, decode {rate('decode')}{mixed}, first token after {ttft}, "
-              f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
-              f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
-              f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)
+
+
+def warn_cut(args, engine, outs: dict):
+    """A constrained completion cut by --max-new-tokens before it matched: said, as it is not valid output."""
+    what = "schema" if args.json_schema else "regex"
+    for sid in outs:
+        if engine.finish_reasons[sid] == "length":
+            name = f"{sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''}"
+            print(f"warning: completion {name} was cut by --max-new-tokens before it matched the "
+                  f"{what}: it is not valid output", file=sys.stderr)
+
+
+def phase_rate(st: dict, phase: str) -> str:
+    tokens, seconds = st[phase + "_tokens"], st[phase + "_s"]
+    rate = tokens / max(seconds, 1e-9)
+    return f"{plural(tokens, 'token')} in {seconds:.3f} s ({rate:,.1f} tok/s)"
+
+
+def print_figures(engine, outs: dict):
+    """The run's figures on stderr: prefill and decode rates, time to first token, radix hits, preemptions."""
+    st = engine.stats
+    hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
+    mixed = f", mixed steps {phase_rate(st, 'mixed')}" if st["mixed_tokens"] else ""
+    ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
+    if len(ttft) == 1:
+        ttft = f"{ttft[0]:.0f} ms"
+    else:
+        ttft = f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
+    peak = st['peak_kv_used'] / engine.kv_capacity()
+    print(f"[prefill {phase_rate(st, 'prefill')}, decode {phase_rate(st, 'decode')}{mixed}, "
+          f"first token after {ttft}, {plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
+          f"{plural(st['preemptions'], 'preemption')}, "
+          f"{plural(st['jump_forward_tokens'], 'jump-forward token')}, "
+          f"peak KV use {peak:.0%} of the pool]", file=sys.stderr)
 
 
 if __name__ == "__main__":
