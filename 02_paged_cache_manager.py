@@ -632,13 +632,7 @@ class Scheduler:
                     r.in_kv = True
                 return batch, positions
             except OutOfBlocks:
-                # tokens to fit (with blocks: the whole blocks they take)
-                m, n_new = self.m, [r.n_new for r in batch]
-                if m is None:
-                    n = sum(n_new)
-                else:
-                    n = m.batch_blocks_needed([r.rid for r in batch], n_new) * m.block_size
-                if self.make_room(n) > 0:
+                if self.make_room(self.slots_needed(batch, [r.n_new for r in batch])) > 0:
                     continue
                 if len(batch) == 1 and all(r is batch[0] for r in self.running):
                     # alone, after every eviction
@@ -655,6 +649,17 @@ class Scheduler:
                     self.hold_back(victim)
                 if not batch:  # nothing new fits next to the running ones: decode them instead
                     batch = self.running
+
+    def slots_needed(self, batch, n_new) -> int:
+        """KV slots kv.prepare(batch, n_new) takes now: tokens, or the whole blocks they start."""
+        if self.m is None:
+            return sum(n_new)
+        return self.m.batch_blocks_needed([r.rid for r in batch], n_new) * self.m.block_size
+
+    def free_slots(self):
+        """KV slots prepare() may take now: free tokens, or whole free blocks (the watermark too);
+        None: rows are reserved (01)."""
+        return self.kv.room() if self.m is None else self.m.num_free * self.m.block_size
 
     def make_room(self, n_tokens: int) -> int:
         """Free slots without touching a running request; returns how many. Nothing here (05 evicts its cache)."""

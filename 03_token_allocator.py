@@ -36,6 +36,14 @@ either is well under 1% of an eager decode step (--bench measures all three: tes
 original MemoryManager (2023); today LightLLM and SGLang keep a tensor of free slot ids and slice n off its front
 -- O(n) work, but no refcounts and no contiguous runs.
 
+No waste is not no room. A decode loop that syncs with the host once per k steps (the engine's
+multi-step chunks, vLLM's multi-step scheduling) takes the slots of all k tokens before the first
+step runs: r running requests need r x k free slots. A pool that admission filled to its last slot
+wastes nothing, and stalls that loop to one step per host round trip. So 05's scheduler keeps k
+look-ahead slots per running request free (its lookahead), a chunk runs as many steps as fit, and
+a request takes no slot past its max_new_tokens (a chunk's steps after its end write a scratch
+slot): the slots held ahead are what it costs never to make the GPU wait.
+
 Imports: 01 (the seam) and 02 (OutOfBlocks) at module level. The demo loads llama3_generate
 only for its CPU thread setting, and loading it imports the engine's lessons (see 01).
 

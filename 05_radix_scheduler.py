@@ -376,6 +376,10 @@ class Scheduler(L02.Scheduler):
                     not wait for a long one's chunks. None: a prompt runs whole (max_prefill_tokens bounds a step,
                     but the first request admitted is taken whatever its size).
       radix=False   no tree (01's contiguous rows, --no-radix); lpm and dfs-weight then fall back to fcfs.
+      lookahead=k   the engine decodes k steps per host round trip (multi-step chunks), and a chunk takes
+                    its k slots before its first step (03: no waste is not no room): admission keeps k
+                    slots free for every running request (vLLM's lookahead slots; expected() adds them),
+                    and run_ahead() sizes each chunk to what the pool holds.
 
     The step timeline (P: prefill tokens, d: one decode token per running request; a long prompt L arrives):
       prefill-first          d d d [PPPPPPPPPPPPPPPP L] d d d                every stream waits for all of L
@@ -383,7 +387,8 @@ class Scheduler(L02.Scheduler):
       mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d         a token to every stream each step"""
 
     def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0,
-                 radix=True, reserve=True, mixed=True, preempt="recompute", chunk_tokens=None):
+                 radix=True, reserve=True, mixed=True, preempt="recompute", chunk_tokens=None,
+                 lookahead=0):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         if reserve is True and not radix:
@@ -391,6 +396,7 @@ class Scheduler(L02.Scheduler):
         super().__init__(kv, max_running, preempt)
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
+        self.lookahead = lookahead  # slots each running request keeps free to run ahead
         self.set_schedule(mixed, chunk_tokens)
         # the request whose prompt is part-way in (chunked prefill)
         self.chunked, self.prefilled = None, False
@@ -584,20 +590,42 @@ class Scheduler(L02.Scheduler):
         """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output /
         max_new of the finished requests, from 1: every output runs to max_new; a preemption counts
         as one that ran to max_new), held its KV tokens (+ ahead: a prefill step may leave the
-        running ones be, so a new one is a step ahead)."""
-        ratio = self.seen[0] / self.seen[1]
+        running ones be, so a new one is a step ahead; + lookahead: the slots of a chunk, up to its
+        max_new, taken before its steps run)."""
+        ratio, la = self.seen[0] / self.seen[1], self.lookahead
         return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)),
-                          len(r.prompt) + len(r.output) + ahead) for r in reqs], int).reshape(-1, 2)
+                          len(r.prompt) + len(r.output) + ahead + min(la, r.max_new - len(r.output)))
+                         for r in reqs], int).reshape(-1, 2)
+
+    def run_ahead(self, batch, k, ahead=0) -> int:
+        """Room for a multi-step chunk of batch (the engine's greedy decode, k steps per host sync):
+        the most steps, up to k, that the pool holds now, each request taking min(steps, tokens left
+        to its max_new) slots (its steps past the end write scratch). Cached prefixes are evicted for
+        all k steps first. 0: not one step fits (a one-step decode step preempts, 02). ahead: each
+        one's tokens already in flight."""
+        left = [r.max_new - len(r.output) - ahead for r in batch]
+        need = lambda steps: self.slots_needed(batch, [min(steps, n) for n in left])
+        free = self.free_slots()
+        if free is None or need(k) <= free:
+            return k
+        if self.evict(need(k) - free):
+            free = self.free_slots()
+        return max(steps for steps in range(k + 1) if need(steps) <= free)
+
+    def evict(self, n_tokens) -> int:
+        """Evict least-recently-used cached prefixes for n_tokens; returns how many went."""
+        evicted = self.tree.evict(n_tokens) if self.tree and n_tokens > 0 else 0
+        self.stats["evicted_tokens"] += evicted
+        if evicted:
+            self.log("evict", None, evicted)
+        return evicted
 
     def make_room(self, n_tokens):
         """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first;
         then, in a decode step (prefill-first runs them between a prompt's chunks), send the prompt
         part-way in back to the queue."""
-        evicted = self.tree.evict(n_tokens - self.kv.room()) if self.tree else 0
-        self.stats["evicted_tokens"] += evicted
-        if evicted:
-            self.log("evict", None, evicted)
-        elif self.chunked is not None and not self.prefilled:
+        evicted = self.evict(n_tokens - self.kv.room())
+        if not evicted and self.chunked is not None and not self.prefilled:
             evicted = max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
             self.hold_back(self.chunked)
         return evicted

@@ -524,11 +524,14 @@ class Engine:
         self.backend = backend
         if L04 is not None and dev.type == "cuda":  # 04's kernels read any backend's table
             self.kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        # greedy decode steps per host round trip
+        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)
         try:
             self.sched = L05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
                                        radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
-                                       # .waiting, .running, .tree
-                                       preempt=preempt, chunk_tokens=chunk_tokens)
+                                       # .waiting, .running, .tree; room for every running one's next chunk
+                                       preempt=preempt, chunk_tokens=chunk_tokens,
+                                       lookahead=self.multi_step if graphs else 0)
         except ValueError as e:
             raise UserError(str(e)) from None
         self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
@@ -537,8 +540,6 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         # the engine's counts; the scheduler counts the rest (stats)
         self.counts = self.new_counts()
-        # greedy decode steps per host round trip
-        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)
         self.graphs = None
         if graphs:
             self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step, fused, self.max_len)
@@ -549,7 +550,9 @@ class Engine:
     def new_counts() -> dict:
         return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
                     # mixed: both kinds
-                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)
+                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0,
+                    # decode: steps, KV tokens they read (the roofline's), chunks, one-step fall-backs
+                    decode_steps=0, decode_kv_read=0, decode_chunks=0, one_step_decodes=0)
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
         """Queue a request; returns the sequence ids of its params.n samples. index: 06's TokenIndex of params.regex
@@ -596,7 +599,7 @@ class Engine:
         if self.sched.waiting or self.sched.chunked:
             t0 += self.land(on_token)  # its seconds count as decode
         new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
-        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
+        landed = self.decode_ahead() if self.graphs is not None and not new else None
         # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
         if landed is None:
             batch, positions = self.schedule(new)
@@ -604,6 +607,20 @@ class Engine:
         for batch, ids, steps in landed:
             kind = self.postprocess(batch, ids, steps, on_token)
         self.counts[f"{kind}_s"] += time.perf_counter() - t0
+
+    def decode_ahead(self):
+        """Greedy decode on the GPU (CudaGraphDecoder.decode_ahead): k steps per host sync, queued
+        ahead of it, k as many as the pool holds for every sequence (05's run_ahead, which evicts
+        cached prefixes for them). Returns what landed, or None: take one step."""
+        g = self.graphs
+        batch, ahead = g.going_on(self.sched.running)
+        k = g.most_steps(batch, ahead)
+        if k:
+            with g.beside(g.inflight):  # an eviction frees slots (03's free syncs): beside the chunk
+                k = self.sched.run_ahead(batch, k, ahead)
+        landed = g.decode_ahead(batch, k)
+        self.counts["decode_chunks"] += g.inflight is not None
+        return landed
 
     def land(self, on_token=None) -> float:
         """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
@@ -627,6 +644,7 @@ class Engine:
         # samples False: a prompt's chunk
         n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]
         if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
+            self.counts["one_step_decodes"] += 1  # a host sync for one step (not a chunk)
             return self.graphs.forward(batch, positions)
         tokens = torch.tensor([t for s in batch for t in s.feed])
         # rows that sample
@@ -700,15 +718,19 @@ class Engine:
         kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
         # the next chunk's tokens, written now
         flight = self.graphs.inflight if self.graphs is not None else None
-        ahead = {id(s): flight.k for s in flight.batch} if flight else {}
+        ahead = dict(zip(map(id, flight.batch), flight.need)) if flight else {}
         live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
         live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
         for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live),
                          ("peak_running", len(running | stepped))):
             self.counts[key] = max(self.counts[key], now)
-        jumped = sum(s.jumped for s in batch)
+        jumped, before = sum(s.jumped for s in batch), [(s.kv_len, len(s.output)) for s in batch]
         with self.graphs.beside(flight) if flight else contextlib.nullcontext():  # 03's free syncs
             appended = self.sched.postprocess(batch, ids, steps)
+        if kind == "decode":  # what its steps read: the weights once a step, each token's KV
+            n = [len(s.output) - out for s, (_, out) in zip(batch, before)]
+            self.counts["decode_steps"] += steps
+            self.counts["decode_kv_read"] += sum(k * kv + k * (k + 1) // 2 for k, (kv, _) in zip(n, before))
         self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
         self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
         for s, new in zip(batch, ids) if on_token else ():
@@ -831,6 +853,7 @@ class CudaGraphDecoder:
             self.buckets.append(max_batch)
         self.fused = fused and L04.fused_decode_ok(model)
         self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
+        self.pad_page = kv.table[self.pad_row, 0].clone()  # its scratch page (on the device)
         n, dev = self.buckets[-1], model.tok_embeddings.weight.device
         self.device, self.cuda = dev, dev.type == "cuda"
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
@@ -928,38 +951,58 @@ class CudaGraphDecoder:
             logits = self.model.tp_sum.gather(logits, 1)
         return logits.float()
 
-    def decode_ahead(self, running) -> list | None:
-        """Greedy, unconstrained running batch: k decode steps for one kv.prepare and one host sync (`steps`), k
-        = multi_step unless a sequence's context ends sooner. The next k steps are queued before the host reads
-        the last k, so the GPU never waits for the host: they continue the chunk in flight on the device, minus the
-        sequences that reach their max_new_tokens in it (known without reading it) or stopped (EOS) in a chunk
-        read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
-        wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
-        end, so chunks stay long (bounded by the nearest end, a big batch's were a few steps, and the GPU idled
-        through the host round trips between them). Returns the chunk landed now (see `collect`), or None: nothing
-        to do here, take one step."""
+    def going_on(self, running):
+        """The next chunk's batch and the tokens each has in flight: the chunk in flight's sequences
+        minus those that reach their max_new_tokens in it (known without reading it) or stopped
+        (EOS) in a chunk read before; with none in flight, the running ones."""
+        prev = self.inflight
+        if prev is None:
+            return running, 0
+        return [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > prev.k], prev.k
+
+    def most_steps(self, batch, ahead: int) -> int:
+        """Steps a chunk of batch may take: multi_step, fewer where a sequence's context ends sooner
+        or all their max_new_tokens do; 0 where one is not greedy and unconstrained."""
+        if not batch or not all(s.argmax for s in batch):
+            return 0
+        ends = [s.params.max_new_tokens - len(s.output) - ahead for s in batch]
+        return min([self.multi_step, max(ends)] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])
+
+    def decode_ahead(self, batch, k: int) -> list | None:
+        """k decode steps of batch (going_on) for one kv.prepare and one host sync (`steps`), k as the
+        scheduler sized it. The next k steps are queued before the host reads the last k, so the GPU
+        never waits for the host: they continue the chunk in flight on the device. A sequence that
+        ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same) wastes the steps
+        after that, whose tokens are dropped: a chunk waits for nobody's end, so chunks stay long.
+        Its slots stop at its max_new_tokens; steps past it write scratch (`scratch_tail`). Returns
+        the chunk landed now (see `collect`), or None: nothing to do here, take one step."""
         prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have once it lands
-        batch = running
-        if prev:
-            batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead]
-        if batch and all(s.argmax for s in batch):
-            # in context
-            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])
-            try:
-                # its ~30 small kernels run beside the chunk in flight, not after it
-                with self.beside(prev):
-                    positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
-            except OutOfBlocks:
-                positions = None  # the 1-step path evicts or preempts
-            if positions is not None:
-                going_on = set(map(id, batch))
-                # their rows
-                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None
-                self.inflight = self.steps(batch, positions, k, keep=keep, ahead=ahead)
+        if batch and (k >= 2 or prev and k >= 1):
+            need = [min(k, s.params.max_new_tokens - len(s.output) - ahead) for s in batch]
+            # its ~30 small kernels run beside the chunk in flight, not after it
+            with self.beside(prev):
+                positions = self.kv.prepare([s.rid for s in batch], need)
+                self.scratch_tail(k)
+            going_on = set(map(id, batch))
+            # their rows
+            keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None
+            self.inflight = self.steps(batch, positions, k, need=need, keep=keep, ahead=ahead)
         if prev is None:
             return [] if self.inflight else None
         return self.collect(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
+
+    def scratch_tail(self, k: int):
+        """The steps of the chunk just prepared that run past a sequence's end write and read the
+        padding row's scratch page: its table's pages after its last prepared token, up to k
+        tokens on, point there (nothing else reads them; the sequence ends with this chunk)."""
+        kv, where = self.kv, []
+        for row, start, n in zip(*kv.batch):
+            first, end = -(-(start + n) // kv.page), -(-(start + k) // kv.page)  # whole pages
+            where += [(row, p) for p in range(first, end)]
+        if where:
+            w = torch.tensor(where).to(self.device, non_blocking=True)
+            kv.table[w[:, 0], w[:, 1]] = self.pad_page
 
     def collect(self, chunk=None) -> list:
         """A multi-step chunk's tokens (the one in flight by default), for the engine's postprocess: [(its
@@ -971,14 +1014,17 @@ class CudaGraphDecoder:
         live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
         return [([s for s, _ in live], [t for _, t in live], chunk.k)]
 
-    def steps(self, batch, positions, k: int, keep=None, ahead: int = 0):
-        """Queue k greedy decode steps of `batch`, kv.prepare'd for k tokens each (vLLM's multi-step scheduling):
+    def steps(self, batch, positions, k: int, need=None, keep=None, ahead: int = 0):
+        """Queue k greedy decode steps of `batch`, kv.prepare'd for need[i] <= k tokens each (vLLM's
+        multi-step scheduling; the rest write scratch):
         k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
         left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
         they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
         kv, n = self.kv, len(batch)
-        if keep is None:
-            replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
+        if keep is None:  # each one's first new token: positions[first], its length then
+            need_t = torch.tensor(need or [k] * n).to(self.device, non_blocking=True)
+            at = need_t.cumsum(0) - need_t
+            replay = self._load(batch, positions[at], kv.batch_rows, kv.batch_lens - (need_t - 1).int())
         else:
             replay, b = self.graph(n)
             if keep != list(range(n)):  # some finished: close the gaps (no wait for the GPU)
@@ -996,7 +1042,8 @@ class CudaGraphDecoder:
         first = [s.kv_len + ahead for s in batch]
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
-        return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
+        return SimpleNamespace(batch=batch, k=k, need=need, first=first, hist=hist, queued=queued,
+                               done=self._event())
 
     def _event(self):
         """A CUDA event recorded now on the current stream (None on a CPU)."""

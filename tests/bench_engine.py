@@ -201,13 +201,25 @@ def serve(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> di
     sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
     elapsed = seconds(run_stopping, e, dict(zip(sids, stops))) if stops else seconds(e.run)
     st, out_tokens = e.stats, sum(map(len, e.finished.values()))
-    return dict(seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens, output_tokens=out_tokens,
+    a, w = model.args, model.tok_embeddings.weight
+    kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * w.element_size()  # a token's K and V, all layers
+    read = st["decode_steps"] * weight_bytes(model) + st["decode_kv_read"] * kv_bytes  # what decode read
+    counts = {k: st[k] for k in ("decode_s", "decode_tokens", "decode_steps", "decode_chunks", "one_step_decodes")}
+    return dict(**counts, decode_GB=read / 1e9, seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens,
+                output_tokens=out_tokens,
                 seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
                 decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
                 kv_tokens=e.kv_capacity(), peak_kv_used=st["peak_kv_used"] / e.kv_capacity(),
                 peak_live_tokens=st["peak_live_tokens"] / e.kv_capacity(),
                 radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"],
                 recomputed_tokens=st["recomputed_tokens"])
+
+
+def roofline(row: dict, gbps: float):
+    """Decode tok/s if every decode step only read its bytes (the weights, and the KV of each token it attends
+    over) at the device's copy bandwidth, and the measured decode tok/s as a share of it."""
+    row["decode_roofline_tok_s"] = row["decode_tokens"] / (row["decode_GB"] / gbps)
+    row["decode_share_of_roofline"] = row["decode_tok_s"] / row["decode_roofline_tok_s"]
 
 
 BENCH_BACKENDS = {"token": dict(backend="token"), "paged 16": dict(backend="paged", block_size=16),
@@ -252,12 +264,25 @@ def backends_report(backends: dict) -> str:
     lines = []
     for pool, rows in backends.items():
         lines += [f"{pool}:", f"  {'backend':<12}{'KV tokens':>10}{'tok/s':>9}{'prefill':>9}{'decode':>9}"
-                  f"{'running':>8}{'live':>6}{'preempted':>10}{'recomputed':>11}{'vs first':>9}"]
+                  f"{'running':>8}{'live':>6}{'preempted':>10}{'recomputed':>11}{'vs first':>9}{'roofline':>9}"
+                  f"{'1-step':>7}{'chunks':>7}"]
         first = next(iter(rows.values()))
         lines += [f"  {name:<12}{r['kv_tokens']:>10,}{r['tok_s']:>9,.0f}{r['prefill_tok_s']:>9,.0f}"
                   f"{r['decode_tok_s']:>9,.0f}{r['peak_running']:>8}{r['peak_live_tokens']:>6.0%}{r['preemptions']:>10}"
-                  f"{r['recomputed_tokens']:>11,}{r['tok_s'] / first['tok_s']:>8.2f}x" for name, r in rows.items()]
+                  f"{r['recomputed_tokens']:>11,}{r['tok_s'] / first['tok_s']:>8.2f}x"
+                  f"{r.get('decode_share_of_roofline', math.nan):>9.0%}{r['one_step_decodes']:>7}"
+                  f"{r['decode_chunks']:>7}"
+                  for name, r in rows.items()]
     return "\n".join(lines)
+
+
+def roofline_report(row: dict, gbps: float) -> str:
+    """`engine`'s serving run against its roofline, and how often decode fell back to one step."""
+    return (f"serving, {row['seqs']} requests (token, same pool, {row['peak_running']} running): decode "
+            f"{row['decode_tok_s']:,.0f} tok/s, {row['decode_share_of_roofline']:.0%} of the roofline "
+            f"{row['decode_roofline_tok_s']:,.0f} (weights + live KV read per step at {gbps:,.0f} GB/s); one-step "
+            f"decodes {row['one_step_decodes']} of {row['one_step_decodes'] + row['decode_chunks']} decode calls, "
+            f"{row['decode_steps']:,} decode steps")
 
 
 def draw(n_seqs: int, seed: int = 0):
@@ -282,6 +307,8 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
 
     r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
     r["backends"] = bench_backends(model, tok, prompts, lens)
+    for row in [r["serve_1b"]] + [row for rows in r["backends"].values() for row in rows.values()]:
+        roofline(row, r["copy_GBps"])
     hf = to_transformers(model)
     batch = prompts[:hf_batch]
     width = max(map(len, batch))
@@ -765,7 +792,8 @@ def main(argv=None):
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()
-        print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]))
+        print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]) +
+              "\n" + roofline_report(r["serve_1b"], r["copy_GBps"]))
     elif args.command == "admission":
         r = {"device": torch.cuda.get_device_name(), **bench_admissions(*engine_workload())}
         print(json.dumps(r) if args.json else r["device"] + "\n" + backends_report(

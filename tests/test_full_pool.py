@@ -46,3 +46,80 @@ def test_full_pool_decodes_in_chunks(kw, monkeypatch):
     assert multi == one
     assert e.stats["peak_running"] > 16, e.stats  # the pool was shared by many: it ran full
     assert calls["one"] < 0.1 * (calls["one"] + calls["chunk"]), calls
+
+
+def scheduler(page, pool, n, **opts):
+    """05's Scheduler over a KV-less pool of `pool` slots (page > 1: 02's blocks), rows for n requests of <= 128."""
+    if page == 1:
+        kv = L.L03.TokenKVCache(1, pool, 1, 1, n, 128)
+    else:
+        kv = L.L02.PagedKVCache(1, pool // page, page, 1, 1, watermark=0, max_seqs=n, max_seq_len=128)
+    return L.L05.Scheduler(kv, "lpm", n, seed=0, mixed=False, reserve="expected", **opts)
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_admission_keeps_room_to_run_ahead(page):
+    """05's look-ahead admission (reserve="expected", outputs to their max_new: the expected ends are exact) with
+    lookahead=k keeps room for a k-step chunk of every running request (min(k, tokens left) each, in whole pages)
+    before every decode step, counting what the radix tree may evict; without it (lookahead=0, #66) the pool runs
+    full and a chunk finds no room. Simulated one token a step (05's targets)."""
+    prompts, max_new = workload(int(torch.randint(0, 10**6, ())), n=48)
+    k, short = 8, {}
+    for lookahead in (0, k):
+        s, short[lookahead] = scheduler(page, 24 * len(prompts), len(prompts), lookahead=lookahead), []
+        prepare = s.prepare
+
+        def checked(batch):
+            if batch is s.running:  # a decode step
+                need = s.slots_needed(batch, [min(k, r.max_new - len(r.output)) for r in batch])
+                short[lookahead].append(need - s.free_slots() - s.tree.evictable_size())
+            return prepare(batch)
+        s.prepare = checked
+        for p, n in zip(prompts, max_new):
+            s.add(p, n, target=torch.randint(0, 256, (n,)).tolist())
+        s.run()
+        assert s.stats["preemptions"] == 0 and s.stats["peak_running"] > 12, s.stats
+    assert max(short[k]) <= 0 < max(short[0]), (max(short[k]), max(short[0]))
+
+
+@pytest.mark.parametrize("page", [1, 4])
+def test_run_ahead_takes_the_most_steps_that_fit(page):
+    """05's run_ahead == a brute force: the largest s <= k for which kv.prepare(batch, min(s, left)) succeeds on a
+    copy of the pool (left: tokens to each one's max_new, past `ahead` in flight), cached prefixes evicted first
+    only where k steps do not fit now. Random batches at random fill."""
+    import copy
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi: int(torch.randint(lo, hi + 1, (), generator=g))
+    for _ in range(200):
+        s = scheduler(page, rand(12, 40) * 4 * page, 8, lookahead=4)
+        reqs = []
+        for _ in range(rand(1, 6)):
+            r = s.add(torch.randint(0, 256, (rand(1, 9),), generator=g).tolist(), rand(1, 40))
+            r.output = [0] * rand(0, r.max_new - 1)
+            try:
+                s.kv.prepare([r.rid], [len(r.prompt) + len(r.output) - 1 + rand(0, 3)])
+            except L.OutOfBlocks:
+                continue
+            reqs.append(r)
+        if rand(0, 1) and s.free_slots() >= page:  # a cached prefix the tree may evict
+            s.kv.prepare([99], [page]), s.tree.insert(list(range(page)), s.kv.slots(99)), s.kv.free(99)
+        k, ahead = rand(1, 16), rand(0, 2)
+        reqs = [r for r in reqs if r.max_new - len(r.output) > ahead]
+        if not reqs:
+            continue
+
+        def fits(steps):
+            kv = copy.deepcopy(s.kv)
+            try:
+                kv.prepare([r.rid for r in reqs], [min(steps, r.max_new - len(r.output) - ahead) for r in reqs])
+                return True
+            except L.OutOfBlocks:
+                return False
+        evictable = s.tree.evictable_size()
+        want_now = max(t for t in range(k + 1) if t == 0 or fits(t))
+        got = s.run_ahead(reqs, k, ahead)
+        if want_now == k:
+            assert got == k and s.tree.evictable_size() == evictable  # nothing evicted
+        else:
+            assert got == max(t for t in range(k + 1) if t == 0 or fits(t))  # after the eviction
+            assert s.tree.evictable_size() < evictable or not evictable

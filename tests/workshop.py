@@ -164,7 +164,7 @@ EXERCISES = [
               "test_constrained_decode_stops_at_max_new_tokens_and_eos")),
     Exercise("07", "Engine.step",
              "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
-             "self.graphs.decode_ahead may land greedy steps (None: do one): batch, positions = self.schedule(new), "
+             "self.decode_ahead() may land greedy steps (None: do one): batch, positions = self.schedule(new), "
              "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
              "steps); add the seconds to self.counts[kind + '_s']",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
