@@ -364,7 +364,10 @@ class Scheduler(L02.Scheduler):
       reserve="expected"  (the engine's) look ahead, as LightLLM's router: also admit only while, at every step
                     from now, the pool holds what the running requests will hold then, each growing a token a step
                     until its expected end (a share of its remaining max_new, learned: see fits_ahead).
-      mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang).
+      mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang);
+                    while requests wait for KV or rows (held), a decode step between two mixed steps: the
+                    running ones decode at the pace of pure decode steps (the engine's CUDA graphs and
+                    multi-step chunks) and free their KV sooner, rather than one token per mixed step.
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able), a
                     decode step between two prefill steps while requests decode (a burst of prompts or a long one's
                     chunks do not stall the streams step after step).
@@ -400,6 +403,7 @@ class Scheduler(L02.Scheduler):
         self.set_schedule(mixed, chunk_tokens)
         # the request whose prompt is part-way in (chunked prefill)
         self.chunked, self.prefilled = None, False
+        self.held = False  # the last admission left requests waiting for KV or rows
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0,
                           recomputed_tokens=0, peak_running=0)
@@ -451,11 +455,13 @@ class Scheduler(L02.Scheduler):
         take; else: their prompts, after one token for each running request); lock their prefixes,
         open their rows."""
         self.swap_in()
-        if self.prefilled and self.running and not self.mixed:
-            # a decode step between two prefill steps: a stream waits one prefill step at most
+        if self.prefilled and self.running and (not self.mixed or self.held):
+            # a decode step between two prefill steps: a stream waits one prefill step at most;
+            # mixed: while the queue waits for KV (or rows), so the running ones free theirs sooner
             self.prefilled = False
             return []
         room, new, prefill, spare = self.max_running - len(self.running), [], 0, None
+        self.held = bool(self.waiting) and (room <= 0 or bool(self.swapped))
         if self.chunk_tokens is None:  # tokens this step may feed
             step = self.max_prefill_tokens
         else:
@@ -473,6 +479,7 @@ class Scheduler(L02.Scheduler):
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
             if budget < min(r.max_new for r in self.waiting):
                 # every request needs >= max_new (the engine's too)
+                self.held = True
                 return new  # nothing can be admitted: skip the matching
         else:
             # admitting what does not fit would only be held
@@ -515,6 +522,7 @@ class Scheduler(L02.Scheduler):
             ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)])
         for r in ready:
             if len(new) - first == room:
+                self.held = True
                 break
             if tree is not None and not aware:
                 r.prefix, r.node = tree.match_prefix(r.tokens)
@@ -542,6 +550,7 @@ class Scheduler(L02.Scheduler):
                     if tree is not None:
                         # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
+                    self.held = True
                     break
                 budget, ahead = budget + delta - need, grown
                 if self.reserve is True:

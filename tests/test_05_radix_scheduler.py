@@ -249,7 +249,8 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
         budget = s.chunk_tokens and max(1, s.chunk_tokens - (decode if s.mixed else 0))  # prefill tokens a step
         assert not budget or sum(r.n_new for r in asked) - decode <= budget, "over the step's budget"
         assert part is None or part in asked and part.n_new >= min(part.missing, -(-budget // 2)) or (
-            not s.mixed and batch is s.running), "starved"  # (prefill-first: a decode step between its chunks)
+            (not s.mixed or s.held) and batch is s.running), "starved"  # (a decode step between its chunks:
+        # prefill-first; mixed while requests wait for KV)
         s.beside += part is not None and part.chunk is not None and any(r is not part and r not in s.running
                                                                         for r in asked)  # beside its next chunk
         out, positions = prepare(batch)

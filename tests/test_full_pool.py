@@ -54,7 +54,7 @@ def scheduler(page, pool, n, **opts):
         kv = L.L03.TokenKVCache(1, pool, 1, 1, n, 128)
     else:
         kv = L.L02.PagedKVCache(1, pool // page, page, 1, 1, watermark=0, max_seqs=n, max_seq_len=128)
-    return L.L05.Scheduler(kv, "lpm", n, seed=0, mixed=False, reserve="expected", **opts)
+    return L.L05.Scheduler(kv, "lpm", n, seed=0, **{"mixed": False, "reserve": "expected", **opts})
 
 
 @pytest.mark.parametrize("page", [1, 4])
@@ -123,3 +123,28 @@ def test_run_ahead_takes_the_most_steps_that_fit(page):
         else:
             assert got == max(t for t in range(k + 1) if t == 0 or fits(t))  # after the eviction
             assert s.tree.evictable_size() < evictable or not evictable
+
+
+def test_mixed_steps_make_way_for_decode_while_requests_wait_for_kv():
+    """05's mixed schedule: while the last admission left requests waiting for KV (held), a mixed step is
+    followed by a pure decode step (the engine's graphs and chunks), never by another mixed step; with room
+    for everyone nothing is held and mixed steps follow each other. Simulated one token a step."""
+    prompts, max_new = workload(int(torch.randint(0, 10**6, ())), n=32)
+    for pool, tight in ((16 * len(prompts), True), (128 * len(prompts), False)):
+        s, trace = scheduler(1, pool, len(prompts), mixed=True, chunk_tokens=96), []
+        prepare = s.prepare
+
+        def traced(batch):
+            kind = "decode" if batch is s.running else "mixed" if any(r in s.running for r in batch) else "prefill"
+            trace.append((kind, s.held))
+            return prepare(batch)
+        s.prepare = traced
+        for p, n in zip(prompts, max_new):
+            s.add(p, n, target=torch.randint(0, 256, (n,)).tolist())
+        s.run()
+        pairs = list(zip(trace, trace[1:]))
+        assert not any(a == ("mixed", True) and b[0] == "mixed" for a, b in pairs)
+        if tight:
+            assert any(a == ("mixed", True) and b[0] == "decode" for a, b in pairs), trace
+        else:
+            assert not any(held for _, held in trace) and ("mixed", False) in trace, trace
