@@ -488,7 +488,7 @@ class Scheduler(L02.Scheduler):
             budget = self.free_tokens()
             budget = None if budget is None else budget - len(self.running) - sum(r.missing for r in new)
         first = len(new)
-        self.admit_ready(self.ordered(), new, room, step, prefill, spare, budget)
+        self.held = self.admit_ready(self.ordered(), new, room, step, prefill, spare, budget)
         if len(new) > first:
             taken = set(map(id, new))
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
@@ -512,18 +512,16 @@ class Scheduler(L02.Scheduler):
     def admit_ready(self, ready, new, room, step, prefill, spare, budget):
         """Appends to new the ready requests, in order, while the step's tokens (step: what it may
         feed, prefill: what it feeds already, spare: what the part-way prompt leaves), rows (room)
-        and pool (budget) allow."""
+        and pool (budget) allow. Returns whether the rest wait for rows or KV (held)."""
         # 03's slot, 02's block (01: no budget)
         tree, aware, block = self.tree, self.cache_aware(), self.kv.page
-        # batch: prompts admitted this step (in-batch prefix caching)
-        batch, first = RadixCache(), len(new)
+        batch, first = RadixCache(), len(new)  # batch: this step's prompts (in-batch prefix cache)
         ahead = None  # the running and admitted ones' expected lengths
         if self.reserve == "expected" and budget is not None:
             ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)])
         for r in ready:
             if len(new) - first == room:
-                self.held = True
-                break
+                return True
             if tree is not None and not aware:
                 r.prefix, r.node = tree.match_prefix(r.tokens)
             cached = len(r.prefix) if tree is not None else 0
@@ -550,8 +548,7 @@ class Scheduler(L02.Scheduler):
                     if tree is not None:
                         # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
-                    self.held = True
-                    break
+                    return True
                 budget, ahead = budget + delta - need, grown
                 if self.reserve is True:
                     r.reserve = need
@@ -570,6 +567,7 @@ class Scheduler(L02.Scheduler):
             if cut:  # the step is full
                 self.chunked = r
                 break
+        return False
 
     def count_admission(self, r, cached: int):
         """The hit rate counts first admissions (cached prompt tokens / prompt tokens); a
@@ -601,10 +599,12 @@ class Scheduler(L02.Scheduler):
         as one that ran to max_new), held its KV tokens (+ ahead: a prefill step may leave the
         running ones be, so a new one is a step ahead; + lookahead: the slots of a chunk, up to its
         max_new, taken before its steps run)."""
-        ratio, la = self.seen[0] / self.seen[1], self.lookahead
-        return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)),
-                          len(r.prompt) + len(r.output) + ahead + min(la, r.max_new - len(r.output)))
-                         for r in reqs], int).reshape(-1, 2)
+        ratio, rows = self.seen[0] / self.seen[1], []
+        for r in reqs:
+            left = r.max_new - len(r.output)
+            held = len(r.prompt) + len(r.output) + ahead + min(self.lookahead, left)
+            rows.append((max(1, int(ratio * left + 0.999)), held))
+        return np.array(rows, int).reshape(-1, 2)
 
     def run_ahead(self, batch, k, ahead=0) -> int:
         """Room for a multi-step chunk of batch (the engine's greedy decode, k steps per host sync):

@@ -529,7 +529,7 @@ class Engine:
         try:
             self.sched = L05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
                                        radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
-                                       # .waiting, .running, .tree; room for every running one's next chunk
+                                       # .waiting, .running, .tree; room for the next chunk
                                        preempt=preempt, chunk_tokens=chunk_tokens,
                                        lookahead=self.multi_step if graphs else 0)
         except ValueError as e:
@@ -551,7 +551,8 @@ class Engine:
         return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
                     # mixed: both kinds
                     jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0,
-                    # decode: steps, KV tokens they read (the roofline's), chunks, one-step fall-backs
+                    # decode: steps, KV tokens they read (the roofline's), chunks, one-step
+                    # fall-backs
                     decode_steps=0, decode_kv_read=0, decode_chunks=0, one_step_decodes=0)
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
@@ -616,7 +617,7 @@ class Engine:
         batch, ahead = g.going_on(self.sched.running)
         k = g.most_steps(batch, ahead)
         if k:
-            with g.beside(g.inflight):  # an eviction frees slots (03's free syncs): beside the chunk
+            with g.beside(g.inflight):  # an eviction frees slots (03's free syncs)
                 k = self.sched.run_ahead(batch, k, ahead)
         landed = g.decode_ahead(batch, k)
         self.counts["decode_chunks"] += g.inflight is not None
@@ -730,7 +731,8 @@ class Engine:
         if kind == "decode":  # what its steps read: the weights once a step, each token's KV
             n = [len(s.output) - out for s, (_, out) in zip(batch, before)]
             self.counts["decode_steps"] += steps
-            self.counts["decode_kv_read"] += sum(k * kv + k * (k + 1) // 2 for k, (kv, _) in zip(n, before))
+            read = [k * kv + k * (k + 1) // 2 for k, (kv, _) in zip(n, before)]
+            self.counts["decode_kv_read"] += sum(read)
         self.counts[f"{kind}_tokens"] += fed if steps == 1 else appended
         self.counts["jump_forward_tokens"] += sum(s.jumped for s in batch) - jumped
         for s, new in zip(batch, ids) if on_token else ():
@@ -958,7 +960,8 @@ class CudaGraphDecoder:
         prev = self.inflight
         if prev is None:
             return running, 0
-        return [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > prev.k], prev.k
+        left = lambda s: s.params.max_new_tokens - len(s.output)
+        return [s for s in prev.batch if not s.done and left(s) > prev.k], prev.k
 
     def most_steps(self, batch, ahead: int) -> int:
         """Steps a chunk of batch may take: multi_step, fewer where a sequence's context ends sooner
@@ -966,16 +969,17 @@ class CudaGraphDecoder:
         if not batch or not all(s.argmax for s in batch):
             return 0
         ends = [s.params.max_new_tokens - len(s.output) - ahead for s in batch]
-        return min([self.multi_step, max(ends)] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])
+        context = [self.max_len - len(s.tokens) + 1 - ahead for s in batch]
+        return min([self.multi_step, max(ends)] + context)
 
     def decode_ahead(self, batch, k: int) -> list | None:
-        """k decode steps of batch (going_on) for one kv.prepare and one host sync (`steps`), k as the
-        scheduler sized it. The next k steps are queued before the host reads the last k, so the GPU
-        never waits for the host: they continue the chunk in flight on the device. A sequence that
-        ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same) wastes the steps
-        after that, whose tokens are dropped: a chunk waits for nobody's end, so chunks stay long.
-        Its slots stop at its max_new_tokens; steps past it write scratch (`scratch_tail`). Returns
-        the chunk landed now (see `collect`), or None: nothing to do here, take one step."""
+        """k decode steps of batch (going_on) for one kv.prepare and one host sync (`steps`), k as
+        the scheduler sized it. The next k steps are queued before the host reads the last k, so
+        the GPU never waits for the host: they continue the chunk in flight on the device. A
+        sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
+        wastes the steps after that, whose tokens are dropped: a chunk waits for nobody's end, so
+        chunks stay long. Its slots stop at its max_new_tokens; steps past it write scratch
+        (`scratch_tail`). Returns the chunk landed now (see `collect`), or None: take one step."""
         prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have once it lands
         if batch and (k >= 2 or prev and k >= 1):
@@ -1024,7 +1028,8 @@ class CudaGraphDecoder:
         if keep is None:  # each one's first new token: positions[first], its length then
             need_t = torch.tensor(need or [k] * n).to(self.device, non_blocking=True)
             at = need_t.cumsum(0) - need_t
-            replay = self._load(batch, positions[at], kv.batch_rows, kv.batch_lens - (need_t - 1).int())
+            lens = kv.batch_lens - (need_t - 1).int()
+            replay = self._load(batch, positions[at], kv.batch_rows, lens)
         else:
             replay, b = self.graph(n)
             if keep != list(range(n)):  # some finished: close the gaps (no wait for the GPU)

@@ -202,7 +202,8 @@ def serve(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> di
     elapsed = seconds(run_stopping, e, dict(zip(sids, stops))) if stops else seconds(e.run)
     st, out_tokens = e.stats, sum(map(len, e.finished.values()))
     a, w = model.args, model.tok_embeddings.weight
-    kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * w.element_size()  # a token's K and V, all layers
+    # a token's K and V, all layers
+    kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * w.element_size()
     read = st["decode_steps"] * weight_bytes(model) + st["decode_kv_read"] * kv_bytes  # what decode read
     counts = {k: st[k] for k in ("decode_s", "decode_tokens", "decode_steps", "decode_chunks", "one_step_decodes")}
     return dict(**counts, decode_GB=read / 1e9, seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens,
