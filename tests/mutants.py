@@ -134,6 +134,25 @@ MUTANTS = [
            "torch.arange(start + 1, start + n + 1, device=self.device))"),
     Mutant("03", "alloc_contiguous: a run of n - 1 free slots is good enough",
            "runs = (c[n:] - c[:-n]) == n", "runs = (c[n:] - c[:-n]) >= n - 1"),
+    Mutant("03", "alloc returns one slot fewer than asked",
+           "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(1, n, device=self.device)"),
+    Mutant("03", "alloc finds the slots but does not take them (refcounts stay 0)",
+           "return self._take(torch.searchsorted(cum, want))", "return torch.searchsorted(cum, want)"),
+    Mutant("03", "alloc takes the highest free slots first",
+           "return self._take(torch.searchsorted(cum, want))",
+           "return self._take(torch.searchsorted(cum, cum[-1] + 1 - want))"),
+    Mutant("03", "alloc_contiguous takes the last run, not the first",
+           "start = int(runs.int().argmax())", "start = len(runs) - 1 - int(runs.int().flip(0).argmax())"),
+    Mutant("03", "alloc_contiguous takes the run but forgets n_free",
+           "return self._take(torch.arange(start, start + n, device=self.device))",
+           "self.mem_state[start:start + n] = 1\n        return torch.arange(start, start + n, device=self.device)"),
+    Mutant("03", "free accepts an index one past the pool (boundary one step off)",
+           "if lo < 0 or hi >= self.size:", "if lo < 0 or hi > self.size:"),
+    Mutant("03", "free accepts a negative index",
+           "if lo < 0 or hi >= self.size:", "if hi >= self.size:"),
+    Mutant("03", "free writes the refcounts before it checks them (a refused free changes the pool)",
+           "        if low_ref < 0:\n", "        self.mem_state[uniq] = left.clamp(min=0).to(torch.int32)\n"
+           "        if low_ref < 0:\n"),
     Mutant("03", "free counts every freed slot as free, shared ones too",
            "self.n_free += n_zero", "self.n_free += uniq.numel()"),
     Mutant("03", "free drops one reference per distinct slot, not per repeat",
@@ -293,6 +312,29 @@ MUTANTS = [
     Mutant("engine", "the static loop keeps decoding past a stop id",
            "            active = [i for i in active if out[i][-1] not in stop_ids]\n", ""),
 ]
+
+
+def of_exercises(stage) -> list:
+    """The mutants of stage that lie in an exercise's body (an attendee's bug): each with .exercise (the
+    workshop's Exercise) and .body (that body with the bug), for `workshop.py verify`."""
+    import workshop as W
+    out = []
+    for mu in MUTANTS:
+        if W.LESSONS.get(stage) != FILES[mu.stage][:-3]:
+            continue
+        src = W.reference(stage)
+        at, old, new = src.find(mu.old), mu.old, mu.new
+        head = len(os.path.commonprefix([old, new]))
+        tail = len(os.path.commonprefix([old[head:][::-1], new[head:][::-1]]))
+        for e in W.exercises(stage):  # the changed characters lie in the exercise's body
+            a, b, _ = W.span(src, e.name)
+            if a <= at + head and at + len(old) - tail <= b:
+                mutated = src[:at] + new + src[at + len(old):]
+                out.append(ExerciseMutant(*mu, e, mutated[a:b + len(new) - len(old)]))
+    return out
+
+
+ExerciseMutant = namedtuple("ExerciseMutant", Mutant._fields + ("exercise", "body"))
 
 
 def copy_repo(dst, tests_from=None):
