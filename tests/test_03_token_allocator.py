@@ -105,8 +105,8 @@ def test_free_drops_one_reference_per_slot_listed():
     is a ValueError, and nothing changes."""
     a, bf = pool(8, [0, 1, 2, 3, 7])  # 7 held: a slot index 8 or -1 must not reach it
     a.mem_state[1] = bf.ref[1] = 3  # slot 1 shared (inc_ref)
-    for slots, ok in (([0], True), ([1], True), ([1, 1], True), ([2, 2], False), ([5], False), ([3, 0], False), ([8], False),
-                      ([-1], False), ([2, 3], True), ([], True)):
+    for slots, ok in (([-1], False), ([8], False), ([0], True), ([1], True), ([1, 1], True), ([2, 2], False),
+                      ([5], False), ([3, 0], False), ([2, 3], True), ([], True)):
         picture, refs = show(bf), list(bf.ref)
         if ok:
             a.free(torch.tensor(slots, dtype=torch.long))
