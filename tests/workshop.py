@@ -101,21 +101,23 @@ EXERCISES = [
              "last block is released and replaced by a fresh one (return (src, dst)); then take the new blocks",
              "random appends, forks and frees keep the refcounts, the free list and every sequence's tokens exactly "
              "as a brute-force model says; a shared block is copied once",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]",
-              "test_batch_estimate_counts_copy_on_write_once_per_shared_block", "test_clear_errors",
-              "test_copy_on_write_only_for_a_shared_partial_block")),
+             ("test_append_takes_whole_blocks_and_copies_a_shared_partial_one",
+              "test_batch_estimate_counts_copy_on_write_once_per_shared_block",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "BlockManager.fork",
              "the child shares every block of the parent: its own copy of the table, the same token count, one "
              "more reference on each block. Watch: unknown parent: KeyError; a child that exists: ValueError",
              "the child gets a copy of the parent's block table and token count; every shared block's refcount + 1",
              "a forked sequence reads its parent's tokens, and its own after it writes (copy-on-write)",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+             ("test_fork_shares_every_block_and_refuses_clearly",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "BlockManager.free",
              "drop the sequence: each of its blocks loses one reference and is free again only when no one holds "
              "it. Watch: unknown sequence: KeyError",
              "KeyError for an unknown sequence; _release every block of its table (last first); forget its tokens",
              "freed blocks come back to the free list exactly when no other sequence holds them",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+             ("test_free_gives_a_block_back_when_nobody_holds_it",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "Scheduler.preempt",
              "take a running request out to make room: count it, log it with the tokens of KV it holds, then swap "
              "its blocks to CPU memory (it keeps its progress) or drop them and queue it first to recompute. "
@@ -123,7 +125,8 @@ EXERCISES = [
              "count and log it; swap: append (req, kv.swap_out(rid)) to swapped, req.in_kv = False; recompute: "
              "release(req) and put it back at the head of waiting",
              "a pool too small for the trace preempts, and every request still finishes with its own KV intact",
-             ("test_scheduler_preempts_and_keeps_every_request_kv", "test_preemption_order_against_the_policy")),
+             ("test_preempt_logs_the_kv_it_drops_then_drops_it", "test_scheduler_preempts_and_keeps_every_request_kv",
+              "test_preemption_order_against_the_policy")),
     Exercise("03", "TokenAllocator.alloc",
              "the n lowest free slots (refcount 0), taken (refcount 1), as a LongTensor; None when fewer than n "
              "are free. Watch: a refusal takes nothing; n_free follows every change; try it without a Python loop "
