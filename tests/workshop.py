@@ -173,28 +173,31 @@ EXERCISES = [
              "drop the last token if compute_last, keep whole pages, _walk the tree; the slots are the matched "
              "values concatenated (the tokens themselves without an allocator)",
              "matches, inserts and evictions give what a brute-force list of cached prompts gives",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", "RadixCache.insert",
              "walk the cached prefix; what is left (whole pages) becomes a new leaf; return how many tokens were "
              "cached already. Watch: the leaf's slots take a reference; the tree counts them evictable",
              "_walk the full pages of tokens; the part not matched becomes a new leaf under the last node "
              "(its slots cloned, inc_ref'd, counted evictable); return how many were cached already",
              "the tree holds exactly the prompts inserted, shares their common prefixes, and counts refs right",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_insert_adds_what_is_new_and_says_what_was_cached",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", "RadixCache.evict",
              "free at least n tokens, least recently used unlocked leaves first; a parent left childless may go "
              "next. Watch: never a locked node; stop once n are freed",
              "a heap of unlocked leaves by (last_access, serial); pop, free their slots, unlink them, push a parent "
              "left childless and unlocked; stop once n tokens are freed",
              "eviction frees the least recently used unlocked leaves first, never a locked one",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_evict_takes_the_least_recently_used_unlocked_leaves",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", 'POLICIES["lpm"]',
              "the waiting requests, longest cached prefix first. Watch: ties keep their arrival order",
              "the waiting requests sorted by the length of their cached prefix (r.prefix), longest first; a stable "
              "sort, so ties stay first come first served",
              "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
              "reaches the best possible order on a workload built for it",
-             ("test_lpm_never_worse_than_fcfs_and_reaches_the_bound",
+             ("test_lpm_puts_the_longest_cached_prefix_first",
               "test_lpm_orders_longest_cached_prefix_first_ties_first_come")),
     Exercise("06", "TokenIndex.jump",
              "the bytes the automaton forces from a state: while a state has exactly one way out and may not stop,"
@@ -463,7 +466,7 @@ def _isolated(fn, seconds, memory=MEMORY) -> dict:
 def _where(ex, failure, source, lesson_path, shift):
     """Who raised: ("yours", line in the attendee's copy) | ("lesson", function) | ("test", None)."""
     a, b, _ = span(source, ex.name)
-    first, last = source[:a].count("\n") + 1, source[:b].count("\n")
+    first, last = source[:a].count("\n") + 1, source[:max(b - 1, a)].count("\n") + 1
     mine = [f for f in failure["frames"] if f[0] == lesson_path]
     if not mine:
         return "test", None
