@@ -80,9 +80,8 @@ EXERCISES = [
              "and set tok_slots = row * max_seq_len + position",
              "greedy decoding through your cache gives the no-cache tokens and logits; a request that does not fit is "
              "refused and leaves the cache untouched",
-             ("test_cached_generation_equals_no_cache[c]", "test_overlong_prompt_is_refused_and_cache_stays_usable",
-              "test_contiguous_cache_batches_against_a_brute_force_model",
-              "test_contiguous_cache_fills_a_row_exactly")),
+             ("test_contiguous_cache_fills_a_row_exactly",
+              "test_contiguous_cache_batches_against_a_brute_force_model")),
     Exercise("01", "KVCache.attend",
              "store this step's K/V at their slots, then let each query attend to its own request's keys only. "
              "Watch: decode (one query per request) and prefill (several, causal) read the pool differently; a "
@@ -91,8 +90,7 @@ EXERCISES = [
              "request's slots with table_slots and attend_dense over them",
              "greedy decoding through the contiguous cache (its prefill and decode both attend here) gives the "
              "no-cache tokens and logits",
-             ("test_cached_generation_equals_no_cache[c]",
-              "test_contiguous_cache_batches_against_a_brute_force_model")),
+             ("test_contiguous_cache_batches_against_a_brute_force_model",)),
     Exercise("02", "BlockManager.append",
              "grow a sequence by n tokens, taking whole blocks from the free list as needed; a partly filled last "
              "block that another sequence shares is copied before it is written (copy-on-write). Watch: refuse "
@@ -473,7 +471,8 @@ def _where(ex, failure, source, lesson_path, shift):
     file, line, func, _ = mine[-1]
     if first <= line <= last:
         return "yours", line + shift
-    return "lesson", func
+    called = any(first <= n <= last for _, n, _, _ in mine)
+    return "lesson", (func, called)
 
 
 def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
@@ -487,8 +486,9 @@ def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
     elif kind == "yours":
         what = f"your {ex.short} raised {t}: {msg} (line {at} of your copy)"
     elif kind == "lesson":
-        what = (f"the lesson's {at} raised {t} after your {ex.short} ran: {msg}" if t != "AssertionError" else
-                f"the lesson's {at} found the state your {ex.short} left wrong: {msg}")
+        func, called = at
+        what = (f"the lesson's {func} found the state your {ex.short} left wrong: {msg}" if t == "AssertionError"
+                else f"the lesson's {func}, {'called from' if called else 'after'} your {ex.short}, raised {t}: {msg}")
     else:
         what = f"the test could not use what your {ex.short} gave it: {t}: {msg}"
     where = "\n".join(f"    {os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{n} in {fn}"
@@ -497,7 +497,7 @@ def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
     return f"{ex.id} fails: {what}", detail
 
 
-def grade_body(ex, text, shift=0) -> Grade:
+def grade_body(ex, text, shift=0, memory=MEMORY) -> Grade:
     """Grade one exercise: text (what the attendee wrote of it, as it stands in the copy) put into the lesson,
     the lesson's code standing in for every other exercise, and its tests run in a child with limits."""
     preload(ex.stage)
@@ -505,7 +505,7 @@ def grade_body(ex, text, shift=0) -> Grade:
     folder = tempfile.mkdtemp(prefix="workshop-")
     t0 = time.monotonic()
     try:
-        got = _isolated(lambda: _run_tests(ex.stage, source, ex.tests, folder), ex.seconds)
+        got = _isolated(lambda: _run_tests(ex.stage, source, ex.tests, folder), ex.seconds, memory)
         seconds = time.monotonic() - t0
         if "error" in got:
             return Grade("fails", f"{ex.id} fails: {got['error']}", "", seconds)
