@@ -61,8 +61,9 @@ class Exercise:
         return f"{self.stage} {self.name}"
 
     @property
-    def short(self) -> str:  # alloc, POLICIES[lpm]
-        return self.name.split(".")[-1].replace('"', "")
+    def short(self) -> str:  # alloc; lpm for POLICIES["lpm"]
+        m = re.fullmatch(r'\w+\["(\w+)"\]', self.name)
+        return m[1] if m else self.name.split(".")[-1]
 
 
 LESSONS = {os.path.basename(p)[:2]: os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "0*.py")))}
