@@ -741,6 +741,9 @@ def verify(stages=None, say=print) -> list:
                       if _has(alt, e)]
         cases += [(find(s, mu.exercise.name), f"mutant: {mu.what}", mu.body, "fails")
                   for mu in mutants.of_exercises(s)]  # find: mutants imports workshop, maybe a second copy
+        problems += [f"{s}: mutant {mu.what!r} is stale: its snippet occurs {ref.count(mu.old)} times in the lesson"
+                     for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py" and
+                     ref.count(mu.old) != 1]
         for e, what, text, want in cases:
             g = grade_body(e, text)
             bad = (g.status != want or want == "fails" and not g.why.startswith(e.id + " fails: ")
