@@ -302,6 +302,10 @@ def test_contiguous_cache_fills_a_row_exactly():
     got = kv.prepare(["a"], [6]).tolist()
     assert got == list(range(6)), f"prepare(['a'], [6]) on rows of 6 returned positions {got}; want 0..5"
     refuses(ValueError, kv.prepare, ["a"], [1], what="prepare(['a'], [1]) with 'a' holding max_seq_len = 6 tokens")
+    refuses(ValueError, kv.prepare, ["new", "a"], [1, 1], what="prepare(['new', 'a'], [1, 1]) with 'a' full")
+    assert "new" not in kv.rows and kv.free_rows == [1], (
+        f"a refused prepare(['new', 'a'], [1, 1]) gave 'new' a row (rows {kv.rows}, free {kv.free_rows}): check "
+        "everything before changing anything")
     got = kv.prepare(["b"], [5]).tolist() + kv.prepare(["b"], [1]).tolist()
     assert got == list(range(6)), f"prepare(['b'], [5]) then prepare(['b'], [1]) gave positions {got}; want 0..5"
     refuses(ValueError, kv.prepare, ["c"], [1], what="prepare(['c'], [1]) with both rows taken")

@@ -1289,6 +1289,10 @@ def test_jump_forward_appends_the_forced_text_in_whole_characters():
     got = index.jump_forward(state, b"abc", tok.encode("abc"), tok)
     want = (index.dfa.walk(0, b"abcxyz"), b"abcxyz", tok.encode("abcxyz"), 2)
     assert got == want, f"jump_forward after 'abc' on ab(c|d)xyz returned {got}; want {want} (2 tokens kept)"
+    output = tok.encode("abc")
+    got = index.jump_forward(state, b"abc", output, tok, 4)
+    assert got == (state, b"abc", output, 2), (f"jump_forward after 'abc' on ab(c|d)xyz with limit 4 returned {got};"
+                                               " the jump would make 5 tokens, past the limit: want no jump")
     index = m.TokenIndex("(日|旦)", tok)
     got = index.jump_forward(0, b"", [], tok)
     assert got == (0, b"", [], 0), (f"jump_forward at the start of (日|旦) returned {got}; the forced bytes "
