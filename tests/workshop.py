@@ -358,9 +358,6 @@ class Grade:
     seconds: float = 0.0
     tests: list = field(default_factory=list)  # the tests run: [test id, outcome]
 
-    def line(self, ex) -> str:
-        return f"{ex.id}: {self.status}" + (f": {self.why}" if self.why else "")
-
 
 def _words(test_id: str) -> str:
     """test_alloc_returns_the_lowest[0.5] -> "alloc returns the lowest [0.5]"."""
@@ -384,7 +381,8 @@ class _Collect:
             e = call.excinfo.value
             frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(call.excinfo.tb)]
             self.failure = dict(test=item.nodeid, type=type(e).__name__, msg=str(e).strip(), frames=frames,
-                                doc=(getattr(item.function, "__doc__", None) or "").strip().split("\n")[0])
+                                doc=re.split(r"(?<=[.:])\s", " ".join((getattr(item.function, "__doc__", None)
+                                                                       or "").split()))[0])
 
 
 def _run_tests(stage, source, tests, folder) -> dict:
