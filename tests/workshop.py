@@ -218,19 +218,20 @@ EXERCISES = [
               "test_jump_forward_keeps_the_room_a_shortest_completion_had")),
     Exercise("06", "constrained_decode",
              "decode where only the tokens the regex allows can be sampled: mask, sample, step the automaton, jump"
-             " forward over forced text. Watch: stop when only EOS is allowed, or at max_new_tokens",
-             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop if only EOS is allowed "
-             "(index.allowed(state, room left)); else mask the logits to the allowed tokens, sample, step the DFA",
+             " forward over forced text. Watch: stop where the automaton says it must finish, or at max_new_tokens",
+             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop where "
+             "index.finish(state, room left) says so; else mask the logits to index.allowed(state, room left), "
+             "sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged",
               "test_constrained_decode_stops_at_max_new_tokens_and_eos",
               "test_jump_is_the_forced_string_against_partial_matching[(ab|cd){1,3}e?]")),
     Exercise("07", "Engine.step",
-             "one step of the engine: admit, schedule, forward, sample, postprocess, and count the seconds each "
+             "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
              "kind of step took. Watch: a GPU may land several greedy steps at once",
              "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
              "self.graphs.decode_ahead may land greedy steps (None: do one): batch, positions = self.schedule(new), "
-             "ids = self.sample(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
+             "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
              "steps); add the seconds to self.counts[kind + '_s']",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
              "and its events account for every token of a run that preempts",
