@@ -382,7 +382,7 @@ class _Collect:
             e = call.excinfo.value
             frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(call.excinfo.tb)]
             self.failure = dict(test=item.nodeid, type=type(e).__name__, msg=str(e).strip(), frames=frames,
-                                doc=re.split(r"(?<=[.:])\s", " ".join((getattr(item.function, "__doc__", None)
+                                doc=re.split(r"(?<=\.)\s", " ".join((getattr(item.function, "__doc__", None)
                                                                        or "").split()))[0])
 
 
@@ -581,7 +581,7 @@ class ExerciseItem(pytest.Item):
     def runtest(self):
         g = self.grader.grade(self.exercise)
         if g.status == "to do":
-            pytest.skip(f"to do: {self.exercise.idea}")
+            pytest.skip(f"{self.exercise.id}: to do")
         if g.status != "passes":
             raise ExerciseFailed(f"{g.why}\n{g.detail}\n  hint: {self.exercise.idea}\n  closer to the code: "
                                  f"python tests/workshop.py hint {self.exercise.stage} {self.exercise.short}")
@@ -590,7 +590,7 @@ class ExerciseItem(pytest.Item):
         return str(excinfo.value) if isinstance(excinfo.value, ExerciseFailed) else super().repr_failure(excinfo)
 
     def reportinfo(self):
-        return self.path, None, self.exercise.id
+        return self.path, 0, self.exercise.id
 
 
 def stages_of(args) -> list:
@@ -608,7 +608,7 @@ class Grader:
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
         self.only = config.getoption("exercise") or []
-        self.grades = {}
+        self.grades, self.items = {}, []
 
     def source(self, stage) -> str:
         with open(os.path.join(self.folder, LESSONS[stage] + ".py"), encoding="utf-8") as f:
@@ -639,17 +639,25 @@ class Grader:
                                                          exercise=e, grader=self)
                                 for e in exercises(stage) if not self.only or any(find(stage, o) is e
                                                                                   for o in self.only)]
+                src = self.source(stage)
+                for it in added[stage]:
+                    if is_stub(src, it.exercise):
+                        it.add_marker(pytest.mark.skip(reason=f"{it.exercise.id}: to do"))
                 keep += added[stage]
+                self.items += added[stage]
         if dropped:
             config.hook.pytest_deselected(items=dropped)
         items[:] = keep
 
     def pytest_terminal_summary(self, terminalreporter):
-        if not self.grades:
+        if not self.items:
             return
         terminalreporter.section("workshop")
-        for ex, g in self.grades.items():
-            terminalreporter.line(f"  {g.status:8} {ex.id}")
+        for it in self.items:
+            ex = it.exercise
+            status = self.grades[ex].status if ex in self.grades else "to do" if is_stub(
+                self.source(ex.stage), ex) else "not run"
+            terminalreporter.line(f"  {status:8} {ex.id}")
 
 
 # -------- the commands ------------------------------------------------------------------------------------
