@@ -12,6 +12,10 @@ stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. A sn
 exactly once in its file is reported as STALE (the lesson moved on: update the mutant). Not part of the default
 `pytest` run (it takes minutes per stage); exit status 1 if any mutant survived or went stale.
 
+The mutants that lie in a workshop exercise's body (of_exercises) are graded by the workshop too:
+`python tests/workshop.py verify` (CI) checks that each fails its own exercise's grade, blamed on it on the first
+line, in words; one process, about a second each.
+
 References: mutation testing (DeMillo, Lipton, Sayward 1978, "Hints on test data selection"); mutmut and
 cosmic-ray do this automatically for every operator, here the list is hand-picked to the ideas each stage teaches.
 """
