@@ -167,25 +167,32 @@ def test_random_alloc_append_fork_free_keeps_invariants_and_contents(seed):
             try:
                 pos = kv.prepare(seqs, n_new)
             except P.OutOfBlocks:
-                assert need > m.num_free and not fits
-                assert snapshot(m) == before  # a refusal changes nothing
+                assert need > m.num_free and not fits, (
+                    f"prepare({seqs}, {n_new}) was refused, but it needs {need} blocks and {m.num_free} are free")
+                assert snapshot(m) == before, f"a refused prepare({seqs}, {n_new}) changed the manager: {blocks(m)}"
                 continue
-            assert fits and m.num_free == one_by_one.num_free == len(before[0]) - need
+            assert fits and m.num_free == one_by_one.num_free == len(before[0]) - need, (
+                f"prepare({seqs}, {n_new}) left {m.num_free} blocks free; appending one sequence after the other "
+                f"leaves {one_by_one.num_free if fits else 'no room (OutOfBlocks)'}, the estimate said "
+                f"{len(before[0]) - need}")
             expect = [p for s, n in zip(seqs, n_new) for p in range(len(oracle.get(s, [])), len(oracle.get(s, [])) + n)]
-            assert pos.tolist() == expect
+            assert pos.tolist() == expect, f"prepare({seqs}, {n_new}) gave positions {pos.tolist()}; want {expect}"
             tags = torch.arange(tag, tag + len(pos))
             kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = tags[:, None, None]
             for s, n in zip(seqs, n_new):
                 oracle.setdefault(s, []).extend(tags[:n].tolist())
                 tags, tag = tags[n:], tag + n
             next_id = max(next_id, max(seqs) + 1)
-        assert m.check()
-        assert {s: len(t) for s, t in oracle.items()} == m.num_tokens
+        assert m.check(), blocks(m)
+        want = {s: len(t) for s, t in oracle.items()}
+        assert want == m.num_tokens, f"after {op}, the sequences hold {m.num_tokens} tokens; want {want}"
         for s, tags_s in oracle.items():
-            assert kv.gather(s, 0)[0].flatten().tolist() == tags_s
+            got = kv.gather(s, 0)[0].flatten().tolist()
+            assert got == tags_s, (f"after {op}, sequence {s} reads back the tokens written as {got}; "
+                                   f"want {tags_s} (a block shared or freed too early?)")
     for s in list(oracle):
         kv.free(s)
-    assert m.num_free == m.num_blocks and m.check()
+    assert m.num_free == m.num_blocks and m.check(), f"everything freed, yet {blocks(m)}"
 
 
 def test_clear_errors():
@@ -248,13 +255,18 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
         kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
             n = kv.manager.num_tokens[r.rid]
-            assert kv.gather(r.rid, 0)[0].flatten().tolist() == (10000 * r.rid + torch.arange(n)).tolist()
+            got = kv.gather(r.rid, 0)[0].flatten().tolist()
+            want = (10000 * r.rid + torch.arange(n)).tolist()
+            assert got == want, (f"({preempt}) request {r.rid} reads back K tagged {got[:8]}...; want its own "
+                                 f"positions, {want[:8]}...")
         kv.manager.check()
         return [0] * len(batch)
     sched.run(forward)
-    assert sched.stats["preemptions"] > 0
-    assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o.tolist()
-    assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check()
+    assert sched.stats["preemptions"] > 0, f"({preempt}) the trace ran without a preemption"
+    got = [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)]
+    assert got == o.tolist(), f"({preempt}) the requests finished with {got} tokens; want {o.tolist()}"
+    assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check(), \
+        f"({preempt}) every request finished, yet {blocks(kv.manager)}"
 
 
 def test_batch_estimate_counts_copy_on_write_once_per_shared_block():
@@ -496,17 +508,23 @@ def test_preemption_order_against_the_policy(preempt):
             order = before + [e.rid for e in new if e.kind == "swap_in"]  # running, oldest (re)admission first
             victims = [order.index(e.rid) for e in new if e.kind in ("preempt", "swap_out")]
             kept = [order.index(r.rid) for r in sched.running if r.rid in order]
-            assert all(v > k for v in victims for k in kept), (trial, new)  # the newest go first
-            assert victims == sorted(victims, reverse=True), new  # newest first, one after the other
+            assert all(v > k for v in victims for k in kept), (
+                f"({preempt}) running {order}, the step preempted {victims} (places in that list) and kept "
+                f"{kept}: the newest must go first; events {new}")
+            assert victims == sorted(victims, reverse=True), f"({preempt}) newest first, one by one: {new}"
             waiting = [r.rid for r in sched.waiting]
-            assert waiting == sorted(waiting), (trial, waiting)  # a preempted request is back at the head
-            assert all(r.rid < w for r in sched.running for w in waiting), (trial, new)  # nobody overtook
+            assert waiting == sorted(waiting), (f"({preempt}) the queue is {waiting} after {new}: a preempted "
+                                                "request goes back to its head")
+            assert all(r.rid < w for r in sched.running for w in waiting), (
+                f"({preempt}) requests {[r.rid for r in sched.running]} run while {waiting} wait: nobody overtakes")
             swapped_in += [e.rid for e in new if e.kind == "swap_in"]
             if any(e.kind == "admit" for e in new):  # swapped ones come back before anyone new is admitted
-                assert len(swapped_in) == len(swapped_out), (trial, new)
+                assert len(swapped_in) == len(swapped_out), (
+                    f"({preempt}) a request was admitted while swapped-out ones waited: {new}")
             swapped_out += [e.rid for e in new if e.kind == "swap_out"]
-        assert swapped_in == swapped_out  # first out, first back
-        assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o
+        assert swapped_in == swapped_out, f"swapped out {swapped_out}, back in {swapped_in}: first out, first back"
+        got = [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)]
+        assert got == o, f"({preempt}) the requests finished with {got} tokens; want {o}"
 
 
 @pytest.mark.parametrize("B", [1, 3, 4])
