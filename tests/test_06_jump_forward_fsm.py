@@ -1331,7 +1331,7 @@ def test_sample_draws_the_nucleus_distribution(temperature, top_p):
 
 # ------------------------------------------------------------------ the workshop's exercises, on small cases, in words
 
-class MergeTok(ByteTok):
+class AbTok(ByteTok):
     """ByteTok with one merge, "ab" (id 257): writing "b" after "a" re-tokenizes the pair into one token."""
     vocab = ByteTok.vocab + [b"ab"]
     vocab_size = len(vocab)
@@ -1360,7 +1360,7 @@ def test_jump_follows_the_forced_bytes_and_stops_at_a_choice():
 def test_jump_forward_appends_the_forced_text_in_whole_characters():
     """jump_forward on ab(c|d)xyz after "a": the state, text, tokens after the forced "b" and the tokens kept; on
     (日|旦) at the start: the forced bytes end inside a character, so no jump."""
-    tok = MergeTok()
+    tok = AbTok()
     index = m.TokenIndex("ab(c|d)xyz", tok)
     state = index.dfa.walk(0, b"a")
     got = index.jump_forward(state, b"a", tok.encode("a"), tok)
@@ -1386,7 +1386,7 @@ def test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged():
     """constrained_decode on a(b|c)d(e|f) with a model that likes "b", then "e": "a" is forced, the model writes
     "b", then the jump writes "d", which re-tokenizes "a", "b" into "ab" (one token): logits_fn's keep must not
     cover the changed tokens; the output matches the regex."""
-    tok, calls = MergeTok(), []
+    tok, calls = AbTok(), []
     index = m.TokenIndex("a(b|c)d(e|f)", tok)
     prefer = torch.zeros(tok.vocab_size)
     prefer[1 + ord("b")], prefer[1 + ord("e")] = 9.0, 8.0
