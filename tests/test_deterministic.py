@@ -1,0 +1,100 @@
+"""Issue 64: deterministic (batch-invariant) mode. The needle test (vLLM's and SGLang's): a prompt runs alone, then
+at a random position in batches of random sizes with random other prompts, with and without a cached prefix, chunked
+and not, mixed steps and not, on every backend; in deterministic mode its tokens and logprobs are the same bits every
+time. The same trials with the mode off must find a difference (the negative test: proof that they can fail)."""
+import random
+
+import pytest
+import torch
+
+import llama3_generate as L
+import h64_proto
+
+NOTOK = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()  # no stop token: every request runs max_new_tokens
+NEW = 12  # tokens each needle generates
+
+
+def needle_model(dtype=torch.float32, device="cpu", seed=0):
+    """A random 2-layer Llama (GQA 4:2, head_dim 32); weights big enough (std 0.3) that rounding shows."""
+    torch.manual_seed(seed)
+    args = L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=256,
+                       max_seq_len=256, rope_theta=10000.0)
+    with torch.device(device):
+        model = L.Transformer(args).eval()
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return model.to(dtype)
+
+
+def needle_run(model, prompts, at: int, params, warm=(), **kw):
+    """Serve `prompts` together (warm first, alone, to fill the radix cache); returns the needle's (prompts[at])
+    tokens and logprobs."""
+    e = h64_proto.engine(model, NOTOK, **{"kv_tokens": 4096, "max_batch": 32, **kw})  # phase 1: L.Engine
+    for w in warm:
+        e.add(w, L.SamplingParams(max_new_tokens=2))
+        e.run()
+    first = e.n_seqs
+    for i, p in enumerate(prompts):
+        e.add(p, params if i == at else L.SamplingParams(max_new_tokens=random.randint(1, NEW + 4)))
+    e.run()
+    seq = next(s for s in e.sched.finished if s.rid == first + at)
+    return seq.output, [lp for lp, _ in seq.logprobs]
+
+
+def trial_options(rng):
+    """One trial's company and engine: batch size, the needle's position, cache, chunking, schedule, backend."""
+    backend = rng.choice(["token", "paged", "contiguous"])
+    return dict(n=rng.randint(2, 10), cached=backend != "contiguous" and rng.random() < 0.5,
+                kw=dict(backend=backend, block_size=rng.choice([4, 16]),
+                        chunk_tokens=rng.choice([None, rng.randint(8, 40)]),
+                        schedule=rng.choice(["prefill-first", "mixed"])))
+
+
+def needle_trials(model, deterministic: bool, trials: int, seed=0, params=None, **engine_kw) -> list:
+    """Run one needle alone, then in `trials` random companies; returns the trials whose needle differed."""
+    rng, vocab = random.Random(seed), model.args.vocab_size
+    random.seed(seed)
+    words = lambda n: [rng.randrange(vocab) for _ in range(n)]
+    needle = words(rng.randint(20, 60))
+    params = params or L.SamplingParams(max_new_tokens=NEW, logprobs=1)
+    mode = dict(deterministic=True) if deterministic else {}  # the mode off: the engine as it always ran
+    alone = needle_run(model, [needle], 0, params, **mode, **engine_kw)
+    moved = []
+    for t in range(trials):
+        o = trial_options(rng)
+        others = [words(rng.randint(1, 90)) for _ in range(o["n"] - 1)]
+        at = rng.randrange(o["n"])
+        prompts = others[:at] + [needle] + others[at:]
+        warm = [needle[:rng.randint(8, len(needle))] + words(3)] if o["cached"] else []  # a cached prefix
+        got = needle_run(model, prompts, at, params, warm, **mode, **o["kw"], **engine_kw)
+        if got != alone:
+            moved.append((t, o, at))
+    return moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_needle_is_bit_identical_in_any_company(dtype):
+    model = needle_model(dtype)
+    assert needle_trials(model, True, trials=12, seed=int(torch.randint(0, 10**6, ()))) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_needle_moves_with_the_mode_off(dtype):
+    """The negative test: the same trials find the needle's logprobs moved (without the mode), so the test above
+    can fail."""
+    assert needle_trials(needle_model(dtype), False, trials=12, seed=1)
+
+
+def test_seeded_sampling_is_the_same_in_any_company():
+    """temperature > 0: each request draws from its own seeded stream, so the same seed gives the same text."""
+    params = L.SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7, logprobs=1)
+    assert needle_trials(needle_model(), True, trials=6, seed=2, params=params) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("logprobs", [None, 1])  # None: greedy argmax, the GPU's multi-step CUDA-graph path
+def test_needle_on_a_gpu(logprobs):
+    model = needle_model(torch.bfloat16, "cuda")
+    params = L.SamplingParams(max_new_tokens=NEW, logprobs=logprobs)
+    assert needle_trials(model, True, trials=16, seed=3, params=params) == []
+    assert needle_trials(model, False, trials=16, seed=3, params=params)
