@@ -80,14 +80,20 @@ def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
     return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens), page)
 
 
-def enable(engine):
-    """Prototype of Engine(deterministic=True) on a CPU: invariant matmuls, one attention routine for all."""
+def enable(engine, triton=None):
+    """Prototype of Engine(deterministic=True): invariant matmuls, one attention routine for all (triton: 04's
+    kernels and the Triton matmul, the GPU's; default on a GPU)."""
     import types
-    import llama3_generate as L
     model = engine.model
+    triton = engine.device.type == "cuda" if triton is None else triton
+    if triton:
+        import h64_triton as T
+        linear, decode, extend = T.invariant_matmul, T.decode_deterministic, T.extend_deterministic
+    else:
+        linear, decode, extend = invariant_linear, decode_pieces, attend_pieces
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            m.forward = lambda x, m=m: invariant_linear(x, m.weight)
+            m.forward = lambda x, m=m: linear(x, m.weight)
 
     @torch.inference_mode()
     def forward(self, tokens, positions, kv, logits_at=None, fp32=True, vocab=slice(None)):
@@ -97,14 +103,16 @@ def enable(engine):
             h = layer(h, cos, sin, kv)
         if logits_at is not None:
             h = h[logits_at]
-        logits = invariant_linear(self.norm(h), self.output.weight[vocab])
+        logits = linear(self.norm(h), self.output.weight[vocab])
         return logits.float() if fp32 else logits
     model.forward = types.MethodType(forward, model)
-    engine.kv.use_kernels(decode_pieces, attend_pieces)
+    engine.kv.use_kernels(decode, extend)
     return engine
 
 
-def engine(model, tok, deterministic=False, **kw):
+def engine(model, tok, deterministic=False, triton=None, **kw):
     import llama3_generate as L
+    if deterministic:
+        kw["fused"] = False
     e = L.Engine(model, tok, **kw)
-    return enable(e) if deterministic else e
+    return enable(e, triton) if deterministic else e

@@ -26,10 +26,27 @@ def needle_model(dtype=torch.float32, device="cpu", seed=0):
     return model.to(dtype)
 
 
-def needle_run(model, prompts, at: int, params, warm=(), **kw):
+class Engines:
+    """One engine per backend, reset between runs (no cached prefix left; its CUDA graphs stay), the schedule and
+    chunking set per run."""
+
+    def __init__(self, model, **kw):
+        self.model, self.kw, self.engines = model, kw, {}
+
+    def get(self, backend="token", block_size=16, chunk_tokens=None, schedule="prefill-first"):
+        key = (backend, block_size)
+        if key not in self.engines:
+            self.engines[key] = h64_proto.engine(self.model, NOTOK, backend=backend, block_size=block_size,
+                                                 kv_tokens=4096, max_batch=16, **self.kw)  # phase 1: L.Engine
+        e = self.engines[key]
+        e.reset()
+        e.sched.set_schedule(schedule == "mixed", chunk_tokens)
+        return e
+
+
+def needle_run(e, prompts, at: int, params, warm=()):
     """Serve `prompts` together (warm first, alone, to fill the radix cache); returns the needle's (prompts[at])
     tokens and logprobs."""
-    e = h64_proto.engine(model, NOTOK, **{"kv_tokens": 4096, "max_batch": 32, **kw})  # phase 1: L.Engine
     for w in warm:
         e.add(w, L.SamplingParams(max_new_tokens=2))
         e.run()
@@ -58,7 +75,8 @@ def needle_trials(model, deterministic: bool, trials: int, seed=0, params=None, 
     needle = words(rng.randint(20, 60))
     params = params or L.SamplingParams(max_new_tokens=NEW, logprobs=1)
     mode = dict(deterministic=True) if deterministic else {}  # the mode off: the engine as it always ran
-    alone = needle_run(model, [needle], 0, params, **mode, **engine_kw)
+    engines = Engines(model, **mode, **engine_kw)
+    alone = needle_run(engines.get(), [needle], 0, params)
     moved = []
     for t in range(trials):
         o = trial_options(rng)
@@ -66,8 +84,7 @@ def needle_trials(model, deterministic: bool, trials: int, seed=0, params=None, 
         at = rng.randrange(o["n"])
         prompts = others[:at] + [needle] + others[at:]
         warm = [needle[:rng.randint(8, len(needle))] + words(3)] if o["cached"] else []  # a cached prefix
-        got = needle_run(model, prompts, at, params, warm, **mode, **o["kw"], **engine_kw)
-        if got != alone:
+        if needle_run(engines.get(**o["kw"]), prompts, at, params, warm) != alone:
             moved.append((t, o, at))
     return moved
 
