@@ -96,3 +96,31 @@ def decode_deterministic(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, pa
         BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"])
     return out
+
+
+def bench(configs=((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 32, 64, 4, 4),
+                   (64, 128, 64, 4, 3)), ms=(1, 64, 256, 4096, 32768)):
+    """GPU: the invariant matmul per config vs cuBLAS on the 1B shape's weights (us), and whether configs agree."""
+    import json
+    from triton.testing import do_bench
+    shapes = dict(wqkv=(3072, 2048), wo=(2048, 2048), w13=(16384, 2048), w2=(2048, 8192), head=(128256, 2048))
+    out = {}
+    for name, (N, K) in shapes.items():
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / 30
+        for M in ms:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            row = {"cublas": do_bench(lambda: x @ w.t(), rep=20) * 1e3}
+            ref = None
+            for c in configs:
+                row[str(c)] = do_bench(lambda: invariant_matmul(x, w, c), rep=20) * 1e3
+                y = invariant_matmul(x, w, c)
+                ref = y if ref is None else ref
+                row[str(c) + " same as first"] = bool(torch.equal(y, ref))
+            out[f"{name} M={M}"] = row
+            print(name, M, json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
+                  flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    bench()

@@ -111,7 +111,6 @@ def test_seeded_sampling_is_the_same_in_any_company():
 @pytest.mark.gpu
 @pytest.mark.parametrize("logprobs", [None, 1])  # None: greedy argmax, the GPU's multi-step CUDA-graph path
 def test_needle_on_a_gpu(logprobs):
-    model = needle_model(torch.bfloat16, "cuda")
     params = L.SamplingParams(max_new_tokens=NEW, logprobs=logprobs)
-    assert needle_trials(model, True, trials=16, seed=3, params=params) == []
-    assert needle_trials(model, False, trials=16, seed=3, params=params)
+    assert needle_trials(needle_model(torch.bfloat16, "cuda"), True, trials=16, seed=3, params=params) == []
+    assert needle_trials(needle_model(torch.bfloat16, "cuda"), False, trials=16, seed=3, params=params)
