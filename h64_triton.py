@@ -8,6 +8,8 @@ chosen from the batch, and prefill, decode and mixed steps run different kernels
 query, decode ones too, through the extend kernel with one configuration: each query's keys reduce in BLOCK_N tiles
 from key 0, in order, whatever the batch, the chunk, or how much of the prefix was cached."""
 import importlib
+import json
+import os
 
 import torch
 
@@ -18,6 +20,8 @@ import triton.language as tl  # noqa: E402
 # one tile configuration for every M (block_m, block_n, block_k, warps, stages); fp32: small tiles compile fast
 MATMUL_CONFIG = {torch.bfloat16: (64, 64, 64, 4, 4), torch.float16: (64, 64, 64, 4, 4),
                  torch.float32: (32, 32, 32, 4, 1)}
+if os.environ.get("H64_MATMUL_CONFIG"):  # measurement only: the config call 1's sweep chose
+    MATMUL_CONFIG[torch.bfloat16] = tuple(json.loads(os.environ["H64_MATMUL_CONFIG"]))
 GROUP_M = 8  # row blocks walked together (L2 reuse of the weight tiles): the order programs run, not what they sum
 
 
@@ -99,9 +103,10 @@ def decode_deterministic(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, pa
 
 
 def bench(configs=((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (64, 32, 64, 4, 4),
-                   (64, 128, 64, 4, 3)), ms=(1, 64, 256, 4096, 32768)):
-    """GPU: the invariant matmul per config vs cuBLAS on the 1B shape's weights (us), and whether configs agree."""
-    import json
+                   (64, 128, 64, 4, 3), (128, 128, 64, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 4)),
+          ms=(1, 64, 256, 4096, 32768)):
+    """GPU: the invariant matmul per config vs cuBLAS on the 1B shape's weights (us), and whether configs agree;
+    writes the config of least engine-workload cost (about 700 decode steps at M=256, 5 prefills of 32k rows)."""
     from triton.testing import do_bench
     shapes = dict(wqkv=(3072, 2048), wo=(2048, 2048), w13=(16384, 2048), w2=(2048, 8192), head=(128256, 2048))
     out = {}
@@ -119,6 +124,13 @@ def bench(configs=((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3)
             out[f"{name} M={M}"] = row
             print(name, M, json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}),
                   flush=True)
+    cost = {c: sum(700 * out[f"{n} M=256"][c] + (5 * out[f"{n} M=32768"][c] if n != "head" else 0) for n in shapes)
+            for c in ["cublas"] + [str(c) for c in configs]}
+    print("cost (us):", json.dumps({k: round(v) for k, v in cost.items()}))
+    best = min((c for c in configs), key=lambda c: cost[str(c)])
+    print("best", best, f"{cost[str(best)] / cost['cublas']:.2f}x cublas")
+    with open("/tmp/h64_cfg", "w") as f:
+        f.write(json.dumps(list(best)))
     return out
 
 

@@ -114,3 +114,47 @@ def test_needle_on_a_gpu(logprobs):
     params = L.SamplingParams(max_new_tokens=NEW, logprobs=logprobs)
     assert needle_trials(needle_model(torch.bfloat16, "cuda"), True, trials=16, seed=3, params=params) == []
     assert needle_trials(needle_model(torch.bfloat16, "cuda"), False, trials=16, seed=3, params=params)
+
+
+def invariant_rows(linear, dtype, device, K=96, N=80, ms=(1, 2, 3, 5, 17, 33, 70)):
+    """The needle row's bits from `linear` at a random position among M random rows, for each M: one value."""
+    w, needle, got = torch.randn(N, K, device=device).to(dtype), torch.randn(K, device=device).to(dtype), set()
+    for M in ms:
+        x = torch.randn(M, K, device=device).to(dtype)
+        i = random.randrange(M)
+        x[i] = needle
+        y = linear(x, w)
+        ref = x.double() @ w.double().t()
+        assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), M
+        got.add(y[i].double().sum().item())
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_linear_on_a_cpu(dtype):
+    assert len(invariant_rows(h64_proto.invariant_linear, dtype, "cpu")) == 1
+    assert len(invariant_rows(torch.nn.functional.linear, torch.float32, "cpu")) > 1  # what it fixes: M=1 GEMV
+
+
+@pytest.mark.triton
+def test_invariant_matmul_kernel():
+    import h64_triton
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    assert len(invariant_rows(h64_triton.invariant_matmul, dtype, device, ms=(1, 3, 70, 300))) == 1
+
+
+@pytest.mark.triton
+def test_attention_is_one_reduction_for_prefill_chunks_and_decode():
+    """Deterministic attention: a query's output is the same bits whether its prompt ran whole, in chunks after a
+    cached prefix, or it is a decode step's query (the extend kernel, one configuration)."""
+    import h64_triton
+    device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    Hkv, G, D, n = 2, 3, 32, int(torch.randint(40, 140, ()))
+    kp, vp = (torch.randn(300, Hkv, D, device=device).to(dtype) for _ in range(2))
+    table = torch.randperm(300, device=device)[:n].int()[None]
+    q = torch.randn(n, Hkv * G, D, device=device).to(dtype)
+    whole = h64_triton.extend_deterministic(q, kp, vp, table, [0], [0], [n])
+    for cut in (1, n // 3, n - 1):
+        assert torch.equal(h64_triton.extend_deterministic(q[cut:], kp, vp, table, [0], [cut], [n - cut]), whole[cut:])
+    lens = torch.tensor([n], device=device)
+    assert torch.equal(h64_triton.decode_deterministic(q[-1:], kp, vp, table, torch.zeros_like(lens), lens), whole[-1:])
