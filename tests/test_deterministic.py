@@ -111,9 +111,12 @@ def test_seeded_sampling_is_the_same_in_any_company():
 @pytest.mark.gpu
 @pytest.mark.parametrize("logprobs", [None, 1])  # None: greedy argmax, the GPU's multi-step CUDA-graph path
 def test_needle_on_a_gpu(logprobs):
+    """On the GPU: 04's kernels, CUDA graphs, multi-step decode. The negative test compares logprobs (on a random
+    model greedy tokens rarely flip, their logprobs always move)."""
     params = L.SamplingParams(max_new_tokens=NEW, logprobs=logprobs)
     assert needle_trials(needle_model(torch.bfloat16, "cuda"), True, trials=16, seed=3, params=params) == []
-    assert needle_trials(needle_model(torch.bfloat16, "cuda"), False, trials=16, seed=3, params=params)
+    if logprobs:
+        assert needle_trials(needle_model(torch.bfloat16, "cuda"), False, trials=16, seed=3, params=params)
 
 
 def invariant_rows(linear, dtype, device, K=96, N=80, ms=(1, 2, 3, 5, 17, 33, 70)):
