@@ -16,8 +16,11 @@ tokens: (a) `greedy(kv=None)` recomputes; (b) `greedy` on `StaticKVCache`, gpt-f
 `llama3_generate.generate`. It is the first `KVCache`: the seam every later backend implements (02 paged blocks,
 03 token slots). The model calls kv.prepare before a forward and kv.attend in every layer, and all backends keep
 one picture -- token i of table row r in slot table[r, i // page] * page + i % page -- so one Triton kernel (04)
-and one CUDA graph (the engine's) read them all; `attend_table` is that read in PyTorch. Imports run one way,
-01 -> 06 -> the model.
+and one CUDA graph (the engine's) read them all; `attend_table` is that read in PyTorch.
+
+Imports: a lesson imports only earlier lessons at module level (01 imports none of them). Its demo
+loads the model file, llama3_generate, and loading that imports the lessons its engine uses (01, 02,
+03, 05, 06; 04 where Triton is), so running any lesson loads them all.
 
 Every request reserves its whole future at admission:
 
@@ -33,17 +36,19 @@ Every request reserves its whole future at admission:
         x      reserved past the request's final length: internal fragmentation
         -      free, but the next request fits in no hole: external fragmentation
 
-`account` simulates such a pool on a synthetic trace: all requests queue at t=0 (a backlog keeps the pool under
-pressure); each decode step the queue's head takes the first hole that fits its reservation (FCFS: nobody
-overtakes it), every running request stores one more token, and a request that got its last token frees its
-extent. At each step while someone waits, every slot counts in exactly one category (live, future, internal,
-external: free slots while someone waits), so they add up to the pool size. Schemes: `max_len` reserves
-max_seq_len; `pow2` the next power of two >= prompt + output (the paper's "Orca (Pow2)": at most 2x over);
-`oracle` exactly prompt + output. The mean number of running requests is the batch each scheme allows.
+`account` simulates such a pool on a synthetic trace: all requests queue at t=0 (a backlog keeps the
+pool under pressure); each decode step the queue's head takes the first hole that fits its
+reservation (FCFS: nobody overtakes it), every running request stores one more token, and a request
+that got its last token frees its extent. At each step while someone waits, every slot counts in
+exactly one category (live, future, internal, external: free slots while someone waits), so they add
+up to the pool size. Schemes: `max_len` reserves max_seq_len; `pow2` the next power of two >= prompt
++ output (the paper's "Orca (Pow2)": at most 2x over); `oracle` exactly prompt + output. The mean
+number of running requests is the batch each scheme allows.
 
-References: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with PagedAttention"
-(vLLM; its Fig. 2 found 20.4% / 26.8% / 38.2% of KV memory live for max-length / Pow2 / Oracle on its own
-trace -- the paper's figures, not measured here); gpt-fast (generate.py, KVCache); nanoGPT (model.py, generate).
+References: Kwon et al. 2023, "Efficient Memory Management for Large Language Model Serving with
+PagedAttention" (vLLM; its Fig. 2 found 20.4% / 26.8% / 38.2% of KV memory live for max-length /
+Pow2 / Oracle on its own trace -- the paper's figures, not measured here); gpt-fast (generate.py,
+KVCache); nanoGPT (model.py, generate).
 """
 from __future__ import annotations
 
@@ -57,69 +62,103 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# ---- The seam: the model hands each layer's q, k, v to a KV cache and never knows where they live -------
+# ======== THE IDEA, 1: the seam -- the model hands each layer's q, k, v to a KV cache =============
 
 def attend_dense(q, k, v):
-    """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v (L, Hkv, D).
+    """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v
+    (L, Hkv, D).
 
     Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H."""
     n, L = q.shape[0], k.shape[0]
     mask = None
     if n > 1:
-        mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]  # (n, L)
+        # (n, L)
+        mask = torch.arange(L, device=q.device) <= torch.arange(L - n, L, device=q.device)[:, None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                          attn_mask=mask, enable_gqa=True)  # (H, n, D)
     return out.transpose(0, 1)
 
 
 def attend_decode(q, k, v, seq_lens):
-    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last of its
-    seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b] are masked)."""
+    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last
+    of its seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b]
+    are masked)."""
     mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
+    # (B, H, 1, D)
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                                         attn_mask=mask[:, None, None], enable_gqa=True)  # (B, H, 1, D)
+                                         attn_mask=mask[:, None, None], enable_gqa=True)
     return out[:, :, 0]
 
 
 def table_slots(table, rows, n: int, page: int = 1) -> torch.Tensor:
-    """The pool slots of tokens 0..n-1 of table rows `rows` (B ints), LongTensor (B, n): token i of row r sits in
-    slot table[r, i // page] * page + i % page, the one picture every backend keeps (see KVCache)."""
+    """The pool slots of tokens 0..n-1 of table rows `rows` (B ints), LongTensor (B, n): token i of
+    row r sits in slot table[r, i // page] * page + i % page, the one picture every backend keeps
+    (see KVCache)."""
     i = torch.arange(n, device=table.device)
-    return table[torch.as_tensor(rows, device=table.device).long()][:, i // page].long() * page + i % page
+    rows = torch.as_tensor(rows, device=table.device).long()
+    return table[rows][:, i // page].long() * page + i % page
 
 
 def attend_table(q, k_pool, v_pool, table, rows, seq_lens, page: int = 1):
-    """Decode attention read through a table (the PyTorch twin of 04's kernel): q (B, H, D), one query per request;
-    k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): each request's table row and length."""
-    slots = table_slots(table, rows, int(seq_lens.max()), page)     # (B, L): columns past a length are stale
+    """Decode attention read through a table (the PyTorch twin of 04's kernel): q (B, H, D), one
+    query per request; k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): each
+    request's table row and length."""
+    # (B, L): columns past a length are stale
+    slots = table_slots(table, rows, int(seq_lens.max()), page)
     return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)  # masks them; (B, H, D)
 
 
 class KVCache:
-    """The seam between the model and its KV memory. Every backend (01 rows, 02 blocks, 03 token slots) is one:
+    """The seam between the model and its KV memory. Every backend (01 rows, 02 blocks, 03 token
+    slots) is one:
 
         positions = kv.prepare(seq_ids, n_new)  # before a forward: room for n_new[i] tokens of seq_ids[i]
         out = kv.attend(layer, q, k, v)         # in every layer: store k, v; attend over all that is visible
         kv.free(seq_id)                         # a request is done (or preempted)
 
-    All keep one picture, so one kernel (04) and one CUDA graph (the engine's) read them all: table row r's token i
-    lives in slot table[r, i // page] * page + i % page of layer_pools(layer) -- 01: a row is one page of
-    max_seq_len; 02: a block table, page = block size; 03: req_to_token, page 1. prepare() leaves the step here:
-    tok_slots (T,) where its tokens go, batch (rows, starts, n_new) on the host, batch_rows and batch_lens (B,)
-    on the device. A backend implements prepare, free, layer_pools, pad_row, used and capacity."""
+    All keep one picture, so one kernel (04) and one CUDA graph (the engine's) read them all: table
+    row r's token i lives in slot table[r, i // page] * page + i % page of layer_pools(layer) -- 01:
+    a row is one page of max_seq_len; 02: a block table, page = block size; 03: req_to_token,
+    page 1. prepare() leaves the step here: tok_slots (T,) where its tokens go, batch (rows, starts,
+    n_new) on the host, batch_rows and batch_lens (B,) on the device. A backend implements prepare,
+    free, layer_pools, pad_row, used and capacity."""
     page: int
     table: torch.Tensor               # (rows, pages per row) int32
-    decode_attn = extend_attn = None  # 04's kernels (use_kernels); None: the PyTorch path through the table
-    shares_prefixes = False           # 05's radix tree may share its slots between requests (03's pool, 02's blocks)
+    # 04's kernels (use_kernels); None: the PyTorch path through the table
+    decode_attn = extend_attn = None
+    # 05's radix tree may share its slots between requests (03's pool, 02's blocks)
+    shares_prefixes = False
+
+    # -------- the seam: what the model calls ------------------------------------------------------
 
     def prepare(self, seq_ids, n_new) -> torch.Tensor:
-        """Room for n_new[i] more tokens of seq_ids[i], all or nothing (02's OutOfBlocks when full, nothing
-        changed); returns each new token's position in its request, (T,)."""
+        """Room for n_new[i] more tokens of seq_ids[i], all or nothing (02's OutOfBlocks when full,
+        nothing changed); returns each new token's position in its request, (T,)."""
         raise NotImplementedError
+
+    def attend(self, layer, q, k, v):
+        kp, vp = self.layer_pools(layer)
+        kp[self.tok_slots], vp[self.tok_slots] = k, v  # the whole cache write: one scatter per step
+        rows, starts, n_new = self.batch
+        if all(n == 1 for n in n_new):  # decode: one query per request, batched
+            decode = self.decode_attn or attend_table
+            return decode(q, kp, vp, self.table, self.batch_rows, self.batch_lens, page=self.page)
+        if self.extend_attn is not None:  # prefill in one launch
+            return self.extend_attn(q, kp, vp, self.table, self.batch_rows, starts, n_new,
+                                    page=self.page)
+        outs, t = [], 0
+        for r, p, n in zip(rows, starts, n_new):
+            # prefill: gather each request's slots, one request at a time
+            idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)
+            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
+            t += n
+        return torch.cat(outs)
 
     def free(self, seq_id):
         """Drop a request's KV."""
         raise NotImplementedError
+
+    # -------- what every backend tells the engine (its pool, its table's scratch row, its size) ---
 
     def layer_pools(self, layer):
         """K and V of one layer as flat pools of slots, (slots, n_kv_heads, head_dim) each."""
@@ -141,10 +180,14 @@ class KVCache:
         """Tokens new requests may take now without preempting anyone; None: only the number of rows limits."""
         return None
 
+    # -------- the engine's hooks: building a cache for a pool, Triton kernels, CUDA graphs --------
+
     @classmethod
-    def for_pool(cls, model, tokens: int, max_batch: int, max_len: int, pad: int = 0, block_size: int = 16):
-        """The engine's cache: a pool of `tokens` KV slots for at most max_batch sequences of max_len tokens, plus
-        `pad` scratch rows for CUDA graphs' padding. Returns (cache, how many sequences it runs at once)."""
+    def for_pool(cls, model, tokens: int, max_batch: int, max_len: int, pad: int = 0,
+                 block_size: int = 16):
+        """The engine's cache: a pool of `tokens` KV slots for at most max_batch sequences of
+        max_len tokens, plus `pad` scratch rows for CUDA graphs' padding. Returns (cache, how many
+        sequences it runs at once)."""
         raise NotImplementedError
 
     def use_kernels(self, decode, extend=None):
@@ -152,41 +195,28 @@ class KVCache:
         self.decode_attn, self.extend_attn = decode, extend
 
     def bind_decode(self, slots, rows, lens):
-        """A CUDA graph's decode step: its static buffers (slots to write, table rows, lengths) become the step's
-        metadata, so that a replay reads what the host wrote into them."""
+        """A CUDA graph's decode step: its static buffers (slots to write, table rows, lengths)
+        become the step's metadata, so that a replay reads what the host wrote into them."""
         n = len(rows)
-        self.batch, self.tok_slots, self.batch_rows, self.batch_lens = ([0] * n, [0] * n, [1] * n), slots, rows, lens
-
-    def attend(self, layer, q, k, v):
-        kp, vp = self.layer_pools(layer)
-        kp[self.tok_slots], vp[self.tok_slots] = k, v  # the whole cache write: one scatter per step
-        rows, starts, n_new = self.batch
-        if all(n == 1 for n in n_new):  # decode: one query per request, batched
-            decode = self.decode_attn or attend_table
-            return decode(q, kp, vp, self.table, self.batch_rows, self.batch_lens, page=self.page)
-        if self.extend_attn is not None:  # prefill in one launch
-            return self.extend_attn(q, kp, vp, self.table, self.batch_rows, starts, n_new, page=self.page)
-        outs, t = [], 0
-        for r, p, n in zip(rows, starts, n_new):  # prefill: gather each request's slots, one request at a time
-            idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)
-            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
-            t += n
-        return torch.cat(outs)
+        self.batch = ([0] * n, [0] * n, [1] * n)
+        self.tok_slots, self.batch_rows, self.batch_lens = slots, rows, lens
 
 
-# ---- Caching K and V: (a) none, (b) one request, (c) a batch through the model's seam ------------
+# ======== THE IDEA, 2: caching K and V -- (a) none, (b) one request, (c) a batch through the seam ====
 
 class StaticKVCache:
     """gpt-fast's KVCache for ONE request: max_seq_len slots per layer, filled in position order."""
 
     def __init__(self, model, max_seq_len: int):
         a, w = model.args, model.tok_embeddings.weight
-        self.k = torch.zeros(a.n_layers, max_seq_len, a.n_kv_heads, a.head_dim, dtype=w.dtype, device=w.device)
+        self.k = torch.zeros(a.n_layers, max_seq_len, a.n_kv_heads, a.head_dim, dtype=w.dtype,
+                             device=w.device)
         self.v = torch.zeros_like(self.k)  # both (n_layers, max_seq_len, n_kv_heads, head_dim)
         self.len = 0
 
     def prepare(self, seq_ids, n_new):
-        if self.len + n_new[0] > self.k.shape[1]:  # refuse before any write: nothing out of bounds, nothing changed
+        if self.len + n_new[0] > self.k.shape[1]:
+            # refuse before any write: nothing out of bounds, nothing changed
             raise ValueError(f"{self.len + n_new[0]} tokens exceed max_seq_len={self.k.shape[1]}")
         self.pos = torch.arange(self.len, self.len + n_new[0], device=self.k.device)
         self.len += n_new[0]
@@ -202,12 +232,14 @@ class StaticKVCache:
 
 
 class ContiguousKVCache(KVCache):
-    """gpt-fast's static cache for a batch: each request owns one row of max_seq_len slots, reserved up front.
+    """gpt-fast's static cache for a batch: each request owns one row of max_seq_len slots, reserved
+    up front.
 
-    k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim). A row is one page of max_seq_len
-    slots in a table of one column: slot = row * max_seq_len + position."""
+    k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim). A row is one page of
+    max_seq_len slots in a table of one column: slot = row * max_seq_len + position."""
 
-    def __init__(self, n_layers, max_batch, max_seq_len, n_kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    def __init__(self, n_layers, max_batch, max_seq_len, n_kv_heads, head_dim, dtype=torch.float32,
+                 device="cpu"):
         shape = (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -216,10 +248,12 @@ class ContiguousKVCache(KVCache):
         self.rows: dict = {}  # seq_id -> row
         self.lens = [0] * max_batch  # tokens stored in each row
         self.page = max_seq_len   # a row is one page: the table maps row r to page r
-        self.table = torch.arange(max_batch, dtype=torch.int32, device=device)[:, None]  # (max_batch, 1)
+        # (max_batch, 1)
+        self.table = torch.arange(max_batch, dtype=torch.int32, device=device)[:, None]
 
     def layer_pools(self, layer):
-        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)  # slot = row * max_seq_len + i
+        # slot = row * max_seq_len + i
+        return self.k_cache[layer].flatten(0, 1), self.v_cache[layer].flatten(0, 1)
 
     def pad_row(self) -> int:
         return self.free_rows.pop()
@@ -233,16 +267,18 @@ class ContiguousKVCache(KVCache):
     @classmethod
     def for_model(cls, model, max_batch: int, max_seq_len: int | None = None):
         a, w = model.args, model.tok_embeddings.weight
-        return cls(a.n_layers, max_batch, max_seq_len or a.max_seq_len, a.n_kv_heads, a.head_dim, w.dtype, w.device)
+        return cls(a.n_layers, max_batch, max_seq_len or a.max_seq_len, a.n_kv_heads, a.head_dim,
+                   w.dtype, w.device)
 
     @classmethod
     def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
-        rows = max(1, min(max_batch, tokens // max_len))  # every running sequence reserves a row of max_len slots
+        # every running sequence reserves a row of max_len slots
+        rows = max(1, min(max_batch, tokens // max_len))
         return cls.for_model(model, rows + pad, max_len), rows
 
     def prepare(self, seq_ids, n_new):
-        """Make room for n_new[i] tokens of seq_ids[i]; returns their positions (T,).
-        Everything is checked before anything changes, so a refused batch leaves the cache as it was."""
+        """Make room for n_new[i] tokens of seq_ids[i]; returns their positions (T,). Everything is
+        checked before anything changes, so a refused batch leaves the cache as it was."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"duplicate request ids in one batch: {list(seq_ids)}")
         new = [s for s in seq_ids if s not in self.rows]
@@ -260,7 +296,8 @@ class ContiguousKVCache(KVCache):
         positions = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, n_new)])
         self.batch = (rows, starts, list(n_new))
         tok_rows = torch.repeat_interleave(torch.tensor(rows), torch.tensor(n_new))
-        self.tok_slots = (tok_rows * self.max_seq_len + positions).to(self.device)  # (T,) flat slot of each token
+        # (T,) flat slot of each token
+        self.tok_slots = (tok_rows * self.max_seq_len + positions).to(self.device)
         self.batch_rows, self.batch_lens = torch.tensor(  # (B,) each, in one copy
             [rows, [p + n for p, n in zip(starts, n_new)]], dtype=torch.int32).to(self.device)
         for r, n in zip(rows, n_new):
@@ -274,12 +311,14 @@ class ContiguousKVCache(KVCache):
 
 
 def greedy(model, prompt, max_new_tokens, kv=None):
-    """Greedy decode of one prompt -> (new tokens, logits (max_new_tokens, vocab)). kv=None is (a), nanoGPT: every
-    step re-runs the whole sequence. With a cache, (b): the prompt once, then only the newest token."""
+    """Greedy decode of one prompt -> (new tokens, logits (max_new_tokens, vocab)). kv=None is (a),
+    nanoGPT: every step re-runs the whole sequence. With a cache, (b): the prompt once, then only
+    the newest token."""
     import llama3_generate as L
     ids, logits = list(prompt), []
     for step in range(max_new_tokens):
-        x = ids if kv is None or step == 0 else ids[-1:]  # the tokens whose K and V this step computes
+        # the tokens whose K and V this step computes
+        x = ids if kv is None or step == 0 else ids[-1:]
         backend = kv if kv is not None else L.NoCache()
         positions = backend.prepare([0], [len(x)])
         logits.append(model(torch.tensor(x, device=positions.device), positions, backend, logits_at=[len(x) - 1])[0])
@@ -292,9 +331,11 @@ def greedy(model, prompt, max_new_tokens, kv=None):
 def generate_contiguous(model, prompt, max_new_tokens, max_seq_len=2048, kv=None):
     """(c): ContiguousKVCache written by the model through its seam, decoded by llama3_generate.generate."""
     import llama3_generate as L
-    kv = kv if kv is not None else ContiguousKVCache.for_model(model, max_batch=1, max_seq_len=max_seq_len)
+    kv = kv if kv is not None else ContiguousKVCache.for_model(model, max_batch=1,
+                                                               max_seq_len=max_seq_len)
     logits = []
-    hook = model.register_forward_hook(lambda mod, args, out: logits.append(out[-1]))  # (vocab,) per step
+    # (vocab,) per step
+    hook = model.register_forward_hook(lambda mod, args, out: logits.append(out[-1]))
     try:
         tokens = L.generate(model, kv, [prompt], max_new_tokens)[0]
     finally:
@@ -303,8 +344,9 @@ def generate_contiguous(model, prompt, max_new_tokens, max_seq_len=2048, kv=None
 
 
 def step_ms(model, position: int, cached: bool, repeats: int = 3) -> float:
-    """Time of the step producing token `position` (best of `repeats`): without a cache it recomputes all position + 1
-    tokens; with one it computes only the newest (the stored K/V stay zero: their values do not change the cost)."""
+    """Time of the step producing token `position` (best of `repeats`): without a cache it
+    recomputes all position + 1 tokens; with one it computes only the newest (the stored K/V stay
+    zero: their values do not change the cost)."""
     import llama3_generate as L
     best = float("inf")
     for _ in range(repeats):
@@ -317,20 +359,24 @@ def step_ms(model, position: int, cached: bool, repeats: int = 3) -> float:
     return best
 
 
-# ---- Where the reserved memory goes --------------------------------------------------------------
+# ======== THE IDEA, 3: where the reserved memory goes =============================================
 
-TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}  # mean prompt / output tokens of the two public traces
+# mean prompt / output tokens of the two public traces
+TRACES = {"sharegpt": (161, 338), "alpaca": (19, 58)}
 SCHEMES = ("max_len", "pow2", "oracle")
 CATEGORIES = ("live", "future", "internal", "external")
 
 
-def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_seq_len: int = 2048, sigma: float = 1.0):
+def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_seq_len: int = 2048,
+                    sigma: float = 1.0):
     """Request lengths drawn from log-normals with ShareGPT-like or Alpaca-like means (no download).
 
-    Returns (prompt_lens, output_lens), int64 numpy arrays of n requests, each >= 1, prompt + output <= max_seq_len."""
+    Returns (prompt_lens, output_lens), int64 numpy arrays of n requests, each >= 1, prompt + output
+    <= max_seq_len."""
     mean_in, mean_out = TRACES[kind]
     rng = np.random.default_rng(seed)
-    draw = lambda mean: rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)  # log-normal with that mean
+    # log-normal with that mean
+    draw = lambda mean: rng.lognormal(np.log(mean) - sigma**2 / 2, sigma, n)
     prompt = np.clip(np.rint(draw(mean_in)), 1, max_seq_len // 2).astype(np.int64)
     output = np.clip(np.rint(draw(mean_out)), 1, max_seq_len - prompt).astype(np.int64)
     return prompt, output
@@ -339,8 +385,10 @@ def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_se
 def reservation(scheme: str, prompt, output, max_seq_len: int):
     """Slots each request reserves at admission."""
     need = prompt + output
-    pow2 = lambda: np.minimum([1 << (int(n) - 1).bit_length() for n in need], max_seq_len)  # next power of 2 >= n
-    table = {"max_len": lambda: np.full_like(need, max_seq_len), "pow2": pow2, "oracle": lambda: need}
+    # next power of 2 >= n
+    pow2 = lambda: np.minimum([1 << (int(n) - 1).bit_length() for n in need], max_seq_len)
+    table = {"max_len": lambda: np.full_like(need, max_seq_len), "pow2": pow2,
+             "oracle": lambda: need}
     if scheme not in table:
         raise ValueError(f"unknown scheme {scheme!r}: choose from {SCHEMES}")
     return np.asarray(table[scheme](), dtype=np.int64)
@@ -357,19 +405,22 @@ def first_fit(running, size: int, pool_tokens: int):
 
 
 def simulate(prompt, output, reserve, pool_tokens: int):
-    """Yields (running, n_waiting) at every decode step while requests wait. running: [start, reserved, request,
-    generated] sorted by start; request r holds prompt[r] + generated live tokens and will end at prompt + output."""
+    """Yields (running, n_waiting) at every decode step while requests wait. running: [start,
+    reserved, request, generated] sorted by start; request r holds prompt[r] + generated live tokens
+    and will end at prompt + output."""
     if reserve.max() > pool_tokens:
         raise ValueError(f"a request reserves {reserve.max()} slots but the pool has only {pool_tokens}")
     waiting, running = deque(range(len(prompt))), []
     while waiting or running:
         while waiting and (start := first_fit(running, reserve[waiting[0]], pool_tokens)) is not None:
-            r = waiting.popleft()  # FCFS: admit the head of the queue while it fits; nobody overtakes it
+            # FCFS: admit the head of the queue while it fits; nobody overtakes it
+            r = waiting.popleft()
             running.append([start, int(reserve[r]), r, 0])
             running.sort()
         if waiting:
             yield running, len(waiting)
-        for x in running:  # one decode step: each request stores one more token; finished ones free their extent
+        for x in running:
+            # one decode step: each request stores one more token; finished ones free their extent
             x[3] += 1
         running = [x for x in running if x[3] < output[x[2]]]
 
@@ -379,17 +430,21 @@ def breakdown(running, prompt, output, pool_tokens: int) -> dict:
     live = sum(int(prompt[r]) + g for _, _, r, g in running)
     final = sum(int(prompt[r] + output[r]) for _, _, r, _ in running)
     reserved = sum(size for _, size, _, _ in running)
-    return {"live": live, "future": final - live, "internal": reserved - final, "external": pool_tokens - reserved}
+    return {"live": live, "future": final - live, "internal": reserved - final,
+            "external": pool_tokens - reserved}
 
 
 def account(prompt, output, scheme: str, pool_tokens: int, max_seq_len: int) -> dict:
     """Mean share of the pool per category over all saturated steps, the mean batch, and one snapshot to draw."""
     totals, batch, steps, snap = dict.fromkeys(CATEGORIES, 0), 0, 0, None
-    for running, n_waiting in simulate(prompt, output, reservation(scheme, prompt, output, max_seq_len), pool_tokens):
+    for running, n_waiting in simulate(prompt, output,
+                                       reservation(scheme, prompt, output, max_seq_len),
+                                       pool_tokens):
         for c, n in breakdown(running, prompt, output, pool_tokens).items():
             totals[c] += n
         batch, steps = batch + len(running), steps + 1
-        if snap is None and n_waiting <= len(prompt) // 2:  # draw the pool once half the trace is admitted
+        if snap is None and n_waiting <= len(prompt) // 2:
+            # draw the pool once half the trace is admitted
             snap = [list(x) for x in running]
     if not steps:
         raise ValueError("the whole trace fits in the pool at once: nothing waits, choose a smaller pool")
@@ -411,53 +466,64 @@ def plot_pool(results, prompt, output, pool_tokens: int, path: str, width: int =
     """One panel per scheme: the pool as rows of `width` slots. Owners alternate blue/green; faded = future."""
     from matplotlib.figure import Figure  # no pyplot: no GUI backend needed
     from matplotlib.patches import Patch
+    # live x2, future x2, internal, external, pad
     colours = np.array([(0.12, 0.47, 0.71), (0.2, 0.63, 0.17), (0.67, 0.8, 0.9), (0.7, 0.87, 0.54),
-                        (0.55, 0.55, 0.55), (0.9, 0.2, 0.2), (1, 1, 1)])  # live x2, future x2, internal, external, pad
+                        (0.55, 0.55, 0.55), (0.9, 0.2, 0.2), (1, 1, 1)])
     fig = Figure(figsize=(10, 2.2 * len(results)))
-    for ax, (scheme, res) in zip(fig.subplots(len(results), 1, squeeze=False)[:, 0], results.items()):
+    axes = fig.subplots(len(results), 1, squeeze=False)[:, 0]
+    for ax, (scheme, res) in zip(axes, results.items()):
         owner, cat = paint(res["snapshot"], prompt, output, pool_tokens)
         parity = np.cumsum(np.r_[0, owner[1:] != owner[:-1]]) % 2  # flips at every owner boundary
         code = np.where(cat == 0, parity, np.where(cat == 1, 2 + parity, cat + 2))
         rows = -(-pool_tokens // width)
-        ax.imshow(colours[np.r_[code, np.full(rows * width - pool_tokens, 6)].reshape(rows, width)],  # (rows, width, 3)
+        # (rows, width, 3)
+        ax.imshow(colours[np.r_[code, np.full(rows * width - pool_tokens, 6)].reshape(rows, width)],
                   aspect="auto", interpolation="nearest")
         live = 100 * (cat == 0).mean()
-        ax.set_title(f"{scheme}: {len(res['snapshot'])} requests, {live:.1f}% of the pool live", fontsize=10)
+        ax.set_title(f"{scheme}: {len(res['snapshot'])} requests, {live:.1f}% of the pool live",
+                     fontsize=10)
         ax.set_yticks([]), ax.set_xlabel(f"token slot within a row of {width}", fontsize=8)
-    labels = ("live", "", "reserved for future", "", "internal fragmentation", "external fragmentation")
-    fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(colours, labels) if t], loc="lower center", ncol=4,
-               fontsize=8)
+    labels = ("live", "", "reserved for future", "", "internal fragmentation",
+              "external fragmentation")
+    fig.legend(handles=[Patch(color=c, label=t) for c, t in zip(colours, labels) if t],
+               loc="lower center", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     fig.savefig(path, dpi=110)
     return path
 
 
-# ---- The lesson, measured ------------------------------------------------------------------------
+# ======== DEMO: the lesson, measured ==============================================================
 
 def memory_report(n_requests=1000, pool_tokens=32768, max_seq_len=2048, seed=0, plot=None) -> dict:
-    """Every scheme on both traces; `live_fraction` is ShareGPT's (the paper's trace). Draws ShareGPT's pool to
-    `plot`."""
+    """Every scheme on both traces; `live_fraction` is ShareGPT's (the paper's trace). Draws
+    ShareGPT's pool to `plot`."""
     traces = {}
     for kind in TRACES:
         prompt, output = synthetic_trace(kind, n_requests, seed, max_seq_len)
         res = {s: account(prompt, output, s, pool_tokens, max_seq_len) for s in SCHEMES}
         if plot and kind == "sharegpt":
-            plot_pool(res, prompt, output, pool_tokens, plot, width=max_seq_len)  # max_len: a row per request
-        traces[kind] = {s: {k: v for k, v in r.items() if k != "snapshot"} for s, r in res.items()}  # unrounded:
-        # rounded here and again when printed, 0.24453 read 24.4% (02, printing the same figure, said 24.5%)
+            # max_len: a row per request
+            plot_pool(res, prompt, output, pool_tokens, plot, width=max_seq_len)
+        # unrounded: rounded here and again when printed, 0.24453 read 24.4% (02, printing the same
+        # figure, said 24.5%)
+        traces[kind] = {s: {k: v for k, v in r.items() if k != "snapshot"} for s, r in res.items()}
     return {"live_fraction": {s: traces["sharegpt"][s]["live"] for s in SCHEMES}, "traces": traces,
-            "pool_tokens": pool_tokens, "max_seq_len": max_seq_len, "requests": n_requests, "plot": plot}
+            "pool_tokens": pool_tokens, "max_seq_len": max_seq_len, "requests": n_requests,
+            "plot": plot}
 
 
-def generation_report(model=None, tok=None, new_tokens=6, positions=(16, 64, 256), question="What is a KV cache?"):
+def generation_report(model=None, tok=None, new_tokens=6, positions=(16, 64, 256),
+                      question="What is a KV cache?"):
     """(a), (b), (c) on the model (default: SmolLM2): same tokens? logit gap to (a), s/token; step time vs position."""
     import llama3_generate as L
     model, tok = (model, tok) if model else L.load_model()
     prompt, runs, fed = tok.chat(question), {}, []
-    hook = model.register_forward_pre_hook(lambda mod, args: fed.append(len(args[0])))  # tokens per forward
+    # tokens per forward
+    hook = model.register_forward_pre_hook(lambda mod, args: fed.append(len(args[0])))
     try:
         for name, run in (("a_no_cache", lambda: greedy(model, prompt, new_tokens)),
-                          ("b_static_cache", lambda: greedy(model, prompt, new_tokens, StaticKVCache(model, 2048))),
+                          ("b_static_cache",
+                           lambda: greedy(model, prompt, new_tokens, StaticKVCache(model, 2048))),
                           ("c_contiguous", lambda: generate_contiguous(model, prompt, new_tokens))):
             t0, fed[:] = time.perf_counter(), []
             runs[name] = (*run(), (time.perf_counter() - t0) / new_tokens, sum(fed))
@@ -465,11 +531,14 @@ def generation_report(model=None, tok=None, new_tokens=6, positions=(16, 64, 256
         hook.remove()
     (ref, ref_logits, *_), a = runs["a_no_cache"], model.args
     return {"prompt_tokens": len(prompt), "text": tok.decode(ref), "new_tokens": new_tokens,
-            "methods": {k: {"same_tokens": t == ref, "max_logit_diff": float((lg - ref_logits).abs().max()),
-                            "tokens_computed": n, "s_per_token": round(s, 3)} for k, (t, lg, s, n) in runs.items()},
+            "methods": {k: {"same_tokens": t == ref,
+                            "max_logit_diff": float((lg - ref_logits).abs().max()),
+                            "tokens_computed": n, "s_per_token": round(s, 3)}
+                        for k, (t, lg, s, n) in runs.items()},
             "step_ms": [{"position": p, "no_cache": round(step_ms(model, p, False), 1),
                          "cached": round(step_ms(model, p, True), 1)} for p in positions],
-            "kv_bytes_per_token_fp16": 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2}  # K and V, every layer
+            # K and V, every layer
+            "kv_bytes_per_token_fp16": 2 * a.n_layers * a.n_kv_heads * a.head_dim * 2}
 
 
 def print_generation(g: dict):
@@ -505,14 +574,15 @@ def print_memory(m: dict, kv_bytes_per_token: int | None = None):
 def main(argv=None):
     p = argparse.ArgumentParser(description="naive KV caching, and what reserving max length wastes")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    p.add_argument("--plot", default="/tmp/01_kv_cache_pool.png", help="where to save the pool picture ('' for none)")
+    p.add_argument("--plot", default="/tmp/01_kv_cache_pool.png",
+                   help="where to save the pool picture ('' for none)")
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--pool-tokens", type=int, default=32768, help="KV budget in token slots")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-model", action="store_true", help="skip the real model's three ways to generate (the memory "
-                   "figures only)")
+    p.add_argument("--no-model", action="store_true",
+                   help="skip the real model's three ways to generate (the memory figures only)")
     a = p.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)

@@ -1,10 +1,11 @@
 """
 02_paged_cache_manager.py -- vLLM's PagedAttention: KV blocks, block tables, sharing, preemption.
 
-01 reserved max_seq_len slots per request, and most of them never held a token. PagedAttention cuts the
-KV pool into fixed-size blocks of `block_size` tokens, like OS pages: a request takes a block only when
-its last one is full, the blocks need not be contiguous, and a per-request *block table* maps logical
-blocks to physical ones. The only waste is the unfilled tail of each request's last block.
+01 reserved max_seq_len slots per request, and most of them never held a token. PagedAttention cuts
+the KV pool into fixed-size blocks of `block_size` tokens, like OS pages: a request takes a block
+only when its last one is full, the blocks need not be contiguous, and a per-request *block table*
+maps logical blocks to physical ones. The only waste is the unfilled tail of each request's last
+block.
 
     request A, 27 tokens                      one pool for all layers: k_cache, v_cache
     logical block   0     1     2     3       (num_layers, num_blocks, block_size, n_kv_heads, head_dim)
@@ -31,9 +32,13 @@ The pieces, in the order this file defines them:
 
 Run: `python 02_paged_cache_manager.py [--trace alpaca] [--requests N] [--budget SLOTS] [--no-model] [--json]`.
 
+Imports: 01 (the seam, KVCache) at module level. The demo loads llama3_generate (the model),
+and loading it imports the lessons its engine uses (01, 02, 03, 05, 06; see 01).
+
 References: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023); vLLM v0 block_manager / scheduler; nano-vllm's block_manager.py and
-scheduler.py (style); FlashAttention-2's flash_attn_with_kvcache (paged KV, page size multiple of 256).
+scheduler.py (style); FlashAttention-2's flash_attn_with_kvcache (paged KV, page size multiple of
+256).
 """
 from __future__ import annotations
 
@@ -46,8 +51,10 @@ from collections import Counter, deque, namedtuple
 import numpy as np
 import torch
 
-kv01 = importlib.import_module("01_kv_cache")
+L01 = importlib.import_module("01_kv_cache")
 
+
+# ======== THE IDEA, 1: paging -- blocks, block tables, reference counts, copy-on-write ============
 
 class OutOfBlocks(RuntimeError):
     """The pool cannot hold what was asked; nothing was changed. A scheduler answers this by preempting."""
@@ -65,11 +72,13 @@ class BlockManager:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.watermark_blocks = int(watermark * num_blocks)
-        self.free_blocks = deque(range(num_blocks))  # deterministic: take from the front, freed blocks go to the back
+        # deterministic: take from the front, freed blocks go to the back
+        self.free_blocks = deque(range(num_blocks))
         self.ref_count = [0] * num_blocks
         self.block_tables: dict = {}  # seq_id -> [physical block of logical block 0, 1, ...]
         self.num_tokens: dict = {}    # seq_id -> tokens stored
-        self.cached = Counter()       # block -> references a prefix cache holds (05's radix tree, through BlockRefs)
+        # block -> references a prefix cache holds (05's radix tree, through BlockRefs)
+        self.cached = Counter()
 
     @property
     def num_free(self) -> int:
@@ -89,9 +98,10 @@ class BlockManager:
             self.free_blocks.append(block)
 
     def blocks_needed(self, seq, n: int, copied: Counter | None = None) -> int:
-        """Blocks that appending n tokens to seq takes from the free list: new blocks, plus a copy of its partly
-        filled last block if another sequence shares it (copy-on-write). copied: the copies earlier appends of the
-        same batch make of each block -- the last sharer to write owns the block alone by then, and copies nothing."""
+        """Blocks that appending n tokens to seq takes from the free list: new blocks, plus a copy
+        of its partly filled last block if another sequence shares it (copy-on-write). copied: the
+        copies earlier appends of the same batch make of each block -- the last sharer to write owns
+        the block alone by then, and copies nothing."""
         table = self.block_tables.get(seq)
         if not table:
             return cdiv(n, self.block_size)
@@ -105,8 +115,9 @@ class BlockManager:
         return sum(self.blocks_needed(s, n, copied) for s, n in zip(seqs, n_new))
 
     def can_allocate(self, n_tokens: int, taken: int = 0, alone: bool = False) -> bool:
-        """Admit a new request only if a watermark of blocks stays free, so it does not force a preemption of the
-        running ones right away. A request that would run alone preempts nobody: it needs only to fit."""
+        """Admit a new request only if a watermark of blocks stays free, so it does not force a
+        preemption of the running ones right away. A request that would run alone preempts nobody:
+        it needs only to fit."""
         return self.num_free - taken - cdiv(n_tokens, self.block_size) >= (0 if alone else self.watermark_blocks)
 
     def can_append(self, seqs, n_new) -> bool:
@@ -118,7 +129,8 @@ class BlockManager:
         if need > self.num_free:  # checked before any change: a refusal leaves the pool as it was
             raise OutOfBlocks(f"sequence {seq!r}: {n} more tokens need {need} blocks but only {self.num_free} are free")
         copies, table = [], self.block_tables.setdefault(seq, [])
-        if need > cdiv(self.num_tokens.get(seq, 0) + n, self.block_size) - len(table):  # copy-on-write
+        if need > cdiv(self.num_tokens.get(seq, 0) + n, self.block_size) - len(table):
+            # copy-on-write
             src = table[-1]
             self._release(src)
             table[-1] = dst = self._take()
@@ -128,8 +140,9 @@ class BlockManager:
         return copies
 
     def prepare(self, seq_ids, n_new) -> list:
-        """Append n_new[i] tokens to seq_ids[i], all or nothing. A BlockManager is thus also a backend without tensors
-        (prepare / free) for simulating a scheduler on a trace. Returns the copy-on-write copies."""
+        """Append n_new[i] tokens to seq_ids[i], all or nothing. A BlockManager is thus also a
+        backend without tensors (prepare / free) for simulating a scheduler on a trace. Returns the
+        copy-on-write copies."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence appears twice in one batch: {list(seq_ids)}")
         if not self.can_append(seq_ids, n_new):
@@ -162,7 +175,8 @@ class BlockManager:
         problems = [msg for bad, msg in [
             (len(set(self.free_blocks)) != self.num_free or any(self.ref_count[b] for b in self.free_blocks),
              "free list holds duplicates or referenced blocks"),
-            (self.num_free + used != self.num_blocks, f"free {self.num_free} + used {used} != total {self.num_blocks}"),
+            (self.num_free + used != self.num_blocks,
+             f"free {self.num_free} + used {used} != total {self.num_blocks}"),
             (any(self.ref_count[b] != owners.get(b, 0) for b in range(self.num_blocks)),
              "a block's refcount != owners"),
             (any(len(t) != cdiv(self.num_tokens[s], self.block_size) for s, t in self.block_tables.items()),
@@ -173,12 +187,14 @@ class BlockManager:
 
 
 class BlockRefs:
-    """The blocks as 05's radix tree sees a pool (03's TokenAllocator: available, inc_ref, free, mem_state): it holds
-    one reference per cached page, a page being one whole block named by its slots (block * block_size + i)."""
+    """The blocks as 05's radix tree sees a pool (03's TokenAllocator: available, inc_ref, free,
+    mem_state): it holds one reference per cached page, a page being one whole block named by its
+    slots (block * block_size + i)."""
 
     def __init__(self, manager, device):
         self.m, self.size, self.device = manager, manager.num_blocks, device
-        self.available, self.check = lambda: manager.num_free, manager.check  # free blocks; 02's invariants
+        # free blocks; 02's invariants
+        self.available, self.check = lambda: manager.num_free, manager.check
 
     def _blocks(self, slots):
         return (torch.as_tensor(slots)[::self.m.block_size] // self.m.block_size).tolist()
@@ -198,9 +214,12 @@ class BlockRefs:
 
 
 @functools.cache
+# -------- attention through the block tables (flash-attn or PyTorch) ------------------------------
+
 def flash_attn():
-    """flash-attn's paged-KV kernels (decode: flash_attn_with_kvcache; a ragged prefill: flash_attn_varlen_func,
-    both given the block table), or None where flash-attn is not installed (CPU machines, CI)."""
+    """flash-attn's paged-KV kernels (decode: flash_attn_with_kvcache; a ragged prefill:
+    flash_attn_varlen_func, both given the block table), or None where flash-attn is not installed
+    (CPU machines, CI)."""
     try:
         import flash_attn as fa
         return fa
@@ -217,70 +236,90 @@ def flash_ok(k_cache) -> bool:
 def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: str = "auto"):
     """Attention of a flat ragged batch over one layer's paged cache (its new k, v already written).
 
-    q (T, H, D): q_lens[i] new tokens of request i, request after request: the LAST q_lens[i] of its seq_lens[i].
-    k_cache, v_cache (num_blocks, block_size, Hkv, D); block_table (batch, max_blocks) int32; seq_lens (batch,) int32.
-    path: "auto" (flash-attn where flash_ok, else PyTorch), "flash" or "torch". Returns (T, H, D)."""
+    q (T, H, D): q_lens[i] new tokens of request i, request after request: the LAST q_lens[i] of its
+    seq_lens[i]. k_cache, v_cache (num_blocks, block_size, Hkv, D); block_table (batch, max_blocks)
+    int32; seq_lens (batch,) int32. path: "auto" (flash-attn where flash_ok, else PyTorch), "flash"
+    or "torch". Returns (T, H, D)."""
     if path == "flash" or (path == "auto" and flash_ok(k_cache)):
         if not flash_ok(k_cache):
             raise ValueError("flash path needs flash-attn, CUDA tensors, fp16/bf16 and block_size % 256 == 0")
         fa = flash_attn()
         if len(set(q_lens)) == 1:  # decode (or equal chunks): one call, q (batch, n, H, D)
-            out = fa.flash_attn_with_kvcache(q.view(len(q_lens), q_lens[0], *q.shape[1:]), k_cache, v_cache,
-                                             cache_seqlens=seq_lens, block_table=block_table, causal=True)
-            return out.flatten(0, 1)  # causal mask aligned bottom-right: q are the last tokens of each request
-        cu_q = torch.tensor([0, *q_lens], device=q.device).cumsum(0, dtype=torch.int32)  # (batch + 1,) q offsets
-        cu_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0, dtype=torch.int32)])   # (batch + 1,) key offsets
-        return fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), k_cache.shape[1] *
-                                         block_table.shape[1], causal=True, block_table=block_table)  # ragged prefill
-    if all(n == 1 for n in q_lens):  # decode: gather every request's blocks at once, mask past each length
-        K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)  # (batch, max_blocks * B, Hkv, D)
-        return kv01.attend_decode(q, K, V, seq_lens)
+            out = fa.flash_attn_with_kvcache(q.view(len(q_lens), q_lens[0], *q.shape[1:]), k_cache,
+                                             v_cache, cache_seqlens=seq_lens,
+                                             block_table=block_table, causal=True)
+            # causal mask aligned bottom-right: q are the last tokens of each request
+            return out.flatten(0, 1)
+        # (batch + 1,) q offsets
+        cu_q = torch.tensor([0, *q_lens], device=q.device).cumsum(0, dtype=torch.int32)
+        # (batch + 1,) key offsets
+        cu_k = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0, dtype=torch.int32)])
+        max_k = k_cache.shape[1] * block_table.shape[1]
+        # ragged prefill
+        return fa.flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max_k,
+                                         causal=True, block_table=block_table)
+    if all(n == 1 for n in q_lens):
+        # decode: gather every request's blocks at once, mask past each length
+        # (batch, max_blocks * B, Hkv, D)
+        K, V = k_cache[block_table].flatten(1, 2), v_cache[block_table].flatten(1, 2)
+        return L01.attend_decode(q, K, V, seq_lens)
     outs, t, B = [], 0, k_cache.shape[1]
     for i, (n, L) in enumerate(zip(q_lens, seq_lens.tolist())):  # prefill: one request at a time
         blocks = block_table[i, :cdiv(L, B)]
-        outs.append(kv01.attend_dense(q[t:t + n], k_cache[blocks].flatten(0, 1)[:L],
+        outs.append(L01.attend_dense(q[t:t + n], k_cache[blocks].flatten(0, 1)[:L],
                                       v_cache[blocks].flatten(0, 1)[:L]))
         t += n
     return torch.cat(outs)
 
 
-class PagedKVCache(kv01.KVCache):
-    """The paged backend behind 01's seam (KVCache): prepare(seq_ids, n_new) -> positions, attend, free.
+# -------- 01's seam over blocks: PagedKVCache -----------------------------------------------------
 
-    The block tables live on the device as well, one fixed row per sequence: table (max_seqs, max_blocks) int32,
-    what flash-attn and 04's kernels read, and what the engine's CUDA graphs capture. The BlockManager stays the
-    truth; each step writes to the device only what changed since the last (new block ids, and the block a
-    copy-on-write replaced), never whole tables from lists. Unused entries are never read (lengths bound every
-    read); tests poison them to prove it. 05's radix tree shares whole blocks by reference (add_prefix, share_prefix
-    and BlockRefs: its own reference per cached block); a prompt's partial last block is recomputed, never shared."""
+class PagedKVCache(L01.KVCache):
+    """The paged backend behind 01's seam (KVCache): prepare(seq_ids, n_new) -> positions, attend,
+    free.
+
+    The block tables live on the device as well, one fixed row per sequence: table (max_seqs,
+    max_blocks) int32, what flash-attn and 04's kernels read, and what the engine's CUDA graphs
+    capture. The BlockManager stays the truth; each step writes to the device only what changed
+    since the last (new block ids, and the block a copy-on-write replaced), never whole tables from
+    lists. Unused entries are never read (lengths bound every read); tests poison them to prove it.
+    05's radix tree shares whole blocks by reference (add_prefix, share_prefix and BlockRefs: its
+    own reference per cached block); a prompt's partial last block is recomputed, never shared."""
     shares_prefixes = True
 
-    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32, device="cpu",
-                 watermark=0.01, path="auto", max_seqs=256, max_seq_len=None):
+    def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
+                 device="cpu", watermark=0.01, path="auto", max_seqs=256, max_seq_len=None):
         self.manager = BlockManager(num_blocks, block_size, watermark)
         shape = (n_layers, num_blocks, block_size, n_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # (n_layers, num_blocks, block_size, Hkv, D)
+        # (n_layers, num_blocks, block_size, Hkv, D)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.block_size, self.device, self.path = block_size, torch.device(device), path
         self.page = block_size    # 04's kernels: slot = table[row, pos // page] * page + pos % page
-        self.max_seq_len = max_seq_len or num_blocks * block_size  # default: one sequence may fill the pool
+        # default: one sequence may fill the pool
+        self.max_seq_len = max_seq_len or num_blocks * block_size
         self.table = torch.zeros(max_seqs, cdiv(self.max_seq_len, block_size), dtype=torch.int32,
                                  device=device)  # (max_seqs, max_blocks) int32
         self.free_rows = list(range(max_seqs))
         self.rows = {}            # seq_id -> its row of self.table
-        self.written = {}         # row -> (blocks the device row holds, the last of them): what the next write skips
+        # row -> (blocks the device row holds, the last of them): what the next write skips
+        self.written = {}
         self.lens = self.manager.num_tokens  # seq_id -> tokens stored (the manager's own dict)
-        self.allocator = BlockRefs(self.manager, self.device)  # what 05's radix tree holds references through
+        # what 05's radix tree holds references through
+        self.allocator = BlockRefs(self.manager, self.device)
 
     @classmethod
     def for_model(cls, model, num_blocks: int, block_size: int = 16, **kw):
         a, w = model.args, model.tok_embeddings.weight
-        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device, **kw)
+        return cls(a.n_layers, num_blocks, block_size, a.n_kv_heads, a.head_dim, w.dtype, w.device,
+                   **kw)
 
     @classmethod
     def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
-        blocks = cdiv(tokens, block_size) + pad  # rounded up: the pool holds every request of up to `tokens`
-        return cls.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad, max_seq_len=max_len), max_batch
+        # rounded up: the pool holds every request of up to `tokens`
+        blocks = cdiv(tokens, block_size) + pad
+        return cls.for_model(model, blocks, block_size, max_seqs=max_batch + 1 + pad,
+                             max_seq_len=max_len), max_batch
 
     def layer_pools(self, layer):
         """(num_blocks * block_size, n_kv_heads, head_dim) K and V of one layer: slot = block * block_size + i."""
@@ -291,7 +330,8 @@ class PagedKVCache(kv01.KVCache):
         m, B = self.manager, self.block_size
         starts = [m.num_tokens.get(s, 0) for s in seq_ids]
         for s, p, n in zip(seq_ids, starts, n_new):
-            if p + n > self.max_seq_len and self.max_seq_len < m.num_blocks * B:  # else: OutOfBlocks below
+            if p + n > self.max_seq_len and self.max_seq_len < m.num_blocks * B:
+                # else: OutOfBlocks below
                 raise ValueError(f"sequence {s}: {p + n} tokens exceed max_seq_len={self.max_seq_len}")
         fresh = [s for s in seq_ids if s not in self.rows]
         if len(fresh) > len(self.free_rows):
@@ -302,26 +342,34 @@ class PagedKVCache(kv01.KVCache):
             self.k_cache[:, dst], self.v_cache[:, dst] = self.k_cache[:, src], self.v_cache[:, src]
         self._write_tables(seq_ids)
         rows = [self.rows[s] for s in seq_ids]
-        # (B,) each, in one copy; non_blocking: CUDA stages a pageable copy at once, without waiting for the GPU
-        n_t, start_t, row_t = torch.tensor([list(n_new), starts, rows]).to(self.device, non_blocking=True)
-        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=sum(n_new))  # (T,); the size spares a sync
-        positions = torch.arange(sum(n_new), device=self.device) - per_token(n_t.cumsum(0) - n_t - start_t)  # (T,)
-        self.tok_slots = self.table[per_token(row_t), positions // B].long() * B + positions % B  # (T,) flat slot
+        # (B,) each, in one copy; non_blocking: CUDA stages a pageable copy at once, without waiting
+        # for the GPU
+        host = torch.tensor([list(n_new), starts, rows])
+        n_t, start_t, row_t = host.to(self.device, non_blocking=True)
+        # (T,); the size spares a sync
+        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=sum(n_new))
+        # (T,)
+        origin = n_t.cumsum(0) - n_t - start_t  # (B,) where each request's token 0 would sit
+        positions = torch.arange(sum(n_new), device=self.device) - per_token(origin)
+        # (T,) flat slot
+        self.tok_slots = self.table[per_token(row_t), positions // B].long() * B + positions % B
         self.batch = (rows, starts, list(n_new))
-        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what the kernels read
+        # (B,) what the kernels read
+        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()
         return positions
 
     def pad_row(self) -> int:
-        """A table row for CUDA graphs' padding: every entry is one scratch block, owned by a sequence ("pad")
-        that no scheduler sees, so the manager's invariants hold."""
+        """A table row for CUDA graphs' padding: every entry is one scratch block, owned by a
+        sequence ("pad") that no scheduler sees, so the manager's invariants hold."""
         self.manager.append("pad", 1)
         row = self.free_rows.pop()
         self.table[row] = self.manager.block_tables["pad"][0]
         return row
 
     def _write_tables(self, seq_ids):
-        """Bring the device rows of seq_ids up to the manager's tables in one scatter: the blocks appended since the
-        last write, and the last written one again if copy-on-write replaced it (the only block it ever replaces)."""
+        """Bring the device rows of seq_ids up to the manager's tables in one scatter: the blocks
+        appended since the last write, and the last written one again if copy-on-write replaced it
+        (the only block it ever replaces)."""
         where, blocks = [], []
         for s in seq_ids:
             if s not in self.rows:
@@ -335,7 +383,8 @@ class PagedKVCache(kv01.KVCache):
             self.written[row] = (len(table), table[-1] if table else None)
         if blocks:
             w = torch.tensor(where).to(self.device, non_blocking=True)  # (changes, 2)
-            self.table[w[:, 0], w[:, 1]] = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
+            entries = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
+            self.table[w[:, 0], w[:, 1]] = entries
 
     def used(self) -> int:
         return (self.manager.num_blocks - self.manager.num_free) * self.block_size
@@ -344,19 +393,23 @@ class PagedKVCache(kv01.KVCache):
         return self.manager.num_blocks * self.block_size
 
     def room(self) -> int:
-        return (self.manager.num_free - self.manager.watermark_blocks) * self.block_size  # above the watermark
+        # above the watermark
+        return (self.manager.num_free - self.manager.watermark_blocks) * self.block_size
 
     def attend(self, layer, q, k, v):
-        """01's attend (04's kernels, or PyTorch through the table), or flash-attn's paged kernels where they run:
-        decode (and a prefill without 04's extend kernel) with path="auto", everything with path="flash"."""
-        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]  # (num_blocks, block_size, Hkv, D)
+        """01's attend (04's kernels, or PyTorch through the table), or flash-attn's paged kernels
+        where they run: decode (and a prefill without 04's extend kernel) with path="auto",
+        everything with path="flash"."""
+        # (num_blocks, block_size, Hkv, D)
+        k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         n_new = self.batch[2]
         decode = all(n == 1 for n in n_new)
         auto = flash_ok(k_cache) and (decode or self.extend_attn is None)
         if not (self.path == "flash" or (self.path == "auto" and auto)):
             return super().attend(layer, q, k, v)
         k_pool, v_pool = self.layer_pools(layer)
-        k_pool[self.tok_slots], v_pool[self.tok_slots] = k, v        # write this step's k, v into their slots
+        # write this step's k, v into their slots
+        k_pool[self.tok_slots], v_pool[self.tok_slots] = k, v
         table = self.table[self.batch_rows.long()]  # the full width: the same in every CUDA graph
         return paged_attention(q, k_cache, v_cache, table, self.batch_lens, n_new, self.path)
 
@@ -374,7 +427,8 @@ class PagedKVCache(kv01.KVCache):
     def slots(self, seq_id) -> torch.Tensor:
         """The sequence's slot per token (block * block_size + i), LongTensor (len,): what 05's radix tree stores."""
         blocks, B = self._blocks(seq_id), self.block_size
-        return (blocks[:, None] * B + torch.arange(B, device=self.device)).flatten()[:self.lens[seq_id]]  # (len,)
+        # (len,)
+        return (blocks[:, None] * B + torch.arange(B, device=self.device)).flatten()[:self.lens[seq_id]]
 
     def add_prefix(self, seq_id, slots):
         """Start seq_id on cached whole blocks (05's tree hands out full pages only): one more reference each."""
@@ -386,25 +440,28 @@ class PagedKVCache(kv01.KVCache):
             self.manager.ref_count[b] += 1
 
     def share_prefix(self, seq_id, slots, start=0):
-        """Point seq_id's blocks from token start (a block's first) at the cache's copies of the same tokens; its own
-        duplicates go back now."""
+        """Point seq_id's blocks from token start (a block's first) at the cache's copies of the
+        same tokens; its own duplicates go back now."""
         table = self.manager.block_tables[seq_id]
         for i, b in enumerate(self.allocator._blocks(slots), start // self.block_size):
             if table[i] != b:
                 self.manager.ref_count[b] += 1
                 self.manager._release(table[i])
                 table[i] = b
-                self.written[self.rows[seq_id]] = (0, None)  # its device row is written afresh at the next prepare
+                # its device row is written afresh at the next prepare
+                self.written[self.rows[seq_id]] = (0, None)
 
     def gather(self, seq_id, layer):
         """(tokens, Hkv, D) K and V of one sequence, in order (for tests and pictures)."""
         blocks, n = self._blocks(seq_id), self.manager.num_tokens[seq_id]
-        return self.k_cache[layer, blocks].flatten(0, 1)[:n], self.v_cache[layer, blocks].flatten(0, 1)[:n]
+        k, v = self.k_cache[layer, blocks], self.v_cache[layer, blocks]
+        return k.flatten(0, 1)[:n], v.flatten(0, 1)[:n]
 
     def swap_out(self, seq_id):
         """Copy a sequence's blocks to CPU memory and free them (shared blocks come back private on swap_in)."""
         blocks = self._blocks(seq_id)
-        saved = (self.k_cache[:, blocks].cpu(), self.v_cache[:, blocks].cpu(), self.manager.num_tokens[seq_id])
+        saved = (self.k_cache[:, blocks].cpu(), self.v_cache[:, blocks].cpu(),
+                 self.manager.num_tokens[seq_id])
         self.free(seq_id)
         return saved
 
@@ -415,9 +472,12 @@ class PagedKVCache(kv01.KVCache):
         self.k_cache[:, blocks], self.v_cache[:, blocks] = k.to(self.device), v.to(self.device)
 
 
+# ======== THE IDEA, 2: scheduling -- continuous batching, preemption when blocks run out ==========
+
 class Request:
-    """One request in flight. Its KV holds tokens[:kv_len]; the next step feeds tokens[kv_len:] (the whole prompt once
-    admitted, one token in decode, prompt + output so far after a recompute preemption)."""
+    """One request in flight. Its KV holds tokens[:kv_len]; the next step feeds tokens[kv_len:] (the
+    whole prompt once admitted, one token in decode, prompt + output so far after a recompute
+    preemption)."""
 
     def __init__(self, rid, prompt, max_new, stop_ids=()):
         self.rid = rid                   # request id: the backend's sequence id too
@@ -442,7 +502,8 @@ class Request:
         return self.missing
 
     @property
-    def samples(self) -> bool:  # the next step feeds all its KV lacks, so a token is sampled after it
+    def samples(self) -> bool:
+        # the next step feeds all its KV lacks, so a token is sampled after it
         return True
 
     @property
@@ -455,42 +516,53 @@ class Request:
         self.done = token in self.stop_ids or len(self.output) >= self.max_new
 
 
-Event = namedtuple("Event", "step kind rid tokens")  # one scheduling decision, logged as it is made (see Scheduler)
+# one scheduling decision, logged as it is made (see Scheduler)
+Event = namedtuple("Event", "step kind rid tokens")
 EVENTS = {  # kind: what `tokens` counts
-    "admit": "prompt tokens already cached (its KV held from the start)", "hold_back": "0 (admitted, did not fit)",
-    "prefill": "tokens computed into its KV", "decode": "tokens computed into its KV (k in a multi-step chunk)",
-    "evict": "cached tokens evicted (rid None: the pool's, 05)", "preempt": "tokens of KV dropped (recompute later)",
-    "swap_out": "tokens of KV copied to CPU memory", "swap_in": "tokens of KV copied back",
-    "requeue": "tokens of KV dropped (jump-forward changed tokens in it, the engine)", "finish": "output tokens"}
+    "admit": "prompt tokens already cached (its KV held from the start)",
+    "hold_back": "0 (admitted, did not fit)",
+    "prefill": "tokens computed into its KV",
+    "decode": "tokens computed into its KV (k in a multi-step chunk)",
+    "evict": "cached tokens evicted (rid None: the pool's, 05)",
+    "preempt": "tokens of KV dropped (recompute later)",
+    "swap_out": "tokens of KV copied to CPU memory",
+    "swap_in": "tokens of KV copied back",
+    "requeue": "tokens of KV dropped (jump-forward changed tokens in it, the engine)",
+    "finish": "output tokens"}
 
 
 class Scheduler:
-    """Continuous batching (nano-vllm's scheduler, cut down): the one step loop of 02, 05 and the engine.
+    """Continuous batching (nano-vllm's scheduler, cut down): the one step loop of 02, 05 and the
+    engine.
 
         batch, positions = sched.schedule()       # admit(), then room in the KV for the step (prepare)
         ids = forward(batch, tokens, positions)   # the model (or a stand-in): a next token per request
         sched.postprocess(batch, ids)             # append, finish, keep running or requeue
 
-    Each step either prefills the requests admit() lets in, or decodes one token of every running request (vLLM's
-    prefill-first order; 05 adds mixed steps). When the pool cannot hold a step, prepare() first lets make_room()
-    free something (05 evicts cached prefixes there), then holds the newest admitted request back, then preempts the
-    newest running one: recompute (free its KV now, prefill prompt + output so far later) or swap (copy its blocks
-    to CPU memory, copy them back when they fit). 05's Scheduler is this class with another admit().
+    Each step either prefills the requests admit() lets in, or decodes one token of every running
+    request (vLLM's prefill-first order; 05 adds mixed steps). When the pool cannot hold a step,
+    prepare() first lets make_room() free something (05 evicts cached prefixes there), then holds
+    the newest admitted request back, then preempts the newest running one: recompute (free its KV
+    now, prefill prompt + output so far later) or swap (copy its blocks to CPU memory, copy them
+    back when they fit). 05's Scheduler is this class with another admit().
 
-    Every decision is logged to `events` as it is made: Event(step, kind, rid, tokens), kinds in EVENTS (step: the
-    forward it belongs to, counting from 0). A tuple appended per request and step: cheap enough to stay on."""
+    Every decision is logged to `events` as it is made: Event(step, kind, rid, tokens), kinds in
+    EVENTS (step: the forward it belongs to, counting from 0). A tuple appended per request and
+    step: cheap enough to stay on."""
 
     def __init__(self, kv, max_running: int = 64, preempt: str = "recompute"):
-        """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to simulate a trace
-        without tensors; swap needs swap_out / swap_in (PagedKVCache)."""
+        """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to
+        simulate a trace without tensors; swap needs swap_out / swap_in (PagedKVCache)."""
         self.m = kv if isinstance(kv, BlockManager) else getattr(kv, "manager", None)
-        if preempt not in ("recompute", "swap") or (preempt == "swap" and not isinstance(kv, PagedKVCache)):
+        unswappable = preempt == "swap" and not isinstance(kv, PagedKVCache)
+        if preempt not in ("recompute", "swap") or unswappable:
             raise ValueError(f"preempt must be 'recompute' or 'swap' (swap needs a PagedKVCache), not {preempt!r}")
         self.kv, self.max_running, self.preempt_mode = kv, max_running, preempt
         self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
         self.stats = dict(preemptions=0, steps=0)
         self.events = []      # Event per scheduling decision
-        self.decode_log = []  # (running, live tokens, used blocks, anyone waiting) per decode step (a BlockManager)
+        # (running, live tokens, used blocks, anyone waiting) per decode step (a BlockManager)
+        self.decode_log = []
 
     @property
     def busy(self) -> bool:
@@ -503,8 +575,8 @@ class Scheduler:
         self.events, self.finished, self.decode_log = [], [], []
 
     def swap_in(self):
-        """Swapped-out requests come back first, oldest first, when their blocks fit (then they decode again); 05's
-        cached prefixes are evicted to make them fit."""
+        """Swapped-out requests come back first, oldest first, when their blocks fit (then they
+        decode again); 05's cached prefixes are evicted to make them fit."""
         fits = lambda n: self.m.can_allocate(n, alone=not self.running)
         while self.swapped and len(self.running) < self.max_running and (fits(n := self.swapped[0][0].kv_len) or (
                 self.make_room(cdiv(n, self.m.block_size) * self.m.block_size) and fits(n))):
@@ -515,8 +587,8 @@ class Scheduler:
             self.log("swap_in", req, req.kv_len)
 
     def admit(self) -> list:
-        """vLLM's admission, after swap_in(): first come first served, while the prompt's blocks fit above the
-        watermark. Returns the requests to prefill this step."""
+        """vLLM's admission, after swap_in(): first come first served, while the prompt's blocks fit
+        above the watermark. Returns the requests to prefill this step."""
         self.swap_in()
         m, batch, taken = self.m, [], 0
         while not self.swapped and self.waiting and len(self.running) + len(batch) < self.max_running:
@@ -549,9 +621,10 @@ class Scheduler:
         return batch, positions
 
     def prepare(self, batch):
-        """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one list). When
-        the pool cannot hold it: make_room(), then hold back the newest admitted request, then preempt the newest
-        running one, and try again. Returns (batch, positions); the batch is self.running when nothing new fits."""
+        """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one
+        list). When the pool cannot hold it: make_room(), then hold back the newest admitted
+        request, then preempt the newest running one, and try again. Returns (batch, positions); the
+        batch is self.running when nothing new fits."""
         while True:
             try:
                 positions = self.kv.prepare([r.rid for r in batch], [r.n_new for r in batch])
@@ -559,14 +632,20 @@ class Scheduler:
                     r.in_kv = True
                 return batch, positions
             except OutOfBlocks:
-                m, n = self.m, [r.n_new for r in batch]  # tokens to fit (with blocks: the whole blocks they take)
-                n = sum(n) if m is None else m.batch_blocks_needed([r.rid for r in batch], n) * m.block_size
+                # tokens to fit (with blocks: the whole blocks they take)
+                m, n_new = self.m, [r.n_new for r in batch]
+                if m is None:
+                    n = sum(n_new)
+                else:
+                    n = m.batch_blocks_needed([r.rid for r in batch], n_new) * m.block_size
                 if self.make_room(n) > 0:
                     continue
-                if len(batch) == 1 and all(r is batch[0] for r in self.running):  # alone, after every eviction
+                if len(batch) == 1 and all(r is batch[0] for r in self.running):
+                    # alone, after every eviction
                     raise OutOfBlocks(f"request {batch[0].rid} needs more KV than the whole pool holds") from None
                 running = set(map(id, self.running))
-                victim = next((r for r in reversed(batch) if id(r) not in running), batch[-1])  # new ones first
+                # new ones first
+                victim = next((r for r in reversed(batch) if id(r) not in running), batch[-1])
                 batch.remove(victim)
                 if id(victim) in running:
                     if batch is not self.running:
@@ -585,7 +664,8 @@ class Scheduler:
         self.stats["preemptions"] += 1
         self.log("swap_out" if self.preempt_mode == "swap" else "preempt", req, req.kv_len)
         if self.preempt_mode == "swap":
-            self.swapped.append((req, self.kv.swap_out(req.rid)))  # keeps kv_len: swap_in restores those tokens
+            # keeps kv_len: swap_in restores those tokens
+            self.swapped.append((req, self.kv.swap_out(req.rid)))
             req.in_kv = False
         else:
             self.release(req)
@@ -608,12 +688,14 @@ class Scheduler:
         req.kv_len += n
 
     def postprocess(self, batch, new_ids, steps: int = 1):
-        """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k ids after k decode
-        steps, each fed the one before; none after a chunk short of its prompt's end). Append them until the request
-        is done, then finish it, keep it running, or requeue it (append said jump-forward changed tokens in its KV).
-        Returns how many tokens were appended."""
+        """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k
+        ids after k decode steps, each fed the one before; none after a chunk short of its prompt's
+        end). Append them until the request is done, then finish it, keep it running, or requeue it
+        (append said jump-forward changed tokens in its KV). Returns how many tokens were
+        appended."""
         was_running, stepped = set(map(id, self.running)), set(map(id, batch))
-        self.running = [r for r in self.running if id(r) not in stepped]  # prefill-first leaves the running be
+        # prefill-first leaves the running be
+        self.running = [r for r in self.running if id(r) not in stepped]
         appended = 0
         for r, ids in zip(batch, new_ids):
             n, held, k = r.n_new, r.kv_len, 0
@@ -624,13 +706,15 @@ class Scheduler:
                 continue
             for fed, t in zip([n] + [1] * (len(ids) - 1), ids):
                 self.computed(r, fed)
-                changed = r.append(t)  # None; or (the engine's jump-forward) the first of its tokens that changed
+                # None; or (the engine's jump-forward) the first of its tokens that changed
+                changed = r.append(t)
                 k += 1
                 if r.done:
                     break
             appended += k
             self.log(kind, r, n + k - 1)  # tokens computed into its KV
-            requeue = changed is not None and changed < r.kv_len  # jump-forward changed tokens in its KV:
+            # jump-forward changed tokens in its KV:
+            requeue = changed is not None and changed < r.kv_len
             if requeue:
                 r.kv_len = changed  # only the KV before them holds (05's tree keeps it at release)
             if r.done:
@@ -655,8 +739,8 @@ class Scheduler:
         return [*self.waiting, *self.running, *(r for r, _ in self.swapped)]
 
     def abort(self, rid):
-        """Finish request rid now, wherever it is (a server's client went away): its KV goes as at any finish.
-        Returns it, or None where no unfinished request has that id."""
+        """Finish request rid now, wherever it is (a server's client went away): its KV goes as at
+        any finish. Returns it, or None where no unfinished request has that id."""
         req = next((r for r in self.pending() if r.rid == rid), None)
         if req is not None:
             self.waiting = deque(r for r in self.waiting if r is not req)
@@ -666,8 +750,9 @@ class Scheduler:
         return req
 
     def step(self, forward):
-        """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a stand-in for
-        the model in the simulations; its value is ignored where a chunk ends short of its prompt's end)."""
+        """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a
+        stand-in for the model in the simulations; its value is ignored where a chunk ends short of
+        its prompt's end)."""
         batch, positions = self.schedule()
         tokens = [t for r in batch for t in r.feed]
         samples = [r.samples for r in batch]
@@ -681,11 +766,15 @@ class Scheduler:
         return [r.output for r in sorted(self.finished, key=lambda r: r.rid)]
 
 
-def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="recompute", stop_ids=(), max_running=64):
+# -------- the model through the scheduler ---------------------------------------------------------
+
+def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="recompute",
+          stop_ids=(), max_running=64):
     """Greedy decoding of prompts (lists of ids) through a paged cache of num_blocks. -> (outputs, scheduler)."""
     kv = PagedKVCache.for_model(model, num_blocks, block_size)
     sched = Scheduler(kv, max_running, preempt)
-    sched.waiting.extend(Request(i, list(p), max_new_tokens, stop_ids) for i, p in enumerate(prompts))
+    reqs = (Request(i, list(p), max_new_tokens, stop_ids) for i, p in enumerate(prompts))
+    sched.waiting.extend(reqs)
     return sched.run(greedy_forward(model, kv)), sched
 
 
@@ -695,26 +784,32 @@ def greedy_forward(model, kv):
 
     def forward(batch, tokens, positions):
         last = torch.tensor([r.n_new for r in batch], device=device).cumsum(0) - 1
-        return model(torch.tensor(tokens, device=device), positions, kv, logits_at=last).argmax(-1).tolist()
+        return model(torch.tensor(tokens, device=device), positions, kv,
+                     logits_at=last).argmax(-1).tolist()
     return forward
 
 
+# ======== DEMO: measurements -- the scheduler on a trace with no model, sharing, the report =======
+
 def simulate(prompt_lens, output_lens, num_blocks, block_size=16, max_running=1024, watermark=0.01):
-    """The same scheduler on a request trace with no model and no tensors (every sampled token is 0): what the
-    block manager alone allows. Returns the scheduler, holding its statistics."""
+    """The same scheduler on a request trace with no model and no tensors (every sampled token is
+    0): what the block manager alone allows. Returns the scheduler, holding its statistics."""
     sched = Scheduler(BlockManager(num_blocks, block_size, watermark), max_running)
-    sched.waiting.extend(Request(i, [0] * int(p), int(o)) for i, (p, o) in enumerate(zip(prompt_lens, output_lens)))
+    lens = zip(prompt_lens, output_lens)
+    sched.waiting.extend(Request(i, [0] * int(p), int(o)) for i, (p, o) in enumerate(lens))
     sched.run(lambda batch, tokens, positions: [0] * len(batch))
     return sched
 
 
 def sharing_saved(prompt_lens, output_lens, width: int, beam: bool, block_size=16, seed=0) -> float:
-    """1 - blocks held with sharing / blocks of `width` unshared copies, summed over every decode step.
+    """1 - blocks held with sharing / blocks of `width` unshared copies, summed over every decode
+    step.
 
-    Parallel sampling: the prompt is prefilled once and forked into `width` samples that then diverge.
-    Beam search (our model of it): after the prompt, each step every one of the `width` new beams picks its parent
-    uniformly at random among the old beams (fork parent -> child, then the old beams are freed), so beams share
-    the prompt and a common history that coalesces a few steps back, as real beams do."""
+    Parallel sampling: the prompt is prefilled once and forked into `width` samples that then
+    diverge. Beam search (our model of it): after the prompt, each step every one of the `width` new
+    beams picks its parent uniformly at random among the old beams (fork parent -> child, then the
+    old beams are freed), so beams share the prompt and a common history that coalesces a few steps
+    back, as real beams do."""
     rng, m = np.random.default_rng(seed), BlockManager(1 << 20, block_size, 0.0)
     held = unshared = 0
     for p, o in zip(prompt_lens, output_lens):
@@ -741,21 +836,25 @@ def sharing_saved(prompt_lens, output_lens, width: int, beam: bool, block_size=1
 
 
 def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2048):
-    """Live share of the pool and running batch while requests wait, paged (block 1, 16, 256) vs 01's max-len
-    reservation measured by 01 on the same trace and budget; then the savings of sharing."""
-    prompt, output = kv01.synthetic_trace(trace, n, seed, max_seq_len)
-    ref = kv01.account(prompt, output, "max_len", budget_tokens, max_seq_len)
-    res = {"trace": trace, "requests": n, "budget_tokens": budget_tokens, "live_fraction": {}, "batch": {},
-           "preemptions": {}, "live_fraction_max_len": ref["live"], "batch_max_len": ref["batch"],
+    """Live share of the pool and running batch while requests wait, paged (block 1, 16, 256) vs
+    01's max-len reservation measured by 01 on the same trace and budget; then the savings of
+    sharing."""
+    prompt, output = L01.synthetic_trace(trace, n, seed, max_seq_len)
+    ref = L01.account(prompt, output, "max_len", budget_tokens, max_seq_len)
+    res = {"trace": trace, "requests": n, "budget_tokens": budget_tokens, "live_fraction": {},
+           "batch": {}, "preemptions": {}, "live_fraction_max_len": ref["live"],
+           "batch_max_len": ref["batch"],
            "attention_path": "flash-attn" if flash_attn() and torch.cuda.is_available() else "pytorch"}
     for B in (1, 16, 256):
         sched = simulate(prompt, output, budget_tokens // B, B)
-        log = [st[:3] for st in sched.decode_log if st[3]] or [st[:3] for st in sched.decode_log]  # pool was full
+        # pool was full
+        log = [st[:3] for st in sched.decode_log if st[3]] or [st[:3] for st in sched.decode_log]
         full = np.array(log, dtype=float)  # (running, live, used) per decode step
         res["live_fraction"][str(B)] = float(full[:, 1].mean() / budget_tokens)
         res["batch"][str(B)] = float(full[:, 0].mean())
         res["preemptions"][str(B)] = sched.stats["preemptions"]
-    ap, ao = kv01.synthetic_trace("alpaca", min(n, 200), seed, max_seq_len)  # vLLM measured sharing on Alpaca
+    # vLLM measured sharing on Alpaca
+    ap, ao = L01.synthetic_trace("alpaca", min(n, 200), seed, max_seq_len)
     res["sharing_saved"] = {kind: {str(w): sharing_saved(ap, ao, w, kind == "beam") for w in (2, 4, 6)}
                             for kind in ("parallel", "beam")}
     return res
@@ -766,12 +865,13 @@ def demo(max_new=16, num_blocks=20, block_size=4):
     import llama3_generate as L
     model, tok = L.load_model()
     prompts = [tok.chat(q) for q in ("Write a short poem about the sea.", "Why is the sky blue?", "Name the planets.")]
-    ref = L.generate(model, kv01.ContiguousKVCache.for_model(model, len(prompts), 256), prompts, max_new,
-                     stop_ids=tok.stop_ids)
+    ref = L.generate(model, L01.ContiguousKVCache.for_model(model, len(prompts), 256), prompts,
+                     max_new, stop_ids=tok.stop_ids)
     res = {"num_blocks": num_blocks, "block_size": block_size, "text": tok.decode(ref[0])}
     for preempt in ("recompute", "swap"):
         out, sched = serve(model, prompts, max_new, num_blocks, block_size, preempt, tok.stop_ids)
-        res[preempt] = {"equal_to_contiguous": out == ref, "preemptions": sched.stats["preemptions"]}
+        res[preempt] = {"equal_to_contiguous": out == ref,
+                        "preemptions": sched.stats["preemptions"]}
     return res
 
 
@@ -792,12 +892,16 @@ def print_report(res):
     print((f"  sample: {d['text']!r}\n" if d else "") + f"Attention path here: {res['attention_path']}")
 
 
+# -------- the command line ------------------------------------------------------------------------
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--trace", choices=sorted(kv01.TRACES), default="sharegpt")
-    ap.add_argument("--requests", type=int, default=1000, help="requests drawn from the synthetic trace")
-    ap.add_argument("--budget", type=int, default=32768, help="KV budget in token slots for the concurrency figure")
+    ap.add_argument("--trace", choices=sorted(L01.TRACES), default="sharegpt")
+    ap.add_argument("--requests", type=int, default=1000,
+                    help="requests drawn from the synthetic trace")
+    ap.add_argument("--budget", type=int, default=32768,
+                    help="KV budget in token slots for the concurrency figure")
     ap.add_argument("--no-model", action="store_true", help="skip the real-model preemption demo")
     args = ap.parse_args(argv)
     import llama3_generate as L

@@ -1,10 +1,12 @@
 """
-03_token_allocator.py -- LightLLM's TokenAttention pool: KV memory allocated one token at a time with torch.cumsum.
+03_token_allocator.py -- LightLLM's TokenAttention pool: KV memory allocated one token at a time
+with torch.cumsum.
 
-Paged attention (02) cuts the KV cache into blocks of B tokens; a request wastes up to B - 1 slots in its last block.
-LightLLM's TokenAttention takes the idea to its end: page size 1. One pool of `size` KV slots is allocated up front
-and every token of every request gets its own slot, wherever one is free. A request's slots need not be adjacent;
-a table `req_to_token` remembers where each of its tokens lives, and attention gathers through it.
+Paged attention (02) cuts the KV cache into blocks of B tokens; a request wastes up to B - 1 slots
+in its last block. LightLLM's TokenAttention takes the idea to its end: page size 1. One pool of
+`size` KV slots is allocated up front and every token of every request gets its own slot, wherever
+one is free. A request's slots need not be adjacent; a table `req_to_token` remembers where each of
+its tokens lives, and attention gathers through it.
 
     k_pool, v_pool  (n_layers, size, n_kv_heads, head_dim)   one slot = one token's K (or V) in every layer
     mem_state       (size,) int32 refcount per slot           0 = free, 1 = used, 2+ = shared by a prefix cache
@@ -34,9 +36,12 @@ either is well under 1% of an eager decode step (--bench measures all three: tes
 original MemoryManager (2023); today LightLLM and SGLang keep a tensor of free slot ids and slice n off its front
 -- O(n) work, but no refcounts and no contiguous runs.
 
-References: LightLLM (ModelTC/lightllm, TokenAttention, `MemoryManager.alloc / alloc_contiguous / free` and
-`mem_state`), SGLang (`ReqToTokenPool`, `token_to_kv_pool` / `TokenToKVPoolAllocator`), Kwon et al. 2023 (vLLM,
-PagedAttention) for the block view compared against.
+Imports: 01 (the seam) and 02 (OutOfBlocks) at module level. The demo loads llama3_generate
+only for its CPU thread setting, and loading it imports the engine's lessons (see 01).
+
+References: LightLLM (ModelTC/lightllm, TokenAttention, `MemoryManager.alloc / alloc_contiguous /
+free` and `mem_state`), SGLang (`ReqToTokenPool`, `token_to_kv_pool` / `TokenToKVPoolAllocator`),
+Kwon et al. 2023 (vLLM, PagedAttention) for the block view compared against.
 """
 from __future__ import annotations
 
@@ -50,9 +55,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-K01 = importlib.import_module("01_kv_cache")  # KVCache: the seam and its attention through the table
-P02 = importlib.import_module("02_paged_cache_manager")  # OutOfBlocks: a token is a block of size 1
+# KVCache: the seam and its attention through the table
+L01 = importlib.import_module("01_kv_cache")
+L02 = importlib.import_module("02_paged_cache_manager")  # OutOfBlocks: a token is a block of size 1
 
+
+# ======== THE IDEA, 1: a pool of single-token slots, allocated with torch.cumsum ==================
 
 class TokenAllocator:
     """Refcounted KV slots: mem_state (size,) int32 on the pool's device; every op is a handful of tensor ops."""
@@ -61,7 +69,8 @@ class TokenAllocator:
         if size < 1:
             raise ValueError(f"pool size must be >= 1, got {size}")
         self.size, self.device = size, torch.device(device)
-        self.mem_state = torch.zeros(size, dtype=torch.int32, device=device)  # (size,) refcounts, 0 = free
+        # (size,) refcounts, 0 = free
+        self.mem_state = torch.zeros(size, dtype=torch.int32, device=device)
         self.n_free = size  # host copy of (mem_state == 0).sum(): alloc never has to ask the device
 
     def available(self) -> int:
@@ -71,7 +80,8 @@ class TokenAllocator:
         return torch.as_tensor(idx, device=self.device).long().reshape(-1)
 
     def _take(self, idx):
-        self.mem_state.index_fill_(0, idx, 1)  # not mem_state[idx] = 1: that copies the 1 to the GPU, a host sync
+        # not mem_state[idx] = 1: that copies the 1 to the GPU, a host sync
+        self.mem_state.index_fill_(0, idx, 1)
         self.n_free -= idx.numel()
         return idx
 
@@ -81,37 +91,46 @@ class TokenAllocator:
             raise ValueError(f"cannot allocate {n} slots")
         if n > self.n_free:
             return None
-        cum = (self.mem_state == 0).cumsum(0)                                # (size,) free slots seen so far
-        want = torch.arange(1, n + 1, device=self.device)                    # (n,) the 1st, 2nd, ... n-th free slot
+        cum = (self.mem_state == 0).cumsum(0)  # (size,) free slots seen so far
+        want = torch.arange(1, n + 1, device=self.device)  # (n,) the 1st, 2nd, ... n-th free slot
         return self._take(torch.searchsorted(cum, want))
 
     def alloc_contiguous(self, n: int):
         """A run of n consecutive free slots if one exists (the first), else n scattered slots; None if < n free."""
         if n < 1 or n > self.n_free:
             return self.alloc(n)
-        c = F.pad((self.mem_state == 0).cumsum(0), (1, 0))                   # (size + 1,) c[i] = free slots in [0, i)
-        runs = (c[n:] - c[:-n]) == n                                         # (size - n + 1,) [i, i + n) all free?
-        start = int(runs.int().argmax())                                     # first True (0 if none: checked next)
+        # (size + 1,) c[i] = free slots in [0, i)
+        c = F.pad((self.mem_state == 0).cumsum(0), (1, 0))
+        # (size - n + 1,) [i, i + n) all free?
+        runs = (c[n:] - c[:-n]) == n
+        # first True (0 if none: checked next)
+        start = int(runs.int().argmax())
         if not bool(runs[start]):
             return self.alloc(n)
         return self._take(torch.arange(start, start + n, device=self.device))
 
     def free(self, idx):
-        """Drop one reference to each slot in idx (repeats allowed); slots reaching 0 are free again.
+        """Drop one reference to each slot in idx (repeats allowed); slots reaching 0 are free
+        again.
 
-        Freeing a free slot (double free, never allocated) or an out-of-range index raises ValueError and changes
-        nothing: every check happens in one host sync before the decrement. Cost O(n log n), not O(size)."""
+        Freeing a free slot (double free, never allocated) or an out-of-range index raises
+        ValueError and changes nothing: every check happens in one host sync before the decrement.
+        Cost O(n log n), not O(size)."""
         idx = self._index(idx)
         if idx.numel() == 0:
             return
-        uniq, count = torch.unique(idx, return_counts=True)              # (k,) sorted slots, times each is freed
-        left = self.mem_state[uniq.clamp(0, self.size - 1)] - count      # clamp: a bad index must not crash a kernel
-        lo, hi, low_ref, n_zero = torch.stack([uniq[0], uniq[-1], left.min().long(), (left == 0).sum()]).tolist()
+        # (k,) sorted slots, times each is freed
+        uniq, count = torch.unique(idx, return_counts=True)
+        # clamp: a bad index must not crash a kernel
+        left = self.mem_state[uniq.clamp(0, self.size - 1)] - count
+        lo, hi, low_ref, n_zero = torch.stack([uniq[0], uniq[-1], left.min().long(),
+                                               (left == 0).sum()]).tolist()
         if lo < 0 or hi >= self.size:
             raise ValueError(f"free: slot index out of range [0, {self.size}): min {lo}, max {hi}")
         if low_ref < 0:
             bad = uniq[left < 0][:8].tolist()
-            raise ValueError(f"free: slots {bad} are not allocated (double free or never allocated); nothing freed")
+            raise ValueError(f"free: slots {bad} are not allocated (double free or never allocated); "
+                             "nothing freed")
         self.mem_state[uniq] = left.to(torch.int32)
         self.n_free += n_zero
 
@@ -120,8 +139,9 @@ class TokenAllocator:
         idx = self._index(idx)
         if idx.numel() == 0:
             return
-        lo, hi, low_ref = torch.stack([idx.min(), idx.max(), self.mem_state[idx.clamp(0, self.size - 1)].min().long()]
-                                      ).tolist()  # one host sync for every check
+        low_ref = self.mem_state[idx.clamp(0, self.size - 1)].min().long()
+        # one host sync for every check
+        lo, hi, low_ref = torch.stack([idx.min(), idx.max(), low_ref]).tolist()
         if lo < 0 or hi >= self.size or low_ref <= 0:
             raise ValueError("inc_ref: every slot must be allocated already (refcount >= 1) and in range")
         self.mem_state.index_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
@@ -134,6 +154,8 @@ class TokenAllocator:
         assert n_free + n_used == self.size, f"free {n_free} + used {n_used} != size {self.size}"
         assert n_free == self.n_free, f"host thinks {self.n_free} slots are free, mem_state says {n_free}"
 
+
+# ======== THE IDEA, 2: 01's seam over the token pool: req_to_token, TokenKVCache ==================
 
 class ReqToTokenPool:
     """req_to_token (max_requests, max_seq_len) int32: row r lists the KV slots of request r's tokens, in order."""
@@ -151,26 +173,31 @@ class ReqToTokenPool:
         self.free_rows.append(row)
 
 
-class PoolExhausted(P02.OutOfBlocks):
-    """prepare() found too few free slots or request rows; nothing was allocated, the caller may preempt and retry
-    (02's Scheduler does: to it a slot is a block of one token)."""
+class PoolExhausted(L02.OutOfBlocks):
+    """prepare() found too few free slots or request rows; nothing was allocated, the caller may
+    preempt and retry (02's Scheduler does: to it a slot is a block of one token)."""
 
 
-class TokenKVCache(K01.KVCache):
-    """The token-pool backend behind 01's seam (prepare / attend / free): K/V live in slots anywhere in one pool;
-    req_to_token is 01's table with pages of one slot, so 01's attend reads it (04's kernels on a GPU)."""
-    shares_prefixes = True  # add_prefix, share_prefix: 05's radix tree hands slots from request to request
+class TokenKVCache(L01.KVCache):
+    """The token-pool backend behind 01's seam (prepare / attend / free): K/V live in slots anywhere
+    in one pool; req_to_token is 01's table with pages of one slot, so 01's attend reads it (04's
+    kernels on a GPU)."""
+    # add_prefix, share_prefix: 05's radix tree hands slots from request to request
+    shares_prefixes = True
 
     def __init__(self, n_layers, size, n_kv_heads, head_dim, max_requests, max_seq_len,
                  dtype=torch.float32, device="cpu"):
         self.k_pool = torch.zeros(n_layers, size, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v_pool = torch.zeros_like(self.k_pool)              # (n_layers, size, n_kv_heads, head_dim)
+        # (n_layers, size, n_kv_heads, head_dim)
+        self.v_pool = torch.zeros_like(self.k_pool)
         self.allocator = TokenAllocator(size, device)
         self.req_pool = ReqToTokenPool(max_requests, max_seq_len, device)
         self.req_to_token = self.req_pool.req_to_token           # (max_requests, max_seq_len) int32
         self.max_seq_len, self.device = max_seq_len, torch.device(device)
-        self.rows, self.lens = {}, {}                            # seq_id -> row of req_to_token, tokens stored
-        self.table, self.page = self.req_to_token, 1             # 02's block table with blocks of one slot
+        # seq_id -> row of req_to_token, tokens stored
+        self.rows, self.lens = {}, {}
+        # 02's block table with blocks of one slot
+        self.table, self.page = self.req_to_token, 1
 
     def layer_pools(self, layer):
         return self.k_pool[layer], self.v_pool[layer]            # (size, n_kv_heads, head_dim) each
@@ -193,17 +220,19 @@ class TokenKVCache(K01.KVCache):
     @classmethod
     def for_model(cls, model, size: int, max_requests: int = 64, max_seq_len: int | None = None):
         a, w = model.args, model.tok_embeddings.weight
-        return cls(a.n_layers, size, a.n_kv_heads, a.head_dim, max_requests, max_seq_len or min(a.max_seq_len, size),
-                   w.dtype, w.device)
+        return cls(a.n_layers, size, a.n_kv_heads, a.head_dim, max_requests,
+                   max_seq_len or min(a.max_seq_len, size), w.dtype, w.device)
 
     @classmethod
     def for_pool(cls, model, tokens, max_batch, max_len, pad=0, block_size=16):
-        return cls.for_model(model, tokens, max_batch + 1, max_len), max_batch  # pad_row takes a slot of the pool
+        # pad_row takes a slot of the pool
+        return cls.for_model(model, tokens, max_batch + 1, max_len), max_batch
 
     def _new_request(self, seq_id):
         row = self.req_pool.alloc()
         if row is None:
-            raise PoolExhausted(f"no free request row for {seq_id}: all {len(self.rows)} rows are in use")
+            taken = len(self.rows)
+            raise PoolExhausted(f"no free request row for {seq_id}: all {taken} rows are in use")
         self.rows[seq_id], self.lens[seq_id] = row, 0
 
     def prepare(self, seq_ids, n_new):
@@ -216,23 +245,30 @@ class TokenKVCache(K01.KVCache):
             raise ValueError(f"prepare: a request is listed twice in {seq_ids}")
         fresh = [s for s in seq_ids if s not in self.rows]
         if len(fresh) > len(self.req_pool.free_rows):
-            raise PoolExhausted(f"{len(fresh)} new requests, only {len(self.req_pool.free_rows)} free request rows")
-        slots = self.allocator.alloc(sum(n_new))                # (T,) one cumsum for the whole batch
+            free_rows = len(self.req_pool.free_rows)
+            raise PoolExhausted(f"{len(fresh)} new requests, only {free_rows} free request rows")
+        # (T,) one cumsum for the whole batch
+        slots = self.allocator.alloc(sum(n_new))
         if slots is None:
-            raise PoolExhausted(f"need {sum(n_new)} KV slots, only {self.allocator.available()} free")
+            free = self.allocator.available()
+            raise PoolExhausted(f"need {sum(n_new)} KV slots, only {free} free")
         for s in fresh:
             self._new_request(s)
         rows = [self.rows[s] for s in seq_ids]
-        # (B,) each; non_blocking: CUDA stages a pageable copy at once, without waiting for queued GPU work
-        n_t, start_t, row_t = torch.tensor([n_new, starts, rows], dtype=torch.long).to(self.device, non_blocking=True)
-        first = n_t.cumsum(0) - n_t                             # (B,) offset of each request's first new token
-        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=len(slots))  # (T,); the size spares a sync
+        # (B,) each; non_blocking: CUDA stages a pageable copy at once, without waiting for
+        # queued GPU work
+        host = torch.tensor([n_new, starts, rows], dtype=torch.long)
+        n_t, start_t, row_t = host.to(self.device, non_blocking=True)
+        first = n_t.cumsum(0) - n_t  # (B,) offset of each request's first new token
+        # (T,); the size spares a sync
+        per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=len(slots))
         pos = torch.arange(len(slots), device=self.device) - per_token(first - start_t)  # (T,)
         self.req_to_token[per_token(row_t), pos] = slots.int()  # token pos of row r -> its slot
         for s, n in zip(seq_ids, n_new):
             self.lens[s] += n
         self.batch, self.tok_slots = (rows, starts, n_new), slots
-        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()  # (B,) what decode_attn reads
+        # (B,) what decode_attn reads
+        self.batch_rows, self.batch_lens = row_t.int(), (start_t + n_t).int()
         return pos
 
     def slots(self, seq_id) -> torch.Tensor:
@@ -256,9 +292,9 @@ class TokenKVCache(K01.KVCache):
         self.lens[seq_id] = slots.numel()
 
     def share_prefix(self, seq_id, slots, start=0):
-        """Point request seq_id's tokens start.. start + len(slots) at these slots (a prefix cache's copies of the
-        same tokens): one reference moves from each of its own slots to the shared one, so a duplicate it computed
-        returns to the pool now rather than when it finishes."""
+        """Point request seq_id's tokens start.. start + len(slots) at these slots (a prefix cache's
+        copies of the same tokens): one reference moves from each of its own slots to the shared
+        one, so a duplicate it computed returns to the pool now rather than when it finishes."""
         row, slots = self.rows[seq_id], self.allocator._index(slots)
         own = self.req_to_token[row, start:start + slots.numel()].long()
         self.allocator.inc_ref(slots)
@@ -272,25 +308,27 @@ class TokenKVCache(K01.KVCache):
         del self.lens[seq_id]
 
 
-# ----------------------------------------------------------------------------------------------
-# Measurements
-# ----------------------------------------------------------------------------------------------
+# ======== DEMO: measurements -- live tokens on a trace, the token pool against blocks and rows ====
 
 def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_sizes=(16, 256)):
-    """Serve a trace through the allocator (continuous batching, FIFO, one token per running request per step) and
-    compare, every step, the live tokens with what each scheme holds for the same requests: the token pool
-    (measured: size - available()), blocks of B tokens (sum of ceil(len / B) * B) and 01's max-length rows."""
+    """Serve a trace through the allocator (continuous batching, FIFO, one token per running request
+    per step) and compare, every step, the live tokens with what each scheme holds for the same
+    requests: the token pool (measured: size - available()), blocks of B tokens (sum of ceil(len /
+    B) * B) and 01's max-length rows."""
     pool, reqs = TokenAllocator(max_batch * max_seq_len), ReqToTokenPool(max_batch, max_seq_len)
-    waiting, running = list(range(len(prompt))), {}         # request -> [row, tokens cached, tokens still to sample]
+    # request -> [row, tokens cached, tokens still to sample]
+    waiting, running = list(range(len(prompt))), {}
     held = dict.fromkeys(["live", "token_pool", "max_len_01", *block_sizes], 0)
     while waiting or running:
-        while waiting and reqs.free_rows:                   # admit: prefill caches the prompt, samples token 1
+        while waiting and reqs.free_rows:
+            # admit: prefill caches the prompt, samples token 1
             i = waiting.pop(0)
             row = reqs.alloc()
             reqs.req_to_token[row, :prompt[i]] = pool.alloc(int(prompt[i])).int()
             running[i] = [row, int(prompt[i]), int(output[i]) - 1]
         ids = [i for i in running if running[i][2] > 0]
-        if ids:                                             # decode: one alloc call for the whole batch
+        if ids:
+            # decode: one alloc call for the whole batch
             rows, lens = torch.tensor([running[i][:2] for i in ids]).T
             reqs.req_to_token[rows, lens] = pool.alloc(len(ids)).int()
         for i in ids:
@@ -301,7 +339,8 @@ def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_si
         held["max_len_01"] += len(L) * max_seq_len
         for b in block_sizes:
             held[b] += (-(-L // b) * b).sum()
-        for i in [i for i in running if running[i][2] == 0]:  # finished: every slot and the row go back
+        for i in [i for i in running if running[i][2] == 0]:
+            # finished: every slot and the row go back
             row, n, _ = running.pop(i)
             pool.free(reqs.req_to_token[row, :n])
             reqs.free(row)
@@ -313,7 +352,7 @@ def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_si
 
 def measure(n_requests=200, seed=0):
     """Every figure of the report, measured in this run (--bench adds the peers': tests/bench_03.py)."""
-    prompt, output = K01.synthetic_trace("sharegpt", n_requests, seed)
+    prompt, output = L01.synthetic_trace("sharegpt", n_requests, seed)
     live = trace_live_fraction(prompt, output)
     return {"trace": f"synthetic sharegpt trace, {n_requests} requests, 32 running",
             "live_fraction": live["token_pool"], "live_fraction_by_scheme": live}
@@ -324,22 +363,27 @@ def report(r):
     print(f"live-token share of the KV memory held, over every decode step of a {r['trace']}:")
     for k, v in r["live_fraction_by_scheme"].items():
         print(f"  {k:12s} {v:7.1%}")
-    print("\nPage size 1 holds exactly the live tokens (--bench: alloc + free against a Python set and 02's blocks).")
+    print("\nPage size 1 holds exactly the live tokens (--bench: alloc + free against a Python set and "
+          "02's blocks).")
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="LightLLM's token-granular KV allocator: live-token share and throughput")
+    what = "LightLLM's token-granular KV allocator: live-token share and throughput"
+    ap = argparse.ArgumentParser(description=what)
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
-    ap.add_argument("--bench", action="store_true", help="alloc + free vs a Python set and 02's blocks (CPU; on a "
-                    "GPU also CUDA and the share of a decode step): tests/bench_03.py")
-    ap.add_argument("--requests", type=int, default=200, help="requests in the synthetic trace (default 200)")
+    ap.add_argument("--bench", action="store_true",
+                    help="alloc + free vs a Python set and 02's blocks (CPU; on a GPU also CUDA and the "
+                    "share of a decode step): tests/bench_03.py")
+    ap.add_argument("--requests", type=int, default=200,
+                    help="requests in the synthetic trace (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 1:
         ap.error("--requests must be >= 1")
-    bench = a.bench and runpy.run_path(  # --bench: the peers beside the pool (not the lesson), after its figures
+    # --bench: the peers beside the pool (not the lesson), after its figures
+    bench = a.bench and runpy.run_path(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_03.py"))
     r = (bench["measure"] if bench else measure)(a.requests, a.seed)
     print(json.dumps(r)) if a.json else (bench["report"] if bench else report)(r)

@@ -1,11 +1,12 @@
 """
 05_radix_scheduler.py -- SGLang's RadixAttention: a radix tree of cached KV, LRU eviction, cache-aware scheduling.
 
-Many requests share prompt prefixes: a system prompt, few-shot examples, a document asked several questions, the
-history of a chat, the trunk of a tree-of-thought search. RadixAttention keeps the KV of finished requests in a radix
-tree keyed by token ids (edges hold token runs, values hold the KV slots of 03's pool), so a new request computes
-only its uncached suffix. When memory runs out, unlocked leaves are evicted least-recently-used first; a running
-request locks the path it uses (lock_ref counts on every node up to the root).
+Many requests share prompt prefixes: a system prompt, few-shot examples, a document asked several
+questions, the history of a chat, the trunk of a tree-of-thought search. RadixAttention keeps the KV
+of finished requests in a radix tree keyed by token ids (edges hold token runs, values hold the KV
+slots of 03's pool), so a new request computes only its uncached suffix. When memory runs out,
+unlocked leaves are evicted least-recently-used first; a running request locks the path it uses
+(lock_ref counts on every node up to the root).
 
     (1) request A: sys+Q1 -> A1      (2) B = sys+Q2: match "sys",      (3) C = sys+Q1+A1+Q3 (next chat turn):
                                          split the edge, add a leaf       reuses the whole A path
@@ -16,42 +17,53 @@ request locks the path it uses (lock_ref counts on every node up to the root).
                                                                               '- [Q2 B1]  <- LRU leaf: evicted first
     Values: each edge's tokens map to slot ids in 03's TokenAllocator pool; the tree holds one reference per slot.
 
-Pages: the same tree runs over 02's blocks (page = block_size): edges, matches and evictions come in whole pages, a
-hit adds the tree's blocks to the request's block table by reference, and a prefix is shared only up to its last full
-page (its partial last page is recomputed) -- SGLang's page_size > 1. The report's pages row shows what that costs.
+Pages: the same tree runs over 02's blocks (page = block_size): edges, matches and evictions come in
+whole pages, a hit adds the tree's blocks to the request's block table by reference, and a prefix is
+shared only up to its last full page (its partial last page is recomputed) -- SGLang's
+page_size > 1. The report's pages row shows what that costs.
 
-Hit rate = cached prompt tokens / all prompt tokens (1 - prefill tokens computed / prompt tokens). Lower bound: every
-token of the workload's prompt tree must be computed at least once, so prefill C >= sum of the edge lengths of that
-tree (not counting tokens a request's decode already produced: the previous turns of a chat). The optimal hit rate
-follows: 1 - C_min / prompt tokens (88.2% for the generated-shared-prefix workload: (2048 + 16*128) of 16*2176).
+Hit rate = cached prompt tokens / all prompt tokens (1 - prefill tokens computed / prompt tokens).
+Lower bound: every token of the workload's prompt tree must be computed at least once, so prefill C
+>= sum of the edge lengths of that tree (not counting tokens a request's decode already produced:
+the previous turns of a chat). The optimal hit rate follows: 1 - C_min / prompt tokens (88.2% for
+the generated-shared-prefix workload: (2048 + 16*128) of 16*2176).
 
-Cache-aware scheduling (the paper's Algorithm 1): each step, match every waiting request's prefix, sort the queue by
-policy, admit requests while their new tokens fit in free + evictable slots (locking their prefixes), evict LRU
-leaves if allocation falls short, run one batch (prefill of the admitted + one decode token of every running request:
-continuous batching), insert finished requests into the tree and unlock them. Longest-prefix-match first (lpm) is a
-depth-first walk of the tree: the request sharing the deepest cached node runs next, so a subtree is finished while
-its path is still cached; with room for the longest path, LRU only evicts finished subtrees and every edge is computed
-exactly once, C = sum of edge lengths (the paper's Theorem 3.1). fcfs and random jump between subtrees and recompute
-evicted prefixes; dfs-weight (SGLang) walks the tree visiting the subtree with the most waiting requests first.
+Cache-aware scheduling (the paper's Algorithm 1): each step, match every waiting request's prefix,
+sort the queue by policy, admit requests while their new tokens fit in free + evictable slots
+(locking their prefixes), evict LRU leaves if allocation falls short, run one batch (prefill of the
+admitted + one decode token of every running request: continuous batching), insert finished requests
+into the tree and unlock them. Longest-prefix-match first (lpm) is a depth-first walk of the tree:
+the request sharing the deepest cached node runs next, so a subtree is finished while its path is
+still cached; with room for the longest path, LRU only evicts finished subtrees and every edge is
+computed exactly once, C = sum of edge lengths (the paper's Theorem 3.1). fcfs and random jump
+between subtrees and recompute evicted prefixes; dfs-weight (SGLang) walks the tree visiting the
+subtree with the most waiting requests first.
 
-Details that matter (as in SGLang): a prompt goes into the tree right after its prefill, not only when the request
-finishes, so requests arriving while it decodes already hit it; a cache-aware policy holds back a request sharing
->= 32 uncached tokens with one admitted in the same step (in-batch prefix caching: next step it is a hit); admission
-reserves every slot a request will take (prompt suffix + max_new - 1), so the running batch never runs out. Where lpm
-stays below the optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
+Details that matter (as in SGLang): a prompt goes into the tree right after its prefill, not only
+when the request finishes, so requests arriving while it decodes already hit it; a cache-aware
+policy holds back a request sharing >= 32 uncached tokens with one admitted in the same step
+(in-batch prefix caching: next step it is a hit); admission reserves every slot a request will take
+(prompt suffix + max_new - 1), so the running batch never runs out. Where lpm stays below the
+optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
 and a small pool evicts prefixes that concurrently running requests could not all keep.
 
-The same class schedules llama3_generate.py's engine, with three options (see Scheduler): reserve=False admits without
-reserving decode slots and, when the pool runs short, evicts and then preempts through 02's Scheduler, which this one
-extends; mixed=False runs prefill steps apart from decode steps (vLLM's order), so decode batches stay CUDA-graph-able,
-with a decode step between two prefill steps while requests decode; chunk_tokens cuts long prompts into chunks
-(Sarathi-Serve's chunked prefill), so that no running request waits longer than one chunk's step (prefill-first: and
+The same class schedules llama3_generate.py's engine, with three options (see Scheduler):
+reserve=False admits without reserving decode slots and, when the pool runs short, evicts and then
+preempts through 02's Scheduler, which this one extends; mixed=False runs prefill steps apart from
+decode steps (vLLM's order), so decode batches stay CUDA-graph-able, with a decode step between two
+prefill steps while requests decode; chunk_tokens cuts long prompts into chunks (Sarathi-Serve's
+chunked prefill), so that no running request waits longer than one chunk's step (prefill-first: and
 a decode step) for its next token -- the report's last table shows the step timeline.
 
-References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs" (RadixAttention,
-Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py (lpm, dfs-weight, in-batch prefix
-caching, chunked requests); Agrawal et al. 2024, "Taming Throughput-Latency Tradeoff in LLM Inference with
-Sarathi-Serve" (chunked prefill, stall-free batching); mini-sglang for the invariant style.
+Imports: 02 (Request, Scheduler) and 03 (the token pool) at module level. The demo loads
+llama3_generate only for its CPU thread setting, and loading it imports the engine's lessons (see
+01).
+
+References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs"
+(RadixAttention, Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py
+(lpm, dfs-weight, in-batch prefix caching, chunked requests); Agrawal et al. 2024, "Taming
+Throughput-Latency Tradeoff in LLM Inference with Sarathi-Serve" (chunked prefill, stall-free
+batching); mini-sglang for the invariant style.
 Run: python 05_radix_scheduler.py [--workload W] [--policy P] [--json]
 """
 from __future__ import annotations
@@ -67,27 +79,30 @@ from collections import defaultdict, deque
 import numpy as np
 import torch
 
-P02 = importlib.import_module("02_paged_cache_manager")  # Request, Scheduler: continuous batching and preemption
-T = importlib.import_module("03_token_allocator")  # TokenAllocator pool + TokenKVCache backend (add_prefix, slots)
+# Request, Scheduler: continuous batching and preemption
+L02 = importlib.import_module("02_paged_cache_manager")
+# TokenAllocator pool + TokenKVCache backend (add_prefix, slots)
+L03 = importlib.import_module("03_token_allocator")
 
 
-# ----------------------------------------------------------------------------------------------
-# The radix tree
-# ----------------------------------------------------------------------------------------------
+# ======== THE IDEA, 1: a radix tree of cached KV, LRU eviction, locks on the paths in use =========
 
 class Node:
     __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "serial")
 
     def __init__(self, key=(), value=None, parent=None, serial=0):
         self.children = {}       # first token of the child's edge -> child
-        self.parent, self.key, self.value = parent, key, value  # key: tuple of token ids on the edge into this node
-        self.lock_ref, self.last_access, self.serial = 0, 0, serial  # value: LongTensor (len(key),) of KV slots
+        # key: tuple of token ids on the edge into this node
+        self.parent, self.key, self.value = parent, key, value
+        # value: LongTensor (len(key),) of KV slots
+        self.lock_ref, self.last_access, self.serial = 0, 0, serial
 
 
 def _common(edge, key, i):
     """How many leading tokens of edge equal key[i:]."""
     n = min(len(edge), len(key) - i)
-    if key[i:i + n] == edge[:n]:  # fast path: the whole edge (or all that is left of key) matches, C-speed compare
+    if key[i:i + n] == edge[:n]:
+        # fast path: the whole edge (or all that is left of key) matches, C-speed compare
         return n
     j = 0
     while edge[j] == key[i + j]:
@@ -96,10 +111,11 @@ def _common(edge, key, i):
 
 
 class RadixCache:
-    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for bookkeeping).
-    page: tokens per key unit (02's block_size; 1: one token). Edges, matches, inserts and evictions come in whole
-    pages, children are keyed by their first page, and a page's slots are one block of 02's pool (BlockRefs), so a
-    prefix is shared only up to its last full page: SGLang's radix cache with page_size > 1."""
+    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for
+    bookkeeping). page: tokens per key unit (02's block_size; 1: one token). Edges, matches, inserts
+    and evictions come in whole pages, children are keyed by their first page, and a page's slots
+    are one block of 02's pool (BlockRefs), so a prefix is shared only up to its last full page:
+    SGLang's radix cache with page_size > 1."""
 
     def __init__(self, allocator=None, page=1):
         self.allocator, self.clock, self.serial, self.page = allocator, 0, 0, page
@@ -107,7 +123,8 @@ class RadixCache:
         self.root.lock_ref = 1  # never evicted
         self.evictable, self.protected = 0, 0  # tokens under unlocked / locked nodes
 
-    def _first(self, key, i):  # the child key of an edge starting at key[i]: its first token, or page
+    def _first(self, key, i):
+        # the child key of an edge starting at key[i]: its first token, or page
         return key[i] if self.page == 1 else key[i:i + self.page]
 
     def evictable_size(self) -> int:
@@ -127,12 +144,13 @@ class RadixCache:
         return new
 
     def _walk(self, key):
-        """Follow key (whole pages) down the tree (splitting an edge the match ends inside, at a page boundary);
-        returns (matched values, last node)."""
+        """Follow key (whole pages) down the tree (splitting an edge the match ends inside, at a
+        page boundary); returns (matched values, last node)."""
         self.clock += 1
         node, values, i = self.root, [], 0
         while i < len(key) and (child := node.children.get(self._first(key, i))) is not None:
-            n = _common(child.key, key, i) // self.page * self.page  # >= one page: the child's key is its first
+            # >= one page: the child's key is its first
+            n = _common(child.key, key, i) // self.page * self.page
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access = self.clock
@@ -141,8 +159,9 @@ class RadixCache:
         return values, node
 
     def match_prefix(self, tokens, compute_last=True):
-        """(slots LongTensor (m,), last node) of the longest cached prefix. compute_last: match at most len - 1
-        tokens, so at least one token is computed and gives the logits of the next token."""
+        """(slots LongTensor (m,), last node) of the longest cached prefix. compute_last: match at
+        most len - 1 tokens, so at least one token is computed and gives the logits of the next
+        token."""
         key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)
         values, node = self._walk(key[:len(key) // self.page * self.page])
         if self.allocator is None:  # bookkeeping: the token ids stand for their slots
@@ -151,10 +170,11 @@ class RadixCache:
         return slots, node
 
     def insert(self, tokens, slots=None) -> int:
-        """Cache tokens -> slots (LongTensor (len,)), their full pages only (the partial last one stays the caller's,
-        recomputed by whoever needs it); returns how many leading tokens were already cached. The tree
-        takes its own reference (inc_ref) on the slots it stores; the caller then releases its references as usual,
-        which frees its duplicate slots (the first `returned` ones it computed itself)."""
+        """Cache tokens -> slots (LongTensor (len,)), their full pages only (the partial last one
+        stays the caller's, recomputed by whoever needs it); returns how many leading tokens were
+        already cached. The tree takes its own reference (inc_ref) on the slots it stores; the
+        caller then releases its references as usual, which frees its duplicate slots (the first
+        `returned` ones it computed itself)."""
         key = tuple(tokens[:len(tokens) // self.page * self.page])
         values, node = self._walk(key)
         n = sum(len(v) for v in values)
@@ -183,7 +203,8 @@ class RadixCache:
         while freed < n and heap:
             _, _, x = heapq.heappop(heap)
             if self.allocator is not None:
-                self.allocator.free(x.value)  # drop the tree's reference: the slots return to the pool
+                # drop the tree's reference: the slots return to the pool
+                self.allocator.free(x.value)
             freed += len(x.key)
             self.evictable -= len(x.key)
             parent = x.parent
@@ -219,9 +240,9 @@ class RadixCache:
         return delta
 
     def check(self, held=()):
-        """Integrity: edges well formed, locks nested, sizes add up, and with a pool every slot's refcount ==
-        (1 if the tree holds it) + (times it appears in `held`: the running requests' rows), so that
-        tree slots + request-only slots + free slots == pool size."""
+        """Integrity: edges well formed, locks nested, sizes add up, and with a pool every slot's
+        refcount == (1 if the tree holds it) + (times it appears in `held`: the running requests'
+        rows), so that tree slots + request-only slots + free slots == pool size."""
         sizes, slots = [0, 0], []
         for node in self._nodes():
             kids = node.children
@@ -240,7 +261,8 @@ class RadixCache:
         assert tree.unique().numel() == tree.numel(), "a slot appears twice in the tree"
         pages = tree.view(-1, P)  # (pages, P): each must be one block's P slots, in order
         assert torch.equal(pages, pages[:, :1] + torch.arange(P, device=a.device)), "a page is not one whole block"
-        units = [x.to(a.device)[::P] // P for x in (tree, *held)]  # refcounted units: slots, or 02's blocks
+        # refcounted units: slots, or 02's blocks
+        units = [x.to(a.device)[::P] // P for x in (tree, *held)]
         want = torch.bincount(torch.cat(units), minlength=a.size)
         assert torch.equal(want.int(), a.mem_state), "refcounts != tree + running requests"
         assert int((want > 0).sum()) + a.available() == a.size, "tree + request slots + free != pool size"
@@ -263,22 +285,22 @@ class RadixCache:
         return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------------
-# Cache-aware scheduler with continuous batching
-# ----------------------------------------------------------------------------------------------
+# ======== THE IDEA, 2: cache-aware scheduling with continuous batching ============================
 
-class Req(P02.Request):
+class Req(L02.Request):
     """02's request (prompt, output, kv_len) plus what the radix scheduler tracks."""
 
     def __init__(self, rid, prompt, max_new, target=None, after=None, stop_ids=()):
         super().__init__(rid, prompt, max_new, stop_ids)
         self.target = target    # simulation: the output to replay, token by token
-        self.after = after      # a Req whose KV it needs first (its first sample, or the turn it follows)
+        # a Req whose KV it needs first (its first sample, or the turn it follows)
+        self.after = after
         self.prefix = None      # slots of its longest cached prefix (match_prefix)
         self.node = None        # the tree node it locks (its prefix, then its prompt)
         self.reserve = 0        # reserve=True: slots still reserved for its remaining steps
         self.admitted = 0       # admissions so far (> 1 after a preemption)
-        self.dropped = 0        # KV tokens a recompute preemption dropped (what readmission computes again)
+        # KV tokens a recompute preemption dropped (what readmission computes again)
+        self.dropped = 0
         self.chunk = None       # chunked prefill: the next step feeds at most this many tokens
 
     @property
@@ -290,7 +312,8 @@ class Req(P02.Request):
         return self.chunk is None or self.chunk >= self.missing
 
     @property
-    def ready(self) -> bool:  # `after` computed this prompt (a sibling sample), or finished (a follow-up turn)
+    def ready(self) -> bool:
+        # `after` computed this prompt (a sibling sample), or finished (a follow-up turn)
         return self.after is None or self.after.done or self.after.kv_len >= len(self.prompt)
 
 
@@ -315,18 +338,23 @@ def _dfs_weight(tree, rng, waiting):
     return order
 
 
-POLICIES = {  # (tree, rng, waiting) -> waiting in admission order; cache-aware ones read r.prefix / r.node (matched)
+# (tree, rng, waiting) -> waiting in admission order;
+# cache-aware ones read r.prefix / r.node (matched)
+POLICIES = {
     "fcfs": lambda tree, rng, w: list(w),
-    "lpm": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix)),  # stable: ties stay first-come first-served
+    # stable: ties stay first-come first-served
+    "lpm": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix)),
     "random": lambda tree, rng, w: rng.sample(w, len(w)),
     "dfs-weight": _dfs_weight,
 }
 CACHE_AWARE = ("lpm", "dfs-weight")
-CHUNK_KEEPS = 0.5  # a prompt part-way in keeps this share of a step's budget; prompts fitting whole may take the rest
-IN_BATCH_MIN = 32  # a request sharing >= this many uncached tokens with one admitted this step waits one step
+# a prompt part-way in keeps this share of a step's budget; prompts fitting whole may take the rest
+CHUNK_KEEPS = 0.5
+# a request sharing >= this many uncached tokens with one admitted this step waits one step
+IN_BATCH_MIN = 32
 
 
-class Scheduler(P02.Scheduler):
+class Scheduler(L02.Scheduler):
     """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
       reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
@@ -354,8 +382,8 @@ class Scheduler(P02.Scheduler):
       prefill-first, chunks  d d d [PPPP] d [PPPP] d [PPPP] d [PPPP] d d d  a chunk's wait; L's token 3 steps later
       mixed, chunks          d d d [PPPd] [PPPd] [PPPd] [PPPd] d d d         a token to every stream each step"""
 
-    def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0, radix=True, reserve=True,
-                 mixed=True, preempt="recompute", chunk_tokens=None):
+    def __init__(self, kv, policy="lpm", max_running=32, max_prefill_tokens=16384, seed=0,
+                 radix=True, reserve=True, mixed=True, preempt="recompute", chunk_tokens=None):
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
         if reserve is True and not radix:
@@ -364,18 +392,21 @@ class Scheduler(P02.Scheduler):
         self.tree = RadixCache(kv.allocator, kv.page) if radix else None
         self.policy, self.reserve, self.max_prefill_tokens = policy, reserve, max_prefill_tokens
         self.set_schedule(mixed, chunk_tokens)
-        self.chunked, self.prefilled = None, False  # the request whose prompt is part-way in (chunked prefill)
+        # the request whose prompt is part-way in (chunked prefill)
+        self.chunked, self.prefilled = None, False
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
-        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0, recomputed_tokens=0,
-                          peak_running=0)
-        self.seen = np.ones(2)  # (sum of output / max_new, requests) for fits_ahead: a prior of one to max_new
+        self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0,
+                          recomputed_tokens=0, peak_running=0)
+        # (sum of output / max_new, requests) for fits_ahead: a prior of one to max_new
+        self.seen = np.ones(2)
 
     @property
     def busy(self) -> bool:
         return super().busy or self.chunked is not None
 
     def pending(self) -> list:
-        return super().pending() + ([self.chunked] if self.chunked is not None else [])  # and a prompt part-way in
+        # and a prompt part-way in
+        return super().pending() + ([self.chunked] if self.chunked is not None else [])
 
     def reset(self):
         """Forget the last run, its cached prefixes too (a warm engine's runs start alike)."""
@@ -402,47 +433,80 @@ class Scheduler(P02.Scheduler):
         return r
 
     def free_tokens(self):
-        """KV tokens new requests may take now without preempting anyone: 03's free slots plus what the tree may
-        evict, or 02's free blocks above its watermark; None where only max_running limits (01's reserved rows)."""
+        """KV tokens new requests may take now without preempting anyone: 03's free slots plus what
+        the tree may evict, or 02's free blocks above its watermark; None where only max_running
+        limits (01's reserved rows)."""
         room = self.kv.room()
         return None if room is None else room + (self.tree.evictable_size() if self.tree else 0)
 
     def admit(self):
-        """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy, take them while
-        the step's prefill budget and the pool allow (reserve: every slot they will take; else: their prompts, after
-        one token for each running request); lock their prefixes, open their rows."""
+        """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy,
+        take them while the step's prefill budget and the pool allow (reserve: every slot they will
+        take; else: their prompts, after one token for each running request); lock their prefixes,
+        open their rows."""
         self.swap_in()
-        if self.prefilled and self.running and not self.mixed:  # a decode step between two prefill steps: a stream
-            self.prefilled = False  # waits one prefill step at most
+        if self.prefilled and self.running and not self.mixed:
+            # a decode step between two prefill steps: a stream waits one prefill step at most
+            self.prefilled = False
             return []
-        room, tree, new, prefill, spare = self.max_running - len(self.running), self.tree, [], 0, None
-        step = self.max_prefill_tokens if self.chunk_tokens is None else \
-            self.chunk_tokens - (len(self.running) if self.mixed else 0)  # tokens this step may feed
-        if self.chunked is not None:  # a prompt part-way in goes first; it holds its KV and its lock already
+        room, new, prefill, spare = self.max_running - len(self.running), [], 0, None
+        if self.chunk_tokens is None:  # tokens this step may feed
+            step = self.max_prefill_tokens
+        else:
+            step = self.chunk_tokens - (len(self.running) if self.mixed else 0)
+        if self.chunked is not None:
+            # a prompt part-way in goes first; it holds its KV and its lock already
             r = self.chunked
             r.chunk = max(1, step) if r.missing > step else None
             new, prefill, room = [r], r.n_new, room - 1
-            spare = None if r.chunk is None else r.chunk - max(1, int(step * CHUNK_KEEPS + 0.999))  # for others
+            if r.chunk is not None:  # what it leaves of its chunk for others
+                spare = r.chunk - max(1, int(step * CHUNK_KEEPS + 0.999))
         if room <= 0 or self.swapped or not self.waiting:
             return new
         if self.reserve is True:
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
-            if budget < min(r.max_new for r in self.waiting):  # every request needs >= max_new (the engine's too)
+            if budget < min(r.max_new for r in self.waiting):
+                # every request needs >= max_new (the engine's too)
                 return new  # nothing can be admitted: skip the matching
-        else:  # admitting what does not fit would only be held back by prepare(), one failed allocation each
-            budget = self.free_tokens()  # the running ones' next tokens first, and the rest of the chunked prompt
+        else:
+            # admitting what does not fit would only be held
+            # back by prepare(), one failed allocation each
+            # the running ones' next tokens first, and the rest of the chunked prompt
+            budget = self.free_tokens()
             budget = None if budget is None else budget - len(self.running) - sum(r.missing for r in new)
-        block = self.kv.page  # 03's slot, 02's block (01 has no budget: its rows limit)
+        first = len(new)
+        self.admit_ready(self.ordered(), new, room, step, prefill, spare, budget)
+        if len(new) > first:
+            taken = set(map(id, new))
+            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
+        return new
+
+    def cache_aware(self) -> bool:
+        """Whether the policy orders by cached prefix (then every ready request is matched before ordering)."""
+        return self.tree is not None and self.policy in CACHE_AWARE
+
+    def ordered(self) -> list:
+        """The ready requests in the policy's order, their cached prefixes matched first where it asks for them."""
         ready = [r for r in self.waiting if r.ready]
-        aware = tree is not None and self.policy in CACHE_AWARE
+        aware = self.cache_aware()
         if aware:
             for r in ready:
-                r.prefix, r.node = tree.match_prefix(r.tokens)
+                r.prefix, r.node = self.tree.match_prefix(r.tokens)
         if aware or self.policy not in CACHE_AWARE:
-            ready = POLICIES[self.policy](tree, self.rng, ready)
-        batch, first = RadixCache(), len(new)  # batch: prompts admitted this step (in-batch prefix caching)
-        ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)]) \
-            if self.reserve == "expected" and budget is not None else None  # the running and admitted ones
+            ready = POLICIES[self.policy](self.tree, self.rng, ready)
+        return ready
+
+    def admit_ready(self, ready, new, room, step, prefill, spare, budget):
+        """Appends to new the ready requests, in order, while the step's tokens (step: what it may
+        feed, prefill: what it feeds already, spare: what the part-way prompt leaves), rows (room)
+        and pool (budget) allow."""
+        # 03's slot, 02's block (01: no budget)
+        tree, aware, block = self.tree, self.cache_aware(), self.kv.page
+        # batch: prompts admitted this step (in-batch prefix caching)
+        batch, first = RadixCache(), len(new)
+        ahead = None  # the running and admitted ones' expected lengths
+        if self.reserve == "expected" and budget is not None:
+            ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)])
         for r in ready:
             if len(new) - first == room:
                 break
@@ -451,20 +515,26 @@ class Scheduler(P02.Scheduler):
             cached = len(r.prefix) if tree is not None else 0
             extend = len(r.prompt) + len(r.output) - cached
             over = prefill + extend - step  # > 0: it would overflow the step
-            squeeze = spare is not None and 0 < over <= spare  # it fits whole in the part-way prompt's spare tokens
-            cut = self.chunk_tokens is not None and over > 0 and not squeeze  # chunk it (one at a time)
+            # it fits whole in the part-way prompt's spare tokens
+            squeeze = spare is not None and 0 < over <= spare
+            # chunk it (one at a time)
+            cut = self.chunk_tokens is not None and over > 0 and not squeeze
             if (cut and (step - prefill < 1 or spare is not None)) or (new and over > 0 and not cut and not squeeze):
                 break
             if aware and len(batch.match_prefix(r.tokens)[0]) >= cached + IN_BATCH_MIN:
                 continue  # its prefix is being computed right now: next step it is a cache hit
-            delta = tree.inc_lock_ref(r.node) if tree is not None else 0  # a later match only splits below it
+            # a later match only splits below it
+            delta = tree.inc_lock_ref(r.node) if tree is not None else 0
             if budget is not None:
-                # reserve: every slot it will ever take (prefill + all decode steps but one); else its prompt's blocks
-                need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block  # whole pages
-                grown = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])  # with r
+                # reserve: every slot it will ever take (prefill + all decode steps but one); else
+                # its prompt's blocks whole pages
+                need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block
+                # with r
+                grown = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
                 if (need > budget + delta or grown is not None and not self.fits_ahead(grown)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
-                    if tree is not None:  # the head of the queue does not fit: stop (no overtaking, no starvation)
+                    if tree is not None:
+                        # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
                     break
                 budget, ahead = budget + delta - need, grown
@@ -475,11 +545,7 @@ class Scheduler(P02.Scheduler):
                 r.kv_len, r.in_kv = cached, True
                 if aware:
                     batch.insert(r.tokens)
-            if not r.admitted:  # the hit rate counts first admissions: cached prompt tokens / prompt tokens
-                self.stats["prompt_tokens"] += len(r.prompt)
-                self.stats["cached_tokens"] += cached
-            self.stats["recomputed_tokens"] += max(0, r.dropped - cached)  # what a preemption cost: KV computed again
-            r.admitted, r.dropped = r.admitted + 1, 0
+            self.count_admission(r, cached)
             if squeeze:
                 new[0].chunk, prefill, spare = new[0].chunk - over, prefill - over, spare - over
             r.chunk = step - prefill if cut else None
@@ -489,34 +555,44 @@ class Scheduler(P02.Scheduler):
             if cut:  # the step is full
                 self.chunked = r
                 break
-        if len(new) > first:
-            taken = set(map(id, new))
-            self.waiting = deque(r for r in self.waiting if id(r) not in taken)
-        return new
+
+    def count_admission(self, r, cached: int):
+        """The hit rate counts first admissions (cached prompt tokens / prompt tokens); a
+        re-admission after a preemption counts what it computes again."""
+        if not r.admitted:
+            self.stats["prompt_tokens"] += len(r.prompt)
+            self.stats["cached_tokens"] += cached
+        # what a preemption cost: KV computed again
+        self.stats["recomputed_tokens"] += max(0, r.dropped - cached)
+        r.admitted, r.dropped = r.admitted + 1, 0
 
     def fits_ahead(self, rows) -> bool:
-        """LightLLM's look-ahead over rows, expected() of the running, admitted and new requests: request j holds
-        held_j + s KV tokens s steps from now (whole pages) until its expected end e_j, then frees them. Sorted by e
-        descending, requests 0..i are alive up to step e_i - 1, where each holds the most: the peak is the largest of
-        those sums, a running sum (held + P - 1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
+        """LightLLM's look-ahead over rows, expected() of the running, admitted and new requests:
+        request j holds held_j + s KV tokens s steps from now (whole pages) until its expected end
+        e_j, then frees them. Sorted by e descending, requests 0..i are alive up to step e_i - 1,
+        where each holds the most: the peak is the largest of those sums, a running sum (held + P -
+        1 = qP + r and e - 1 = aP + b: j's pages are q_j + a + [r_j >= P - b])."""
         P, (ends, held) = self.kv.page, rows.T
         order = np.argsort(-ends, kind="stable")
         (q, r), (a, b), i = np.divmod(held[order] + P - 1, P), np.divmod(ends[order] - 1, P), np.arange(len(ends))
-        ge = np.eye(P + 1, dtype=int)[r].cumsum(0)[:, ::-1].cumsum(1)[:, ::-1]  # ge[i, v]: requests 0..i with r >= v
+        # ge[i, v]: requests 0..i with r >= v
+        ge = np.eye(P + 1, dtype=int)[r].cumsum(0)[:, ::-1].cumsum(1)[:, ::-1]
         peak = P * (q.cumsum() + (i + 1) * a + ge[i, P - b]).max()
         return int(peak) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
 
     def expected(self, reqs, ahead=0):
-        """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output / max_new of the
-        finished requests, from 1: every output runs to max_new; a preemption counts as one that ran to max_new),
-        held its KV tokens (+ ahead: a prefill step may leave the running ones be, so a new one is a step ahead)."""
+        """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output /
+        max_new of the finished requests, from 1: every output runs to max_new; a preemption counts
+        as one that ran to max_new), held its KV tokens (+ ahead: a prefill step may leave the
+        running ones be, so a new one is a step ahead)."""
         ratio = self.seen[0] / self.seen[1]
-        return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)), len(r.prompt) + len(r.output) +
-                          ahead) for r in reqs], int).reshape(-1, 2)
+        return np.array([(max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)),
+                          len(r.prompt) + len(r.output) + ahead) for r in reqs], int).reshape(-1, 2)
 
     def make_room(self, n_tokens):
-        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first; then, in a decode
-        step (prefill-first runs them between a prompt's chunks), send the prompt part-way in back to the queue."""
+        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first;
+        then, in a decode step (prefill-first runs them between a prompt's chunks), send the prompt
+        part-way in back to the queue."""
         evicted = self.tree.evict(n_tokens - self.kv.room()) if self.tree else 0
         self.stats["evicted_tokens"] += evicted
         if evicted:
@@ -536,24 +612,29 @@ class Scheduler(P02.Scheduler):
         super().preempt(r)
 
     def computed(self, r, n):
-        """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in so far, while r
-        still prefills or decodes (the engine calls this too, once per token of a multi-step chunk)."""
+        """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in
+        so far, while r still prefills or decodes (the engine calls this too, once per token of a
+        multi-step chunk)."""
         r.kv_len, r.reserve = r.kv_len + n, r.reserve - n
-        if r is self.chunked and not r.missing:  # its last chunk: it runs with the others from now on
+        if r is self.chunked and not r.missing:
+            # its last chunk: it runs with the others from now on
             self.chunked, r.chunk = None, None
         if self.tree is not None and len(r.prompt) > r.kv_len - n:
             self.cache_prompt(r)
 
     def cache_prompt(self, r):
-        """Right after a prefill step, put r's prompt (as much of it as its KV holds: chunked prefill) into the tree
-        and move r's lock down to it, so requests arriving while r decodes (its n > 1 siblings first) hit it. Where
-        the tree already held some of it (a cached prompt's last token is computed again, for its logits), r switches
-        to the tree's slots and its duplicates go back to the pool: the lock must not cost a slot that admit()
-        counted as evictable."""
+        """Right after a prefill step, put r's prompt (as much of it as its KV holds: chunked
+        prefill) into the tree and move r's lock down to it, so requests arriving while r decodes
+        (its n > 1 siblings first) hit it. Where the tree already held some of it (a cached prompt's
+        last token is computed again, for its logits), r switches to the tree's slots and its
+        duplicates go back to the pool: the lock must not cost a slot that admit() counted as
+        evictable."""
         prompt, shared, x = r.prompt[:r.kv_len], 0, r.node
-        while x is not self.tree.root:  # r's first `shared` tokens are in the tree's slots already (its lock)
+        while x is not self.tree.root:
+            # r's first `shared` tokens are in the tree's slots already (its lock)
             shared, x = shared + len(x.key), x.parent
-        n = self.tree.insert(prompt, self.kv.slots(r.rid))  # r computed copies of tokens [shared, n)
+        # r computed copies of tokens [shared, n)
+        n = self.tree.insert(prompt, self.kv.slots(r.rid))
         slots, node = self.tree.match_prefix(prompt, compute_last=False)
         if n > shared:
             self.kv.share_prefix(r.rid, slots[shared:n], shared)
@@ -563,19 +644,22 @@ class Scheduler(P02.Scheduler):
 
     def release(self, r):
         """Drop r's KV; its computed tokens go into the tree first (for later requests, or r after a preemption)."""
-        self.seen += (len(r.output) / r.max_new, 1) if r.done else 0  # finished (or aborted): its share of max_new
+        # finished (or aborted): its share of max_new
+        self.seen += (len(r.output) / r.max_new, 1) if r.done else 0
         if r.in_kv and self.tree is not None:
             if r.kv_len:
                 self.tree.insert(r.tokens[:r.kv_len], self.kv.slots(r.rid))
             self.tree.dec_lock_ref(r.node)
-        super().release(r)  # the request's references go; its duplicates of tree slots return to the pool
+        # the request's references go; its duplicates of tree slots return to the pool
+        super().release(r)
         r.node = None
-        if r is self.chunked:  # held back or preempted part-way: it starts over (from the tree, where there is one)
+        if r is self.chunked:
+            # held back or preempted part-way: it starts over (from the tree, where there is one)
             self.chunked, r.chunk = None, None
 
     def batch(self, new):
-        """This step's requests: the admitted ones (prefill-first), with every running one (mixed), or, when none
-        was admitted, the running ones."""
+        """This step's requests: the admitted ones (prefill-first), with every running one (mixed),
+        or, when none was admitted, the running ones."""
         self.prefilled = bool(new)
         return self.running + new if self.mixed and new else new or self.running
 
@@ -597,9 +681,23 @@ class Scheduler(P02.Scheduler):
         return self.stats["cached_tokens"] / max(1, self.stats["prompt_tokens"])
 
 
-# ----------------------------------------------------------------------------------------------
-# Workloads (token ids only) and the optimum
-# ----------------------------------------------------------------------------------------------
+# ======== THE IDEA, 3: the real model through the same scheduler ==================================
+
+def generate_cached(model, prompts, max_new_tokens=32, sched=None, pool_size=4096, policy="lpm",
+                    max_running=8, stop_ids=()):
+    """Greedy generation of prompts through a Scheduler over a TokenKVCache (pass sched to keep its
+    warm cache). Returns (new tokens per prompt, sched)."""
+    if sched is None:
+        sched = Scheduler(L03.TokenKVCache.for_model(model, pool_size, max_running), policy, max_running)
+
+    reqs = [sched.add(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
+    # prefill chunks of the new + a token per running, one forward
+    sched.run(L02.greedy_forward(model, sched.kv))
+    return [r.output for r in reqs], sched
+
+
+# ======== DEMO: workloads (token ids only), the optimum, the simulations, the report ==============
+# -------- workloads and the optimum ---------------------------------------------------------------
 
 def _toks(rng, n):
     return rng.integers(10, 32000, n).tolist()
@@ -657,8 +755,9 @@ WORKLOADS = {  # name: (builder, scaled-down default kwargs, full-size kwargs)
 
 
 def optimal_prefill(reqs):
-    """C_min = edges of the prompts' radix tree, minus tokens some request's decode produced (its output but the
-    last token: fed back and cached), assuming different requests decode different tokens (true here)."""
+    """C_min = edges of the prompts' radix tree, minus tokens some request's decode produced (its
+    output but the last token: fed back and cached), assuming different requests decode different
+    tokens (true here)."""
     tree = RadixCache()
     for prompt, _, _ in reqs:
         tree.insert(prompt)
@@ -669,46 +768,53 @@ def optimal_prefill(reqs):
     return size - decoded
 
 
-def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False, page=1,
-             max_new=None, **options):
-    """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed by pages)
-    without KV tensors (1 layer, 1 head, head_dim 1). max_new: each request's (default: its output's length; a
-    shorter output ends with EOS, -1); options: the Scheduler's."""
+# -------- simulations: token ids through the same Scheduler ---------------------------------------
+
+def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False,
+             page=1, max_new=None, **options):
+    """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed
+    by pages) without KV tensors (1 layer, 1 head, head_dim 1). max_new: each request's (default:
+    its output's length; a shorter output ends with EOS, -1); options: the Scheduler's."""
     max_new = max_new or [len(o) for _, o, _ in reqs]
     longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
-    kv = T.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else P02.PagedKVCache(
-        1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
+    kv = L03.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else L02.PagedKVCache(
+        1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running,
+        max_seq_len=longest)
     s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed, **options)
     made = []
     for (prompt, out, after), n in zip(reqs, max_new):
         made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(-1,)))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensor ops: a thread pool only adds overhead (and stalls on a busy machine)
+    # tiny tensor ops: a thread pool only adds overhead (and stalls on a busy machine)
+    torch.set_num_threads(1)
     try:
         s.run(check=check)
     finally:
         torch.set_num_threads(threads)
     prompt_tokens = s.stats["prompt_tokens"]
-    return dict(s.stats, hit_rate=s.hit_rate(), prefill_tokens=prompt_tokens - s.stats["cached_tokens"],
+    return dict(s.stats, hit_rate=s.hit_rate(),
+                prefill_tokens=prompt_tokens - s.stats["cached_tokens"],
                 output_tokens=sum(len(r.output) for r in made),
                 computed_tokens=sum(e.tokens for e in s.events if e.kind in ("prefill", "decode")))
 
 
+# (mixed, chunked): the options compared here and in --bench-serve
 SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, True),
-             "mixed, chunked": (True, True)}  # (mixed, chunked): the options compared here and in --bench-serve
+             "mixed, chunked": (True, True)}
 
 
 def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0, behind=0):
-    """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step computes, and how
-    long the decoding requests wait between two of their tokens, counted in tokens computed meanwhile (a step's
-    time grows with its tokens: what a stream feels as a stall). Engine-style options (reserve=False). behind: a
-    prompt of that many tokens arrives halfway through the long one's first step; its first token's wait too."""
+    """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step
+    computes, and how long the decoding requests wait between two of their tokens, counted in tokens
+    computed meanwhile (a step's time grows with its tokens: what a stream feels as a stall).
+    Engine-style options (reserve=False). behind: a prompt of that many tokens arrives halfway
+    through the long one's first step; its first token's wait too."""
     rng = np.random.default_rng(seed)
     shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
     long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
     out = {}
     for name, (mixed, chunked) in SCHEDULES.items():
-        kv = T.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
+        kv = L03.TokenKVCache(1, 4 * long_prompt, 1, 1, n_short + 2, long_prompt + 64)
         s = Scheduler(kv, "fcfs", n_short + 1 + (behind > 0), reserve=False, mixed=mixed,
                       chunk_tokens=chunk_tokens if chunked else None)
         reqs = [s.add(p, len(o), target=o) for p, o in shorts]
@@ -732,56 +838,44 @@ def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0, beh
                 first_token = work - t_arrive
             if late is not None and late.output and behind_first is None:
                 behind_first = work - t_late
-        out[name] = dict(steps=len(steps), step_tokens=steps[arrive:arrive + 12], max_step_tokens=max(steps),
-                         max_wait_tokens=max(waits), median_wait_tokens=float(np.median(waits)),
+        out[name] = dict(steps=len(steps), step_tokens=steps[arrive:arrive + 12],
+                         max_step_tokens=max(steps), max_wait_tokens=max(waits),
+                         median_wait_tokens=float(np.median(waits)),
                          long_prompt_first_token_after=first_token, behind=behind_first)
     return dict(chunk_tokens=chunk_tokens, long_prompt=long_prompt, decoding=n_short, schedules=out)
 
 
-ADMISSIONS = {"fits now": False, "reserve all": True, "look ahead": "expected"}  # Scheduler(reserve=...)
-STEP_COST = 1024  # the simulations' cost model: a step takes as long as this many tokens' compute, plus its tokens
+# Scheduler(reserve=...)
+ADMISSIONS = {"fits now": False, "reserve all": True, "look ahead": "expected"}
+# the simulations' cost model: a step takes as long as this many tokens' compute, plus its tokens
+STEP_COST = 1024
 
 
 def admission_trace(n=64, lengths=(25, 256), per_seq=128, pages=(1, 16), seed=0):
-    """bench_engine's equal-memory workload, scaled: n requests, prompt and max_new lengths uniform in `lengths`, a
-    pool of per_seq tokens a request (less than half what they take), prefill-first (the engine's). Outputs run to
-    max_new, or stop (EOS) at a length uniform in [1, max_new]. Per admission and page: simulate()'s figures, and
-    throughput: output tokens per STEP_COST of simulated time."""
+    """bench_engine's equal-memory workload, scaled: n requests, prompt and max_new lengths uniform
+    in `lengths`, a pool of per_seq tokens a request (less than half what they take), prefill-first
+    (the engine's). Outputs run to max_new, or stop (EOS) at a length uniform in [1, max_new]. Per
+    admission and page: simulate()'s figures, and throughput: output tokens per STEP_COST of
+    simulated time."""
     rng, out = np.random.default_rng(seed), {}
     lens = rng.integers(lengths[0], lengths[1] + 1, (n, 2)).tolist()
     reqs = [(_toks(rng, p), None, None) for p, _ in lens]
     stops = [int(rng.integers(1, m + 1)) for _, m in lens]
     for early in ("full length", "early stops"):
-        reqs = [(p, _toks(rng, k - 1) + [-1] if early == "early stops" and k < m else _toks(rng, m), None)  # -1: EOS
+        # -1: EOS
+        reqs = [(p, _toks(rng, k - 1) + [-1] if early == "early stops" and k < m else _toks(rng, m), None)
                 for (p, _, _), (_, m), k in zip(reqs, lens, stops)]
         for page, (name, reserve) in ((page, a) for page in pages for a in ADMISSIONS.items()):
             r = out.setdefault(early, {}).setdefault(page, {})[name] = simulate(
-                reqs, n * per_seq, "lpm", n, page=page, max_new=[m for _, m in lens], reserve=reserve, mixed=False)
+                reqs, n * per_seq, "lpm", n, page=page, max_new=[m for _, m in lens],
+                reserve=reserve, mixed=False)
             r["throughput"] = r["output_tokens"] * STEP_COST / (STEP_COST * r["steps"] + r["computed_tokens"])
     return dict(requests=n, lengths=lengths, per_seq=per_seq, workloads=out)
 
 
-# ----------------------------------------------------------------------------------------------
-# The real model through the same scheduler
-# ----------------------------------------------------------------------------------------------
+# -------- the command line and the report ---------------------------------------------------------
 
-def generate_cached(model, prompts, max_new_tokens=32, sched=None, pool_size=4096, policy="lpm", max_running=8,
-                    stop_ids=()):
-    """Greedy generation of prompts through a Scheduler over a TokenKVCache (pass sched to keep its warm cache).
-    Returns (new tokens per prompt, sched)."""
-    if sched is None:
-        sched = Scheduler(T.TokenKVCache.for_model(model, pool_size, max_running), policy, max_running)
-
-    reqs = [sched.add(p, max_new_tokens, stop_ids=stop_ids) for p in prompts]
-    sched.run(P02.greedy_forward(model, sched.kv))  # prefill chunks of the new + a token per running, one forward
-    return [r.output for r in reqs], sched
-
-
-# ----------------------------------------------------------------------------------------------
-# Report
-# ----------------------------------------------------------------------------------------------
-
-def main(argv=None):
+def cli_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--workload", choices=list(WORKLOADS), help="one workload (default: all)")
     ap.add_argument("--policy", choices=list(POLICIES), help="one policy (default: all)")
@@ -790,12 +884,49 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if args.max_running < 1:
         ap.error("--max-running must be >= 1")
+    return args
+
+
+def main(argv=None):
+    args = cli_args(argv)
+    import llama3_generate as L
+    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     policies = [args.policy] if args.policy else list(POLICIES)
-    report, t0 = {}, time.perf_counter()
+    t0 = time.perf_counter()
+    report = measure_hit_rates(args, policies)
+    prefix = measure_pages(report, args)
+    chunking = chunking_timeline()
+    chunking["behind"] = {k: r["behind"] for k, r in chunking_timeline(behind=32)["schedules"].items()}
+    if args.full:  # bench's
+        admission = admission_trace(256, (100, 1024), 512, (1, 16, 256))
+    else:
+        admission = admission_trace()
+    all_runs = [runs for w in report.values() for runs in w["cache_sizes"].values()]
+    lpm_ratios = [runs["lpm"]["of_optimal"] for runs in all_runs if "lpm" in runs]
+    # top level: the first workload's (generated-shared-prefix by default)
+    first = next(iter(report.values()))
+    lpm_mean = float(np.mean(lpm_ratios)) if lpm_ratios else None
+    summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"],
+                   workloads=report, lpm_of_optimal_mean=lpm_mean, chunking=chunking,
+                   admission=admission, seconds=time.perf_counter() - t0)
+    if args.json:
+        print(json.dumps(summary))
+        return summary
+    print_hit_rates(report, args.full, prefix)
+    print_chunking(chunking)
+    print_admission(admission)
+    if lpm_ratios:
+        print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
+              f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")
+    print(f"({summary['seconds']:.1f} s)")
+    return summary
+
+
+def measure_hit_rates(args, policies) -> dict:
+    """Each workload at three pool sizes under each policy: hit rates, and the optimal one (every prompt cached)."""
+    report = {}
     for name in [args.workload] if args.workload else list(WORKLOADS):
         build, small, full = WORKLOADS[name]
         reqs = build(np.random.default_rng(args.seed), **(full if args.full else small))
@@ -805,37 +936,41 @@ def main(argv=None):
         for p, o, _ in reqs:
             everything.insert(p + o[:-1])
         longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-        total = everything.evictable_size() + args.max_running * longest  # all of it, and room for a full batch
+        # all of it, and room for a full batch
+        total = everything.evictable_size() + args.max_running * longest
         sizes = sorted({max(2 * longest, int(f * total)) for f in (0.1, 0.3, 1.0)})
-        w = report[name] = dict(requests=len(reqs), prompt_tokens=prompt_tokens, optimal_prefill_tokens=c_min,
+        w = report[name] = dict(requests=len(reqs), prompt_tokens=prompt_tokens,
+                                optimal_prefill_tokens=c_min,
                                 optimal_hit_rate=1 - c_min / prompt_tokens, cache_sizes={})
         for size in sizes:
             runs = {p: simulate(reqs, size, p, args.max_running, seed=args.seed) for p in policies}
             for r in runs.values():
                 r["of_optimal"] = r["hit_rate"] / w["optimal_hit_rate"]
             w["cache_sizes"][size] = runs
-        w["hit_rate"] = {p: float(np.mean([runs[p]["hit_rate"] for runs in w["cache_sizes"].values()]))
-                         for p in policies}  # mean over the pool sizes
-    if "generated-shared-prefix" in report:  # pages: a prefix is shared up to its last full page
-        w, build, small, full = report["generated-shared-prefix"], *WORKLOADS["generated-shared-prefix"]
-        kw = full if args.full else small  # a prefix no page divides, as a real document's length
-        reqs = build(np.random.default_rng(args.seed), **{**kw, "prefix": kw.get("prefix", 2048) - 37})
-        w["pages"] = {P: simulate(reqs, max(w["cache_sizes"]), "lpm", args.max_running, page=P)["hit_rate"]
-                      for P in (1, 16, 256)}
-        w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
-    chunking = chunking_timeline()
-    chunking["behind"] = {k: r["behind"] for k, r in chunking_timeline(behind=32)["schedules"].items()}
-    admission = admission_trace(256, (100, 1024), 512, (1, 16, 256)) if args.full else admission_trace()  # bench's
-    aware = [runs["lpm"]["of_optimal"] for w in report.values() for runs in w["cache_sizes"].values() if "lpm" in runs]
-    first = next(iter(report.values()))  # top level: the first workload's (generated-shared-prefix by default)
-    summary = dict(hit_rate=first["hit_rate"], optimal_hit_rate=first["optimal_hit_rate"], workloads=report,
-                   lpm_of_optimal_mean=float(np.mean(aware)) if aware else None, chunking=chunking,
-                   admission=admission, seconds=time.perf_counter() - t0)
-    if args.json:
-        print(json.dumps(summary))
-        return summary
+        rates = {p: [runs[p]["hit_rate"] for runs in w["cache_sizes"].values()] for p in policies}
+        w["hit_rate"] = {p: float(np.mean(rates[p])) for p in policies}  # mean over the pool sizes
+    return report
+
+
+def measure_pages(report, args):
+    """Pages: a prefix is shared up to its last full page. lpm's hit rate at pages of 1, 16, 256
+    tokens on the shared-prefix workload (into report); returns the prefix length it used (None
+    without that workload)."""
+    if "generated-shared-prefix" not in report:
+        return None
+    w, build, small, full = report["generated-shared-prefix"], *WORKLOADS["generated-shared-prefix"]
+    kw = full if args.full else small
+    prefix = kw.get("prefix", 2048) - 37  # a prefix no page divides, as a real document's length
+    reqs = build(np.random.default_rng(args.seed), **{**kw, "prefix": prefix})
+    w["pages"] = {P: simulate(reqs, max(w["cache_sizes"]), "lpm", args.max_running, page=P)["hit_rate"]
+                  for P in (1, 16, 256)}
+    w["pages_optimal"] = 1 - optimal_prefill(reqs) / sum(len(p) for p, _, _ in reqs)
+    return prefix
+
+
+def print_hit_rates(report, full: bool, prefix):
     print("RadixAttention simulation (token ids only; allocator + radix tree, no model)" +
-          (" -- full size" if args.full else " -- scaled-down workloads, --full for SGLang's sizes"))
+          (" -- full size" if full else " -- scaled-down workloads, --full for SGLang's sizes"))
     for name, w in report.items():
         print(f"\n{name}: {w['requests']} requests, {w['prompt_tokens']} prompt tokens, "
               f"optimal prefill {w['optimal_prefill_tokens']} tokens = hit rate {w['optimal_hit_rate']:.1%}")
@@ -843,12 +978,14 @@ def main(argv=None):
               f"{'evicted':>9}{'steps':>7}")
         for size, runs in w["cache_sizes"].items():
             for p, r in runs.items():
-                print(f"  {size:>10}  {p:<11}{r['hit_rate']:>9.1%}{r['of_optimal']:>11.1%}{r['prefill_tokens']:>12}"
-                      f"{r['evicted_tokens']:>9}{r['steps']:>7}")
+                print(f"  {size:>10}  {p:<11}{r['hit_rate']:>9.1%}{r['of_optimal']:>11.1%}"
+                      f"{r['prefill_tokens']:>12}{r['evicted_tokens']:>9}{r['steps']:>7}")
         if "pages" in w:
-            print(f"  pages, lpm, prefix {kw.get('prefix', 2048) - 37}: hit rate " + ", ".join(
-                f"{h:.1%} at page {P}" for P, h in w["pages"].items()) + f" (optimal {w['pages_optimal']:.1%})")
-    c = chunking
+            pages = ", ".join(f"{h:.1%} at page {P}" for P, h in w["pages"].items())
+            print(f"  pages, lpm, prefix {prefix}: hit rate " + pages + f" (optimal {w['pages_optimal']:.1%})")
+
+
+def print_chunking(c):
     print(f"\nChunked prefill: a {c['long_prompt']}-token prompt arrives while {c['decoding']} requests decode "
           f"(--chunk-tokens {c['chunk_tokens']} where chunked; a wait is counted in tokens computed meanwhile)")
     print(f"  {'schedule':<24}{'tokens per step from its arrival':<36}{'longest wait':>13}{'its first token':>16}"
@@ -859,20 +996,19 @@ def main(argv=None):
     print("  Prefill-first stalls every stream for the whole prompt; in chunks, for a chunk (a decode step runs "
           "between two prefill steps); mixed steps give each stream a token every chunk, no step between.")
     print("  One behind it: a 32-token prompt arriving halfway through its first step; chunked, it goes in beside it.")
-    a = admission
+
+
+def print_admission(a):
     print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
           f"of {a['per_seq']} tokens a request; throughput: output tokens per {STEP_COST} tokens' time (a step's cost)"
           f"\n  {'outputs':<12}{'page':>5}  {'admission':<12}{'preemptions':>12}{'peak running':>13}{'recomputed':>11}"
           f"{'steps':>7}{'throughput':>11}")
-    print("\n".join(f"  {w:<12}{page:>5}  {name:<12}{r['preemptions']:>12}{r['peak_running']:>13}"
-                    f"{r['recomputed_tokens']:>11}{r['steps']:>7}{r['throughput']:>11.2f}" for w, by in
-                    a["workloads"].items() for page, runs in by.items() for name, r in runs.items()))
+    rows = (f"  {w:<12}{page:>5}  {name:<12}{r['preemptions']:>12}{r['peak_running']:>13}"
+            f"{r['recomputed_tokens']:>11}{r['steps']:>7}{r['throughput']:>11.2f}"
+            for w, by in a["workloads"].items() for page, runs in by.items()
+            for name, r in runs.items())
+    print("\n".join(rows))
     print("  Fits now fills the pool and preempts; reserve all runs half as many; look ahead runs most, unpreempted.")
-    if aware:
-        print(f"\nlpm reaches {summary['lpm_of_optimal_mean']:.1%} of the optimal hit rate on average over these "
-              f"workloads and pool sizes (SGLang reports ~96% for its cache-aware scheduling).")
-    print(f"({summary['seconds']:.1f} s)")
-    return summary
 
 
 if __name__ == "__main__":

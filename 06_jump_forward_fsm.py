@@ -1,40 +1,44 @@
 r"""
 06_jump_forward_fsm.py -- constrained decoding with a compressed FSM and jump-forward (SGLang).
 
-    python 06_jump_forward_fsm.py          # SGLang's character-profile regex and a Pydantic model, both ways
-    python 06_jump_forward_fsm.py --regex '(yes|no), because [a-z ]{1,40}\.' --prompt "Is water wet?"
-    python 06_jump_forward_fsm.py --bench  # JSON schemas people write: 06 vs xgrammar and llguidance (CPU)
+    python 06_jump_forward_fsm.py          # SGLang's character-profile regex, a Pydantic model
+    python 06_jump_forward_fsm.py --regex '(yes|no), because [a-z ]{1,40}\.' --prompt "Wet?"
+    python 06_jump_forward_fsm.py --bench  # schemas people write: 06 vs xgrammar, llguidance
 
 Make every answer match a regex (or a JSON schema, compiled to one). The SGLang paper's three ways:
-  1. per-token FSM masking (Outlines): regex -> finite-state machine; per state, the tokens that keep it
-     alive; each step masks the logits to them. One forward pass per token even where nothing is left to
-     choose: `", "house": "` costs several passes though the regex fully determines it.
+  1. per-token FSM masking (Outlines): regex -> finite-state machine; per state, the tokens that
+     keep it alive; each step masks the logits to them. One forward pass per token even where
+     nothing is left to choose: `", "house": "` costs several passes though the regex fixes it.
   2. interleaved: the program splits the format by hand into constants (prefilled) and gen() calls.
-  3. compressed FSM + jump-forward (SGLang): merge each chain of singular transitions (one way out) into one
-     edge labelled by its string; on reaching one, append it whole -- many tokens in one forward pass:
+  3. compressed FSM + jump-forward (SGLang): merge each chain of singular transitions (one way out)
+     into one edge labelled by its string; on reaching one, append it whole -- many tokens in one
+     forward pass:
 
         state 7 --"G"--> 8 ====== 'ryffindor", "age": ' ======> 30       compressed edges
                 --"S"--> 9 ====== 'lytherin", "age": ' =======> 30
 
-The tokenization boundary: after `Gryffindor`, appending the jump string `", "age": ` as its own tokens feeds
-the model `"` then `, "` -- a split it never saw in training, where `",` is one token. So SGLang re-tokenizes
-prompt + output + jump string, keeps the longest common token prefix with what the model has seen, and
-recomputes the K/V of the rest in one extend pass. We re-encode output + jump after the fixed prompt ids
-(the chat template ends at a special token, so the two agree; SGLang bails out when they "fuse"). KV: 01's
-contiguous cache plus `truncate`; the engine reuses the prefix through 05's radix cache instead. Masking
-alone drifts too: made to spell `"blood status"`, a small model picks fragments (`b`, `l`, `oo`, `d`, ...),
-emitting far more tokens than the tokenizer would for the same text; the report prints both counts.
+The tokenization boundary: after `Gryffindor`, appending the jump string `", "age": ` as its own
+tokens feeds the model `"` then `, "` -- a split it never saw in training, where `",` is one token.
+So SGLang re-tokenizes prompt + output + jump string, keeps the longest common token prefix with
+what the model has seen, and recomputes the K/V of the rest in one extend pass. We re-encode
+output + jump after the fixed prompt ids (the chat template ends at a special token, so the two
+agree; SGLang bails out when they "fuse"). KV: 01's contiguous cache plus `truncate`; the engine
+reuses the prefix through 05's radix cache instead. Masking alone drifts too: made to spell
+`"blood status"`, a small model picks fragments (`b`, `l`, `oo`, `d`, ...), emitting far more
+tokens than the tokenizer would for the same text; the report prints both counts.
 
-    regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --tokenizer bytes, trim--> TokenIndex
-    "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    table (n_states, 256) int32, -1 = dead    masks, jumps
+    regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --token bytes--> TokenIndex
+    "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    (n_states, 256) int32, -1 = dead   masks
 
-Read in order: the token index and the compressed FSM, then jump-forward decoding; then the machinery they
-stand on, each part under its heading with its why (regex -> byte DFA, JSON schema -> regex); the demo last.
+Read in order: the token index and the compressed FSM, then jump-forward decoding; then the
+machinery they stand on, each part under its heading with its why (regex -> byte DFA, JSON schema
+-> regex); the demo last.
 
-References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs" (2024) and the LMSYS
-blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine" (2024); Willard & Louf, "Efficient
-Guided Generation for LLMs" (Outlines, 2023); Thompson (1968); Russ Cox, "Regular Expression Matching Can Be Simple
-And Fast"; Rust regex-syntax's utf8.rs; interegular, the regex parser Outlines and SGLang used.
+References: Zheng et al., "SGLang: Efficient Execution of Structured Language Model Programs"
+(2024) and the LMSYS blog "Fast JSON Decoding for Local LLMs with Compressed Finite State Machine"
+(2024); Willard & Louf, "Efficient Guided Generation for LLMs" (Outlines, 2023); Thompson (1968);
+Russ Cox, "Regular Expression Matching Can Be Simple And Fast"; Rust regex-syntax's utf8.rs;
+interegular, the regex parser Outlines and SGLang used.
 """
 import argparse
 import contextlib
@@ -55,15 +59,15 @@ from fractions import Fraction
 import numpy as np
 import torch
 
-K01 = importlib.import_module("01_kv_cache")
+L01 = importlib.import_module("01_kv_cache")
 
 
-# ======== THE IDEA, 1: a token index over the regex's DFA, and the compressed FSM ==================
+# ======== THE IDEA, 1: a token index over the regex's DFA, and the compressed FSM ================
 
 @dataclass
 class TokenTrie:
-    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's children
-    are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
+    """Every non-special token's bytes as a trie, nodes sorted by (length, bytes) so that node k's
+    children are the contiguous nodes first[k]:first[k + 1]. Node 0 is the root."""
     first: np.ndarray     # (n_nodes + 1,) offsets of each node's children
     byte: np.ndarray      # (n_nodes,) byte on the edge into each node
     token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
@@ -81,7 +85,8 @@ def token_trie(tok) -> TokenTrie:
             vocab.append(b"")
     prefixes = sorted({b[:k] for b in vocab for k in range(len(b) + 1)}, key=lambda b: (len(b), b))
     node = {p: i for i, p in enumerate(prefixes)}
-    parent = np.array([node[p[:-1]] for p in prefixes[1:]])  # non-decreasing: siblings are contiguous
+    # non-decreasing: siblings are contiguous
+    parent = np.array([node[p[:-1]] for p in prefixes[1:]])
     token_at = np.full(len(prefixes), -1, np.int32)
     token_at[[node[b] for b in vocab if b]] = [i for i, b in enumerate(vocab) if b]
     alphabet = np.zeros(256, bool)
@@ -92,12 +97,14 @@ def token_trie(tok) -> TokenTrie:
 
 
 class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed bitmask (n_states,
-    vocab / 8); EOS only in accepting states, no other special token ever. Built once per (regex, tokenizer) by
-    walking the token trie alongside the DFA, breadth-first, a chunk of start states at once, keeping only the
-    (state, node) pairs still alive. The DFA first keeps only bytes that are one-byte tokens (a vocabulary may lack
-    some), then only states that can still accept: a live byte path is then a token path, so decoding never reaches
-    a state with no allowed token unless it may stop. Also holds the compressed FSM: jump(state) -> forced string."""
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed
+    bitmask (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built
+    once per (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, a chunk
+    of start states at once, keeping only the (state, node) pairs still alive. The DFA first keeps
+    only bytes that are one-byte tokens (a vocabulary may lack some), then only states that can
+    still accept: a live byte path is then a token path, so decoding never reaches a state with no
+    allowed token unless it may stop. Also holds the compressed FSM: jump(state) -> forced
+    string."""
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
@@ -107,21 +114,27 @@ class TokenIndex:
         self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
         if not dfa.accept.any():
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
-        self.dist = _to_accept(dfa).astype(np.int16)  # bytes (one-byte tokens) from each state to the nearest accept
-        masks, self.worst = [], np.zeros(len(dfa.table), np.int16)  # worst: the most any allowed token needs
+        self.dist = _to_accept(dfa).astype(np.int16)  # one-byte tokens to the nearest accept
+        # per state, worst: the most an allowed token needs; least: the least one but EOS needs
+        # (0: none)
+        masks, (self.worst, self.least) = [], np.zeros((2, len(dfa.table)), np.int16)
         for c0 in range(0, len(dfa.table), chunk):
             need = self.needs(np.arange(c0, min(len(dfa.table), c0 + chunk)))
             assert need.any(1).all(), "a live state without an allowed token"
             masks.append(np.packbits(need > 0, axis=1))
             self.worst[c0:c0 + chunk] = need.max(1)
+            need[:, self.eos] = 0
+            self.least[c0:c0 + chunk] = np.ma.masked_equal(need, 0).min(1).filled(0)
         self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
-        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept  # one byte out, and EOS not allowed
+        # forced: one byte out, and EOS not allowed
+        self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept
         self.jumps, self.build_s = {}, time.perf_counter() - t0
 
     def needs(self, states) -> np.ndarray:
-        """(len(states), vocab) int16: per state, each token that keeps the DFA alive needs 1 + the bytes from where
-        it leads to the nearest accepting state (EOS: 1 where accepting); 0: not allowed. The token trie is walked
-        alongside the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples still alive."""
+        """(len(states), vocab) int16: per state, each token that keeps the DFA alive needs 1 + the
+        bytes from where it leads to the nearest accepting state (EOS: 1 where accepting); 0: not
+        allowed. The token trie is walked alongside the DFA, breadth-first, keeping only the (start,
+        DFA state, trie node) triples still alive."""
         trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
         state = np.asarray(states, np.int32)
         owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
@@ -137,19 +150,32 @@ class TokenIndex:
         return need
 
     def allowed(self, state: int, budget=math.inf) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one included) and room for
-        a shortest completion in one-byte tokens, only the tokens after which it still fits: from there on the
-        answer ends within max_tokens (where it has no such room yet, every token, as without a budget)."""
+        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one
+        included) and room for a shortest completion in one-byte tokens, only the tokens after which
+        it still fits: from there on the answer ends within max_tokens (where it has no such room
+        yet, every token, as without a budget)."""
         if not self.dist[state] <= budget < self.worst[state]:
             return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
         need = self.needs([state])[0]
         return torch.from_numpy((need > 0) & (need <= budget))
 
+    def finish(self, state: int, room=math.inf):
+        """Whether decoding ends in `state` with `room` tokens left, before asking the model (the
+        lesson's loop and the engine's Seq both ask here). "stop": EOS is the only token that
+        allowed(state, room) holds, or no room is left where the regex may end; "length": none is
+        left before it may. None: go on, and allowed(state, room) holds a token (the first of a
+        shortest completion that fits, or EOS)."""
+        # a jump-forward may fill the room exactly: allowed(state, 0) is empty, EOS included
+        if room < 1:
+            return "stop" if self.dfa.accept[state] else "length"
+        return "stop" if self.dfa.accept[state] and not 0 < self.least[state] <= room else None
+
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
 
     def jump(self, state: int) -> bytes:
-        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if none)."""
+        """The compressed edge from `state`: its maximal chain of singular transitions (b"" if
+        none)."""
         if state not in self.jumps:
             out, s = bytearray(), state
             while self.forced[s]:
@@ -159,35 +185,41 @@ class TokenIndex:
         return self.jumps[state]
 
     def jump_forward(self, state: int, text: bytes, output: list, tok, limit=math.inf) -> tuple:
-        """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced string (whole
-        characters), re-tokenize the text, keep the longest common token prefix with `output` (the rest's K/V is
-        recomputed). -> (state, text, output, tokens kept), unchanged if nothing is forced, or the new output
-        would pass `limit` tokens or lose the room a shortest completion had (then the model writes it itself)."""
+        """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced
+        string (whole characters), re-tokenize the text, keep the longest common token prefix with
+        `output` (the rest's K/V is recomputed). -> (state, text, output, tokens kept), unchanged if
+        nothing is forced, or the new output would pass `limit` tokens or lose the room a shortest
+        completion had (then the model writes it itself)."""
         jump = text + self.jump(state)
         jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
         new, end = tok.encode((text + jump).decode()) if jump else [], self.dfa.walk(state, jump)
-        fits = lambda n, s: n + self.dist[s] <= limit  # room for a shortest completion (see allowed)
+        # room for a shortest completion (see allowed)
+        fits = lambda n, s: n + self.dist[s] <= limit
         if not jump or len(new) > limit or fits(len(output), state) and not fits(len(new), end):
             return state, text, output, len(output)
         return end, text + jump, new, len(os.path.commonprefix([output, new]))
 
     def compressed_edges(self) -> dict:
-        """{head state: jump string} for every maximal chain (heads: the start, or entered by a choice, if forced)."""
-        heads = np.union1d(0, self.dfa.table[~self.forced])  # a state may also lie inside another's chain
+        """{head state: jump string} for every maximal chain (heads: the start, or entered by a
+        choice, if forced)."""
+        # a state may also lie inside another's chain
+        heads = np.union1d(0, self.dfa.table[~self.forced])
         return {int(s): self.jump(int(s)) for s in heads if s >= 0 and self.forced[s]}
 
 
 # ======== THE IDEA, 2: jump-forward decoding ====================================================
 
 def sample(logits, temperature: float, top_p: float, generator=None):
-    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest nucleus >= top_p.
-    A mask is logits set to -inf before this: those tokens get probability 0 (the model file samples with it too)."""
+    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest
+    nucleus >= top_p. A mask is logits set to -inf before this: those tokens get probability 0 (the
+    model file samples with it too)."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         p_sorted, idx = probs.sort(-1, descending=True)
-        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p  # tokens once the mass before them reaches top_p
+        # drop: the tokens once the mass before them reaches top_p
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
         drop[:, 0] = False  # but never the likeliest (a top_p under float32's least is 0 there)
         p_sorted[drop] = 0
         probs = torch.zeros_like(probs).scatter_(-1, idx, p_sorted)
@@ -196,41 +228,46 @@ def sample(logits, temperature: float, top_p: float, generator=None):
 
 def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_tokens=256, jump_forward=True,
                        temperature=0.0, seed=0) -> dict:
-    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged since
-    its previous call (their K/V can be reused). Returns output ids, text and the forward passes taken."""
+    """logits_fn(ids, keep) -> next-token logits (vocab,) after ids, where ids[:keep] are unchanged
+    since its previous call (their K/V can be reused). Returns output ids, text, finished (False:
+    cut short by max_new_tokens before the regex matched, finish "length") and the forward passes
+    taken."""
     gen = torch.Generator().manual_seed(seed)
     ids, n0, keep, state, text = list(prompt_ids), len(prompt_ids), 0, 0, b""
     stats = dict(forward_passes=0, tokens_computed=0, jumps=0, jumped_bytes=0)
-    t0, finished = time.perf_counter(), False
+    t0 = time.perf_counter()
     while len(ids) - n0 < max_new_tokens:
         jumped = index.jump_forward(state, text, ids[n0:], tok, max_new_tokens) if jump_forward else (state, text)
-        if jumped[1] != text:  # the forced string appended, re-tokenized: the common token prefix's K/V is kept
+        # the forced string appended, re-tokenized: the common token prefix's K/V is kept
+        if jumped[1] != text:
             stats["jumps"] += 1
             stats["jumped_bytes"] += len(jumped[1]) - len(text)
             state, text, out, kept = jumped
             ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)
-        allowed = index.allowed(state, max_new_tokens - (len(ids) - n0))  # room left: closes in time
-        if allowed[index.eos] and allowed.sum() == 1:  # nothing left to choose: done, no model call
-            finished = True
+        room = max_new_tokens - (len(ids) - n0)  # tokens left: the answer closes in time
+        if index.finish(state, room):  # nothing left to choose, or no room: done, no model call
             break
+        allowed = index.allowed(state, room)
         logits = logits_fn(ids, keep)  # (vocab,)
         stats["forward_passes"] += 1
         stats["tokens_computed"] += len(ids) - keep
         keep = len(ids)
-        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)  # the model may pad its vocab
+        # the model may pad its vocab
+        ok = torch.zeros(len(logits), dtype=torch.bool, device=logits.device)
         ok[:len(allowed)] = allowed
         t = int(sample(logits.masked_fill(~ok, float("-inf"))[None], temperature, 1.0, gen)[0])
-        if t == index.eos:
-            finished = True
+        if t == index.eos:  # allowed only where the regex may end
             break
         ids.append(t)
         text, state = text + tok.token_bytes(t), index.step(state, t)
-    return dict(ids=ids[n0:], text=text.decode("utf-8", "replace"), finished=finished or bool(index.dfa.accept[state]),
-                seconds=time.perf_counter() - t0, **stats)
+    text, finished = text.decode("utf-8", "replace"), bool(index.dfa.accept[state])
+    seconds = time.perf_counter() - t0
+    return dict(ids=ids[n0:], text=text, finished=finished, seconds=seconds, **stats)
 
 
-class RollbackCache(K01.ContiguousKVCache):
-    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last tokens."""
+class RollbackCache(L01.ContiguousKVCache):
+    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last
+    tokens."""
 
     def truncate(self, seq_id, n):
         row = self.rows[seq_id]
@@ -239,7 +276,8 @@ class RollbackCache(K01.ContiguousKVCache):
 
 
 def model_logits_fn(model, max_seq_len=2048):
-    """A logits_fn for constrained_decode running the model through RollbackCache: computes ids[keep:] only."""
+    """A logits_fn for constrained_decode running the model through RollbackCache: computes
+    ids[keep:] only."""
     kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
     device = model.tok_embeddings.weight.device
 
@@ -252,16 +290,18 @@ def model_logits_fn(model, max_seq_len=2048):
     return logits_fn
 
 
-# ======== THE MACHINERY, 1: regex -> byte DFA (hand-written: the automaton IS the lesson) ==========
-# Why bytes: BPE tokens are byte strings, and some are not valid UTF-8 alone (pieces of emoji, CJK); a byte DFA
-# walks every token alike. Classes are sorted code-point ranges (never 1.1M-entry tables) that Thompson compiles
-# to UTF-8 byte-range sequences (RE2's split), so the table is 256 wide. Syntax: literals, escapes, [classes]
-# with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy forms), |, (...), (?:...). \w \d \s are ASCII
-# (re.ASCII), as in interegular (Unicode \w puts hundreds of mid-character states in each repetition of
-# `[\w]{1,16}`); the rest is Unicode. Subset construction can blow up: past MAX_DFA_STATES states or
-# COMPILE_BUDGET_S seconds a regex is refused. Three more groups, beyond Python's: (?&A|B) matches what both A and
-# B match, (?~A) every UTF-8 string A does not: a DFA is closed under intersection and complement (below); (?,A)
-# the strings that ", " + them A matches: a list (, x)* without its first ", ", x written once, not twice.
+# ======== THE MACHINERY, 1: regex -> byte DFA (hand-written: the automaton IS the lesson) ========
+# Why bytes: BPE tokens are byte strings, and some are not valid UTF-8 alone (pieces of emoji, CJK);
+# a byte DFA walks every token alike. Classes are sorted code-point ranges (never 1.1M-entry tables)
+# that Thompson compiles to UTF-8 byte-range sequences (RE2's split), so the table is 256 wide.
+# Syntax: literals, escapes, [classes] with ranges and ^, `.`, * + ? {m} {m,} {,n} {m,n} (and lazy
+# forms), |, (...), (?:...). \w \d \s are ASCII (re.ASCII), as in interegular (Unicode \w puts
+# hundreds of mid-character states in each repetition of `[\w]{1,16}`); the rest is Unicode. Subset
+# construction can blow up: past MAX_DFA_STATES states or COMPILE_BUDGET_S seconds a regex is
+# refused. Three more groups, beyond Python's: (?&A|B) matches what both A and B match, (?~A) every
+# UTF-8 string A does not: a DFA is closed under intersection and complement (below); (?,A) the
+# strings that ", " + them A matches: a list (, x)* without its first ", ", x written once, not
+# twice.
 
 MAX_CHAR = 0x10FFFF
 ASCII_CLASSES = {"d": ((48, 57),), "w": ((48, 57), (65, 90), (95, 95), (97, 122)), "s": ((9, 13), (32, 32))}
@@ -281,10 +321,11 @@ def _negate(ranges):
 
 
 class _Parser:
-    r"""Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*.
-    AST: ("set", ranges) | ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None). schema=True: a
-    JSON-schema pattern, read by validators with Unicode \d \w \s; our ASCII ones are subsets, but their
-    complements (\D, [^\d], ...) supersets that would let through what a validator rejects: refused."""
+    r"""Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*. AST: ("set", ranges) |
+    ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None). schema=True: a JSON-schema
+    pattern, read by validators with Unicode \d \w \s; our ASCII ones are subsets, but their
+    complements (\D, [^\d], ...) supersets that would let through what a validator rejects:
+    refused."""
 
     def __init__(self, pattern: str, schema=False):
         self.p, self.i, self.schema, self.negated = pattern, 0, schema, False
@@ -301,7 +342,8 @@ class _Parser:
 
     def parse(self):
         node = self.alt()
-        return node if self.i == len(self.p) else self.error("unbalanced parenthesis")  # only ')' stops alt()
+        # only ')' stops alt()
+        return node if self.i == len(self.p) else self.error("unbalanced parenthesis")
 
     def alt(self):
         branches = [self.cat()]
@@ -323,7 +365,8 @@ class _Parser:
         return ("cat", tuple(items))  # tuples: a node is hashable, its DFA cached (_group_dfa)
 
     def quantifier(self, peek=False):
-        """-> (lo, hi or None), consumed unless peek, or None. A `{` that is no quantifier is a literal."""
+        """-> (lo, hi or None), consumed unless peek, or None. A `{` that is no quantifier is a
+        literal."""
         m = re.compile(r"([*+?])|\{([0-9]*)(,?)([0-9]*)\}").match(self.p, self.i)
         if not m or m[0] == "{}":
             return None
@@ -362,7 +405,8 @@ class _Parser:
         return ("set", self.charclass() if c == "[" else self.escape(False) if c == "\\" else ((ord(c), ord(c)),))
 
     def escape(self, in_class):
-        r"""After a backslash: \d \w \s (ASCII) and complements, \n \t ..., \xhh \uhhhh \Uhhhhhhhh, punctuation."""
+        r"""After a backslash: \d \w \s (ASCII) and complements, \n \t ..., \xhh \uhhhh \Uhhhhhhhh,
+        punctuation."""
         if self.i >= len(self.p):
             self.error("trailing backslash")
         c = self.take()
@@ -408,9 +452,10 @@ class _Parser:
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
 
 def _split(lo: tuple, hi: tuple, low: int, high: int) -> list:
-    """Equal-length digit sequences lo <= hi, digits low..high -> sequences of digit ranges ((a0, b0), (a1, b1), ...)
-    matching exactly the sequences from lo to hi: fix the first digit while lo and hi share it, else split off
-    lo's block, the whole blocks between, and hi's. Decimal ranges (_digits) and UTF-8's base-64 tails alike."""
+    """Equal-length digit sequences lo <= hi, digits low..high -> sequences of digit ranges ((a0,
+    b0), (a1, b1), ...) matching exactly the sequences from lo to hi: fix the first digit while lo
+    and hi share it, else split off lo's block, the whole blocks between, and hi's. Decimal ranges
+    (_digits) and UTF-8's base-64 tails alike."""
     n = len(lo) - 1
     if lo[1:] == (low,) * n and hi[1:] == (high,) * n:  # one whole block (or a single digit)
         return [((lo[0], hi[0]),) + ((low, high),) * n]
@@ -423,8 +468,9 @@ def _split(lo: tuple, hi: tuple, low: int, high: int) -> list:
 
 @functools.lru_cache(maxsize=4096)
 def utf8_ranges(lo, hi):
-    """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching exactly their
-    UTF-8 encodings: per encoded length (surrogates skipped), _split over continuation bytes 0x80..0xBF."""
+    """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching
+    exactly their UTF-8 encodings: per encoded length (surrogates skipped), _split over continuation
+    bytes 0x80..0xBF."""
     spans = ((max(lo, a), min(hi, b)) for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF),
                                                    (0x10000, MAX_CHAR)))
     return [seq for a, b in spans if a <= b for seq in _split(*(tuple(chr(c).encode()) for c in (a, b)), 0x80, 0xBF)]
@@ -441,7 +487,7 @@ class _NFA:
     def build(self, node):
         """Thompson construction -> (start, end) of node's fragment."""
         kind, s = node[0], self.state()
-        _spend(len(self.eps) // 16)  # what a large NFA costs after the last check (determinizing, freeing it)
+        _spend(len(self.eps) // 16)  # a large NFA's cost after the last check (determinize, free)
         if kind == "tail":  # (?,A): A's fragment, entered where ", " leads from its start
             a, end = self.build(node[1])
             now = _reach(self.eps, [a])
@@ -449,13 +495,14 @@ class _NFA:
                 now = _reach(self.eps, {t for q in now for lo, hi, t in self.edges[q] if lo <= byte <= hi})
             self.eps[s] += sorted(now)
             return s, end
-        if kind in ("and", "not"):  # determinize the parts on their own, combine them pairwise, embed the result
+        # determinize the parts on their own, combine them pairwise, embed the result
+        if kind in ("and", "not"):
             d = _group_dfa(node)
             base, end = len(self.eps), [self.state() for _ in range(len(d.table) + 1)][-1]
             self.eps[s].append(base)
-            t = d.table
-            q, a = np.nonzero(np.concatenate([np.ones((len(t), 1), bool), t[:, 1:] != t[:, :-1]], 1))  # runs of
-            b = np.append(a[1:], 256)  # one target: (state, first byte), up to the next run's first byte
+            t = d.table  # runs of one target: (state, first byte), up to the next run's first byte
+            q, a = np.nonzero(np.concatenate([np.ones((len(t), 1), bool), t[:, 1:] != t[:, :-1]], 1))
+            b = np.append(a[1:], 256)
             b[np.append(q[1:] != q[:-1], True)] = 256
             for q, a, b, target in zip(*(x.tolist() for x in (q, a, b, t[q, a]))):
                 if target >= 0:
@@ -466,7 +513,8 @@ class _NFA:
         if kind == "set":
             tails = {(): self.state()}  # one state per distinct remaining byte-range suffix, shared
             for seq in (seq for lo, hi in node[1] for seq in utf8_ranges(lo, hi)):
-                for k in range(len(seq) - 1, 0, -1):  # its proper suffixes, shortest first (no closure: no cycle)
+                # its proper suffixes, shortest first (no closure: no cycle)
+                for k in range(len(seq) - 1, 0, -1):
                     if seq[k:] not in tails:
                         tails[seq[k:]] = self.state()
                         self.edges[tails[seq[k:]]].append((*seq[k], tails[seq[k + 1:]]))
@@ -498,7 +546,8 @@ class _NFA:
 
 
 def _reach(adj, seeds) -> set:
-    """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live states)."""
+    """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live
+    states)."""
     seen, todo = set(seeds), list(seeds)
     while todo:
         for t in adj[todo.pop()]:
@@ -508,18 +557,20 @@ def _reach(adj, seeds) -> set:
     return seen
 
 
-MAX_DFA_STATES = 20_000  # far above what the lessons build; a hostile pattern is refused in seconds, not hours
+# far above what the lessons build; a hostile pattern is refused in seconds, not hours
+MAX_DFA_STATES = 20_000
 COMPILE_BUDGET_S = 1.0   # every regex or schema compiles, or is refused, within this
 _deadline = [math.inf]   # perf_counter() past which the compile under way is refused
 
 
 @contextlib.contextmanager
 def budget():
-    """Compiles inside share one deadline (a schema's, with its regexes'), a fifth early: what runs between two
-    checks (trimming, embedding a DFA) fits in the rest."""
+    """Compiles inside share one deadline (a schema's, with its regexes'), a fifth early: what runs
+    between two checks (trimming, embedding a DFA) fits in the rest."""
     outer, _deadline[0] = _deadline[0], min(_deadline[0], time.perf_counter() + 0.8 * COMPILE_BUDGET_S)
     collect = gc.isenabled()
-    gc.disable()  # a compile makes millions of small lists, none in a cycle: collecting them costs a third of its time
+    # a compile makes millions of small lists, none in a cycle: collecting costs a third of its time
+    gc.disable()
     try:
         yield
     finally:
@@ -528,16 +579,19 @@ def budget():
 
 
 def _spend(n_states):
-    if n_states > MAX_DFA_STATES or time.perf_counter() + 1e-5 * n_states > _deadline[0]:  # trimming them: ~10 us each
+    # trimming them: ~10 us each
+    if n_states > MAX_DFA_STATES or time.perf_counter() + 1e-5 * n_states > _deadline[0]:
         raise ValueError(f"regex too complex: its automaton passes {MAX_DFA_STATES:,} states or {COMPILE_BUDGET_S} s "
                          f"(nested repeats of alternatives that overlap multiply them); simplify the pattern")
 
 
 def _determinize(nfa, start, accept):
-    """Subset construction; each DFA state's bytes split into intervals with the same NFA targets. Subsets can
-    be exponentially many (nested repeats of overlapping alternatives): past the budget the regex is refused."""
-    keep = lambda raw: frozenset(q for q in _reach(nfa.eps, raw) if nfa.edges[q] or q == accept)  # the states that
-    sets, closed = [keep([start])], {}  # matter (fewer DFA states); closed: the closures of targets seen
+    """Subset construction; each DFA state's bytes split into intervals with the same NFA targets.
+    Subsets can be exponentially many (nested repeats of overlapping alternatives): past the budget
+    the regex is refused."""
+    # keep: the states that matter (fewer DFA states); closed: the closures of targets seen
+    keep = lambda raw: frozenset(q for q in _reach(nfa.eps, raw) if nfa.edges[q] or q == accept)
+    sets, closed = [keep([start])], {}
     ids, rows = {sets[0]: 0}, []
     while len(rows) < len(sets):
         edges = [e for s in sets[len(rows)] for e in nfa.edges[s]]
@@ -569,7 +623,8 @@ def _graph(table) -> tuple:
 
 
 def _to_accept(dfa) -> np.ndarray:
-    """Bytes from each state to the nearest accepting one: breadth-first from those over reversed edges."""
+    """Bytes from each state to the nearest accepting one: breadth-first from those over reversed
+    edges."""
     pred, dist = _graph(dfa.table)[1], np.where(dfa.accept, 0, -1)
     todo = np.flatnonzero(dfa.accept).tolist()
     for s in todo:  # grows while read: a queue
@@ -581,7 +636,8 @@ def _to_accept(dfa) -> np.ndarray:
 
 
 def _trim(table, accept):
-    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become -1."""
+    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become
+    -1."""
     succ, pred = _graph(table)
     live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
     if 0 not in live:
@@ -595,7 +651,8 @@ def _trim(table, accept):
 
 @dataclass
 class DFA:
-    """Byte-level DFA: table (n_states, 256) int32 = next state or -1 (dead); accept (n_states,); start 0."""
+    """Byte-level DFA: table (n_states, 256) int32 = next state or -1 (dead); accept (n_states,);
+    start 0."""
     table: np.ndarray
     accept: np.ndarray
 
@@ -610,8 +667,9 @@ class DFA:
 
 
 def _product(a: DFA, b: DFA, keep) -> DFA:
-    """The product construction: run a and b side by side, one state per pair (b's -1: dead), accepting where
-    keep(a accepts, b accepts): and-ed for A and B, a & ~b for A and not B. Both need a alive, so a dead a stops."""
+    """The product construction: run a and b side by side, one state per pair (b's -1: dead),
+    accepting where keep(a accepts, b accepts): and-ed for A and B, a & ~b for A and not B. Both
+    need a alive, so a dead a stops."""
     pairs, ids, rows, nb = [(0, 0)], {1: 0}, [], len(b.table) + 1
     while len(rows) < len(pairs):
         _spend(len(pairs))
@@ -629,7 +687,8 @@ def _product(a: DFA, b: DFA, keep) -> DFA:
 
 
 @functools.lru_cache(maxsize=1024)  # a schema repeats them: each object's other keys, each pattern
-def _group_dfa(node) -> DFA:  # (?&A|B): A's and B's DFAs, and-ed pairwise; (?~A): every UTF-8 string but A's
+def _group_dfa(node) -> DFA:
+    """(?&A|B): A's and B's DFAs, and-ed pairwise; (?~A): every UTF-8 string but A's."""
     return (functools.reduce(lambda a, b: _product(a, b, np.logical_and), map(_to_dfa, node[1])) if node[0] == "and"
             else _product(_group_dfa(("and", (ANY_UTF8,))), _to_dfa(node[1]), lambda a, b: a & ~b))
 
@@ -639,15 +698,18 @@ def _to_dfa(node) -> DFA:
     return DFA(*_trim(*_determinize(nfa, *nfa.build(node))))
 
 
-ANY_UTF8 = ("rep", ("set", ((0, MAX_CHAR),)), 0, None)  # every UTF-8 string: what (?~A) complements within
+# every UTF-8 string: what (?~A) complements within
+ANY_UTF8 = ("rep", ("set", ((0, MAX_CHAR),)), 0, None)
 
 
 class SchemaRegex(str):
-    """A regex the schema compiler wrote: the one kind whose text may use 06's own groups (?&...) (?~...) (?,...)."""
+    """A regex the schema compiler wrote: the one kind whose text may use 06's own groups (?&...)
+    (?~...) (?,...)."""
 
 
 def compile_regex(pattern: str) -> DFA:
-    """A user's regex in Python's syntax (what re.compile refuses is refused), or a SchemaRegex, -> its DFA."""
+    """A user's regex in Python's syntax (what re.compile refuses is refused), or a SchemaRegex, ->
+    its DFA."""
     if not isinstance(pattern, SchemaRegex):
         why = None if pattern else "empty (it allows only an empty answer)"
         try:
@@ -666,40 +728,52 @@ def _compile(pattern: str) -> DFA:
 
 
 # ======== THE MACHINERY, 2: JSON schema -> regex ================================================
-# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys, strings as
-# ensure_ascii=False writes them), properties in schema order: keys, quotes and separators become jump strings.
-# Exact or refused: the KEYWORDS of each type, COMBINATORS (not and oneOf on DFAs), FORMATS; bounded numbers are
-# written as plain decimals. UNSUPPORTED keywords are refused by name; any other keyword is an annotation, which
-# validators ignore (title, $comment, x-..., formats they do not check). Where a subset is written (see approximate()),
-# the parts a `not` complements are refused. Optional properties cost jump-forward: where the member before one ends,
-# the FSM holds a choice (`, "key": `, the next key or `}`) only the model can make, where a required key is jumped.
+# A fixed whitespace policy, json.dumps' layout (one line, ", " between items, ": " after keys,
+# strings as ensure_ascii=False writes them), properties in schema order: keys, quotes and
+# separators become jump strings. Exact or refused: the KEYWORDS of each type, COMBINATORS (not and
+# oneOf on DFAs), FORMATS; bounded numbers are written as plain decimals. UNSUPPORTED keywords are
+# refused by name; any other keyword is an annotation, which validators ignore (title, $comment,
+# x-..., formats they do not check). Where a subset is written (see approximate()), the parts a
+# `not` complements are refused. Optional properties cost jump-forward: where the member before one
+# ends, the FSM holds a choice (`, "key": `, the next key or `}`) only the model can make, where a
+# required key is jumped.
 
 _HEX = "[0-9a-fA-F]"
-STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'  # as json.dumps writes one: one text
-INTEGER = r"(?:0|-?[1-9][0-9]{0,15})"  # digits bounded, so a rambling model still ends; no -0 (one text each)
+# a string's character as json.dumps writes one: one text
+STRING_CHAR = r'(?:[^"\\\x00-\x1f]|\\["\\bfnrt]|\\u00(?:0[0-7bef]|1[0-9a-f]))'
+# digits bounded, so a rambling model still ends; no -0 (one text each)
+INTEGER = r"(?:0|-?[1-9][0-9]{0,15})"
 INT_LIMIT = 10**16 - 1                 # the largest INTEGER matches
 NUMBER = r"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,16})?(?:[eE][+-]?[0-9]{1,3})?"
 _YEAR, _LEAP = r"(?:[0-9]{3}[1-9]|[0-9]{2}[1-9]0|[0-9][1-9]00|[1-9]000)", r"(?:0[48]|[2468][048]|[13579][26])"
+# a real calendar day, year 0001-9999 (date.fromisoformat)
 DATE = (rf"(?:{_YEAR}-(?:(?:0[1-9]|1[0-2])-(?:0[1-9]|1[0-9]|2[0-8])|(?:0[13-9]|1[0-2])-(?:29|30)|(?:0[13578]|1[02])-31)"
-        rf"|(?:[0-9]{{2}}{_LEAP}|{_LEAP}00)-02-29)")  # a real calendar day, year 0001-9999 (date.fromisoformat)
+        rf"|(?:[0-9]{{2}}{_LEAP}|{_LEAP}00)-02-29)")
 TIME = r"(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]+)?(?:Z|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
-FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",  # what jsonschema's FormatChecker
-           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"   # accepts (uuid: its usual form)
+# what jsonschema's FormatChecker accepts (uuid: its usual form; date-time: T and Z upper case)
+FORMATS = {"uuid": f"{_HEX}{{8}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{4}}-{_HEX}{{12}}",
+           "ipv4": r"(?:(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\.){3}"
                    r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])", "date": DATE, "time": TIME,
-           "date-time": DATE + "T" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}  # T, Z upper case
-_PCHAR, _NC = (rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={c}]|%{_HEX}{{2}})" for c in (":@", "@"))  # RFC 3986's (a subset)
+           "date-time": DATE + "T" + TIME, "email": r'[^"\\\x00-\x1f]*@[^"\\\x00-\x1f]*'}
+# RFC 3986's (a subset)
+_PCHAR, _NC = (rf"(?:[A-Za-z0-9\-._~!$&'()*+,;={c}]|%{_HEX}{{2}})" for c in (":@", "@"))
 _REF = lambda first: (rf"(?://(?:[A-Za-z0-9\-._~!$&'()*+,;=]|%{_HEX}{{2}})*(?::[0-9]*)?(?:/{_PCHAR}*)*|/(?:{_PCHAR}+"
                       rf"(?:/{_PCHAR}*)*)?|{first}+(?:/{_PCHAR}*)*)?(?:\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?")
-FORMATS["uri"] = r"[a-zA-Z][a-zA-Z0-9+.\-]*:" + _REF(_PCHAR)  # scheme:, then path, ?query, #fragment
-FORMATS.update({"idn-email": FORMATS["email"], "regex": "[A-Za-z0-9 _-]*", "uri-reference": f"(?:{FORMATS['uri']}|"
-                f"{_REF(_NC)})"}, **dict.fromkeys(("iri", "iri-reference"), FORMATS["uri"]))  # relative: no ':' in 1st
+# scheme:, then path, ?query, #fragment
+FORMATS["uri"] = r"[a-zA-Z][a-zA-Z0-9+.\-]*:" + _REF(_PCHAR)
+# a relative reference: no ':' in its first segment
+_URI_REF = f"(?:{FORMATS['uri']}|{_REF(_NC)})"
+FORMATS.update({"idn-email": FORMATS["email"], "regex": "[A-Za-z0-9 _-]*", "uri-reference": _URI_REF},
+               **dict.fromkeys(("iri", "iri-reference"), FORMATS["uri"]))
 UNEXACT_FORMATS = {"hostname", "idn-hostname", "ipv6", "uri-template", "json-pointer", "relative-json-pointer",
                    "duration", "color"}  # checked by some validators, no regex here
+# they change which documents are valid; this compiler cannot say how (but NO_OPS' values)
 UNSUPPORTED = {"contains", "minContains", "maxContains", "unevaluatedItems", "unevaluatedProperties",
-               "propertyNames", "$dynamicRef", "$recursiveRef", "extends", "disallow", "divisibleBy"}  # they change
-NO_OPS = {"propertyNames": {}}  # which documents are valid; this compiler cannot say how (but these)
+               "propertyNames", "$dynamicRef", "$recursiveRef", "extends", "disallow", "divisibleBy"}
+NO_OPS = {"propertyNames": {}}
 DEPENDENCIES = ("dependencies", "dependentRequired", "dependentSchemas")
-SAFE = r'[^"\\\x00-\x1f]*'  # the characters a JSON string holds unescaped: keys written freely, patterns matched
+# the characters a JSON string holds unescaped: keys written freely, patterns matched
+SAFE = r'[^"\\\x00-\x1f]*'
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = {"string": {"minLength", "maxLength", "pattern", "format"}, "integer": {*BOUNDS, "multipleOf"},
             "number": {*BOUNDS, "multipleOf"}, "boolean": set(), "null": set(),
@@ -723,10 +797,15 @@ VALUE_CHECKS = [  # (keywords, test, what their value must be)
                               ([v] if isinstance(v, str) else v if isinstance(v, list) else [0])),
      f"a type ({' '.join(KEYWORDS)}) or a list of them")]
 COMBINATORS = {"type", "enum", "const", "anyOf", "allOf", "oneOf", "not", "$ref", "if"}
-MAX_REF_DEPTH = 3  # a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
-ANY_DEPTH = 1      # a schema that allows anything writes objects and arrays nested this deep, then scalars (deeper
-ANY_TEXT = 25_000  # where the regex stays this short and fits the budget: 2, at the root and its members up to 8)
-NEGATED = "\x00negated"  # marks the parts a `not` complements with its path (an annotation to the rest), see negated
+# a recursive $ref is unrolled this deep, then accepts nothing (optional parts, anyOf branches drop)
+MAX_REF_DEPTH = 3
+# a schema that allows anything writes objects and arrays nested ANY_DEPTH deep, then scalars
+# (deeper where the regex stays under ANY_TEXT and fits the budget: 2, at the root and its members
+# up to 8)
+ANY_DEPTH = 1
+ANY_TEXT = 25_000
+# marks the parts a `not` complements with its path (an annotation to the rest), see negated
+NEGATED = "\x00negated"
 MAX_LENGTH = 128   # a string under a larger maxLength is written at most this long
 FRACTION = 16      # digits after the point of a bounded number (written without exponent)
 
@@ -736,7 +815,8 @@ def _literal(value) -> str:
 
 
 def _digits(lo: str, hi: str) -> list:
-    """Regexes for the digit strings of one length from lo to hi: _split's ranges, a run of [0-9] as [0-9]{k}."""
+    """Regexes for the digit strings of one length from lo to hi: _split's ranges, a run of [0-9] as
+    [0-9]{k}."""
     texts = ("".join(str(a) if a == b else f"[{a}-{b}]" for a, b in seq) for seq in _split(
         tuple(map(int, lo)), tuple(map(int, hi)), 0, 9))
     return [re.sub(r"(?:\[0-9\]){2,}", lambda m: f"[0-9]{{{m[0].count('[')}}}", text) for text in texts]
@@ -745,12 +825,14 @@ def _digits(lo: str, hi: str) -> list:
 def _natural_range(lo: int, hi: int) -> list:
     """Regexes for the naturals lo..hi (no leading zeros)."""
     spans = ((max(lo, 10 ** (n - 1) * (n > 1)), min(hi, 10 ** n - 1)) for n in range(len(str(lo)), len(str(hi)) + 1))
-    return [r for a, b in spans if a <= b for r in _digits(str(a), str(b))]  # one length of digits at a time
+    # one length of digits at a time
+    return [r for a, b in spans if a <= b for r in _digits(str(a), str(b))]
 
 
 def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
-    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading zeros): the
-    magnitudes' regexes, then "-" before those of the negatives down to `least` (number_range: 0, -0.0 is 0)."""
+    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading
+    zeros): the magnitudes' regexes, then "-" before those of the negatives down to `least`
+    (number_range: 0, -0.0 is 0)."""
     parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
     if -lo >= least:
         parts.append("-(?:" + "|".join(magnitudes(max(-hi, least), -lo)) + ")")
@@ -758,7 +840,8 @@ def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
 
 
 def _fraction_digits(lo: str, hi: str) -> list:
-    """Regexes for the non-empty digit strings t, at most len(lo) long, with lo <= (t padded with zeros) <= hi."""
+    """Regexes for the non-empty digit strings t, at most len(lo) long, with lo <= (t padded with
+    zeros) <= hi."""
     n = len(lo)
     if lo == "0" * n and hi == "9" * n:  # any digits (none if n is 0)
         return [f"[0-9]{{1,{n}}}"] * (n > 0)
@@ -774,8 +857,9 @@ def _fraction_digits(lo: str, hi: str) -> list:
 
 
 def number_range(lo: int, hi: int) -> str:
-    """A regex for exactly the decimals -?int(.digits)? (no exponent, at most FRACTION digits after the point)
-    whose value times 10**FRACTION lies in lo..hi: split on the integer part, then bound the fraction."""
+    """A regex for exactly the decimals -?int(.digits)? (no exponent, at most FRACTION digits after
+    the point) whose value times 10**FRACTION lies in lo..hi: split on the integer part, then bound
+    the fraction."""
     scale = 10 ** FRACTION
 
     def magnitudes(a, b):  # 0 <= a <= b
@@ -792,10 +876,11 @@ def number_range(lo: int, hi: int) -> str:
 
 
 def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
-    """The least (lower) or greatest (upper) decimal, times 10**FRACTION, that validators find inside `bound`:
-    they parse a decimal to the nearest float, so every decimal from halfway between the last float inside and
-    the first outside does (the halfway one if it rounds inward). Bounded numbers lie within +-2**53, where
-    integers are floats exactly: an integer document compares the same, parsed or not."""
+    """The least (lower) or greatest (upper) decimal, times 10**FRACTION, that validators find
+    inside `bound`: they parse a decimal to the nearest float, so every decimal from halfway between
+    the last float inside and the first outside does (the halfway one if it rounds inward). Bounded
+    numbers lie within +-2**53, where integers are floats exactly: an integer document compares the
+    same, parsed or not."""
     f, outward = float(max(-2 ** 60, min(2 ** 60, bound))), (-math.inf if lower else math.inf)
     while (f < bound or exclusive and f == bound) if lower else (f > bound or exclusive and f == bound):
         f = math.nextafter(f, -outward)  # the last float inside
@@ -805,19 +890,23 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
 
 
 def _pattern(pattern: str) -> str:
-    """A schema `pattern` as validators read it (re.search: a top-level branch without ^ or $ takes any characters
-    before or after), over the characters JSON writes unescaped: (?&...) intersects it with those."""
-    branches, depth = [[]], 0  # split on | outside groups and classes (a wrong split fails to parse: refused)
+    """A schema `pattern` as validators read it (re.search: a top-level branch without ^ or $ takes
+    any characters before or after), over the characters JSON writes unescaped: (?&...) intersects
+    it with those."""
+    # split on | outside groups and classes (a wrong split fails to parse: refused)
+    branches, depth = [[]], 0
     for t in re.findall(r"\\.?|\[\^?\]?(?:\\.|[^\]\\])*\]|[()|^$]|[^\\\[()|^$]+|.", pattern, re.S):
         depth += (t == "(") - (t == ")")
         branches.append([]) if t == "|" and not depth else branches[-1].append(t)
     cores = [("".join(b[b[:1] == ["^"]:len(b) - (b[-1:] == ["$"])]), b[:1] == ["^"], b[-1:] == ["$"]) for b in branches]
-    [_Parser(core, schema=True).parse() for core, _, _ in cores]  # refuses what validators read otherwise (\D \W \S)
+    # refuses what validators read otherwise (\D \W \S)
+    [_Parser(core, schema=True).parse() for core, _, _ in cores]
     return f"(?&(?:{'|'.join(f'{SAFE * (not h)}(?:{c}){SAFE * (not t)}' for c, h, t in cores)})|{SAFE})"
 
 
 def _shape(value) -> dict:
-    """A schema of value's types and keys, in its order: beside other schemas, the layout then writes value."""
+    """A schema of value's types and keys, in its order: beside other schemas, the layout then
+    writes value."""
     if isinstance(value, dict):
         return {"type": "object", "properties": {k: _shape(v) for k, v in value.items()}}
     if isinstance(value, list):
@@ -841,19 +930,22 @@ def _fail(path, msg):
 
 
 class _Empty(ValueError):
-    """A (sub)schema that no document satisfies: an anyOf branch or an optional property is dropped, else refused."""
+    """A (sub)schema that no document satisfies: an anyOf branch or an optional property is dropped,
+    else refused."""
 
 
 class _SchemaCompiler:
-    """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that must all hold:
-    $ref (its siblings kept, unless the draft ignores them), allOf and true/false flatten into that list; an anyOf
-    distributes the rest over its branches; an enum or const keeps only the values the rest accepts; else each type
-    the list allows is one alternative, built from every member's keywords for that type. A part nothing satisfies
-    drops out (an optional property, an anyOf branch), else the schema is refused."""
+    """A schema is the conjunction of all its keywords, so regex() compiles a list of schemas that
+    must all hold: $ref (its siblings kept, unless the draft ignores them), allOf and true/false
+    flatten into that list; an anyOf distributes the rest over its branches; an enum or const keeps
+    only the values the rest accepts; else each type the list allows is one alternative, built from
+    every member's keywords for that type. A part nothing satisfies drops out (an optional property,
+    an anyOf branch), else the schema is refused."""
 
     def __init__(self, root, depth=ANY_DEPTH, strict=True):
         self.root, self.depth, self.strict = root, depth, strict
-        self.legacy = isinstance(root, dict) and re.fullmatch(  # drafts 3-7: a $ref's siblings are ignored
+        # drafts 3-7: a $ref's siblings are ignored
+        self.legacy = isinstance(root, dict) and re.fullmatch(
             r"http://json-schema\.org/draft-0[3467]/schema#?", str(root.get("$schema")))
 
     def regex(self, parts, path, refs=()) -> str:
@@ -871,7 +963,8 @@ class _SchemaCompiler:
                 one = p["oneOf"]
                 alone = [{"allOf": [b] + [{"not": c} for c in one[:j] + one[j + 1:]]} for j, b in enumerate(one)]
                 return self.regex(rest + [_mark(p, {"anyOf": alone})], path, refs)
-            if key == "not":  # the documents of the rest that its schema rejects: A and not B, on their DFAs
+            # the documents of the rest that its schema rejects: A and not B, on their DFAs
+            if key == "not":
                 out, negated = self.regex(rest, path, refs), self.negated(rest, p["not"], f"{path}.not", refs)
                 return out if negated is None else f"(?&(?:{out})|(?~{negated}))"
             values = p["enum"] if key == "enum" else [p["const"]]
@@ -885,41 +978,50 @@ class _SchemaCompiler:
         for p in parts:
             if "type" in p:
                 named = {p["type"]} if isinstance(p["type"], str) else set(p["type"])
-                types &= named | ({"integer"} if "number" in named else set())  # an integer is a number
+                # an integer is a number
+                types &= named | ({"integer"} if "number" in named else set())
         if not types:
             raise _Empty(f"{path}: its types {[p['type'] for p in parts if 'type' in p]} have none in common")
         if "integer" in types and "number" not in types and any("number" in str(p.get("type")) for p in parts):
             self.approximate(parts, "a number that is an integer is written only as an integer")
-        if not any(k in p for p in parts for k in COMBINATORS | set().union(*KEYWORDS.values())):  # any value
-            refs += ("^",) * (not refs.count("*") and refs.count(".") + refs.count("[") < 2)  # the root, its members:
-            depth = self.depth if "^" in refs else min(self.depth, ANY_DEPTH + 1)  # self.depth deep (one copy each)
-            if refs.count("*") >= depth or refs[-1:] == ("[",) and refs.count("*") > ANY_DEPTH + 1:  # past 2 levels,
-                self.approximate(parts, f"any value is written at most {depth} deep")  # arrays of scalars (linear)
+        if not any(k in p for p in parts for k in COMBINATORS | set().union(*KEYWORDS.values())):
+            # any value: at the root and its members self.depth deep (one copy each); past 2 levels,
+            # arrays of scalars (linear)
+            top = not refs.count("*") and refs.count(".") + refs.count("[") < 2
+            refs += ("^",) * top
+            depth = self.depth if "^" in refs else min(self.depth, ANY_DEPTH + 1)
+            if refs.count("*") >= depth or refs[-1:] == ("[",) and refs.count("*") > ANY_DEPTH + 1:
+                self.approximate(parts, f"any value is written at most {depth} deep")
                 types -= {"object", "array"}
             refs += ("*",)
         types -= {"integer"} if "number" in types else set()
         out = self.union([functools.partial(self.typed, t, parts, path, refs) for t in sorted(types)], path, "type")
-        _spend(len(out) // 100)  # regex text past 2 MB is too much too (each object repeats a free value's text, ...)
+        # regex text past 2 MB is too much too (each object repeats a free value's text, ...)
+        _spend(len(out) // 100)
         return out
 
     def negated(self, rest, schema, path, refs):
-        """The regex of rest and schema, to be complemented: it must hold every document of rest's layout that
-        the schema accepts, so an approximation where the schema takes part (parts marked NEGATED) is refused."""
+        """The regex of rest and schema, to be complemented: it must hold every document of rest's
+        layout that the schema accepts, so an approximation where the schema takes part (parts
+        marked NEGATED) is refused."""
         with contextlib.suppress(_Empty):  # it accepts nothing: its complement, everything
             return self.regex(rest + [_mark({NEGATED: path}, schema)], path, refs)
 
     def closes(self, parts) -> bool:
-        """Strict mode (XGrammar's strict_mode): an object or array that names members or items, and says nothing
-        of others, gets no others; inside a `not` the specification's reading (what it complements must be exact)."""
+        """Strict mode (XGrammar's strict_mode): an object or array that names members or items, and
+        says nothing of others, gets no others; inside a `not` the specification's reading (what it
+        complements must be exact)."""
         return self.strict and not any(p.get(NEGATED) for p in parts)
 
     def approximate(self, parts, why):
-        """Where the regex holds fewer documents than the parts accept: harmless, unless a `not` complements it."""
+        """Where the regex holds fewer documents than the parts accept: harmless, unless a `not`
+        complements it."""
         for p in (p for p in parts if p.get(NEGATED) and len(p) > 1):
             _fail(p[NEGATED], f"cannot be complemented exactly: {why}")
 
     def flatten(self, parts, path, refs):
-        """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by keyword."""
+        """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by
+        keyword."""
         out, todo = [], list(parts)
         while todo:
             s = todo.pop(0)
@@ -945,12 +1047,14 @@ class _SchemaCompiler:
             out.append({k: v for k, v in s.items() if k not in ("$ref", "allOf", "if")})
             cond = [{"anyOf": [{"allOf": [s["if"], s.get("then", True)]}, {"allOf": [{"not": s["if"]}, s.get(
                 "else", True)]}]}] if "if" in s else []  # (if and then) or (not if and else)
-            todo[:0] = [_mark(s, c) for c in s.get("allOf", []) + cond]  # depth first: a part's parts stay together
+            # depth first: a part's parts stay together
+            todo[:0] = [_mark(s, c) for c in s.get("allOf", []) + cond]
         return out, refs
 
     def resolve(self, ref, path):
         node = self.root
-        for key in ref.split("/")[1:] if ref[:2] in ("#", "#/") else [None]:  # a JSON pointer into the schema
+        # a JSON pointer into the schema
+        for key in ref.split("/")[1:] if ref[:2] in ("#", "#/") else [None]:
             key = key and key.replace("~1", "/").replace("~0", "~")
             if not (isinstance(node, dict) and key in node):
                 _fail(path, f"cannot resolve $ref {ref!r} (only references into this schema: #/$defs/...)")
@@ -970,8 +1074,9 @@ class _SchemaCompiler:
         return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
 
     def accepts(self, parts, value, path, refs) -> bool:
-        """Whether `value` is a document of every schema in `parts`: its json.dumps text, or the same with floats
-        as plain decimals (1e-07 as 0.0000001, how bounded numbers are written), matches their regex."""
+        """Whether `value` is a document of every schema in `parts`: its json.dumps text, or the
+        same with floats as plain decimals (1e-07 as 0.0000001, how bounded numbers are written),
+        matches their regex."""
         try:
             dfa = _compile(self.regex([_shape(value)] + parts, path, refs))
         except _Empty:
@@ -979,73 +1084,94 @@ class _SchemaCompiler:
         return dfa.fullmatch(json.dumps(value, ensure_ascii=False)) or dfa.fullmatch(_plain(value))
 
     def typed(self, kind, parts, path, refs) -> str:
-        """The documents of one type that every part accepts: each part's keywords for that type, all of them."""
+        """The documents of one type that every part accepts: each part's keywords for that type,
+        all of them."""
         kw = {k: [p[k] for p in parts if k in p] for k in KEYWORDS[kind] if any(k in p for p in parts)}
         if kind == "string":
-            lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
-            if lo > hi:
-                raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
-            if MAX_LENGTH < hi < math.inf:  # each character up to it is some 15 DFA states
-                self.approximate(parts, f"a string under a maxLength is written at most {MAX_LENGTH} characters long")
-                hi = max(lo, MAX_LENGTH)
-            chars = f'{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}'
-            exact = [_pattern(p) for p in kw.get("pattern", [])] + [FORMATS[f] for f in kw.get("format", [])
-                                                                     if f in FORMATS]  # other formats: annotations
-            if not exact:
-                return f'"{chars}"'
-            self.approximate(parts, "a pattern or format is matched on strings without escapes only")
-            return '"(?&' + "|".join(f"(?:{e})" for e in exact + [chars] * bool(lo or hi < math.inf)) + ')"'
-        if kind == "number":
-            self.approximate(parts, "a number is written in one of its several ways")
-        if any(not (1 / v).is_integer() or math.frexp(1 / v)[0] != 0.5 for v in kw.get("multipleOf", [])):
-            _fail(path, f"'multipleOf' {kw['multipleOf']} is not supported (but 1, 1/2, 1/4, ...: every integer)")
+            return self.string(kw, parts, path)
         if kind in ("integer", "number"):
-            kind = "integer" if "multipleOf" in kw else kind  # a number too is written as an integer
-            lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") for v in kw.get(k, [])]
-            highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") for v in kw.get(k, [])]
-            if not lows + highs:
-                return INTEGER if kind == "integer" else NUMBER
-            if kind == "integer":
-                lo = max([-INT_LIMIT] + [math.floor(v) + 1 if ex else math.ceil(v) for v, ex in lows])
-                hi = min([INT_LIMIT] + [math.ceil(v) - 1 if ex else math.floor(v) for v, ex in highs])
-                if lo > hi:
-                    raise _Empty(f"{path}: no integer lies in [{lo}, {hi}]")
-                return integer_range(lo, hi)
-            top = 2 ** 53 * 10 ** FRACTION - 1  # decimals as integers, times 10**FRACTION
-            lo = max([-top] + [_decimal_bound(v, True, ex) for v, ex in lows])
-            hi = min([top] + [_decimal_bound(v, False, ex) for v, ex in highs])
-            if lo > hi:
-                raise _Empty(f"{path}: no number with at most {FRACTION} decimals lies in bounds {lows + highs}")
-            return number_range(lo, hi)
+            return self.numeric(kind, kw, parts, path)
         if kind == "object":
             return r"\{" + self.members(parts, path, refs) + r"\}"
         if kind == "array":
-            lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
-            if any(p.get("uniqueItems") for p in parts):  # no two items alike: surely, with at most one
-                self.approximate(parts, "an array of unique items is written with at most one")
-                hi = min(hi, 1) if lo <= 1 else _fail(path, "uniqueItems with minItems above 1 is not supported")
-            heads, tail = [_items(p) for p in parts], ""
-            n = max((len(head) for head, _, _ in heads), default=0)
-            if self.closes(parts) and n and not any(named for _, _, named in heads):  # no items past the head
-                heads = [(head, False, True) for head, _, _ in heads]
-            for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
-                try:
-                    item = self.regex([_mark(p, head[i] if i < len(head) else rest) for p, (head, rest, _) in
-                                       zip(parts, heads)], f"{path}[{i}]", refs + ("[",))
-                except _Empty:
-                    hi, tail = i, ""
-                    continue
-                tail = (f"(?:, {item}){{{max(lo - n, 0)},{'' if hi == math.inf else hi - n}}}" if i == n else
-                        f"(?:, {item}{tail})" + "?" * (i >= lo))
-            if lo > hi:
-                raise _Empty(f"{path}: minItems {lo} is above the {hi} items it can hold")
-            return rf"\[(?,{tail})\]" if lo else rf"\[(?:(?,{tail}))?\]"
+            return self.array(kw, parts, path, refs)
         return {"boolean": "(?:true|false)", "null": "null"}[kind]
 
+    def string(self, kw, parts, path) -> str:
+        """A string within every length, matching every pattern and format (on strings without
+        escapes)."""
+        lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
+        if lo > hi:
+            raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
+        if MAX_LENGTH < hi < math.inf:  # each character up to it is some 15 DFA states
+            self.approximate(parts, f"a string under a maxLength is written at most {MAX_LENGTH} "
+                                    "characters long")
+            hi = max(lo, MAX_LENGTH)
+        chars = f'{STRING_CHAR}{{{lo},{"" if hi == math.inf else hi}}}'
+        formats = [FORMATS[f] for f in kw.get("format", []) if f in FORMATS]  # others: annotations
+        exact = [_pattern(p) for p in kw.get("pattern", [])] + formats
+        if not exact:
+            return f'"{chars}"'
+        self.approximate(parts, "a pattern or format is matched on strings without escapes only")
+        both = exact + [chars] * bool(lo or hi < math.inf)
+        return '"(?&' + "|".join(f"(?:{e})" for e in both) + ')"'
+
+    def numeric(self, kind, kw, parts, path) -> str:
+        """An integer or a number within every bound (decimals: at most FRACTION of them)."""
+        if kind == "number":
+            self.approximate(parts, "a number is written in one of its several ways")
+        if any(not (1 / v).is_integer() or math.frexp(1 / v)[0] != 0.5 for v in kw.get("multipleOf", [])):
+            _fail(path, f"'multipleOf' {kw['multipleOf']} is not supported (but 1, 1/2, 1/4, ...: "
+                        "every integer)")
+        kind = "integer" if "multipleOf" in kw else kind  # a number too is written as an integer
+        lows = [(v, k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") for v in kw.get(k, [])]
+        highs = [(v, k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") for v in kw.get(k, [])]
+        if not lows + highs:
+            return INTEGER if kind == "integer" else NUMBER
+        if kind == "integer":
+            lo = max([-INT_LIMIT] + [math.floor(v) + 1 if ex else math.ceil(v) for v, ex in lows])
+            hi = min([INT_LIMIT] + [math.ceil(v) - 1 if ex else math.floor(v) for v, ex in highs])
+            if lo > hi:
+                raise _Empty(f"{path}: no integer lies in [{lo}, {hi}]")
+            return integer_range(lo, hi)
+        top = 2 ** 53 * 10 ** FRACTION - 1  # decimals as integers, times 10**FRACTION
+        lo = max([-top] + [_decimal_bound(v, True, ex) for v, ex in lows])
+        hi = min([top] + [_decimal_bound(v, False, ex) for v, ex in highs])
+        if lo > hi:
+            raise _Empty(f"{path}: no number with at most {FRACTION} decimals lies in bounds {lows + highs}")
+        return number_range(lo, hi)
+
+    def array(self, kw, parts, path, refs) -> str:
+        """The items every part accepts, position by position (each part's first items, then every
+        item after them), within minItems and maxItems."""
+        lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
+        if any(p.get("uniqueItems") for p in parts):  # no two items alike: surely, with at most one
+            self.approximate(parts, "an array of unique items is written with at most one")
+            hi = min(hi, 1) if lo <= 1 else _fail(path, "uniqueItems with minItems above 1 is not supported")
+        heads, tail = [_items(p) for p in parts], ""
+        n = max((len(head) for head, _, _ in heads), default=0)
+        if self.closes(parts) and n and not any(named for _, _, named in heads):  # no more after
+            heads = [(head, False, True) for head, _, _ in heads]
+        for i in reversed(range(min(n + 1, hi))):  # position n stands for every item past the head
+            schemas = [_mark(p, head[i] if i < len(head) else rest) for p, (head, rest, _) in zip(parts, heads)]
+            try:
+                item = self.regex(schemas, f"{path}[{i}]", refs + ("[",))
+            except _Empty:
+                hi, tail = i, ""
+                continue
+            if i == n:
+                tail = f"(?:, {item}){{{max(lo - n, 0)},{'' if hi == math.inf else hi - n}}}"
+            else:
+                tail = f"(?:, {item}{tail})" + "?" * (i >= lo)
+        if lo > hi:
+            raise _Empty(f"{path}: minItems {lo} is above the {hi} items it can hold")
+        return rf"\[(?,{tail})\]" if lo else rf"\[(?:(?,{tail}))?\]"
+
     def members(self, parts, path, refs) -> str:
-        """The `"key": value` members, joined by ", ": every property a part names, in order (one not required may
-        be left out, and is if no value satisfies it), then others in any order (keys without escapes; values by
-        patternProperties, else additionalProperties): (?,...) of ", "-led members writes each value once."""
+        """The `"key": value` members, joined by ", ": every property a part names, in order (one
+        not required may be left out, and is if no value satisfies it), then others in any order
+        (keys without escapes; values by patternProperties, else additionalProperties): (?,...) of
+        ", "-led members writes each value once."""
         names = list(dict.fromkeys(k for p in parts for k in [*p.get("properties", {}), *p.get("required", [])]))
         required, pats = {k for p in parts for k in p.get("required", [])}, []
         for p in parts:
@@ -1069,9 +1195,12 @@ class _SchemaCompiler:
             except _Empty:
                 if k in required:
                     raise
-        others = []  # strict: the named members (and patternProperties' keys) only, unless additionalProperties says
+        # strict: the named members (and patternProperties' keys) only, unless additionalProperties
+        # says otherwise
+        others = []
         shut = self.closes(parts) and (names or pats) and not any("additionalProperties" in p for p in parts)
-        for q in [None] * (not shut) + pats:  # a class of keys each: q's (None: no pattern's), no other's, no name
+        # a class of keys each: q's (None: no pattern's), no other's, no name
+        for q in [None] * (not shut) + pats:
             key = [f'"{SAFE}"'] + [f"(?~(?:{'|'.join(map(_literal, names))}))"] * bool(names) + [
                 f'"{_pattern(r)}"' if r == q else f'(?~"{_pattern(r)}")' for r in pats]
             with contextlib.suppress(_Empty):
@@ -1086,7 +1215,8 @@ class _SchemaCompiler:
         high = min((p.get("maxProperties", math.inf) for p in parts), default=math.inf)
         if low > max(len(required), 1):
             _fail(path, f"'minProperties' {low}, more than the properties required, is not supported")
-        if high < len(fields) + (math.inf if others else 0):  # then only the required ones, if too many
+        # then only the required ones, if too many
+        if high < len(fields) + (math.inf if others else 0):
             self.approximate(parts, "an object under maxProperties is written with fewer members")
             fields, others = [f for f in fields if f[1] or len(fields) <= high], []
         if high < len(required):
@@ -1096,8 +1226,8 @@ class _SchemaCompiler:
 
 
 def _items(p) -> tuple:
-    """(the schemas of an array's first items, of every item after them, whether p names the latter): prefixItems
-    and items (2020-12), or items as a list and additionalItems (before)."""
+    """(the schemas of an array's first items, of every item after them, whether p names the
+    latter): prefixItems and items (2020-12), or items as a list and additionalItems (before)."""
     old = isinstance(p.get("items"), list)
     rest = "additionalItems" if old else "items"
     return p.get("prefixItems", p["items"] if old else []), p.get(rest, True), rest in p
@@ -1109,22 +1239,26 @@ def _mark(parent, schema):
 
 
 def schema_to_regex(schema, path="$", strict=True) -> SchemaRegex:
-    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset: this
-    section's heading), or a ValueError naming what it cannot express, or that no document satisfies it; its DFA
-    is compiled (and cached) within the same COMPILE_BUDGET_S. strict (the default, XGrammar's): an object or
-    array that names its members or items gets no others unless it says so (additionalProperties,
-    patternProperties, items past prefixItems); else a small model invents members until max_tokens cuts it.
-    strict=False: the specification's reading (absent additionalProperties: any other member)."""
+    """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset:
+    this section's heading), or a ValueError naming what it cannot express, or that no document
+    satisfies it; its DFA is compiled (and cached) within the same COMPILE_BUDGET_S. strict (the
+    default, XGrammar's): an object or array that names its members or items gets no others unless
+    it says so (additionalProperties, patternProperties, items past prefixItems); else a small model
+    invents members until max_tokens cuts it. strict=False: the specification's reading (absent
+    additionalProperties: any other member)."""
     try:
         with budget():
             t0, out = time.perf_counter(), _SchemaCompiler(schema, ANY_DEPTH, strict).regex([schema], path)
             if not _compile(out).accept.any():
                 raise _Empty("its parts exclude each other")
-            rate, deep = (time.perf_counter() - t0) / len(out), out  # the seconds a character of it took
-            with contextlib.suppress(ValueError):  # free values deeper, up to 8, while the regex stays short and
-                for depth in range(ANY_DEPTH + 1, 9):  # fits the budget left (its time estimated); else as they were
+            rate, deep = (time.perf_counter() - t0) / len(out), out  # seconds per character
+            # free values deeper, up to 8, while the regex stays short and fits the budget left (its
+            # time estimated); else as they were
+            with contextlib.suppress(ValueError):
+                for depth in range(ANY_DEPTH + 1, 9):
                     text = _SchemaCompiler(schema, depth, strict).regex([schema], path)
-                    if text == deep or len(text) >= ANY_TEXT or rate * len(text) > _deadline[0] - time.perf_counter():
+                    over = len(text) >= ANY_TEXT or rate * len(text) > _deadline[0] - time.perf_counter()
+                    if text == deep or over:
                         break
                     deep = text
                 out = _compile(deep) and deep
@@ -1136,9 +1270,11 @@ def schema_to_regex(schema, path="$", strict=True) -> SchemaRegex:
 # ======== DEMO: masking only vs jump-forward, same model, same run ===============================
 
 CHARACTER_REGEX = (  # SGLang's example, examples/frontend_language/usage/json_decode.py
-    r"""\{\n    "name": "[\w\d\s]{1,16}",\n    "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)",\n"""
+    r"""\{\n    "name": "[\w\d\s]{1,16}",\n"""
+    r"""    "house": "(Gryffindor|Slytherin|Ravenclaw|Hufflepuff)",\n"""
     r"""    "blood status": "(Pure-blood|Half-blood|Muggle-born)",\n"""
-    r"""    "occupation": "(student|teacher|auror|ministry of magic|death eater|order of the phoenix)",\n"""
+    r"""    "occupation": "(student|teacher|auror|ministry of magic|death eater|"""
+    r"""order of the phoenix)",\n"""
     r"""    "wand": \{\n        "wood": "[\w\d\s]{1,16}",\n        "core": "[\w\d\s]{1,16}",\n"""
     r"""        "length": [0-9]{1,2}\.[0-9]{0,2}\n    \},\n    "alive": "(Alive|Deceased)",\n"""
     r"""    "patronus": "[\w\d\s]{1,16}",\n    "bogart": "[\w\d\s]{1,16}"\n\}""")
@@ -1147,9 +1283,10 @@ MODES = ("masking_only", "jump_forward")
 
 
 def demo_model():
-    """The demo's Pydantic model, as users hand one to a constrained decoder (Model.model_json_schema()): nested
-    models ($defs/$ref), an Enum, a Literal, bounded int and float, lengths, two fields with defaults (not required);
-    extra="forbid" (additionalProperties false), else the model may write other members. 06 compiles schema dicts."""
+    """The demo's Pydantic model, as users hand one to a constrained decoder
+    (Model.model_json_schema()): nested models ($defs/$ref), an Enum, a Literal, bounded int and
+    float, lengths, two fields with defaults (not required); extra="forbid" (additionalProperties
+    false), else the model may write other members. 06 compiles schema dicts."""
     from enum import Enum
     from typing import Annotated, Literal, Optional
 
@@ -1176,18 +1313,19 @@ def demo_model():
 
 
 def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None) -> dict:
-    """Build the index, then decode the same prompt masking-only and with jump-forward (greedy). Checks each
-    completion: the DFA and Python's `re` accept it, its ids decode to it, and, given the Pydantic model whose
-    schema `pattern` is, its model_validate_json."""
+    """Build the index, then decode the same prompt masking-only and with jump-forward (greedy).
+    Checks each completion: the DFA and Python's `re` accept it, its ids decode to it, and, given
+    the Pydantic model whose schema `pattern` is, its model_validate_json."""
     index, prompt_ids = TokenIndex(pattern, tok), tok.chat(prompt)
     cache_len = len(prompt_ids) + 2 * max_new_tokens + 512  # room for re-tokenized jump strings too
     runs = [constrained_decode(index, tok, prompt_ids, model_logits_fn(model, cache_len), max_new_tokens,
                                jump_forward=(mode == "jump_forward")) for mode in MODES]
     for r in runs:
-        r.update(completion=r["text"], matches=bool(r["finished"] and index.dfa.fullmatch(r["text"])
-                                                     and _python_re_accepts(pattern, r["text"])),
-                 decodes=tok.decode(r["ids"]) == r["text"], valid=r["finished"] and _validates(pydantic, r["text"]),
-                 output_tokens=len(r["ids"]), tokenizer_tokens=len(tok.encode(r["text"])))  # tokenizer: same text
+        text = r["text"]
+        matches = r["finished"] and index.dfa.fullmatch(text) and _python_re_accepts(pattern, text)
+        r.update(completion=text, matches=bool(matches), decodes=tok.decode(r["ids"]) == text,
+                 valid=r["finished"] and _validates(pydantic, text), output_tokens=len(r["ids"]),
+                 tokenizer_tokens=len(tok.encode(text)))  # the tokenizer's count for the same text
     edges, (a, b) = index.compressed_edges(), runs
     out = dict(name=name, regex=pattern, dfa_states=len(index.dfa.table), index_build_s=round(index.build_s, 3),
                compressed_edges=len(edges), compressed_bytes=sum(map(len, edges.values())),
@@ -1197,7 +1335,8 @@ def compare(model, tok, name, pattern, prompt, max_new_tokens=256, pydantic=None
     return {**out, "validator": f"{pydantic.__name__}.model_validate_json"} if pydantic else out
 
 
-def _python_re_accepts(pattern, text) -> bool:  # the independent check, where re reads it (not 06's own groups)
+def _python_re_accepts(pattern, text) -> bool:
+    """The independent check, where re reads it (not 06's own groups)."""
     with contextlib.suppress(re.error):
         return re.fullmatch(pattern, text, re.ASCII) is not None
     return True
@@ -1242,7 +1381,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import llama3_generate as L
     L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
-    if args.bench:  # the peers beside 06 (they are not the lesson): held schemas, compile and mask times
+    # the peers beside 06 (they are not the lesson): held schemas, compile and mask times
+    if args.bench:
         return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_06.py"),
                               run_name="__main__")
     if args.max_new_tokens < 1:

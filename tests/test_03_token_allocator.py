@@ -166,7 +166,7 @@ def test_decode_attn_matches_float64_reference():
     r2t = torch.randint(0, size, (6, 64), generator=g, dtype=torch.int32)  # stale junk past each length too
     rows = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
     out = torch.full((B, H, D), float("nan"))
-    out[:] = m.K01.attend_table(q, kp, vp, r2t, rows, lens)
+    out[:] = m.L01.attend_table(q, kp, vp, r2t, rows, lens)
     for b in range(B):
         idx = r2t[rows[b], :lens[b]].long()
         k, v = kp[idx].double().repeat_interleave(H // Hkv, 1), vp[idx].double().repeat_interleave(H // Hkv, 1)

@@ -1210,6 +1210,89 @@ def test_constrained_decode_stops_at_max_new_tokens_and_eos():
     assert r["text"] == "ab" and r["finished"] and r["forward_passes"] == 0 and r["jumps"] == 1
 
 
+class MergeTok(ByteTok):
+    """ByteTok plus merged tokens, encoding longest first: a re-tokenization may be shorter than the model's split
+    ("a" "b" -> "ab") or longer ("a" "bcd" -> "ab" "c" "d"). EOS is the engine's stop token."""
+    vocab = ByteTok.vocab + [b"ab", b"bcd", b"xy", b"yz", b"xyz", b"ba"]
+    vocab_size, token_bytes, stop_ids = len(vocab), vocab.__getitem__, [0]
+
+    @classmethod
+    def encode(cls, text):
+        data, out = text.encode(), []
+        while data:
+            out.append(max(range(1, cls.vocab_size), key=lambda t: data.startswith(cls.vocab[t]) * len(cls.vocab[t])))
+            data = data[len(cls.vocab[out[-1]]):]
+        return out
+
+    @classmethod
+    def decode(cls, ids):
+        return b"".join(map(cls.token_bytes, ids)).decode("utf-8", "replace")
+
+
+def random_regex(rng, depth=0):
+    """Literal runs (jump-forward's forced chains), classes, alternatives, sequences and repeats over a few letters."""
+    part = lambda: random_regex(rng, depth + 1)
+    kind = rng.randrange(6 if depth < 3 else 2)
+    if kind == 0:
+        return "".join(rng.choices("abcdxyz", k=rng.randint(1, 4)))
+    if kind == 1:
+        return rng.choice(["[ab]", "[c-d]", "[xyz]", "[a-dx-z]"])
+    if kind == 2:
+        return f"(?:{part()}|{part()})"
+    if kind == 3:
+        return part() + part()
+    return f"(?:{part()}){rng.choice(['*', '+', '?', '{2,3}', '{1,4}', '{3}'])}"
+
+
+def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_issue_62(monkeypatch):
+    """Issue 62: constrained_decode and the engine (a tiny random Llama) on random regexes with forced runs, random
+    logits, jump-forward on and off, temperatures 0 and 1, budgets from 1 to past the shortest answer (where a
+    jump-forward may fill the budget exactly): no exception, no failed sample; an answer that stops fullmatches
+    (Python's re), one cut short is a prefix of a match (the regex module's partial matching) and had no room for
+    a shortest answer; none passes its budget; where the decision says go on, the mask allows a token."""
+    import llama3_generate as L
+    from test_engine import tiny_model
+    rng, tok = random.Random(), MergeTok()
+    cases = []  # (pattern, index, budget, temperature, jump-forward)
+    for pattern in {random_regex(rng) for _ in range(12)}:
+        index = m.TokenIndex(pattern, tok)
+        for s in rng.sample(range(len(index.dfa.table)), min(8, len(index.dfa.table))):
+            for room in (0, 1, 2, int(index.dist[s]), int(index.worst[s]), 99):
+                ok, end = index.allowed(s, room), index.finish(s, room)
+                only_eos = room < 1 and index.dfa.accept[s] or ok[0] and ok.sum() == 1
+                assert (end is not None or ok.any()) and (end == "stop") == bool(only_eos), (pattern, s, room)
+        for budget in [*range(1, min(int(index.dist[0]), 12) + 5), 40]:
+            cases += [(pattern, index, budget, temp, jump) for temp in (0.0, 1.0) for jump in (False, True)]
+
+    def check(case, ids, text, stopped):
+        pattern, index, budget, _, _ = case
+        assert len(ids) <= budget, case
+        assert re.fullmatch(pattern, text) if stopped else regex.fullmatch(pattern, text, partial=True), (case, text)
+        assert stopped or budget < index.dist[0], (case, text)
+    for seed, case in enumerate(cases):
+        pattern, index, budget, temp, jump = case
+        r = m.constrained_decode(index, tok, [5], random_logits_fn(tok.vocab_size, seed), budget, jump, temp, seed)
+        check(case, r["ids"], r["text"], r["finished"])
+        assert tok.decode(r["ids"]) == r["text"]
+    engine = L.Engine(tiny_model(vocab_size=tok.vocab_size), tok, kv_tokens=4096, max_seq_len=64, cuda_graphs=False)
+    seqs = {}
+    for jump in (False, True):
+        if not jump:  # the engine always jumps forward: off, its Seq finds nothing to jump over
+            monkeypatch.setattr(L.Seq, "jump_forward", lambda self: None)
+        for seed, case in enumerate(c for c in cases if c[4] == jump):
+            params = L.SamplingParams(max_new_tokens=case[2], temperature=case[3], regex=case[0], seed=seed)
+            seqs[engine.add([5, 9, 11], params, case[1])[0]] = case
+        engine.run()
+        monkeypatch.undo()
+    finished = {s.rid: s for s in engine.sched.finished}
+    assert sorted(finished) == sorted(seqs)
+    for rid, case in seqs.items():
+        s = finished[rid]
+        assert s.failed is None and s.finish in ("stop", "length"), (case, s.failed)
+        ids = [t for t in s.output if t not in tok.stop_ids]
+        check(case, s.output, tok.decode(ids), s.finish == "stop")
+
+
 def test_sample_nucleus_at_an_exact_tie_is_the_smallest():
     """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): the first two reach top_p 0.75 exactly, so the nucleus
     is those two (the smallest set, as HF and vLLM keep), never the third; at top_p 0.5 (or ~0) the first alone."""

@@ -730,7 +730,7 @@ def test_lesson_schedulers_log_the_same_events():
     import numpy as np
     reqs = R.chat_workload(np.random.default_rng(int(torch.randint(0, 10**6, ()))))
     longest = max(len(p) + len(o) for p, o, _ in reqs)
-    kv = R.T.TokenKVCache(1, 3 * longest, 1, 1, 8, longest)
+    kv = R.L03.TokenKVCache(1, 3 * longest, 1, 1, 8, longest)
     s = R.Scheduler(kv, "lpm", 8, reserve=False)
     made = [s.add(p, len(o), target=o) for p, o, _ in reqs]
     s.run()

@@ -156,15 +156,16 @@ EXERCISES = [
              "shortest completion needs",
              ("test_jump_forward_keeps_the_room_a_shortest_completion_had",)),
     Exercise("06", "constrained_decode",
-             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop if only EOS is allowed "
-             "(index.allowed(state, room left)); else mask the logits to the allowed tokens, sample, step the DFA",
+             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop where "
+             "index.finish(state, room left) says so; else mask the logits to index.allowed(state, room left), "
+             "sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",
               "test_constrained_decode_stops_at_max_new_tokens_and_eos")),
     Exercise("07", "Engine.step",
              "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
              "self.graphs.decode_ahead may land greedy steps (None: do one): batch, positions = self.schedule(new), "
-             "ids = self.sample(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
+             "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
              "steps); add the seconds to self.counts[kind + '_s']",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
              "and its events account for every token of a run that preempts",
