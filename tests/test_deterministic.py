@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import llama3_generate as L
-import h64_proto
 
 NOTOK = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()  # no stop token: every request runs max_new_tokens
 NEW = 12  # tokens each needle generates
@@ -36,8 +35,8 @@ class Engines:
     def get(self, backend="token", block_size=16, chunk_tokens=None, schedule="prefill-first"):
         key = (backend, block_size)
         if key not in self.engines:
-            self.engines[key] = h64_proto.engine(self.model, NOTOK, backend=backend, block_size=block_size,
-                                                 kv_tokens=4096, max_batch=16, **self.kw)  # phase 1: L.Engine
+            self.engines[key] = L.Engine(self.model, NOTOK, backend=backend, block_size=block_size,
+                                         kv_tokens=4096, max_batch=16, **self.kw)
         e = self.engines[key]
         e.reset()
         e.sched.set_schedule(schedule == "mixed", chunk_tokens)
@@ -102,9 +101,11 @@ def test_needle_moves_with_the_mode_off(dtype):
     assert needle_trials(needle_model(dtype), False, trials=12, seed=1)
 
 
-def test_seeded_sampling_is_the_same_in_any_company():
-    """temperature > 0: each request draws from its own seeded stream, so the same seed gives the same text."""
-    params = L.SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=7, logprobs=1)
+@pytest.mark.parametrize("seed", [7, None])
+def test_sampling_is_the_same_in_any_company(seed):
+    """temperature > 0: each request draws from its own seeded stream (without a seed: the engine's), so the
+    same seed gives the same text."""
+    params = L.SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=seed, logprobs=1)
     assert needle_trials(needle_model(), True, trials=6, seed=2, params=params) == []
 
 
@@ -135,29 +136,28 @@ def invariant_rows(linear, dtype, device, K=96, N=80, ms=(1, 2, 3, 5, 17, 33, 70
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_invariant_linear_on_a_cpu(dtype):
-    assert len(invariant_rows(h64_proto.invariant_linear, dtype, "cpu")) == 1
+    assert len(invariant_rows(L.invariant_linear, dtype, "cpu")) == 1
     assert len(invariant_rows(torch.nn.functional.linear, torch.float32, "cpu")) > 1  # what it fixes: M=1 GEMV
 
 
 @pytest.mark.triton
 def test_invariant_matmul_kernel():
-    import h64_triton
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
-    assert len(invariant_rows(h64_triton.invariant_matmul, dtype, device, ms=(1, 3, 70, 300))) == 1
+    assert len(invariant_rows(L.lesson("04_triton_token_attn").invariant_matmul, dtype, device, ms=(1, 3, 70, 300))) == 1
 
 
 @pytest.mark.triton
 def test_attention_is_one_reduction_for_prefill_chunks_and_decode():
     """Deterministic attention: a query's output is the same bits whether its prompt ran whole, in chunks after a
     cached prefix, or it is a decode step's query (the extend kernel, one configuration)."""
-    import h64_triton
+    L04 = L.lesson("04_triton_token_attn")
     device, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     Hkv, G, D, n = 2, 3, 32, int(torch.randint(40, 140, ()))
     kp, vp = (torch.randn(300, Hkv, D, device=device).to(dtype) for _ in range(2))
     table = torch.randperm(300, device=device)[:n].int()[None]
     q = torch.randn(n, Hkv * G, D, device=device).to(dtype)
-    whole = h64_triton.extend_deterministic(q, kp, vp, table, [0], [0], [n])
+    whole = L04.deterministic_extend_attention(q, kp, vp, table, [0], [0], [n])
     for cut in (1, n // 3, n - 1):
-        assert torch.equal(h64_triton.extend_deterministic(q[cut:], kp, vp, table, [0], [cut], [n - cut]), whole[cut:])
+        assert torch.equal(L04.deterministic_extend_attention(q[cut:], kp, vp, table, [0], [cut], [n - cut]), whole[cut:])
     lens = torch.tensor([n], device=device)
-    assert torch.equal(h64_triton.decode_deterministic(q[-1:], kp, vp, table, torch.zeros_like(lens), lens), whole[-1:])
+    assert torch.equal(L04.deterministic_decode_attention(q[-1:], kp, vp, table, torch.zeros_like(lens), lens), whole[-1:])
