@@ -470,24 +470,26 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     return out
 
 
-# ======== THE IDEA, 3: the same answer whatever the batch (deterministic mode) =====================
+# ======== THE IDEA, 3: the same answer whatever the batch (deterministic mode) ====================
 # Greedy decoding should give one answer per prompt, yet in bf16 an answer changes with whatever
 # else is in the batch (SmolLM2 on an H200: 5 of 32 answers the same alone and in a batch of 32;
 # README). Not concurrency but batch variance (Thinking Machines, "Defeating Nondeterminism in LLM
 # Inference"): float addition is not associative, and each kernel picks its reduction order from
 # the shapes of its call, not from the row:
 #
-#     matmul     cuBLAS picks a tile and split-K from M (the step's tokens): K summed in other pieces
-#     decode     choose_num_splits picks the split count from batch x kv heads: another split point
-#                in a request's keys, other partials merged by stage 2
-#     prefill    a cached or chunked prompt's query runs another kernel (decode's, or extend with its
-#                rows in other blocks) than the same query in the whole prompt
+#     matmul     cuBLAS picks a tile and split-K from M (the step's tokens): K summed in other
+#                pieces
+#     decode     choose_num_splits picks the split count from batch x kv heads: another split
+#                point in a request's keys, other partials merged by stage 2
+#     prefill    a cached or chunked prompt's query runs another kernel (decode's, or extend with
+#                its rows in other blocks) than the same query in the whole prompt
 #
 # Deterministic mode (Engine(deterministic=True); SGLang's --enable-deterministic-inference, vLLM's
 # VLLM_BATCH_INVARIANT=1) makes each order a function of the row alone:
 #
-#     attention  every query, prefill or decode, through `_extend` with one configuration: its keys
-#                reduce in BLOCK_N tiles from key 0, in order -- a fixed split SIZE, not a split count
+#     attention  every query, prefill or decode, through `_extend` with one configuration: its
+#                keys reduce in BLOCK_N tiles from key 0, in order (a fixed split SIZE, not a
+#                split count)
 #     matmul     `_matmul`: one tile configuration for every M, the whole K in one program, in order
 #
 #     the keys of a query at position 150 (8 kv heads, 132 SMs):
@@ -516,10 +518,9 @@ def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):  # the whole K here, in order: no split-K
         k = k0 + offs_k
-        a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & (k[None, :] < K),
-                    other=0.0)
-        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & (k[None, :] < K),
-                    other=0.0)
+        in_k = k[None, :] < K
+        a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & in_k, other=0.0)
+        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & in_k, other=0.0)
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
@@ -528,7 +529,7 @@ def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: 
 
 
 def invariant_matmul(x, w):
-    """F.linear(x, w) (x (..., K), w (N, K)), each row's bits the same whatever M and the other rows."""
+    """F.linear(x, w) (x (..., K), w (N, K)), each row's bits whatever M and the other rows."""
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     x = x if x.stride(-1) == 1 else x.contiguous()
     (M, K), N = x.shape, w.shape[0]
@@ -563,7 +564,7 @@ def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, se
     built on the device from seq_lens (no host lengths): a CUDA graph holds it."""
     (B, H, D), Hkv = q.shape, k_pool.shape[1]
     cfg, dev = DETERMINISTIC_CONFIG[q.dtype], q.device
-    per = triton.cdiv(H // Hkv, cfg["rows"])  # blocks per token: 1 unless a group outnumbers the rows
+    per = triton.cdiv(H // Hkv, cfg["rows"])  # blocks per token: 1 unless a group outnumbers rows
     b = torch.arange(B, device=dev, dtype=torch.int32)
     first = torch.arange(per, device=dev, dtype=torch.int32) * cfg["rows"]
     blocks = torch.stack([b.repeat_interleave(per), first.repeat(B)], 1).flatten()

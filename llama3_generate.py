@@ -183,7 +183,8 @@ def swiglu(gate, up):
 
 # What every layer calls: PyTorch's, or 04's Triton kernel for each pointwise step
 # (Transformer.use_kernels); linear: a batch-invariant matmul in deterministic mode
-PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu, linear=F.linear)
+PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu,
+                              linear=F.linear)
 
 
 def stack_on_load(stacked: str, parts: tuple):
@@ -227,7 +228,8 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim)  # q, k, v
+        # q, k, v, stacked
+        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim)
         self.wo = Linear(args.n_heads * args.head_dim, args.dim)
         self._register_load_state_dict_pre_hook(stack_on_load("wqkv", ("wq", "wk", "wv")))
 
@@ -289,8 +291,8 @@ class Transformer(nn.Module):
     def use_kernels(self, L04, linear=F.linear):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
         each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
-        self.use_ops(SimpleNamespace(rms_norm=L04.rms_norm, apply_rope=L04.apply_rope, swiglu=L04.swiglu,
-                                     linear=linear))
+        kernels = {name: getattr(L04, name) for name in ("rms_norm", "apply_rope", "swiglu")}
+        self.use_ops(SimpleNamespace(**kernels, linear=linear))
 
     def use_ops(self, ops):
         """Every module's ops (PYTORCH_OPS's names) from now on."""
@@ -326,18 +328,19 @@ class NoCache:
 # ----------------------------------------------------------------------------------------------
 # Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
 # ----------------------------------------------------------------------------------------------
-# The engine's matmul note. Floating-point sums depend on their order, and each kernel picks its order
-# from the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
-# GEMM kernels at 2-3 and 4+ rows (MKL, fp32), on a GPU cuBLAS picks a tile and split-K from M; attention
-# runs other kernels for decode, prefill and mixed steps, and splits keys by the batch (04, THE IDEA, 3).
-# So an answer changes with its company (SmolLM2, bf16: 5 of 32 greedy answers the same alone and in a
-# batch of 32 on an H200, 5 of 8 on a CPU; README). The fix makes every order a function of the row:
-# every matmul row meets one shape ((TILE_M, K) GEMMs here; 04's _matmul on a GPU: one tile config for
-# every M, no split-K), every query one attention routine over keys in fixed pieces from key 0 (here
-# attend_pieces; 04's extend kernel on a GPU), each sample its own seeded random stream.
+# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
+# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
+# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
+# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
+# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
+# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
+# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
+# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), and each
+# sample draws from its own seeded random stream.
 
 TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
-PIECE = 16   # keys per attention piece; query rows per tile
+PIECE = 16   # keys per attention piece, and query rows per tile
 
 
 def tiles(x, n: int):
@@ -347,42 +350,46 @@ def tiles(x, n: int):
 
 
 def invariant_linear(x, w):
-    """F.linear(x, w) whose rows' bits do not depend on the other rows: (TILE_M, K) GEMMs, zero-padded."""
+    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
     if not len(x):
         return F.linear(x, w)
     return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
 
 
 def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
-    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b] after
-    starts[b] cached ones; causal attention over the pool, each request alone, every query (whatever its
-    chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order with fixed-shape products."""
+    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
+    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
+    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
     (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
+    G = H // Hkv
     for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
         i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
         slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
-        live = (i < p + n)[:, None, None]  # keys past the end: zeros (stale table entries, maybe NaN)
+        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
+        live = (i < p + n)[:, None, None]
         k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
-        qr = q[t:t + n].float().view(n, Hkv, H // Hkv, D).transpose(0, 1).reshape(Hkv, -1, D)
-        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(H // Hkv)  # each row's position
-        o = attend_tiles(tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3), k, v, tiles(pos, PIECE), p + n)
-        o = o.reshape(Hkv, -1, D)[:, :len(pos)].view(Hkv, n, H // Hkv, D).transpose(0, 1)
-        out.append(o.reshape(n, H, D).to(q.dtype))
+        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
+        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
+        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
+        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
+        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
         t += n
     return torch.cat(out)
 
 
 def attend_tiles(q, k, v, pos, n_keys: int):
-    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE rows, D) at positions pos (tiles,
-    PIECE), k and v (Hkv, keys, D) zero-padded to whole pieces. Every product is (PIECE, D) x (D, PIECE)."""
+    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Each product: (PIECE, D) x (D, PIECE)."""
     Hkv, nt, R, D = q.shape
     m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
-    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(Hkv * nt, R, D) * D ** -0.5
+    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
     for j in range(0, n_keys, PIECE):
-        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D) for x in (k, v))
+        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
+                  for x in (k, v))
         s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
         key = torch.arange(j, j + PIECE, device=q.device)
-        s = s.masked_fill((key > pos[..., None]) | (key >= n_keys), float("-inf"))  # causal, and the padding
+        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
+        s = s.masked_fill(hidden, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
         alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
         acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
@@ -391,19 +398,20 @@ def attend_tiles(q, k, v, pos, n_keys: int):
 
 
 def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
-    """01's decode_attn: attend_pieces with one query per request, so a decode step's query reduces as the same
-    query would in a prefill."""
+    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
+    prefill)."""
     lens = [int(n) for n in seq_lens]
-    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens), page)
+    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
+                         page)
 
 
 DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
 
 
 def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
-    """An engine's choice of kernels. L04 (a GPU's): every backend read through 04's attention kernels, and with
-    CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one attention
-    reduction for every query, prefill or decode (04's on a GPU, attend_pieces elsewhere)."""
+    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
+    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
+    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else)."""
     if deterministic and L04 is not None:
         kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
         return model.use_kernels(L04, linear=L04.invariant_matmul)
@@ -414,7 +422,7 @@ def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
         kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
         if graphs:
             return model.use_kernels(L04)
-    if model.output.ops.linear is not F.linear:  # the model ran deterministic before: PyTorch's ops again
+    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
         model.use_ops(PYTORCH_OPS)
 
 
@@ -611,13 +619,13 @@ class Engine:
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
     and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB).
-    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it, cached or chunked
-    (set_ops; samples without a seed draw from their own stream seeded `seed`)."""
+    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it,
+    cached or chunked (set_ops; a sample without a seed draws from its own stream seeded `seed`)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None, reserve="expected",
-                 deterministic=False):
+                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None,
+                 reserve="expected", deterministic=False):
         a, dev = model.args, model.tok_embeddings.weight.device
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
@@ -1879,7 +1887,8 @@ def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None)
                   seed=args.seed, block_size=args.block_size, radix=False if args.no_radix else None,
                   cuda_graphs=False if args.eager else None, fused=not args.no_fused,
                   multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
-                  schedule=args.schedule, chunk_tokens=args.chunk_tokens, deterministic=args.deterministic)
+                  schedule=args.schedule, chunk_tokens=args.chunk_tokens,
+                  deterministic=args.deterministic)
 
 
 
@@ -2607,8 +2616,9 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
         "kernels per layer")
     add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
-    add("--deterministic", action="store_true", help="each answer the same bits whatever else runs beside it "
-        "(batch-invariant matmuls and attention, each sample its own seeded stream; slower: README)")
+    add("--deterministic", action="store_true", help="each answer the same bits whatever runs "
+        "beside it (batch-invariant matmuls and attention, each sample its own seeded stream; slower: "
+        "README)")
     add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
     add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "
