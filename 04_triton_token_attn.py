@@ -519,8 +519,10 @@ def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: 
     for k0 in range(0, K, BLOCK_K):  # the whole K here, in order: no split-K
         k = k0 + offs_k
         in_k = k[None, :] < K
-        a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & in_k, other=0.0)
-        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & in_k, other=0.0)
+        a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & in_k,
+                    other=0.0)
+        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & in_k,
+                    other=0.0)
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)

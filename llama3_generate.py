@@ -379,7 +379,7 @@ def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
 
 def attend_tiles(q, k, v, pos, n_keys: int):
     """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
-    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Each product: (PIECE, D) x (D, PIECE)."""
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
     Hkv, nt, R, D = q.shape
     m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
     l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
@@ -619,8 +619,9 @@ class Engine:
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
     and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB).
+
     deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it,
-    cached or chunked (set_ops; a sample without a seed draws from its own stream seeded `seed`)."""
+    cached or chunked (set_ops; a sample without a seed draws from a stream seeded `seed`)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
@@ -2617,8 +2618,8 @@ def cli_args(argv=None) -> argparse.Namespace:
         "kernels per layer")
     add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
     add("--deterministic", action="store_true", help="each answer the same bits whatever runs "
-        "beside it (batch-invariant matmuls and attention, each sample its own seeded stream; slower: "
-        "README)")
+        "beside it (batch-invariant matmuls and attention, each sample its own seeded stream; "
+        "slower: README)")
     add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
     add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "

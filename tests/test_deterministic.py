@@ -1,9 +1,9 @@
 """Issue 64: deterministic (batch-invariant) mode. The needle test (vLLM's and SGLang's): a prompt
 runs alone, then at a random position in batches of random sizes with random other prompts, with and
 without a cached prefix, chunked and not, mixed steps and not, on every backend; in deterministic
-mode its tokens and logprobs are the same bits every time. The same trials with the mode off must find a
-difference (the negative test: proof that they can fail). The mode's pieces are checked against
-float64 too (consistent garbage would pass the needle test)."""
+mode its tokens and logprobs are the same bits every time. The same trials with the mode off must
+find a difference (the negative test: proof that they can fail). The mode's pieces are checked
+against float64 too (consistent garbage would pass the needle test)."""
 import random
 
 import pytest
@@ -169,8 +169,8 @@ def attention_problem(device, dtype, Hkv=2, G=3, D=32, slots=300):
 
 
 def one_reduction(extend, decode, device, dtype):
-    """A query's output, the same bits whether its prompt ran whole, as a chunk after a cached prefix,
-    or it is a decode step's; the whole prompt's checked against float64."""
+    """A query's output, the same bits whether its prompt ran whole, as a chunk after a cached
+    prefix, or it is a decode step's; the whole prompt's checked against float64."""
     q, kp, vp, table, n = attention_problem(device, dtype)
     whole = extend(q, kp, vp, table, [0], [0], [n])
     k, v = (p[table[0].long()].double() for p in (kp, vp))
