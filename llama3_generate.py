@@ -33,7 +33,8 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
+Top to bottom, the core first: the model; deterministic mode (batch-invariant matmuls and attention:
+an answer's bits whatever the batch); generate (a static batch through any backend: the lessons'
 parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
 them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
 says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
@@ -46,7 +47,8 @@ Triton path (a GPU, or CUDA graphs asked for). Benchmarks: tests/bench_engine.py
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
-undone in permute_qk.
+undone in permute_qk; Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) and
+SGLang's deterministic inference for the deterministic mode.
 """
 from __future__ import annotations
 
