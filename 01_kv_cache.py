@@ -278,7 +278,8 @@ class ContiguousKVCache(KVCache):
 
     def prepare(self, seq_ids, n_new):
         """Make room for n_new[i] tokens of seq_ids[i]; returns their positions (T,). Everything is
-        checked before anything changes, so a refused batch leaves the cache as it was."""
+        checked before anything changes, so a refused batch leaves the cache as it was: ValueError
+        for a request id twice in the batch, no free row for a new request, or over max_seq_len."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"duplicate request ids in one batch: {list(seq_ids)}")
         new = [s for s in seq_ids if s not in self.rows]

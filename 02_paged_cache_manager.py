@@ -124,7 +124,8 @@ class BlockManager:
         return self.batch_blocks_needed(seqs, n_new) <= self.num_free
 
     def append(self, seq, n: int) -> list:
-        """Grow seq by n tokens (a new seq_id starts a sequence). -> the (src, dst) block copies copy-on-write needs."""
+        """Grow seq by n tokens (a new seq_id starts a sequence). -> the (src, dst) block copies
+        copy-on-write needs. Too few free blocks: OutOfBlocks, before any change."""
         need = self.blocks_needed(seq, n)
         if need > self.num_free:  # checked before any change: a refusal leaves the pool as it was
             raise OutOfBlocks(f"sequence {seq!r}: {n} more tokens need {need} blocks but only {self.num_free} are free")
@@ -151,7 +152,8 @@ class BlockManager:
         return [c for s, n in zip(seq_ids, n_new) for c in self.append(s, n)]
 
     def fork(self, parent, child):
-        """child starts as parent's exact copy and shares every block (refcount + 1): parallel sampling, beam search."""
+        """child starts as parent's exact copy and shares every block (refcount + 1): parallel
+        sampling, beam search. An unknown parent is a KeyError, a child that exists a ValueError."""
         if parent not in self.block_tables:
             raise KeyError(f"fork: unknown sequence {parent!r}")
         if child in self.block_tables:
@@ -162,6 +164,7 @@ class BlockManager:
             self.ref_count[b] += 1
 
     def free(self, seq):
+        """Drop seq: each of its blocks loses a reference, free again at 0. Unknown seq: KeyError."""
         if seq not in self.block_tables:
             raise KeyError(f"free: unknown sequence {seq!r}")
         for b in reversed(self.block_tables.pop(seq)):
@@ -666,6 +669,11 @@ class Scheduler:
         return 0
 
     def preempt(self, req):
+        """Take req (running, already out of self.running) off the pool: count it in
+        stats["preemptions"], log it ("swap_out" or "preempt", tokens: the req.kv_len it holds,
+        logged before anything is dropped), then swap: append (req, kv.swap_out(rid)) to
+        self.swapped, req.in_kv = False (it keeps kv_len); recompute: release(req) and put it at the
+        head of self.waiting."""
         self.stats["preemptions"] += 1
         self.log("swap_out" if self.preempt_mode == "swap" else "preempt", req, req.kv_len)
         if self.preempt_mode == "swap":

@@ -37,6 +37,11 @@ users need Triton (Linux): the lesson first, then its float64 references, check 
 then, in an appendix, the kernels the engine borrows (batch-1 fused decode, the Lamport all-reduce,
 argmax, the model's pointwise steps).
 
+Third, deterministic mode (THE IDEA, 3): why a bf16 answer moves with the batch it runs in (each
+kernel picks its reduction order from the batch's shapes), and the same two kernels plus a matmul
+that keep it still: one attention reduction for every query, over keys in pieces of a fixed size,
+and one matmul tile configuration for every M.
+
 Imports: torch, Triton, then 01 (table_slots, the host twin of `_slot`) at module level. The demo
 (`main`) loads llama3_generate only for its CPU thread setting, and loading the model file imports
 the lessons the engine uses (01, 02, 03, 05, 06; 04 where Triton is).
@@ -462,6 +467,117 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
         out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0), page,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32,
         PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return out
+
+
+# ======== THE IDEA, 3: the same answer whatever the batch (deterministic mode) ====================
+# Greedy decoding should give one answer per prompt, yet in bf16 an answer changes with whatever
+# else is in the batch (SmolLM2 on an H200: 5 of 32 answers the same alone and in a batch of 32;
+# README). Not concurrency but batch variance (Thinking Machines, "Defeating Nondeterminism in LLM
+# Inference"): float addition is not associative, and each kernel picks its reduction order from
+# the shapes of its call, not from the row:
+#
+#     matmul     cuBLAS picks a tile and split-K from M (the step's tokens): K summed in other
+#                pieces
+#     decode     choose_num_splits picks the split count from batch x kv heads: another split
+#                point in a request's keys, other partials merged by stage 2
+#     prefill    a cached or chunked prompt's query runs another kernel (decode's, or extend with
+#                its rows in other blocks) than the same query in the whole prompt
+#
+# Deterministic mode (Engine(deterministic=True); SGLang's --enable-deterministic-inference, vLLM's
+# VLLM_BATCH_INVARIANT=1) makes each order a function of the row alone:
+#
+#     attention  every query, prefill or decode, through `_extend` with one configuration: its
+#                keys reduce in BLOCK_N tiles from key 0, in order (a fixed split SIZE, not a
+#                split count)
+#     matmul     `_matmul`: one tile configuration for every M, the whole K in one program, in order
+#
+#     the keys of a query at position 150 (8 kv heads, 132 SMs):
+#         default, batch 1:   3 splits |0..63|64..127|128..150|, stage 2 merges them
+#         default, batch 64:  1 split, 128-key tiles |0..127|128..150|
+#         deterministic:      |0..63|64..127|128..150| in order, one program, whatever the batch
+#
+# The pointwise kernels (APPENDIX) were invariant already: one program per row. What it costs is in
+# the README (tests/bench_engine.py deterministic).
+
+# every M: one config (block_m, block_n, block_k, warps, stages); fp32's small tiles compile fast
+MATMUL_CONFIG = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
+                 torch.float32: (32, 32, 32, 4, 1)}
+
+
+@triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
+def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+    pid, grid_n, grid_m = tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M)
+    first = pid // (GROUP * grid_n) * GROUP  # GROUP row blocks walk the columns together (L2 reuse)
+    rows = tl.minimum(grid_m - first, GROUP)
+    pid_m, pid_n = first + pid % rows, pid % (GROUP * grid_n) // rows
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # the whole K here, in order: no split-K
+        k = k0 + offs_k
+        in_k = k[None, :] < K
+        a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & in_k,
+                    other=0.0)
+        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & in_k,
+                    other=0.0)
+        if DOT_F32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(C + offs_m[:, None] * s_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=mask)
+
+
+def invariant_matmul(x, w):
+    """F.linear(x, w) (x (..., K), w (N, K)), each row's bits whatever M and the other rows."""
+    shape, x = x.shape, x.reshape(-1, x.shape[-1])
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    (M, K), N = x.shape, w.shape[0]
+    bm, bn, bk, warps, stages = MATMUL_CONFIG[x.dtype]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    f32 = INTERPRET or x.dtype == torch.float32
+    if M:
+        _matmul[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
+            x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, GROUP=8, DOT_F32=f32, PREC="ieee" if f32 else "tf32", num_warps=warps,
+            num_stages=stages)
+    return out.view(*shape[:-1], N)
+
+
+# `_extend`'s one configuration for prefill and decode: 16 (token, head) rows a program (a decode
+# token's G heads fill them; the prefill tiles of 128 rows would be mostly padding there)
+DETERMINISTIC_CONFIG = {torch.bfloat16: dict(rows=16, block_n=64, num_warps=4, num_stages=2),
+                        torch.float16: dict(rows=16, block_n=64, num_warps=4, num_stages=2),
+                        torch.float32: dict(rows=16, block_n=32, num_warps=4, num_stages=1)}
+
+
+def deterministic_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
+                                   extend_lens, page=1):
+    """token_extend_attention in DETERMINISTIC_CONFIG (01's extend_attn in deterministic mode)."""
+    return token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
+                                  extend_lens, page=page, **DETERMINISTIC_CONFIG[q.dtype])
+
+
+def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page=1):
+    """A decode step through `_extend` (01's decode_attn in deterministic mode): one new token per
+    request after seq_len - 1 cached ones, so the same bits as that query in a prefill. Its plan is
+    built on the device from seq_lens (no host lengths): a CUDA graph holds it."""
+    (B, H, D), Hkv = q.shape, k_pool.shape[1]
+    cfg, dev = DETERMINISTIC_CONFIG[q.dtype], q.device
+    per = triton.cdiv(H // Hkv, cfg["rows"])  # blocks per token: 1 unless a group outnumbers rows
+    b = torch.arange(B, device=dev, dtype=torch.int32)
+    first = torch.arange(per, device=dev, dtype=torch.int32) * cfg["rows"]
+    blocks = torch.stack([b.repeat_interleave(per), first.repeat(B)], 1).flatten()
+    prefix = (torch.as_tensor(seq_lens, device=dev) - 1).int()
+    out, f32 = torch.empty_like(q), INTERPRET or q.dtype == torch.float32
+    _extend[(B * per, Hkv)](
+        q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), prefix,
+        torch.ones_like(prefix), b, blocks, out, D ** -0.5 * 1.4426950408889634, k_pool.stride(0),
+        v_pool.stride(0), req_to_token.stride(0), page, GROUP=H // Hkv, HEAD_DIM=D,
+        BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
 

@@ -33,7 +33,8 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
+Top to bottom, the core first: the model; deterministic mode (batch-invariant matmuls and attention:
+an answer's bits whatever the batch); generate (a static batch through any backend: the lessons'
 parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
 them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
 says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
@@ -46,7 +47,8 @@ Triton path (a GPU, or CUDA graphs asked for). Benchmarks: tests/bench_engine.py
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
-undone in permute_qk.
+undone in permute_qk; Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025) and
+SGLang's deterministic inference for the deterministic mode.
 """
 from __future__ import annotations
 
@@ -181,9 +183,10 @@ def swiglu(gate, up):
     return F.silu(gate) * up
 
 
-# The pointwise steps every layer calls: PyTorch's, or 04's Triton kernel for each
-# (Transformer.use_kernels)
-PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu)
+# What every layer calls: PyTorch's, or 04's Triton kernel for each pointwise step
+# (Transformer.use_kernels); linear: a batch-invariant matmul in deterministic mode
+PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu,
+                              linear=F.linear)
 
 
 def stack_on_load(stacked: str, parts: tuple):
@@ -193,6 +196,17 @@ def stack_on_load(stacked: str, parts: tuple):
         if all(f"{prefix}{p}.weight" in sd for p in parts):
             sd[f"{prefix}{stacked}.weight"] = torch.cat([sd.pop(f"{prefix}{p}.weight") for p in parts])
     return hook
+
+
+class Linear(nn.Linear):
+    """nn.Linear (no bias) through ops.linear; a module still, so TP's hooks on wo and w2 run."""
+    ops = PYTORCH_OPS
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__(d_in, d_out, bias=False)
+
+    def forward(self, x):
+        return self.ops.linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -216,8 +230,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wqkv = nn.Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim, bias=False)  # q, k, v
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # q, k, v, stacked
+        self.wqkv = Linear(args.dim, (args.n_heads + 2 * args.n_kv_heads) * args.head_dim)
+        self.wo = Linear(args.n_heads * args.head_dim, args.dim)
         self._register_load_state_dict_pre_hook(stack_on_load("wqkv", ("wq", "wk", "wv")))
 
     def qkv_weights(self) -> list:
@@ -240,8 +255,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w13 = nn.Linear(args.dim, 2 * args.hidden_dim, bias=False)  # gate (w1) and up (w3)
-        self.w2 = nn.Linear(args.hidden_dim, args.dim, bias=False)       # down
+        self.w13 = Linear(args.dim, 2 * args.hidden_dim)  # gate (w1) and up (w3)
+        self.w2 = Linear(args.hidden_dim, args.dim)       # down
         self._register_load_state_dict_pre_hook(stack_on_load("w13", ("w1", "w3")))
 
     def forward(self, x):
@@ -268,19 +283,23 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(Block(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = Linear(args.dim, args.vocab_size)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         cos, sin = rope_tables(args)  # (max_seq_len, head_dim/2) each
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, L04):
+    def use_kernels(self, L04, linear=F.linear):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
         each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
-        ops = SimpleNamespace(**{name: getattr(L04, name) for name in vars(PYTORCH_OPS)})
+        kernels = {name: getattr(L04, name) for name in ("rms_norm", "apply_rope", "swiglu")}
+        self.use_ops(SimpleNamespace(**kernels, linear=linear))
+
+    def use_ops(self, ops):
+        """Every module's ops (PYTORCH_OPS's names) from now on."""
         for m in self.modules():
-            if isinstance(m, (RMSNorm, Attention, FeedForward)):
+            if isinstance(m, (RMSNorm, Attention, FeedForward, Linear)):
                 m.ops = ops
 
     @torch.inference_mode()
@@ -293,7 +312,7 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, kv)
         if logits_at is not None:
             h = h[logits_at]
-        logits = F.linear(self.norm(h), self.output.weight[vocab])
+        logits = self.output.ops.linear(self.norm(h), self.output.weight[vocab])
         return logits.float() if fp32 else logits
 
 
@@ -306,6 +325,107 @@ class NoCache:
 
     def attend(self, layer_id, q, k, v):
         return attend_dense(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
+# ----------------------------------------------------------------------------------------------
+# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
+# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
+# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
+# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
+# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
+# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
+# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
+# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), and each
+# sample draws from its own seeded random stream.
+
+TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
+PIECE = 16   # keys per attention piece, and query rows per tile
+
+
+def tiles(x, n: int):
+    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
+    pad = -x.shape[0] % n
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
+
+
+def invariant_linear(x, w):
+    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
+    if not len(x):
+        return F.linear(x, w)
+    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
+
+
+def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
+    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
+    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
+    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
+    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
+    G = H // Hkv
+    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
+        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
+        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
+        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
+        live = (i < p + n)[:, None, None]
+        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
+        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
+        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
+        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
+        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
+        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
+        t += n
+    return torch.cat(out)
+
+
+def attend_tiles(q, k, v, pos, n_keys: int):
+    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
+    Hkv, nt, R, D = q.shape
+    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
+    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
+    for j in range(0, n_keys, PIECE):
+        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
+                  for x in (k, v))
+        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
+        key = torch.arange(j, j + PIECE, device=q.device)
+        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
+        s = s.masked_fill(hidden, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
+        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
+        l, m = l * alpha + p.sum(-1), m_new
+    return acc / l[..., None]
+
+
+def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
+    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
+    prefill)."""
+    lens = [int(n) for n in seq_lens]
+    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
+                         page)
+
+
+DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
+
+
+def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
+    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
+    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
+    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else)."""
+    if deterministic and L04 is not None:
+        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
+        return model.use_kernels(L04, linear=L04.invariant_matmul)
+    if deterministic:
+        kv.use_kernels(decode_pieces, attend_pieces)
+        return model.use_ops(DETERMINISTIC_OPS)
+    if L04 is not None:
+        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        if graphs:
+            return model.use_kernels(L04)
+    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
+        model.use_ops(PYTORCH_OPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -500,18 +620,22 @@ class Engine:
     multi-step decode (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
 
     max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
-    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB)."""
+    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB).
+
+    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it,
+    cached or chunked (set_ops; a sample without a seed draws from a stream seeded `seed`)."""
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
                  max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None, reserve="expected"):
+                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None,
+                 reserve="expected", deterministic=False):
         a, dev = model.args, model.tok_embeddings.weight.device
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
                             f"({', '.join(SCHEDULES)})")
         if radix and not BACKENDS[backend].shares_prefixes:  # None: on where the backend shares
             raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
-        self.model, self.device, self.seed = model, dev, seed
+        self.model, self.device, self.seed, self.deterministic = model, dev, seed, deterministic
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
         # tokens one sequence may hold
         self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)
@@ -522,8 +646,6 @@ class Engine:
         self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
                                                              block_size)
         self.backend = backend
-        if L04 is not None and dev.type == "cuda":  # 04's kernels read any backend's table
-            self.kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
         # greedy decode steps per host round trip
         self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)
         try:
@@ -540,11 +662,11 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         # the engine's counts; the scheduler counts the rest (stats)
         self.counts = self.new_counts()
+        fused = fused and not deterministic  # batch 1's GEMVs sum in another order than matmuls
         self.graphs = None
         if graphs:
             self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step, fused, self.max_len)
-        if self.graphs is not None and dev.type == "cuda":
-            model.use_kernels(L04)
+        set_ops(model, self.kv, L04 if dev.type == "cuda" else None, graphs, deterministic)
 
     @staticmethod
     def new_counts() -> dict:
@@ -571,8 +693,9 @@ class Engine:
         # later samples wait for the first's prefill, then reuse its cached prompt
         for i in range(params.n):
             seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
-            if params.seed is not None:
-                seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
+            seed = self.seed if params.seed is None and self.deterministic else params.seed
+            if seed is not None:  # its own stream (the engine's is shared: drawn in batch order)
+                seq.gen = torch.Generator(device=self.device).manual_seed((seed + i) % 2**64)
             first, self.n_seqs = first or seq, self.n_seqs + 1
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
@@ -1819,7 +1942,8 @@ def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None)
                   seed=args.seed, block_size=args.block_size, radix=False if args.no_radix else None,
                   cuda_graphs=False if args.eager else None, fused=not args.no_fused,
                   multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
-                  schedule=args.schedule, chunk_tokens=args.chunk_tokens)
+                  schedule=args.schedule, chunk_tokens=args.chunk_tokens,
+                  deterministic=args.deterministic)
 
 
 
@@ -2547,6 +2671,9 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--no-fused", action="store_true", help="GPU: batch-1 decode through the plain model, not the six fused "
         "kernels per layer")
     add("--multi-step", type=int, default=16, help="GPU: greedy decode steps per host sync (1 = one step)")
+    add("--deterministic", action="store_true", help="each answer the same bits whatever runs "
+        "beside it (batch-invariant matmuls and attention, each sample its own seeded stream; "
+        "slower: README)")
     add("--quiet", action="store_true", help="print only the completions (several: one JSON string per line)")
     add("--events", action="store_true", help="after serving, print the scheduler's decisions to stderr, one line per "
         "event: step, kind (admit, prefill, decode, evict, preempt, swap_out, swap_in, finish, ...), sequence, "

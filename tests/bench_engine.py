@@ -9,6 +9,7 @@ and the command line that serves prompts). Run from the repository root:
     python tests/bench_engine.py admission             # GPU: 05's three admissions at equal KV memory, early stops
     python tests/bench_engine.py serve-http            # GPU: the same load in process and through --serve's HTTP
     python tests/bench_engine.py prefix                # GPU: questions over one document, radix cache per backend
+    python tests/bench_engine.py deterministic         # GPU: deterministic mode's price; SmolLM2 answers the same
 
 Each prints a report, or with --json its figures as one JSON object. They use only the engine's public API
 (Engine, SamplingParams, warm_up, add, step, run, stats) and transformers' generate on the same weights.
@@ -743,6 +744,80 @@ def prefix_report(r: dict) -> str:
     return "\n".join(lines)
 
 
+QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Write a haiku about the sea.",
+             "What is 12 times 12?", "Why is the sky blue?", "Give me a tip for learning to cook.",
+             "What is a prime number?", "Describe a cat in one sentence.", "How do plants make food?",
+             "What does a KV cache store?", "Tell me a short joke.", "What is the boiling point of water?",
+             "Who wrote Romeo and Juliet?", "Explain gravity to a child.", "List three fruits.",
+             "What is machine learning?", "How many legs does a spider have?", "Suggest a name for a dog.",
+             "What is the largest planet?", "How do I make tea?", "What is photosynthesis?",
+             "Write one line about autumn.", "What is the speed of light?", "Why do we sleep?",
+             "What is an atom?", "Name a famous painter.", "How does a rainbow form?", "What is 7 plus 8?",
+             "Give a synonym for happy.", "What causes wind?", "What is the moon made of?",
+             "How do bees make honey?"]
+
+
+def same_answers(model, tok, prompts, max_new=96, deterministic=False) -> dict:
+    """Greedy answers of `prompts` alone (one at a time), all in one batch, and all again once the radix cache holds
+    them: how many of the batch's and the cached run's are the same as alone (EOS ignored, max_new tokens each)."""
+    e = L.Engine(model, tok, "token", kv_tokens=len(prompts) * (max(map(len, prompts)) + max_new + 64),
+                 max_batch=len(prompts), deterministic=deterministic)
+    params = L.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+
+    def run(batch, reset=True):
+        e.reset() if reset else None
+        for p in batch:
+            e.add(p, params)
+        return list(e.run().values())
+    alone = [run([p])[0] for p in prompts]
+    batch = run(prompts)
+    cached = run(prompts, reset=False)  # the batch's prompts (and answers) are in the radix cache now
+    same = lambda outs: sum(a == b for a, b in zip(outs, alone))
+    return dict(prompts=len(prompts), max_new=max_new, same_in_batch=same(batch), same_cached=same(cached),
+                cached_tokens=e.stats["cached_tokens"])
+
+
+def bench_deterministic(device="cuda", n_seqs=256, smollm=True) -> dict:
+    """`deterministic`: what Engine(deterministic=True) costs, default vs deterministic in one run: the engine
+    workload (random Llama-3.2-1B shape, token backend) and batch-1 decode; with SmolLM2-135M (bf16) where it is
+    installed, how many of 32 chat answers are the same alone, in a batch of 32 and cached."""
+    r = {"device": torch.cuda.get_device_name()}
+    if smollm:
+        try:
+            model, tok = L.load_model(None, device, torch.bfloat16)
+            prompts = [tok.chat(q) for q in QUESTIONS]
+            r["smollm2_same_answers"] = {m: same_answers(model, tok, prompts, deterministic=m == "deterministic")
+                                         for m in ("default", "deterministic")}
+        except L.UserError as e:
+            r["smollm2_same_answers"] = {"skipped": str(e)}
+        free()
+    tok, model, prompts, lens = engine_workload(device, n_seqs)
+    for mode in ("default", "deterministic"):
+        kw = dict(deterministic=mode == "deterministic")
+        r[f"serve_1b_{mode}"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048, **kw)
+        free()
+        r[f"batch1_1b_{mode}_tok_s"] = engine_decode_tok_s(model, tok, prompts[1][:128], 256, **kw)[0]
+        free()
+    r["serve_ratio"] = r["serve_1b_deterministic"]["tok_s"] / r["serve_1b_default"]["tok_s"]
+    r["batch1_ratio"] = r["batch1_1b_deterministic_tok_s"] / r["batch1_1b_default_tok_s"]
+    return r
+
+
+def deterministic_report(r: dict) -> str:
+    lines = [f"device: {r['device']}"]
+    for mode, a in r.get("smollm2_same_answers", {}).items():
+        lines.append(f"SmolLM2 {mode}: {a}" if mode == "skipped" else
+                     f"SmolLM2-135M bf16, {a['prompts']} prompts x {a['max_new']} greedy tokens, {mode}: the same as "
+                     f"alone in a batch {a['same_in_batch']}/{a['prompts']}, cached {a['same_cached']}/{a['prompts']}")
+    d, x = r["serve_1b_default"], r["serve_1b_deterministic"]
+    lines += [f"engine workload (1B shape): default {d['tok_s']:,.0f} tok/s, deterministic {x['tok_s']:,.0f} "
+              f"({r['serve_ratio']:.2f}x; prefill {x['prefill_tok_s'] / d['prefill_tok_s']:.2f}x, decode "
+              f"{x['decode_tok_s'] / d['decode_tok_s']:.2f}x)",
+              f"batch-1 decode (1B shape): default {r['batch1_1b_default_tok_s']:,.0f} tok/s, deterministic "
+              f"{r['batch1_1b_deterministic_tok_s']:,.0f} ({r['batch1_ratio']:.2f}x)"]
+    return "\n".join(lines)
+
+
 def cli_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="The engine's benchmarks.")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -771,6 +846,8 @@ def cli_args(argv=None) -> argparse.Namespace:
                       "through ProxyEngine, its model a sleep of MS ms per decode step (the GPU's host/device split)")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
                    "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
+    sub.add_parser("deterministic", help="GPU: Engine(deterministic=True) vs default: the engine workload and batch-1 "
+                   "decode (1B shape); SmolLM2's answers alone, in a batch and cached")
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="the figures as one JSON object")
     args = ap.parse_args(argv)
@@ -788,7 +865,7 @@ def main(argv=None):
         print(json.dumps(r) if args.json else serve_report(r))
         return
     proxy = getattr(args, "cpu_proxy", None) is not None
-    if args.command in ("engine", "serve", "serve-http", "prefix", "admission") and not torch.cuda.is_available() \
+    if args.command in ("engine", "serve", "serve-http", "prefix", "admission", "deterministic") and not torch.cuda.is_available() \
             and not proxy:
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
@@ -799,6 +876,9 @@ def main(argv=None):
         r = {"device": torch.cuda.get_device_name(), **bench_admissions(*engine_workload())}
         print(json.dumps(r) if args.json else r["device"] + "\n" + backends_report(
             {f"{w}, {b}": rows for w, by in r.items() if w != "device" for b, rows in by.items()}))
+    elif args.command == "deterministic":
+        r = bench_deterministic()
+        print(json.dumps(r) if args.json else deterministic_report(r))
     elif args.command == "prefix":
         r = bench_prefix()
         print(json.dumps(r) if args.json else prefix_report(r))

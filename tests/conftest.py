@@ -18,11 +18,11 @@ def pytest_addoption(parser):
     g = parser.getgroup("workshop", "grade your own copy of a lesson (python tests/workshop.py start 03)")
     g.addoption("--workspace", action="store_true", help="the lessons of the test files run come from workspace/")
     g.addoption("--workspace-dir", help="another workspace folder")
-    g.addoption("--workspace-report", help="write {test id: outcome} as JSON here (workshop.py progress reads it)")
+    g.addoption("--exercise", action="append", help="grade only this exercise (alloc, or TokenAllocator.alloc)")
 
 
 def pytest_configure(config):
-    if config.getoption("workspace"):  # before anything imports a lesson
+    if config.getoption("workspace"):
         import workshop  # tests/workshop.py
         config.pluginmanager.register(workshop.Grader(config), "workshop")
     import llama3_generate  # after TRITON_INTERPRET (and the workspace's import hook)

@@ -12,6 +12,10 @@ stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. A sn
 exactly once in its file is reported as STALE (the lesson moved on: update the mutant). Not part of the default
 `pytest` run (it takes minutes per stage); exit status 1 if any mutant survived or went stale.
 
+The mutants that lie in a workshop exercise's body (of_exercises) are graded by the workshop too:
+`python tests/workshop.py verify` (CI) checks that each fails its own exercise's grade, blamed on it on the first
+line, in words; one process, about a second each.
+
 References: mutation testing (DeMillo, Lipton, Sayward 1978, "Hints on test data selection"); mutmut and
 cosmic-ray do this automatically for every operator, here the list is hand-picked to the ideas each stage teaches.
 """
@@ -68,6 +72,18 @@ MUTANTS = [
     Mutant("01", "decode mask reads one key past each length",
            "mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]",
            "mask = torch.arange(k.shape[1], device=q.device) <= seq_lens[:, None]"),
+    Mutant("01", "prepare overwrites a request's length instead of growing it",
+           "            self.lens[r] += n\n        return positions",
+           "            self.lens[r] = n\n        return positions"),
+    Mutant("01", "prepare gives new requests their rows before checking the lengths (a refused batch keeps them)",
+           "        for s, n in zip(seq_ids, n_new):\n            have = ",
+           "        for s in new:\n            self.rows[s] = self.free_rows.pop(0)\n        new = []\n"
+           "        for s, n in zip(seq_ids, n_new):\n            have = "),
+    Mutant("01", "attend stores k in the V pool too", "kp[self.tok_slots], vp[self.tok_slots] = k, v",
+           "kp[self.tok_slots], vp[self.tok_slots] = k, k"),
+    Mutant("01", "prefill attends over the new tokens only, not the request's earlier ones (chunks forget the past)",
+           "idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)",
+           "idx = table_slots(self.table, [r], p + n, self.page)[0][p:]"),
     Mutant("01", "a batch is decode when ANY request feeds one token (a mixed batch takes the decode path)",
            "if all(n == 1 for n in n_new):  # decode", "if any(n == 1 for n in n_new):  # decode"),
 
@@ -101,6 +117,39 @@ MUTANTS = [
     Mutant("02", "preemption picks the oldest running request instead of the newest",
            "victim = next((r for r in reversed(batch) if id(r) not in running), batch[-1])",
            "victim = next((r for r in reversed(batch) if id(r) not in running), batch[0])"),
+    Mutant("02", "append refuses when it needs exactly the blocks that are free (>= for >)",
+           "        if need > self.num_free:  # checked", "        if need >= self.num_free:  # checked"),
+    Mutant("02", "append sets the token count to n instead of adding n",
+           "self.num_tokens[seq] = self.num_tokens.get(seq, 0) + n", "self.num_tokens[seq] = n"),
+    Mutant("02", "copy-on-write keeps its reference on the shared block it replaced",
+           "            src = table[-1]\n            self._release(src)\n", "            src = table[-1]\n"),
+    Mutant("02", "copy-on-write copies but does not say so (the copy is not returned)",
+           "            copies.append((src, dst))\n        table += [self._take() for _ in range(need - len(copies))]",
+           "        table += [self._take() for _ in range(need - 1 if src is not None else need)]"),
+    Mutant("02", "fork lets a child that exists be overwritten",
+           "        if child in self.block_tables:\n            raise ValueError",
+           "        if False:\n            raise ValueError"),
+    Mutant("02", "fork gives the child no tokens",
+           "self.num_tokens[child] = self.num_tokens[parent]", "self.num_tokens[child] = 0"),
+    Mutant("02", "free forgets the sequence's blocks (they never come back)",
+           "        for b in reversed(self.block_tables.pop(seq)):\n            self._release(b)\n",
+           "        self.block_tables.pop(seq)\n"),
+    Mutant("02", "free keeps the sequence's token count",
+           "            self._release(b)\n        del self.num_tokens[seq]", "            self._release(b)\n"),
+    Mutant("02", "preempt logs its event after the release (it says 0 tokens dropped)",
+           "        self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)\n"
+           "        if self.preempt_mode == \"swap\":",
+           "        if self.preempt_mode != \"swap\":\n            self.release(req)\n"
+           "        self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)\n"
+           "        if self.preempt_mode == \"swap\":"),
+    Mutant("02", "a swap-out never sets in_kv = False",
+           "            self.swapped.append((req, self.kv.swap_out(req.rid)))\n            req.in_kv = False\n",
+           "            self.swapped.append((req, self.kv.swap_out(req.rid)))\n"),
+    Mutant("02", "preempt is not counted", "        self.stats[\"preemptions\"] += 1\n        self.log(\"swap_out\"",
+           "        self.log(\"swap_out\""),
+    Mutant("02", "a swap-out is logged as a preempt",
+           "self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)",
+           "self.log(\"preempt\", req, req.kv_len)"),
     Mutant("02", "a preempted request is requeued at the tail (it loses its place)",
            "            self.release(req)\n            self.waiting.appendleft(req)",
            "            self.release(req)\n            self.waiting.append(req)"),
@@ -134,6 +183,25 @@ MUTANTS = [
            "torch.arange(start + 1, start + n + 1, device=self.device))"),
     Mutant("03", "alloc_contiguous: a run of n - 1 free slots is good enough",
            "runs = (c[n:] - c[:-n]) == n", "runs = (c[n:] - c[:-n]) >= n - 1"),
+    Mutant("03", "alloc returns one slot fewer than asked",
+           "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(1, n, device=self.device)"),
+    Mutant("03", "alloc finds the slots but does not take them (refcounts stay 0)",
+           "return self._take(torch.searchsorted(cum, want))", "return torch.searchsorted(cum, want)"),
+    Mutant("03", "alloc takes the highest free slots first",
+           "return self._take(torch.searchsorted(cum, want))",
+           "return self._take(torch.searchsorted(cum, cum[-1] + 1 - want))"),
+    Mutant("03", "alloc_contiguous takes the last run, not the first",
+           "start = int(runs.int().argmax())", "start = len(runs) - 1 - int(runs.int().flip(0).argmax())"),
+    Mutant("03", "alloc_contiguous takes the run but forgets n_free",
+           "return self._take(torch.arange(start, start + n, device=self.device))",
+           "self.mem_state[start:start + n] = 1\n        return torch.arange(start, start + n, device=self.device)"),
+    Mutant("03", "free accepts an index one past the pool (boundary one step off)",
+           "if lo < 0 or hi >= self.size:", "if lo < 0 or hi > self.size:"),
+    Mutant("03", "free accepts a negative index",
+           "if lo < 0 or hi >= self.size:", "if hi >= self.size:"),
+    Mutant("03", "free writes the refcounts before it checks them (a refused free changes the pool)",
+           "        if low_ref < 0:\n", "        self.mem_state[uniq] = left.clamp(min=0).to(torch.int32)\n"
+           "        if low_ref < 0:\n"),
     Mutant("03", "free counts every freed slot as free, shared ones too",
            "self.n_free += n_zero", "self.n_free += uniq.numel()"),
     Mutant("03", "free drops one reference per distinct slot, not per repeat",
@@ -217,6 +285,29 @@ MUTANTS = [
     Mutant("05", "lock: ancestors are not locked (only the node itself)",
            "            node.lock_ref += 1\n            node = node.parent\n        return delta",
            "            node.lock_ref += 1\n            break\n        return delta"),
+    Mutant("05", "match_prefix walks one token short of whole pages (a page walk that never ends at page 2)",
+           "values, node = self._walk(key[:len(key) // self.page * self.page])",
+           "values, node = self._walk(key[:max(len(key) // self.page * self.page - 1, 0)])"),
+    Mutant("05", "match_prefix returns the slots of the last edge only",
+           "slots = torch.cat(values) if len(values) > 1 else values[0] if values",
+           "slots = values[-1] if values"),
+    Mutant("05", "insert caches a partial last page too",
+           "key = tuple(tokens[:len(tokens) // self.page * self.page])\n        values, node = self._walk(key)\n"
+           "        n = sum", "key = tuple(tokens)\n        values, node = self._walk(key)\n        n = sum"),
+    Mutant("05", "insert's new leaf takes no reference on its slots",
+           "            if self.allocator is not None:\n                self.allocator.inc_ref(leaf.value)\n", ""),
+    Mutant("05", "insert does not count the new leaf as evictable",
+           "            self.evictable += len(leaf.key)\n", ""),
+    Mutant("05", "evict stops one token short of n", "while freed < n and heap:", "while freed < n - 1 and heap:"),
+    Mutant("05", "evict forgets the evictable count",
+           "            freed += len(x.key)\n            self.evictable -= len(x.key)\n",
+           "            freed += len(x.key)\n"),
+    Mutant("05", "evict unlinks a leaf but never frees its slots",
+           "            if self.allocator is not None:\n                # drop the tree's reference",
+           "            if False:\n                # drop the tree's reference"),
+    Mutant("05", "lpm orders by the prompt's length, not its cached prefix",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
+           "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.tokens))"),
     Mutant("05", "lpm orders the shortest cached prefix first",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: len(r.prefix))"),
@@ -256,10 +347,15 @@ MUTANTS = [
            "heads = np.union1d(0, self.dfa.table[~self.forced])", "heads = np.unique(self.dfa.table[~self.forced])"),
     Mutant("06", "jump-forward keeps a partial UTF-8 character",
            "jump = jump[len(text):len(jump.decode(\"utf-8\", \"ignore\").encode())]", "jump = jump[len(text):]"),
+    Mutant("06", "jump-forward ignores the token limit",
+           "if not jump or len(new) > limit or fits(", "if not jump or fits("),
+    Mutant("06", "constrained decoding samples from the unmasked logits",
+           "t = int(sample(logits.masked_fill(~ok, float(\"-inf\"))[None], temperature, 1.0, gen)[0])",
+           "t = int(sample(logits[None], temperature, 1.0, gen)[0])"),
     Mutant("06", "after a jump the KV keeps the old tokens (keep not cut back to the common prefix)",
            "ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)", "ids = list(prompt_ids) + out"),
-    Mutant("06", "nothing-left-to-choose check ignores EOS (calls the model for a forced stop)",
-           "if allowed[index.eos] and allowed.sum() == 1:", "if allowed.sum() == 0:"),
+    Mutant("06", "decoding stops only when no room is left (asks the model where only EOS is allowed)",
+           "if index.finish(state, room):  # nothing left", "if room < 1:  # nothing left"),
     Mutant("06", "top-p drops the token that crosses p (the nucleus is one short)",
            "drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p", "drop = p_sorted.cumsum(-1) > top_p"),
     Mutant("06", "top-p keeps a token whose more likely ones reach p exactly (one past the smallest nucleus)",
@@ -271,8 +367,8 @@ MUTANTS = [
     Mutant("06", "temperature multiplies instead of divides",
            "probs = torch.softmax(logits / temperature, dim=-1)",
            "probs = torch.softmax(logits * temperature, dim=-1)"),
-    Mutant("06", "max_new_tokens counts one token too many",
-           "while len(ids) - n0 < max_new_tokens:", "while len(ids) - n0 <= max_new_tokens:"),
+    Mutant("06", "decoding stops at max_new_tokens - 1 (one token short)",
+           "room = max_new_tokens - (len(ids) - n0)  # tokens left", "room = max_new_tokens - (len(ids) - n0) - 1  #"),
 
     # ---- the engine (llama3_generate.py): Seq.append's finish, Engine.add's n samples, Engine.forward, generate ----
     Mutant("engine", "a sequence ends one token late (max_new_tokens counted with >)",
@@ -283,8 +379,8 @@ MUTANTS = [
     Mutant("engine", "the finish reason reads the token, not the decision (ignore_eos reports stop)",
            "self.finish = \"stop\" if stop else \"length\"", "self.finish = \"stop\" if eos else \"length\""),
     Mutant("engine", "a constrained sequence whose regex allows only EOS still asks the model",
-           "(int(ok.sum()) == 1 or len(self.output) >= p.max_new_tokens)",
-           "(int(ok.sum()) == 0 or len(self.output) >= p.max_new_tokens)"),
+           "stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == \"stop\"",
+           "stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == \"length\""),
     Mutant("engine", "n samples with a seed all draw from the same generator",
            "manual_seed((params.seed + i) % 2**64)", "manual_seed(params.seed % 2**64)"),
     Mutant("engine", "logits taken at each sequence's first new token instead of its last",
@@ -293,6 +389,29 @@ MUTANTS = [
     Mutant("engine", "the static loop keeps decoding past a stop id",
            "            active = [i for i in active if out[i][-1] not in stop_ids]\n", ""),
 ]
+
+
+def of_exercises(stage) -> list:
+    """The mutants of stage that lie in an exercise's body (an attendee's bug): each with .exercise (the
+    workshop's Exercise) and .body (that body with the bug), for `workshop.py verify`."""
+    import workshop as W
+    out = []
+    for mu in MUTANTS:
+        if W.LESSONS.get(stage) != FILES[mu.stage][:-3]:
+            continue
+        src = W.reference(stage)
+        at, old, new = src.find(mu.old), mu.old, mu.new
+        head = len(os.path.commonprefix([old, new]))
+        tail = len(os.path.commonprefix([old[head:][::-1], new[head:][::-1]]))
+        for e in W.exercises(stage):  # the changed characters lie in the exercise's body
+            a, b, _ = W.span(src, e.name)
+            if a <= at + head and at + len(old) - tail <= b:
+                mutated = src[:at] + new + src[at + len(old):]
+                out.append(ExerciseMutant(*mu, e, mutated[a:b + len(new) - len(old)]))
+    return out
+
+
+ExerciseMutant = namedtuple("ExerciseMutant", Mutant._fields + ("exercise", "body"))
 
 
 def copy_repo(dst, tests_from=None):

@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from expect import refuses
 
 m = importlib.import_module("01_kv_cache")
 N_NEW = 16
@@ -253,16 +254,22 @@ def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4,
         n_new = [1 if decode else int(rng.integers(1, max_len - len(model[s][0]) + 1)) for s in seqs]
         starts = [len(model[s][0]) for s in seqs]
         pos = kv.prepare(seqs, n_new)
-        assert pos.tolist() == [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
-        assert kv.batch_lens.tolist() == [s0 + n for s0, n in zip(starts, n_new)]
+        call = f"step {step}: prepare({seqs}, {n_new}) with lengths {starts}"
+        want = [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
+        assert pos.tolist() == want, f"{call} returned positions {pos.tolist()}; want {want}"
+        want = [s0 + n for s0, n in zip(starts, n_new)]
+        assert kv.batch_lens.tolist() == want, f"{call} set batch_lens {kv.batch_lens.tolist()}; want {want}"
         slot.update(zip([(s, p) for s, s0, n in zip(seqs, starts, n_new) for p in range(s0, s0 + n)],
                         kv.tok_slots.tolist()))
-        assert len(set(slot.values())) == len(slot), "two live tokens share a slot"
+        assert len(set(slot.values())) == len(slot), f"{call}: two live tokens share a slot (tok_slots " \
+            f"{kv.tok_slots.tolist()})"
         for s in model:  # the table maps every live token to its slot
             if model[s][0] or s in seqs:
                 n = starts[seqs.index(s)] + n_new[seqs.index(s)] if s in seqs else len(model[s][0])
                 got = m.table_slots(kv.table, [kv.rows[s]], n, kv.page)[0].tolist()
-                assert got == [slot[s, p] for p in range(n)], (step, s)
+                assert got == [slot[s, p] for p in range(n)], (
+                    f"{call}: the table maps request {s}'s {n} tokens to slots {got}; prepare wrote them to "
+                    f"{[slot[s, p] for p in range(n)]} (tok_slots)")
         T = sum(n_new)
         q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
         out = kv.attend(0, q, k, v)
@@ -270,7 +277,10 @@ def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4,
         for s, s0, n in zip(seqs, starts, n_new):
             model[s][0].extend(k[t:t + n]), model[s][1].extend(v[t:t + n])
             ref = dense_reference(q[t:t + n], torch.stack(model[s][0]), torch.stack(model[s][1]), s0)
-            torch.testing.assert_close(out[t:t + n].double(), ref, atol=1e-5, rtol=1e-5)
+            err = (out[t:t + n].double() - ref).abs().max().item()
+            assert err <= 1e-5 + 1e-5 * ref.abs().max().item(), (
+                f"{call}: attend's output for request {s} (positions {s0}..{s0 + n - 1}) is off by {err:.2g} from "
+                "float64 attention over the request's own K/V, each query seeing the keys up to its position")
             t += n
     for s in list(model):
         kv.free(s)
@@ -289,15 +299,21 @@ def test_contiguous_cache_fills_a_row_exactly():
     """A request of exactly max_seq_len tokens fits (one more is refused); every row can be taken, and a freed row
     is taken again from position 0."""
     kv = m.ContiguousKVCache(1, 2, 6, 1, 4)
-    assert kv.prepare(["a"], [6]).tolist() == list(range(6))
-    with pytest.raises(ValueError, match="exceed max_seq_len"):
-        kv.prepare(["a"], [1])
-    assert kv.prepare(["b"], [5]).tolist() == list(range(5)) and kv.prepare(["b"], [1]).tolist() == [5]
-    with pytest.raises(ValueError, match="no free cache row"):
-        kv.prepare(["c"], [1])
+    got = kv.prepare(["a"], [6]).tolist()
+    assert got == list(range(6)), f"prepare(['a'], [6]) on rows of 6 returned positions {got}; want 0..5"
+    refuses(ValueError, kv.prepare, ["a"], [1], what="prepare(['a'], [1]) with 'a' holding max_seq_len = 6 tokens")
+    refuses(ValueError, kv.prepare, ["new", "a"], [1, 1], what="prepare(['new', 'a'], [1, 1]) with 'a' full")
+    assert "new" not in kv.rows and kv.free_rows == [1], (
+        f"a refused prepare(['new', 'a'], [1, 1]) gave 'new' a row (rows {kv.rows}, free {kv.free_rows}): check "
+        "everything before changing anything")
+    got = kv.prepare(["b"], [5]).tolist() + kv.prepare(["b"], [1]).tolist()
+    assert got == list(range(6)), f"prepare(['b'], [5]) then prepare(['b'], [1]) gave positions {got}; want 0..5"
+    refuses(ValueError, kv.prepare, ["c"], [1], what="prepare(['c'], [1]) with both rows taken")
     for _ in range(3):  # free and take again, more times than there are rows
         kv.free("a")
-        assert kv.prepare(["c"], [2]).tolist() == [0, 1] and kv.batch_lens.tolist() == [2]
+        got = kv.prepare(["c"], [2]).tolist()
+        assert got == [0, 1] and kv.batch_lens.tolist() == [2], (
+            f"a request in a freed row got positions {got}, batch_lens {kv.batch_lens.tolist()}; want [0, 1], [2]")
         kv.free("c")
-        assert kv.prepare(["a"], [1]).tolist() == [0]
-    assert kv.used() == 2 * 6 and sorted(kv.rows) == ["a", "b"]
+        assert kv.prepare(["a"], [1]).tolist() == [0], "a request in a freed row must start at position 0"
+    assert kv.used() == 2 * 6 and sorted(kv.rows) == ["a", "b"], f"rows {kv.rows}, {kv.used()} slots used"

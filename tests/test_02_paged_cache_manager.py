@@ -9,6 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from expect import refuses
 
 P = importlib.import_module("02_paged_cache_manager")
 kv01 = importlib.import_module("01_kv_cache")
@@ -166,25 +167,32 @@ def test_random_alloc_append_fork_free_keeps_invariants_and_contents(seed):
             try:
                 pos = kv.prepare(seqs, n_new)
             except P.OutOfBlocks:
-                assert need > m.num_free and not fits
-                assert snapshot(m) == before  # a refusal changes nothing
+                assert need > m.num_free and not fits, (
+                    f"prepare({seqs}, {n_new}) was refused, but it needs {need} blocks and {m.num_free} are free")
+                assert snapshot(m) == before, f"a refused prepare({seqs}, {n_new}) changed the manager: {blocks(m)}"
                 continue
-            assert fits and m.num_free == one_by_one.num_free == len(before[0]) - need
+            assert fits and m.num_free == one_by_one.num_free == len(before[0]) - need, (
+                f"prepare({seqs}, {n_new}) left {m.num_free} blocks free; appending one sequence after the other "
+                f"leaves {one_by_one.num_free if fits else 'no room (OutOfBlocks)'}, the estimate said "
+                f"{len(before[0]) - need}")
             expect = [p for s, n in zip(seqs, n_new) for p in range(len(oracle.get(s, [])), len(oracle.get(s, [])) + n)]
-            assert pos.tolist() == expect
+            assert pos.tolist() == expect, f"prepare({seqs}, {n_new}) gave positions {pos.tolist()}; want {expect}"
             tags = torch.arange(tag, tag + len(pos))
             kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = tags[:, None, None]
             for s, n in zip(seqs, n_new):
                 oracle.setdefault(s, []).extend(tags[:n].tolist())
                 tags, tag = tags[n:], tag + n
             next_id = max(next_id, max(seqs) + 1)
-        assert m.check()
-        assert {s: len(t) for s, t in oracle.items()} == m.num_tokens
+        assert m.check(), blocks(m)
+        want = {s: len(t) for s, t in oracle.items()}
+        assert want == m.num_tokens, f"after {op}, the sequences hold {m.num_tokens} tokens; want {want}"
         for s, tags_s in oracle.items():
-            assert kv.gather(s, 0)[0].flatten().tolist() == tags_s
+            got = kv.gather(s, 0)[0].flatten().tolist()
+            assert got == tags_s, (f"after {op}, sequence {s} reads back the tokens written as {got}; "
+                                   f"want {tags_s} (a block shared or freed too early?)")
     for s in list(oracle):
         kv.free(s)
-    assert m.num_free == m.num_blocks and m.check()
+    assert m.num_free == m.num_blocks and m.check(), f"everything freed, yet {blocks(m)}"
 
 
 def test_clear_errors():
@@ -247,13 +255,18 @@ def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
         kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
             n = kv.manager.num_tokens[r.rid]
-            assert kv.gather(r.rid, 0)[0].flatten().tolist() == (10000 * r.rid + torch.arange(n)).tolist()
+            got = kv.gather(r.rid, 0)[0].flatten().tolist()
+            want = (10000 * r.rid + torch.arange(n)).tolist()
+            assert got == want, (f"({preempt}) request {r.rid} reads back K tagged {got[:8]}...; want its own "
+                                 f"positions, {want[:8]}...")
         kv.manager.check()
         return [0] * len(batch)
     sched.run(forward)
-    assert sched.stats["preemptions"] > 0
-    assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o.tolist()
-    assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check()
+    assert sched.stats["preemptions"] > 0, f"({preempt}) the trace ran without a preemption"
+    got = [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)]
+    assert got == o.tolist(), f"({preempt}) the requests finished with {got} tokens; want {o.tolist()}"
+    assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check(), \
+        f"({preempt}) every request finished, yet {blocks(kv.manager)}"
 
 
 def test_batch_estimate_counts_copy_on_write_once_per_shared_block():
@@ -495,17 +508,23 @@ def test_preemption_order_against_the_policy(preempt):
             order = before + [e.rid for e in new if e.kind == "swap_in"]  # running, oldest (re)admission first
             victims = [order.index(e.rid) for e in new if e.kind in ("preempt", "swap_out")]
             kept = [order.index(r.rid) for r in sched.running if r.rid in order]
-            assert all(v > k for v in victims for k in kept), (trial, new)  # the newest go first
-            assert victims == sorted(victims, reverse=True), new  # newest first, one after the other
+            assert all(v > k for v in victims for k in kept), (
+                f"({preempt}) running {order}, the step preempted {victims} (places in that list) and kept "
+                f"{kept}: the newest must go first; events {new}")
+            assert victims == sorted(victims, reverse=True), f"({preempt}) newest first, one by one: {new}"
             waiting = [r.rid for r in sched.waiting]
-            assert waiting == sorted(waiting), (trial, waiting)  # a preempted request is back at the head
-            assert all(r.rid < w for r in sched.running for w in waiting), (trial, new)  # nobody overtook
+            assert waiting == sorted(waiting), (f"({preempt}) the queue is {waiting} after {new}: a preempted "
+                                                "request goes back to its head")
+            assert all(r.rid < w for r in sched.running for w in waiting), (
+                f"({preempt}) requests {[r.rid for r in sched.running]} run while {waiting} wait: nobody overtakes")
             swapped_in += [e.rid for e in new if e.kind == "swap_in"]
             if any(e.kind == "admit" for e in new):  # swapped ones come back before anyone new is admitted
-                assert len(swapped_in) == len(swapped_out), (trial, new)
+                assert len(swapped_in) == len(swapped_out), (
+                    f"({preempt}) a request was admitted while swapped-out ones waited: {new}")
             swapped_out += [e.rid for e in new if e.kind == "swap_out"]
-        assert swapped_in == swapped_out  # first out, first back
-        assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o
+        assert swapped_in == swapped_out, f"swapped out {swapped_out}, back in {swapped_in}: first out, first back"
+        got = [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)]
+        assert got == o, f"({preempt}) the requests finished with {got} tokens; want {o}"
 
 
 @pytest.mark.parametrize("B", [1, 3, 4])
@@ -556,3 +575,137 @@ def test_paged_cache_batches_against_a_brute_force_model(block_size, seed):
     kv = P.PagedKVCache(1, 3 * P.cdiv(12, block_size), block_size, 2, 8, watermark=0.0, max_seqs=3, max_seq_len=12)
     backend_against_brute_force(kv, seed)
     assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check() and sorted(kv.free_rows) == [0, 1, 2]
+
+
+# ------------------------------------------------------------------ the workshop's exercises, on small cases, in words
+
+def blocks(m):
+    """The manager in words: each sequence's table and tokens, the refcounts of used blocks, the free list."""
+    used = {b: c for b, c in enumerate(m.ref_count) if c}
+    return (f"tables {m.block_tables}, tokens {m.num_tokens}, refcounts {used}, "
+            f"{m.num_free} of {m.num_blocks} blocks free")
+
+
+def test_append_takes_whole_blocks_and_copies_a_shared_partial_one():
+    """append on a pool of 6 blocks of 4 tokens: whole blocks as needed, none while the last has room; a shared
+    full last block is not copied, a shared partly filled one is (once, returned as (src, dst)); no room:
+    OutOfBlocks, nothing changed."""
+    m = P.BlockManager(6, 4, 0.0)
+    for seq, n, new_blocks in (("a", 5, 2), ("a", 3, 0), ("a", 1, 1), ("b", 4, 1), ("b", 0, 0)):
+        before, have = blocks(m), len(m.block_tables.get(seq, []))
+        copies = m.append(seq, n)
+        assert copies == [], f"append({seq!r}, {n}) returned copies {copies} with nothing shared; want []"
+        assert len(m.block_tables[seq]) == have + new_blocks, (
+            f"append({seq!r}, {n}) with {before}: {seq!r} holds {len(m.block_tables[seq])} blocks; want "
+            f"{have + new_blocks} (whole blocks of 4 tokens, a new one only when the last is full)")
+        assert m.check(), f"after append({seq!r}, {n}): {blocks(m)}"
+    snap, state = snapshot(m), blocks(m)
+    refuses(P.OutOfBlocks, m.append, "c", 9, what=f"append('c', 9) (3 blocks) with {state}")
+    assert snapshot(m) == snap, f"append('c', 9) was refused but changed the manager: {state} became {blocks(m)}"
+    refuses(P.OutOfBlocks, m.append, "a", 12, what=f"append('a', 12) (3 more blocks) with {state}")
+    assert snapshot(m) == snap, f"append('a', 12) was refused but changed the manager: {state} became {blocks(m)}"
+    m = P.BlockManager(10, 4, 0.0)
+    m.append("full", 8)
+    m.fork("full", "twin")
+    state = blocks(m)
+    assert m.append("twin", 1) == [], f"append('twin', 1) copied a full shared block ({state}); want no copy"
+    assert m.block_tables["twin"][:2] == m.block_tables["full"], f"the full blocks stopped being shared: {blocks(m)}"
+    m.append("half", 6)
+    m.fork("half", "h2")
+    m.fork("half", "h3")
+    last, state = m.block_tables["half"][1], blocks(m)
+    copies = m.append("h2", 1)
+    assert copies == [(last, m.block_tables["h2"][1])], (
+        f"append('h2', 1) with {state} returned copies {copies}; block {last} is partly filled and shared by 3: "
+        f"want [({last}, the new block)] and h2's table pointing at the copy")
+    assert m.ref_count[last] == 2, f"after the copy block {last} has refcount {m.ref_count[last]}; want 2"
+    assert m.append("h3", 2) == [(last, m.block_tables["h3"][1])] and m.ref_count[last] == 1, \
+        f"the second writer must copy too: {blocks(m)}"
+    state = blocks(m)
+    assert m.append("half", 2) == [] and m.block_tables["half"][1] == last, (
+        f"append('half', 2) with {state}: the last holder of block {last} writes in place; got {blocks(m)}")
+    assert m.check(), blocks(m)
+
+
+def test_fork_shares_every_block_and_refuses_clearly():
+    """fork on a pool of 6 blocks of 4: the child gets its own copy of the table, the token count, and each block
+    one more reference; an unknown parent is a KeyError and a child that exists a ValueError, nothing changed."""
+    m = P.BlockManager(6, 4, 0.0)
+    m.append("p", 6)
+    state = blocks(m)
+    m.fork("p", "c")
+    assert m.block_tables.get("c") == m.block_tables["p"], f"after fork('p', 'c') with {state}: {blocks(m)}"
+    assert m.num_tokens.get("c") == 6, f"after fork('p', 'c') the child has {m.num_tokens.get('c')} tokens; want 6"
+    refs = [m.ref_count[b] for b in m.block_tables["p"]]
+    assert refs == [2, 2], f"after fork('p', 'c') the shared blocks' refcounts are {refs}; want [2, 2]"
+    m.block_tables["c"].append(5)
+    assert m.block_tables["p"] != m.block_tables["c"], \
+        "the child's table is the parent's own list (a change to one changes the other): copy it"
+    m.block_tables["c"].pop()
+    snap, state = snapshot(m), blocks(m)
+    refuses(KeyError, m.fork, "nobody", "x", what=f"fork('nobody', 'x') with {state} (unknown parent)")
+    refuses(ValueError, m.fork, "p", "c", what=f"fork('p', 'c') with {state} ('c' exists)")
+    assert snapshot(m) == snap, f"a refused fork changed the manager: {state} became {blocks(m)}"
+    assert m.check(), blocks(m)
+
+
+def test_free_gives_a_block_back_when_nobody_holds_it():
+    """free on a pool of 6 blocks of 4: each of the sequence's blocks loses one reference and joins the free list
+    at 0; the sequence is forgotten (table and tokens); an unknown one is a KeyError, nothing changed."""
+    m = P.BlockManager(6, 4, 0.0)
+    m.append("p", 6)
+    m.fork("p", "c")
+    m.append("c", 3)  # c: a copy of p's second block, and a block of its own
+    snap, state = snapshot(m), blocks(m)
+    refuses(KeyError, m.free, "nobody", what=f"free('nobody') with {state}")
+    assert snapshot(m) == snap, f"a refused free changed the manager: {state} became {blocks(m)}"
+    shared, own = m.block_tables["p"][0], m.block_tables["c"][1:]
+    m.free("c")
+    assert "c" not in m.block_tables and "c" not in m.num_tokens, f"free('c') left 'c' behind: {blocks(m)}"
+    assert m.ref_count[shared] == 1 and shared not in m.free_blocks, (
+        f"free('c') with {state}: block {shared}, still held by 'p', has refcount {m.ref_count[shared]} "
+        f"and is {'' if shared in m.free_blocks else 'not '}free; want refcount 1, not free")
+    assert all(b in m.free_blocks and m.ref_count[b] == 0 for b in own), (
+        f"free('c') with {state}: 'c''s own blocks {own} must be free again; got {blocks(m)}")
+    m.free("p")
+    assert m.num_free == 6 and m.check(), f"after freeing everything: {blocks(m)}"
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preempt_logs_the_kv_it_drops_then_drops_it(mode):
+    """preempt of a request holding 7 tokens of KV, another waiting: counted, logged (tokens: the 7 it held, logged
+    before anything is dropped); swap: it joins `swapped` with what swap_out saved and in_kv False; recompute: its
+    KV is released (kv_len 0, in_kv False) and it waits at the head of the queue."""
+    kv = P.PagedKVCache(1, 8, 4, 1, 1)
+    sched = P.Scheduler(kv, 4, mode)
+    r, other = P.Request(0, [1] * 7, 4), P.Request(1, [1] * 30, 4)
+    sched.waiting.append(r)
+    batch, _ = sched.schedule()
+    sched.postprocess(batch, [[2]])
+    sched.waiting.append(other)
+    held = r.kv_len
+    assert held == 7 and sched.running == [r]
+    sched.running.remove(r)
+    n_events = len(sched.events)
+    sched.preempt(r)
+    kind = "swap_out" if mode == "swap" else "preempt"
+    new = sched.events[n_events:]
+    assert sched.stats["preemptions"] == 1, f"preempt ({mode}) counted {sched.stats['preemptions']} preemptions"
+    assert [(e.kind, e.rid) for e in new] == [(kind, 0)], \
+        f"preempt ({mode}) logged {new}; want one event {kind!r} for request 0"
+    assert new[0].tokens == held, (f"preempt ({mode}) logged {new[0].tokens} tokens of KV; the request held {held} "
+                                   "before it was preempted (log it before the KV is dropped)")
+    assert not r.in_kv, f"after preempt ({mode}) req.in_kv is still True: its KV is no longer in the pool"
+    assert 0 not in kv.manager.block_tables, f"after preempt ({mode}) the pool still holds request 0's blocks"
+    if mode == "swap":
+        assert len(sched.swapped) == 1 and sched.swapped[0][0] is r, \
+            f"after a swap-out, swapped is {list(sched.swapped)}; want [(the request, what swap_out saved)]"
+        saved = sched.swapped[0][1]
+        assert isinstance(saved, tuple) and saved[2] == held, \
+            "swapped holds the request with something that is not what kv.swap_out(rid) returned"
+        assert list(sched.waiting) == [other], "a swapped-out request does not wait in the queue"
+    else:
+        assert r.kv_len == 0, f"after preempt (recompute) kv_len is {r.kv_len}; want 0 (release(req) drops its KV)"
+        assert list(sched.waiting) == [r, other], (
+            f"after preempt (recompute) the queue holds requests {[w.rid for w in sched.waiting]}; want [0, 1]: "
+            "the preempted one first")

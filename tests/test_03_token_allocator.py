@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from expect import refuses
 
 m = importlib.import_module("03_token_allocator")
 
@@ -36,10 +37,87 @@ class BruteForce:
         return got
 
 
-def same_state(a, bf):
-    assert a.mem_state.tolist() == bf.ref
-    assert a.available() == bf.ref.count(0)
+def same_state(a, bf, after="the last call"):
+    got = a.mem_state.tolist()
+    bad = [i for i, (x, y) in enumerate(zip(got, bf.ref)) if x != y][:6]
+    assert not bad, (f"after {after}, the refcounts of slots {bad} are {[got[i] for i in bad]}; a brute-force "
+                     f"model of the pool says {[bf.ref[i] for i in bad]}")
+    assert a.available() == bf.ref.count(0), (f"after {after}, n_free says {a.available()} slots are free; "
+                                              f"{bf.ref.count(0)} are (refcount 0)")
     a.check()
+
+
+def pool(size, held):
+    """A TokenAllocator of size slots with `held` taken (refcount 1), and its brute-force model."""
+    a, bf = m.TokenAllocator(size), BruteForce(size)
+    a.mem_state[list(held)] = 1
+    a.n_free = size - len(held)
+    for i in held:
+        bf.ref[i] = 1
+    return a, bf
+
+
+def show(bf):
+    return "".join("x" if r else "." for r in bf.ref) + " (x: held, .: free)"
+
+
+def test_alloc_takes_the_lowest_free_slots():
+    """alloc(n) on small pools: the n lowest free slots, taken; None (nothing taken) when fewer than n are free."""
+    for size, held in ((8, [1, 2, 5]), (5, []), (4, [0, 1, 2, 3]), (6, [0, 5])):
+        for n in range(size + 2):
+            a, bf = pool(size, held)
+            picture = show(bf)
+            got = a.alloc(n)
+            want = bf.alloc(n)
+            if want is None:
+                assert got is None, f"alloc({n}) on the pool {picture} returned {got.tolist()}; want None: " \
+                    f"only {size - len(held)} slots are free"
+            else:
+                assert got is not None, f"alloc({n}) on the pool {picture} returned None; want slots {want}"
+                assert isinstance(got, torch.Tensor), f"alloc({n}) returned a {type(got).__name__}; want a tensor"
+                assert got.tolist() == want, f"alloc({n}) on the pool {picture} returned slots {got.tolist()}; " \
+                    f"want the {n} lowest free ones, {want}"
+            same_state(a, bf, f"alloc({n}) on the pool {picture}")
+
+
+def test_alloc_contiguous_takes_the_first_run():
+    """alloc_contiguous(n) on small pools: the first run of n free slots, at the start, the end, or in between;
+    no run: n scattered free slots (alloc's); fewer than n free: None."""
+    for size, held in ((8, [2, 5]), (6, [0, 1]), (6, [4, 5]), (7, [1, 3, 5]), (5, []), (3, [0, 1, 2])):
+        for n in range(1, size + 2):
+            a, bf = pool(size, held)
+            picture, run = show(bf), bf.first_run(n)
+            got = a.alloc_contiguous(n)
+            want = bf.alloc(n, contiguous=True)
+            if want is None:
+                assert got is None, f"alloc_contiguous({n}) on the pool {picture} returned {got.tolist()}; " \
+                    f"want None: only {size - len(held)} slots are free"
+            else:
+                assert got is not None, f"alloc_contiguous({n}) on the pool {picture} returned None; want {want}"
+                what = "the first run of free slots" if run else "no run exists: the lowest free slots (alloc)"
+                assert got.tolist() == want, f"alloc_contiguous({n}) on the pool {picture} returned " \
+                    f"{got.tolist()}; want {want}, {what}"
+            same_state(a, bf, f"alloc_contiguous({n}) on the pool {picture}")
+
+
+def test_free_drops_one_reference_per_slot_listed():
+    """free on a pool of 8: one reference less per slot listed (repeats count); a slot that is free or out of range
+    is a ValueError, and nothing changes."""
+    a, bf = pool(8, [0, 1, 2, 3, 7])  # 7 held: a slot index 8 or -1 must not reach it
+    a.mem_state[1] = bf.ref[1] = 3  # slot 1 shared (inc_ref)
+    for slots, ok in (([-1], False), ([8], False), ([0], True), ([1], True), ([1, 1], True), ([2, 2], False),
+                      ([5], False), ([3, 0], False), ([2, 3], True), ([], True)):
+        picture, refs = show(bf), list(bf.ref)
+        if ok:
+            a.free(torch.tensor(slots, dtype=torch.long))
+            for i in slots:
+                bf.ref[i] -= 1
+            same_state(a, bf, f"free({slots}) with refcounts {refs}")
+            continue
+        why = "a slot out of range" if min(slots) < 0 or max(slots) >= 8 else "a slot would drop below 0"
+        refuses(ValueError, a.free, torch.tensor(slots, dtype=torch.long),
+                what=f"free({slots}) with refcounts {refs} ({why})")
+        same_state(a, bf, f"free({slots}) was refused (it must change nothing)")
 
 
 def test_random_ops_agree_with_brute_force():
@@ -52,8 +130,10 @@ def test_random_ops_agree_with_brute_force():
         if op < 0.45:
             n, contiguous = rng.choice([0, 1, 2, 3, 7, 16, 40, 120]), rng.random() < 0.5
             got = (a.alloc_contiguous if contiguous else a.alloc)(n)
-            want = bf.alloc(n, contiguous)
-            assert (None if got is None else got.tolist()) == want, (step, n, contiguous)
+            before, want = show(bf), bf.alloc(n, contiguous)
+            assert (None if got is None else got.tolist()) == want, (
+                f"step {step}: {'alloc_contiguous' if contiguous else 'alloc'}({n}) returned "
+                f"{None if got is None else got.tolist()}; want {want}, on the pool {before}")
             if want:
                 held.append(want)
         elif op < 0.8 and held:
@@ -62,6 +142,7 @@ def test_random_ops_agree_with_brute_force():
             a.free(torch.tensor(part))
             for i in part:
                 bf.ref[i] -= 1
+            same_state(a, bf, f"step {step}: free({part})")
             if len(part) < len(slots):
                 held.append([i for i in slots if i not in part])
         elif op < 0.9 and held:
@@ -73,11 +154,10 @@ def test_random_ops_agree_with_brute_force():
         else:  # an invalid free: a currently free slot, never allocated -> error, nothing changes
             free = bf.free_slots()
             if free and held:
-                before = a.mem_state.clone()
-                with pytest.raises(ValueError):
-                    a.free(torch.tensor(rng.choice(held) + [rng.choice(free)]))
-                assert torch.equal(a.mem_state, before)
-        same_state(a, bf)
+                bad = rng.choice(held) + [rng.choice(free)]
+                refuses(ValueError, a.free, torch.tensor(bad), what=f"step {step}: free({bad}), slot {bad[-1]} free")
+                same_state(a, bf, f"step {step}: free({bad}) (slot {bad[-1]} is free: a ValueError, no change)")
+        same_state(a, bf, f"step {step}")
     for slots in held:
         a.free(torch.tensor(slots))
     assert a.available() == size and a.mem_state.abs().sum() == 0
@@ -95,15 +175,18 @@ def test_alloc_contiguous_returns_a_run_whenever_one_exists(density):
         bf.ref = [int(i in set(taken.tolist())) for i in range(size)]
         same_state(a, bf)
         n = int(torch.randint(1, size + 1, (1,), generator=g))
+        picture = show(bf)
         got = a.alloc_contiguous(n)
         run = bf.first_run(n)
+        call = f"alloc_contiguous({n}) on the pool {picture}"
         if n > size - len(taken):
-            assert got is None
+            assert got is None, f"{call} returned {got.tolist()}; want None: only {size - len(taken)} are free"
         elif run is not None:
-            assert got.tolist() == list(range(got[0], got[0] + n)), "a run existed but the slots are not contiguous"
-            assert got.tolist() == run  # the first run (first fit)
+            assert got is not None and got.tolist() == run, \
+                f"{call} returned {None if got is None else got.tolist()}; want the first run of {n} free, {run}"
         else:
-            assert len(set(got.tolist())) == n and all(bf.ref[i] == 0 for i in got.tolist())
+            assert got is not None and len(set(got.tolist())) == n and all(bf.ref[i] == 0 for i in got.tolist()), \
+                f"{call} returned {None if got is None else got.tolist()}; want {n} free slots (no run exists)"
 
 
 def test_exhaustion_is_a_clean_refusal():

@@ -85,14 +85,17 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
         if kind < 0.4 and alloc.available() * page >= 24 + page:
             seq = random_seq(rng, vocab)
             n, slots = insert_new(tree, kv, seq)
-            assert n == brute.insert(seq, slots.tolist())
+            want = brute.insert(seq, slots.tolist())
+            assert n == want, f"op {op}: insert({seq}) with pages of {page} returned {n}; {want} tokens were cached"
             seqs.append(seq)
         elif kind < 0.7:
             seq = rng.choice(seqs) + random_seq(rng, vocab, 0, 4) if seqs and rng.random() < 0.7 else random_seq(rng, vocab)
             compute_last = rng.random() < 0.7
             slots, node = tree.match_prefix(seq, compute_last)
             want = brute.match(seq, compute_last)
-            assert slots.tolist() == want
+            assert slots.tolist() == want, (f"op {op}: match_prefix({seq}, compute_last={compute_last}) with pages "
+                                            f"of {page} returned slots {slots.tolist()}; a brute-force list of the "
+                                            f"cached prefixes says {want}")
             longest = max(longest, len(want))
             assert len(want) <= len(seq) - compute_last  # one token is always left to compute
             if rng.random() < 0.3 and want:  # lock it, like a running request
@@ -108,13 +111,18 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
             before, evictable = live_slots(alloc, page), tree.evictable_size()
             freed = tree.evict(n)
             after = live_slots(alloc, page)
-            assert after <= before and len(before - after) == freed  # exactly the removed slots went back
-            assert freed >= min(n, evictable) and (freed >= n or tree.evictable_size() == 0)
+            assert after <= before and len(before - after) == freed, (
+                f"op {op}: evict({n}) said it freed {freed} tokens; {len(before - after)} slots came back")
+            assert freed >= min(n, evictable) and (freed >= n or tree.evictable_size() == 0), (
+                f"op {op}: evict({n}) freed {freed} of {evictable} evictable tokens; want at least {min(n, evictable)}")
             brute.keep(after)
         locked = {p for _, ps in locks for p in ps}
-        assert all(p in brute.slot for p in locked), "a locked prefix was evicted"
-        assert tree.protected_size() == len(locked) * page
-        assert tree.evictable_size() + tree.protected_size() == brute.tokens()
+        assert all(p in brute.slot for p in locked), f"op {op}: a locked prefix was evicted"
+        assert tree.protected_size() == len(locked) * page, (
+            f"op {op}: the tree counts {tree.protected_size()} locked tokens; {len(locked) * page} are")
+        assert tree.evictable_size() + tree.protected_size() == brute.tokens(), (
+            f"op {op}: the tree counts {tree.evictable_size() + tree.protected_size()} tokens; it holds "
+            f"{brute.tokens()}")
         tree.check()  # integrity after every op: refcounts == tree, tree + free == pool
     assert alloc.available() * page + brute.tokens() == alloc.size * page
     assert longest >= 3 * page  # the test matched several pages
@@ -650,7 +658,9 @@ def test_lpm_orders_longest_cached_prefix_first_ties_first_come():
         for path in leaf_paths(sched.tree):
             brute.insert(path, list(range(len(path))))
         want = sorted(reqs, key=lambda r: (-len(brute.match(r.tokens)), r.rid))
-        assert [r.rid for r in R.POLICIES["lpm"](sched.tree, None, list(reqs))] == [r.rid for r in want]
+        got = [r.rid for r in R.POLICIES["lpm"](sched.tree, None, list(reqs))]
+        assert got == [r.rid for r in want], (f"lpm ordered requests with cached prefixes of "
+                                              f"{[len(r.prefix) for r in reqs]} tokens as {got}")
         assert [r.rid for r in sched.admit()] == [r.rid for r in want]
 
 
@@ -715,3 +725,115 @@ def test_in_batch_sharing_waits_one_step_from_exactly_in_batch_min():
         admits = [(e.step, e.rid, e.tokens) for e in sched.events if e.kind == "admit"]
         wait = k >= R.IN_BATCH_MIN  # then b comes in the step after a's prefill, a hit of a's k tokens
         assert admits == [(0, a.rid, 0), (1, b.rid, k) if wait else (0, b.rid, 0)], (k, admits)
+
+
+# ------------------------------------------------------------------ the workshop's exercises, on small cases, in words
+
+def small_tree(page, prompts):
+    """A tree over 03's token pool (page 1) or 02's blocks with the prompts inserted, and Brute beside it."""
+    kv = pool(page, 64)
+    tree, brute = R.RadixCache(kv.allocator, page), Brute(page)
+    for seq in prompts:
+        kv.prepare(["new"], [len(seq)])
+        slots = kv.slots("new")
+        brute.insert(seq, slots.tolist())
+        tree.insert(seq, slots)
+        kv.free("new")
+    return kv, tree, brute
+
+
+def path(node):
+    """The tokens from the root to node."""
+    out = []
+    while node is not None and node.parent is not None:
+        out[:0] = node.key
+        node = node.parent
+    return out
+
+
+@pytest.mark.parametrize("page", [1, 2])
+def test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages(page):
+    """match_prefix on a tree holding [1 2 3 4 5 6] and [1 2 3 9 9 9]: the slots of the longest cached prefix, whole
+    pages only, at most len - 1 tokens with compute_last (one token is left to compute), and the node it ends at."""
+    prompts = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 9, 9]]
+    kv, tree, brute = small_tree(page, prompts)
+    for q, cl in (([1, 2, 3, 4, 5, 6, 7], True), ([1, 2, 3, 4, 5, 6], True), ([1, 2, 3, 4, 5, 6], False),
+                  ([1, 2, 3, 9], True), ([1, 2, 3, 4], False), ([1, 9], True), ([8, 8], True), ([1], True),
+                  ([], False)):
+        slots, node = tree.match_prefix(q, cl)
+        want = brute.match(q, cl)
+        call = f"match_prefix({q}, compute_last={cl}) with pages of {page} on a tree holding {prompts}"
+        got = torch.as_tensor(slots).tolist()
+        assert got == want, f"{call} returned {len(got)} slots {got}; want the {len(want)} slots {want} " \
+            f"(of the tokens {q[:len(want)]})"
+        assert path(node) == q[:len(want)], f"{call} returned the node of {path(node)}; want the node where " \
+            f"{q[:len(want)]} ends"
+    tree.check()
+
+
+@pytest.mark.parametrize("page", [1, 2])
+def test_insert_adds_what_is_new_and_says_what_was_cached(page):
+    """insert, one prompt after another: the tree then matches what Brute matches, insert returns the tokens
+    cached already (whole pages), the new leaf's slots take the tree's reference, and the sizes add up."""
+    kv = pool(page, 64)
+    tree, brute = R.RadixCache(kv.allocator, page), Brute(page)
+    held = []
+    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 7, 7], [1, 2, 3, 4, 5], [5], [8, 8, 8]):
+        kv.prepare(["new"], [len(seq)])
+        slots = kv.slots("new")
+        want = brute.insert(seq, slots.tolist())
+        n = tree.insert(seq, slots)
+        call = f"insert({seq}) with pages of {page} after {held}"
+        assert n == want, f"{call} returned {n}; {want} of its tokens were cached already"
+        kv.free("new")
+        held.append(seq)
+        for s in held:
+            got, want_s = tree.match_prefix(s, False)[0].tolist(), brute.match(s, False)
+            assert got == want_s, f"after {call}, the tree matches {s} with slots {got}; want {want_s}"
+        assert tree.evictable_size() == brute.tokens(), \
+            f"after {call} the tree counts {tree.evictable_size()} evictable tokens; it holds {brute.tokens()}"
+        tree.check()
+
+
+def test_evict_takes_the_least_recently_used_unlocked_leaves():
+    """evict on a tree [1 2 3] -> {[4 5], [7 8]}, and [6 6]: inserted in that order, so [4 5] is the least recently
+    used leaf, then [7 8]; [1 2 3] becomes a leaf when both are gone; a locked node is never evicted."""
+    kv, tree, _ = small_tree(1, [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8], [6, 6]])
+    alloc = kv.allocator
+    slot = {tuple(p): tree.match_prefix(p, False)[0].tolist() for p in ([1, 2, 3, 4, 5], [1, 2, 3, 7, 8], [6, 6])}
+    free0 = alloc.available()
+    for n, want_freed, gone, story in (
+            (1, 2, slot[(1, 2, 3, 4, 5)][3:], "the least recently used leaf, [4 5]"),
+            (2, 2, slot[(1, 2, 3, 7, 8)][3:], "the next, [7 8]")):
+        freed = tree.evict(n)
+        assert freed == want_freed, f"evict({n}) freed {freed} tokens; want {want_freed}: {story}"
+        back = [s for s in gone if alloc.mem_state[s] == 0]
+        assert back == gone, f"evict({n}) must free {story}: its slots {gone}; {back} came back to the pool"
+        assert alloc.available() == free0 + len(gone), \
+            f"after evict({n}) {alloc.available() - free0} slots came back to the pool; want {len(gone)} ({story})"
+        free0 = alloc.available()
+        tree.check()
+    _, node = tree.match_prefix([6, 6, 0])
+    tree.inc_lock_ref(node)
+    freed = tree.evict(100)
+    assert freed == 3, f"evict(100) with [6 6] locked freed {freed} tokens; want 3: [1 2 3] (a leaf now), not [6 6]"
+    assert tree.match_prefix([6, 6, 0])[0].numel() == 2, "evict took [6 6], which a request holds locked"
+    tree.dec_lock_ref(node)
+    assert tree.evict(0) == 0, "evict(0) freed tokens; want none"
+    tree.check()
+    kv, tree, _ = small_tree(1, [[1, 2, 3], [1, 2, 4]])
+    freed = tree.evict(4)
+    assert freed == 4, f"evict(4) on a tree [1 2] -> {{[3], [4]}} freed {freed} tokens; want 4: both leaves, then " \
+        "[1 2], a leaf once they are gone (the same call)"
+    tree.check()
+
+
+def test_lpm_puts_the_longest_cached_prefix_first():
+    """lpm on waiting requests whose cached prefixes (r.prefix) hold 2, 5, 0, 5, 1 tokens: longest first, ties in
+    arrival order: 1, 3, 0, 4, 2."""
+    from types import SimpleNamespace
+    w = [SimpleNamespace(rid=i, prefix=torch.arange(k), node=None, tokens=[0] * n)
+         for i, (k, n) in enumerate(zip([2, 5, 0, 5, 1], [9, 6, 8, 7, 3]))]
+    got = [r.rid for r in R.POLICIES["lpm"](R.RadixCache(), random.Random(0), list(w))]
+    assert got == [1, 3, 0, 4, 2], f"lpm ordered requests with cached prefixes of 2, 5, 0, 5, 1 tokens as {got}; " \
+        "want [1, 3, 0, 4, 2] (longest first, ties in arrival order)"

@@ -1205,9 +1205,13 @@ def test_constrained_decode_stops_at_max_new_tokens_and_eos():
     favour_a = lambda ids, keep: torch.arange(257.0) * 0 + torch.nn.functional.one_hot(torch.tensor(1 + 97), 257) * 9
     for n in (1, 2, 5):
         r = m.constrained_decode(index, ByteTok(), [5], favour_a, n)
-        assert r["ids"] == [98] * n and r["text"] == "a" * n and r["forward_passes"] == n
+        assert r["ids"] == [98] * n and r["text"] == "a" * n and r["forward_passes"] == n, (
+            f"constrained_decode on a* with max_new_tokens={n} (the model always picks 'a') gave {r['text']!r} in "
+            f"{r['forward_passes']} forward passes; want {'a' * n!r} in {n}")
     r = m.constrained_decode(m.TokenIndex(r"ab", ByteTok()), ByteTok(), [5], favour_a, 10)
-    assert r["text"] == "ab" and r["finished"] and r["forward_passes"] == 0 and r["jumps"] == 1
+    assert r["text"] == "ab" and r["finished"] and r["forward_passes"] == 0 and r["jumps"] == 1, (
+        f"constrained_decode on ab gave {r['text']!r} in {r['forward_passes']} forward passes, {r['jumps']} jumps, "
+        f"finished {r['finished']}; want 'ab' in 0 passes and 1 jump (all forced), finished (only EOS is left)")
 
 
 class MergeTok(ByteTok):
@@ -1323,3 +1327,78 @@ def test_sample_draws_the_nucleus_distribution(temperature, top_p):
     assert ((freq - want).abs() <= 5 * (want * (1 - want) / B).sqrt() + 1e-9).all(), (freq, want)
     again = m.sample(logits.float().expand(B, -1), temperature, top_p, torch.Generator().manual_seed(1))
     assert torch.equal(draws, again) and torch.equal(m.sample(logits[None].float(), 0.0, top_p), logits.argmax()[None])
+
+
+# ------------------------------------------------------------------ the workshop's exercises, on small cases, in words
+
+class AbTok(ByteTok):
+    """ByteTok with one merge, "ab" (id 257): writing "b" after "a" re-tokenizes the pair into one token."""
+    vocab = ByteTok.vocab + [b"ab"]
+    vocab_size = len(vocab)
+    token_bytes = vocab.__getitem__
+
+    @staticmethod
+    def encode(text):
+        out, raw, i = [], text.encode(), 0
+        while i < len(raw):
+            merged = raw[i:i + 2] == b"ab"
+            out.append(257 if merged else 1 + raw[i])
+            i += 2 if merged else 1
+        return out
+
+
+def test_jump_follows_the_forced_bytes_and_stops_at_a_choice():
+    """jump on x(yz)*w and ab(c|d)xyz: the bytes forced from a state, up to a state with a choice or that may end."""
+    for pattern, text, want in (("ab(c|d)xyz", "", b"ab"), ("ab(c|d)xyz", "a", b"b"), ("ab(c|d)xyz", "abc", b"xyz"),
+                                ("ab(c|d)xyz", "abcxyz", b""), ("x(yz)*w", "", b"x"), ("x(yz)*w", "xy", b"z"),
+                                ("a{3,5}b", "a", b"aa"), ("a{3,5}b", "aaa", b"")):
+        index = m.TokenIndex(pattern, ByteTok())
+        got = index.jump(index.dfa.walk(0, text.encode()))
+        assert got == want, f"jump after {text!r} on the regex {pattern} returned {got!r}; want {want!r}"
+
+
+def test_jump_forward_appends_the_forced_text_in_whole_characters():
+    """jump_forward on ab(c|d)xyz after "a": the state, text, tokens after the forced "b" and the tokens kept; on
+    (日|旦) at the start: the forced bytes end inside a character, so no jump."""
+    tok = AbTok()
+    index = m.TokenIndex("ab(c|d)xyz", tok)
+    state = index.dfa.walk(0, b"a")
+    got = index.jump_forward(state, b"a", tok.encode("a"), tok)
+    want = (index.dfa.walk(0, b"ab"), b"ab", [257], 0)
+    assert got == want, (f"jump_forward after 'a' (tokens {tok.encode('a')}) on ab(c|d)xyz returned {got}; want "
+                         f"{want}: the state after the forced 'b', the text 'ab', its tokens (\"ab\" is one, 257), "
+                         "and 0 tokens kept (the 'a' token became part of 'ab')")
+    state = index.dfa.walk(0, b"abc")
+    got = index.jump_forward(state, b"abc", tok.encode("abc"), tok)
+    want = (index.dfa.walk(0, b"abcxyz"), b"abcxyz", tok.encode("abcxyz"), 2)
+    assert got == want, f"jump_forward after 'abc' on ab(c|d)xyz returned {got}; want {want} (2 tokens kept)"
+    output = tok.encode("abc")
+    got = index.jump_forward(state, b"abc", output, tok, 4)
+    assert got == (state, b"abc", output, 2), (f"jump_forward after 'abc' on ab(c|d)xyz with limit 4 returned {got};"
+                                               " the jump would make 5 tokens, past the limit: want no jump")
+    index = m.TokenIndex("(日|旦)", tok)
+    got = index.jump_forward(0, b"", [], tok)
+    assert got == (0, b"", [], 0), (f"jump_forward at the start of (日|旦) returned {got}; the forced bytes "
+                                    f"{index.jump(0)!r} end inside a character: want no jump, (0, b'', [], 0)")
+
+
+def test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged():
+    """constrained_decode on a(b|c)d(e|f) with a model that likes "b", then "e": "a" is forced, the model writes
+    "b", then the jump writes "d", which re-tokenizes "a", "b" into "ab" (one token): logits_fn's keep must not
+    cover the changed tokens; the output matches the regex."""
+    tok, calls = AbTok(), []
+    index = m.TokenIndex("a(b|c)d(e|f)", tok)
+    prefer = torch.zeros(tok.vocab_size)
+    prefer[1 + ord("b")], prefer[1 + ord("e")] = 9.0, 8.0
+
+    def logits_fn(ids, keep):
+        if calls:
+            prev = calls[-1]
+            assert ids[:keep] == prev[:keep], (
+                f"constrained_decode called logits_fn(ids={ids}, keep={keep}) after logits_fn(ids={prev}): "
+                f"ids[:{keep}] changed, so their K/V cannot be kept (after a jump, keep the common token prefix)")
+        calls.append(list(ids))
+        return prefer.clone()
+    r = m.constrained_decode(index, tok, [5], logits_fn, 10)
+    assert r["text"] == "abde" and r["finished"], f"constrained_decode gave {r['text']!r}; want 'abde', finished"
+    assert r["ids"] == tok.encode("abde"), f"constrained_decode gave ids {r['ids']}; want {tok.encode('abde')}"

@@ -1,6 +1,9 @@
-"""The workshop (tests/workshop.py): every exercise is graded (cut out alone, its tests fail; the lesson passes them
-all), `start` keeps each signature, docstring and an attendee's work, and a failing grade names the exercise."""
+"""The workshop (tests/workshop.py): the lesson passes every exercise's grade, every attendee's bug in
+tests/mutants.py fails its own exercise's in words, other right answers pass (verify); `start` keeps each signature,
+docstring and an attendee's work; pytest --workspace and progress give one grade; a loop that never ends fails."""
 import ast
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -10,12 +13,15 @@ import workshop as W
 
 
 def test_every_exercise_is_graded():
-    """CI's proof, one process for all stages (tests/workshop.py verify): about 45 s of one core."""
+    """CI's proof, one process for all stages (tests/workshop.py verify)."""
     r = subprocess.run([sys.executable, "tests/workshop.py", "verify"], cwd=W.ROOT, capture_output=True, text=True,
                        timeout=1200)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert r.stdout.count("fails, as it must") == len(W.EXERCISES) - ("04 _attend" not in r.stdout) * len(
-        W.exercises("04"))  # without Triton, 04's are skipped
+    import mutants
+    stages = [s for s in W.LESSONS if "04" not in s or "04 _attend" in r.stdout]  # without Triton, 04's are skipped
+    want = sum(len(mutants.of_exercises(s)) for s in stages)
+    assert r.stdout.count(": fails\n") == want and want >= 60, r.stdout[-3000:]
+    assert r.stdout.count("alternative: passes") >= len(W.exercises("02") + W.exercises("03") + W.exercises("05"))
 
 
 def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
@@ -25,7 +31,7 @@ def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
         src = path.read_text()
         tree, ref_tree = ast.parse(src), ast.parse(ref)
         for e in W.exercises(s):
-            assert W.is_stub(src, e) and not W.is_stub(ref, e) and e.hint in src
+            assert W.is_stub(src, e) and not W.is_stub(ref, e) and e.idea in src
             if "[" in e.name:  # a lambda in a dict
                 continue
             a, b = W._find(tree, e.name), W._find(ref_tree, e.name)
@@ -35,12 +41,14 @@ def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
             assert [ast.dump(d) for d in a.decorator_list] == [ast.dump(d) for d in b.decorator_list]
         bodies = {e.name: ref[slice(*W.span(ref, e.name)[:2])] for e in W.exercises(s)}
         assert W.splice(src, bodies) == ref  # the reference's bodies put back: the lesson, byte for byte
-        assert W.grade([s], str(tmp_path)) == {e: "to do" for e in W.exercises(s)}
+        assert {e: g.status for e, g in W.grade([s], str(tmp_path)).items()} == {e: "to do" for e in W.exercises(s)}
+        out = capsys.readouterr().out
+        assert f"{name}.py (the" not in out and f"read {name}" not in out, out  # start never points at the lesson
     path.write_text("my work")
     assert W.start(s, folder=str(tmp_path)) == 1 and path.read_text() == "my work"  # never overwritten...
     assert W.start(s, force=True, folder=str(tmp_path)) == 0  # ...unless asked, and then kept
     assert (tmp_path / f"{name}.py.bak").read_text() == "my work" and W.is_stub(path.read_text(), W.exercises(s)[0])
-    assert "python -m pytest tests/test_06_jump_forward_fsm.py --workspace" in capsys.readouterr().out
+    assert f"python -m pytest {W.TESTS[s]} --workspace" in capsys.readouterr().out
 
 
 def write(path, name, body):
@@ -50,30 +58,48 @@ def write(path, name, body):
     path.write_text(W.splice(src, {name: "".join(" " * indent + line + "\n" for line in body)}))
 
 
-def test_a_failing_grade_names_the_exercise_and_what_it_checks(tmp_path):
-    """03 with alloc written wrong (the highest free slots first), the other two as the lesson writes them."""
+def graders(tmp_path, *pytest_args):
+    """(pytest --workspace's output and exit status, progress --json's object) on the workspace tmp_path."""
+    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # no third-party plugins: a second saved
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_03_token_allocator.py", "--workspace",
+                        "--workspace-dir", str(tmp_path), "-p", "no:cacheprovider", *pytest_args], cwd=W.ROOT,
+                       capture_output=True, text=True, timeout=600, env=env)
+    p = subprocess.run([sys.executable, "tests/workshop.py", "progress", "--json", "--dir", str(tmp_path)],
+                       cwd=W.ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    return r.stdout, r.returncode, json.loads(p.stdout)
+
+
+def test_pytest_and_progress_give_one_grade_that_names_the_exercise(tmp_path):
+    """03 with alloc written wrong (the highest free slots first), its siblings not written: pytest grades alloc
+    alone (-x does not stop at them: they are to do), and both graders say the same sentence; then alloc is
+    written right, another way than the lesson's, and both say it passes."""
     W.start("03", folder=str(tmp_path))
     path = tmp_path / "03_token_allocator.py"
     write(path, "TokenAllocator.alloc", ["free = torch.nonzero(self.mem_state == 0)[:, 0]",
                                          "return None if n > len(free) else self._take(free.flip(0)[:n])"])
-    for name in ("TokenAllocator.alloc_contiguous", "TokenAllocator.free"):
-        write(path, name, W.body(W.reference("03"), name).splitlines())
-    test = "tests/test_03_token_allocator.py::test_random_ops_agree_with_brute_force"
-    env = dict(os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")  # no third-party plugins: a second saved
-    r = subprocess.run([sys.executable, "-m", "pytest", test, "--workspace", "--workspace-dir", str(tmp_path),
-                        "-p", "no:cacheprovider"], cwd=W.ROOT, capture_output=True, text=True, timeout=600, env=env)
-    out = r.stdout
-    assert r.returncode == 1, out[-3000:]
-    assert "one of 03 TokenAllocator.alloc, 03 TokenAllocator.alloc_contiguous, 03 TokenAllocator.free gives a " \
-        "wrong answer; this test checks that\n  TokenAllocator.alloc: alloc returns the lowest free slots" in out
-    assert "  fails    03 TokenAllocator.alloc\n" in out
-    write(path, "TokenAllocator.free", [W.stub_text(W.exercises("03")[2], 0).strip()])  # free: to do again
-    r = subprocess.run([sys.executable, "tests/workshop.py", "progress", "--dir", str(tmp_path)], cwd=W.ROOT,
-                       capture_output=True, text=True, timeout=600)
-    for name, status in (("alloc", "fails   test_"),
-                         ("alloc_contiguous", "passes\n"), ("free", "to do\n")):
-        assert f"03     {'TokenAllocator.' + name:32} {status}" in r.stdout, r.stdout + r.stderr[-2000:]
-    assert "05     RadixCache.insert                not started\n" in r.stdout
+    out, rc, prog = graders(tmp_path, "-x")
+    why = prog["exercises"]["03 TokenAllocator.alloc"]["why"]
+    assert rc == 1 and why.startswith("03 TokenAllocator.alloc fails: alloc(1) on the pool .") and why in out, out
+    assert "1 failed" in out and "  fails    03 TokenAllocator.alloc\n" in out, out
+    assert prog["passed"] == 0 and prog["total"] == len(W.EXERCISES)
+    assert prog["exercises"]["03 TokenAllocator.free"]["status"] == "to do"
+    assert prog["exercises"]["05 RadixCache.insert"]["status"] == "not started"
+    alt = W.alternatives("03")
+    write(path, "TokenAllocator.alloc", W.body(alt, "TokenAllocator.alloc").splitlines())
+    out, rc, prog = graders(tmp_path, "--exercise", "alloc")
+    assert rc == 0 and "1 passed" in out and "  passes   03 TokenAllocator.alloc\n" in out, out
+    assert prog["passed"] == 1 and prog["exercises"]["03 TokenAllocator.alloc"]["status"] == "passes"
+
+
+def test_a_wrong_answer_fails_fast_and_safely():
+    """A loop that never ends fails on the time limit; a list that grows without bound on the memory limit."""
+    ex = dataclasses.replace(W.find("03", "alloc"), seconds=8)
+    g = W.grade_body(ex, "        while True:\n            pass\n")
+    assert g.status == "fails" and "ran for more than 8 s" in g.why and g.seconds < 30, g
+    g = W.grade_body(ex, "        x = []\n        while True:\n            x.append(bytearray(1 << 24))\n",
+                     memory=1 << 28)
+    assert g.status == "fails" and g.why.startswith("03 TokenAllocator.alloc fails: your alloc raised MemoryError"), g
 
 
 def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_workshop():
@@ -81,8 +107,9 @@ def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_w
     for s, name in W.LESSONS.items():
         nb = nbformat.read(os.path.join(W.ROOT, "notebooks", W.NOTEBOOKS[s]), as_version=4)
         first, last = next(c for c in nb.cells if c.cell_type == "code"), nb.cells[-1]
-        assert f'if os.environ.get("WORKSHOP"): ' in first.source and f'.use(["{s}"])' in first.source
+        assert 'if os.environ.get("WORKSHOP"): ' in first.source and f'.use(["{s}"])' in first.source
         assert last.cell_type == "markdown" and last.source == W.your_turn(s)  # python tests/workshop.py notebooks
         for text in [f"python tests/workshop.py start {s}", f"python -m pytest {W.TESTS[s]} --workspace",
-                     "python tests/workshop.py progress"] + [f"`{e.name}`" for e in W.exercises(s)]:
+                     "python tests/workshop.py progress", f"python tests/workshop.py hint {s}"] + [
+                f"`{e.name}`" for e in W.exercises(s)]:
             assert text in last.source, (name, text)

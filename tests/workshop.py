@@ -1,16 +1,20 @@
-"""The workshop: each stage's exercises are the functions that are its idea, cut out of the lesson itself (one source
-of truth: the lessons are the reference solutions), and the stage's own tests say when the attendee's are right.
+"""The workshop: each stage's exercises are the functions that are its idea, cut out of a copy of the lesson, and one
+grader says, exercise by exercise, whether the attendee's are right.
 
-    python tests/workshop.py start 03     # workspace/03_token_allocator.py: the lesson with 3 bodies to write
-    python -m pytest tests/test_03_token_allocator.py --workspace     # its tests, on your copy
-    python tests/workshop.py progress     # what passes, what is still to do
+    python tests/workshop.py start 03     # workspace/03_token_allocator.py: 3 bodies to write, each with its idea
+    python -m pytest tests/test_03_token_allocator.py --workspace     # grade them (-k alloc, or --exercise alloc)
+    python tests/workshop.py progress     # every stage's status and the score (--json for an instructor)
+    python tests/workshop.py hint 03 alloc        # stuck: a hint close to the code; `solution 03 alloc` last
 
-Which code a graded run uses: the lessons whose test files you run come from workspace/ where you started them;
-every other lesson is the reference, so 05 can be done before 04 (and an unfinished 03 never breaks 05's grade).
-Stage 07 is the engine: llama3_generate.py's Engine.step, graded by tests/test_engine.py.
-A notebook started with WORKSHOP=1 in its environment (`WORKSHOP=1 jupyter lab`) runs your copy of its lesson.
-Exercises run on a CPU; 04's kernels through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only:
-Triton has no macOS or Windows wheels. tiny-llm (skyzh) and minitorch do the same: a stub, a hint, a test."""
+The path: the stage's notebook explains the idea with its figure; write the exercises in workspace/; the grader
+grades them; then read the lesson (03_token_allocator.py) as the reference and run it.
+
+How a grade is made (the same for pytest and progress): each exercise written is graded alone, on the lesson with
+only that body replaced by the attendee's (the lesson's code stands in for its siblings, written or not), by the
+tests listed for it, in a child process with a time and a memory limit. A failure names the exercise on its first
+line and says what was expected and what happened. Stage 07 is the engine: llama3_generate.py's Engine.step.
+04's kernels run through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only. tiny-llm (skyzh) and
+CMU 11-868's grade.py do the same: a stub, a hint, a grade per exercise."""
 from __future__ import annotations
 
 import argparse
@@ -23,25 +27,30 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+import traceback
+from dataclasses import dataclass, field
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKSPACE = os.path.join(ROOT, "workspace")  # git-ignored
+ALTERNATIVES = os.path.join(ROOT, "tests", "data", "alternatives")  # other right answers, written from the copy
 STUB = "your turn: "
+MEMORY = 3 << 30  # bytes a graded run may take beyond what the grader holds (the model, torch)
 
 
 @dataclass(frozen=True)
 class Exercise:
     stage: str      # "03"
     name: str       # qualname in the lesson: "TokenAllocator.alloc"
-    hint: str       # one line: how
+    idea: str       # what to do and what to watch for (the stub says it; the notebook too)
+    hint: str       # close to the code (`workshop.py hint`)
     checks: str     # what its tests check, in words
     tests: tuple    # the tests of tests/test_<lesson>.py that grade it (names; "name[param]" for one case)
+    seconds: int = 60  # a graded run longer than this fails (a loop that never ends)
 
     @property
     def lesson(self) -> str:
@@ -50,6 +59,11 @@ class Exercise:
     @property
     def id(self) -> str:
         return f"{self.stage} {self.name}"
+
+    @property
+    def short(self) -> str:  # alloc; lpm for POLICIES["lpm"]
+        m = re.fullmatch(r'\w+\["(\w+)"\]', self.name)
+        return m[1] if m else self.name.split(".")[-1]
 
 
 LESSONS = {os.path.basename(p)[:2]: os.path.basename(p)[:-3] for p in sorted(glob.glob(os.path.join(ROOT, "0*.py")))}
@@ -60,109 +74,161 @@ NOTEBOOKS = {s: os.path.basename(p) for s in LESSONS
 
 EXERCISES = [
     Exercise("01", "ContiguousKVCache.prepare",
+             "each request owns one row of max_seq_len slots: give a new request a free row, return the positions "
+             "of its new tokens and where their K/V go. Watch: check that every request fits before changing "
+             "anything (all or nothing); a slot depends on the row and the position",
              "give each new request a free row, check every length first, then return positions lens[row]..+n "
              "and set tok_slots = row * max_seq_len + position",
              "greedy decoding through your cache gives the no-cache tokens and logits; a request that does not fit is "
              "refused and leaves the cache untouched",
-             ("test_cached_generation_equals_no_cache[c]", "test_overlong_prompt_is_refused_and_cache_stays_usable",
-              "test_contiguous_cache_batches_against_a_brute_force_model",
-              "test_contiguous_cache_fills_a_row_exactly")),
+             ("test_contiguous_cache_fills_a_row_exactly",
+              "test_contiguous_cache_batches_against_a_brute_force_model")),
     Exercise("01", "KVCache.attend",
+             "store this step's K/V at their slots, then let each query attend to its own request's keys only. "
+             "Watch: decode (one query per request) and prefill (several, causal) read the pool differently; a "
+             "request reads up to its length, no further",
              "write k, v into the pools at tok_slots; decode: attend_table over the table; prefill: gather each "
              "request's slots with table_slots and attend_dense over them",
              "greedy decoding through the contiguous cache (its prefill and decode both attend here) gives the "
              "no-cache tokens and logits",
-             ("test_cached_generation_equals_no_cache[c]",
-              "test_contiguous_cache_batches_against_a_brute_force_model")),
+             ("test_contiguous_cache_batches_against_a_brute_force_model",)),
     Exercise("02", "BlockManager.append",
+             "grow a sequence by n tokens, taking whole blocks from the free list as needed; a partly filled last "
+             "block that another sequence shares is copied before it is written (copy-on-write). Watch: refuse "
+             "(OutOfBlocks) before changing anything; a full shared block is not copied",
              "need = blocks_needed(seq, n); refuse before changing anything; copy-on-write: a shared partly filled "
              "last block is released and replaced by a fresh one (return (src, dst)); then take the new blocks",
              "random appends, forks and frees keep the refcounts, the free list and every sequence's tokens exactly "
              "as a brute-force model says; a shared block is copied once",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]",
-              "test_batch_estimate_counts_copy_on_write_once_per_shared_block", "test_clear_errors",
-              "test_copy_on_write_only_for_a_shared_partial_block")),
+             ("test_append_takes_whole_blocks_and_copies_a_shared_partial_one",
+              "test_batch_estimate_counts_copy_on_write_once_per_shared_block",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "BlockManager.fork",
+             "the child shares every block of the parent: its own copy of the table, the same token count, one "
+             "more reference on each block. Watch: unknown parent: KeyError; a child that exists: ValueError",
              "the child gets a copy of the parent's block table and token count; every shared block's refcount + 1",
              "a forked sequence reads its parent's tokens, and its own after it writes (copy-on-write)",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+             ("test_fork_shares_every_block_and_refuses_clearly",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "BlockManager.free",
+             "drop the sequence: each of its blocks loses one reference and is free again only when no one holds "
+             "it. Watch: unknown sequence: KeyError",
              "KeyError for an unknown sequence; _release every block of its table (last first); forget its tokens",
              "freed blocks come back to the free list exactly when no other sequence holds them",
-             ("test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]", "test_clear_errors")),
+             ("test_free_gives_a_block_back_when_nobody_holds_it",
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
     Exercise("02", "Scheduler.preempt",
+             "take a running request out to make room: count it, log it with the tokens of KV it holds, then swap "
+             "its blocks to CPU memory (it keeps its progress) or drop them and queue it first to recompute. "
+             "Watch: log before anything is dropped; a swapped-out request's KV is no longer in the pool",
              "count and log it; swap: append (req, kv.swap_out(rid)) to swapped, req.in_kv = False; recompute: "
              "release(req) and put it back at the head of waiting",
              "a pool too small for the trace preempts, and every request still finishes with its own KV intact",
-             ("test_scheduler_preempts_and_keeps_every_request_kv", "test_preemption_order_against_the_policy")),
+             ("test_preempt_logs_the_kv_it_drops_then_drops_it", "test_scheduler_preempts_and_keeps_every_request_kv",
+              "test_preemption_order_against_the_policy")),
     Exercise("03", "TokenAllocator.alloc",
+             "the n lowest free slots (refcount 0), taken (refcount 1), as a LongTensor; None when fewer than n "
+             "are free. Watch: a refusal takes nothing; n_free follows every change; try it without a Python loop "
+             "over the pool",
              "cum = (mem_state == 0).cumsum(0); the k-th free slot is searchsorted(cum, k) for k = 1..n; "
              "None if fewer than n are free; take them with _take",
              "alloc returns the lowest free slots, exactly as a brute-force Python list does, and refuses cleanly",
-             ("test_random_ops_agree_with_brute_force", "test_exhaustion_is_a_clean_refusal")),
+             ("test_alloc_takes_the_lowest_free_slots", "test_random_ops_agree_with_brute_force")),
     Exercise("03", "TokenAllocator.alloc_contiguous",
+             "the first run of n consecutive free slots, taken; no run: fall back to alloc(n). Watch: a run may "
+             "start at slot 0 or end at the last slot",
              "c = free slots before i (cumsum, padded with 0); a run of n starts at i where c[i + n] - c[i] == n; "
              "take the first, else fall back to alloc(n)",
              "a run of n free slots is returned whenever one exists, the first one",
-             ("test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]",
+             ("test_alloc_contiguous_takes_the_first_run",
+              "test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]",
               "test_random_ops_agree_with_brute_force")),
     Exercise("03", "TokenAllocator.free",
+             "one reference less for each slot listed (a slot listed twice loses two); slots reaching 0 are free "
+             "again. Watch: check everything first: a slot out of range or not allocated is a ValueError with "
+             "nothing changed",
              "unique slots with counts; refcount - count must stay >= 0 and indices in range (ValueError, nothing "
              "changed), then write the new refcounts and add the slots reaching 0 to n_free",
              "freeing drops one reference per slot; double frees and foreign slots are refused without a change",
-             ("test_random_ops_agree_with_brute_force", "test_double_free_and_foreign_slots_are_detected")),
+             ("test_free_drops_one_reference_per_slot_listed", "test_random_ops_agree_with_brute_force")),
     Exercise("04", "_attend",
+             "one tile of keys in the online softmax: its scores, the mask, a new running max; rescale what you "
+             "have by how far the max moved, then add the tile. Watch: the scale is in log2 units (exp2)",
              "s = q k^T * qk_scale (log2 units), masked to -inf where not visible; m_new = max(m_i, rowmax s); "
              "rescale l_i and acc by exp2(m_i - m_new), add exp2(s - m_new) and its product with v",
              "the decode kernel equals float64 softmax attention (the online softmax over tiles)",
              ("test_matches_reference[float32-gqa4-d64-scat-s1]",)),
     Exercise("04", "_stage2",
+             "merge the splits' partial results, each weighed by its softmax mass (from its log-sum-exp). Watch: a"
+             " split that holds no tokens",
              "load each split's lse (-inf for splits that hold no tokens) and partial output; weights "
              "exp2(lse - max lse); out = sum(w * o) / sum(w)",
              "splitting a sequence over several programs and merging their partial softmaxes gives the reference",
              ("test_empty_splits_and_custom_scale",)),
     Exercise("05", "RadixCache.match_prefix",
+             "the longest cached prefix of tokens, in whole pages, and its slots. Watch: with compute_last one "
+             "token is always left to compute (its logits give the next token); a page is matched whole or not at "
+             "all",
              "drop the last token if compute_last, keep whole pages, _walk the tree; the slots are the matched "
              "values concatenated (the tokens themselves without an allocator)",
              "matches, inserts and evictions give what a brute-force list of cached prompts gives",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", "RadixCache.insert",
+             "walk the cached prefix; what is left (whole pages) becomes a new leaf; return how many tokens were "
+             "cached already. Watch: the leaf's slots take a reference; the tree counts them evictable",
              "_walk the full pages of tokens; the part not matched becomes a new leaf under the last node "
              "(its slots cloned, inc_ref'd, counted evictable); return how many were cached already",
              "the tree holds exactly the prompts inserted, shares their common prefixes, and counts refs right",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_insert_adds_what_is_new_and_says_what_was_cached",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", "RadixCache.evict",
+             "free at least n tokens, least recently used unlocked leaves first; a parent left childless may go "
+             "next. Watch: never a locked node; stop once n are freed",
              "a heap of unlocked leaves by (last_access, serial); pop, free their slots, unlink them, push a parent "
              "left childless and unlocked; stop once n tokens are freed",
              "eviction frees the least recently used unlocked leaves first, never a locked one",
-             ("test_match_insert_evict_lock_vs_brute_force[0-1]", "test_split_lru_order_and_pretty_print")),
+             ("test_evict_takes_the_least_recently_used_unlocked_leaves",
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
     Exercise("05", 'POLICIES["lpm"]',
+             "the waiting requests, longest cached prefix first. Watch: ties keep their arrival order",
              "the waiting requests sorted by the length of their cached prefix (r.prefix), longest first; a stable "
              "sort, so ties stay first come first served",
              "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
              "reaches the best possible order on a workload built for it",
-             ("test_lpm_never_worse_than_fcfs_and_reaches_the_bound",
+             ("test_lpm_puts_the_longest_cached_prefix_first",
               "test_lpm_orders_longest_cached_prefix_first_ties_first_come")),
     Exercise("06", "TokenIndex.jump",
+             "the bytes the automaton forces from a state: while a state has exactly one way out and may not stop,"
+             " take that byte. Watch: cache what you computed",
              "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
              "the compressed edges are exactly the DFA's chains of forced bytes",
-             ("test_compressed_edges_are_the_forced_chains",
+             ("test_jump_follows_the_forced_bytes_and_stops_at_a_choice", "test_compressed_edges_are_the_forced_chains",
               "test_jump_is_the_forced_string_against_partial_matching")),
     Exercise("06", "TokenIndex.jump_forward",
+             "append the forced text without sampling, re-tokenized the way the tokenizer would write it. Watch: "
+             "whole UTF-8 characters only; never pass the limit or leave less room than a shortest completion "
+             "needs",
              "append jump(state), cut to whole UTF-8 characters; re-tokenize text + it; keep the common token prefix "
              "with output; no jump (return what you got) if nothing is forced or it would pass limit or lose the room "
              "a shortest completion (self.dist) had",
              "jump-forward gives what a byte-by-byte walk of the forced text gives, and never takes the room a "
              "shortest completion needs",
-             ("test_jump_forward_keeps_the_room_a_shortest_completion_had",)),
+             ("test_jump_forward_appends_the_forced_text_in_whole_characters",
+              "test_jump_forward_keeps_the_room_a_shortest_completion_had")),
     Exercise("06", "constrained_decode",
+             "decode where only the tokens the regex allows can be sampled: mask, sample, step the automaton, jump"
+             " forward over forced text. Watch: stop where the automaton says it must finish, or at max_new_tokens",
              "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop where "
              "index.finish(state, room left) says so; else mask the logits to index.allowed(state, room left), "
              "sample, step the DFA",
              "every output matches the regex, with and without jump-forward, on random logits",
-             ("test_fuzz_random_logits_always_match[(ab|cd){1,3}e?]",
-              "test_constrained_decode_stops_at_max_new_tokens_and_eos")),
+             ("test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged",
+              "test_constrained_decode_stops_at_max_new_tokens_and_eos",
+              "test_jump_is_the_forced_string_against_partial_matching[(ab|cd){1,3}e?]")),
     Exercise("07", "Engine.step",
+             "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
+             "kind of step took. Watch: a GPU may land several greedy steps at once",
              "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
              "self.decode_ahead() may land greedy steps (None: do one): batch, positions = self.schedule(new), "
              "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
@@ -172,6 +238,8 @@ EXERCISES = [
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
               "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]")),
 ]
+
+
 
 
 def exercises(stage=None) -> list:
@@ -211,7 +279,7 @@ def span(source: str, name: str):
 
 
 def stub_text(ex: Exercise, indent) -> str:
-    error = f"NotImplementedError({STUB + ex.hint!r})"
+    error = f"NotImplementedError({STUB + ex.idea!r})"
     return f"(_ for _ in ()).throw({error})" if indent is None else " " * indent + f"raise {error}\n"
 
 
@@ -276,6 +344,255 @@ def started(folder=WORKSPACE) -> list:
     return [s for s, name in LESSONS.items() if os.path.exists(os.path.join(folder, name + ".py"))]
 
 
+def find(stage, name):
+    """The exercise of stage called name (TokenAllocator.alloc, or alloc), else None."""
+    return next((e for e in exercises(stage) if name in (e.name, e.short) or e.name.endswith("." + name)), None)
+
+
+# -------- one grade: an exercise's body in the lesson, its tests, in a child process with limits ----------------
+
+@dataclass
+class Grade:
+    status: str           # "passes" | "fails" | "to do" | "not started"
+    why: str = ""         # fails: the first line, naming the exercise and what went wrong
+    detail: str = ""      # fails: the test, where, the traceback's last lines
+    seconds: float = 0.0
+    tests: list = field(default_factory=list)  # the tests run: [test id, outcome]
+
+
+def _words(test_id: str) -> str:
+    """test_alloc_returns_the_lowest[0.5] -> "alloc returns the lowest [0.5]"."""
+    name = test_id.split("::")[-1]
+    base, _, param = name.partition("[")
+    return base.removeprefix("test_").replace("_", " ") + (f" [{param}" if param else "")
+
+
+class _Collect:
+    """pytest plugin in the child: each test's outcome, and the first failure as facts (type, message, frames)."""
+
+    def __init__(self):
+        self.tests, self.failure = [], None
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        rep = (yield).get_result()
+        if rep.failed or rep.when == "call" or rep.skipped:
+            self.tests.append([item.nodeid, rep.outcome])
+        if rep.failed and self.failure is None and call.excinfo is not None:
+            e = call.excinfo.value
+            frames = [(f.filename, f.lineno, f.name, f.line or "") for f in traceback.extract_tb(call.excinfo.tb)]
+            self.failure = dict(test=item.nodeid, type=type(e).__name__, msg=str(e).strip(), frames=frames,
+                                doc=re.split(r"(?<=\.)\s", " ".join((getattr(item.function, "__doc__", None)
+                                                                       or "").split()))[0])
+
+
+def _run_tests(stage, source, tests, folder) -> dict:
+    """In this process: tests (names in the stage's test file) on source as the stage's lesson. pytest is run
+    anew, the lessons and test files imported afresh; the engine (its model loaded) kept unless stage 07."""
+    import contextlib
+    os.chdir(ROOT)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest
+    path = os.path.join(folder, LESSONS[stage] + ".py")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(source)
+    engine = sys.modules.get("llama3_generate")
+    for name in [n for n in sys.modules if re.match(r"(test_)?0\d_|test_engine$|llama3_generate$", n)]:
+        del sys.modules[name]
+    if stage != "07" and engine is not None:
+        sys.modules["llama3_generate"] = engine
+    finder = _Finder(folder, [LESSONS[stage]])
+    sys.meta_path.insert(0, finder)
+    quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler", "workshop")
+             for a in ("-p", "no:" + p)]
+    args = [f"{TESTS[stage]}::{t}" for t in tests] + ["-x", "-q", "--assert=plain", "-p", "no:randomly", *quiet]
+    collect = _Collect()
+    try:
+        with open(os.path.join(folder, "log.txt"), "w") as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log):
+            rc = int(pytest.main(args, plugins=[collect]))
+    finally:
+        sys.meta_path.remove(finder)
+    return dict(rc=rc, tests=collect.tests, failure=collect.failure, lesson=path)
+
+
+def _isolated(fn, seconds, memory=MEMORY) -> dict:
+    """fn() in a forked child with `seconds` and `memory` bytes (beyond what this process holds) to spend: a loop
+    that never ends or a list that grows without bound fails its grade, and the machine stays up. Without fork
+    (Windows), in this process, unlimited."""
+    import pickle
+    if not hasattr(os, "fork"):
+        return fn()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(r)
+        code = 0
+        try:
+            import resource
+            with open("/proc/self/status") as f:
+                held = int(re.search(r"VmSize:\s+(\d+)", f.read())[1]) * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (held + memory, resource.RLIM_INFINITY))
+        except (OSError, ImportError, ValueError, TypeError):
+            pass  # no /proc (macOS): the time limit only
+        try:
+            out = pickle.dumps(fn())
+        except BaseException as e:  # noqa: BLE001 -- the parent reports it
+            out, code = pickle.dumps(dict(error=f"{type(e).__name__}: {e}")), 1
+        with os.fdopen(w, "wb") as f:
+            f.write(out)
+        os._exit(code)
+    os.close(w)
+    import select
+    data, t0 = b"", time.monotonic()
+    with os.fdopen(r, "rb") as f:
+        while True:
+            left = seconds - (time.monotonic() - t0)
+            if left <= 0 or not select.select([f], [], [], left)[0]:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                return dict(error=f"it ran for more than {seconds} s (a loop that never ends?) and was stopped")
+            chunk = os.read(f.fileno(), 1 << 20)
+            if not chunk:
+                break
+            data += chunk
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        return dict(error=f"the grading process died (signal {sig}: out of memory?)" if sig else
+                    f"the grading process exited with status {os.WEXITSTATUS(status)}")
+    return pickle.loads(data)
+
+
+def _where(ex, failure, source, lesson_path, shift):
+    """Who raised: ("yours", line in the attendee's copy) | ("lesson", function) | ("test", None)."""
+    a, b, _ = span(source, ex.name)
+    first, last = source[:a].count("\n") + 1, source[:max(b - 1, a)].count("\n") + 1
+    mine = [f for f in failure["frames"] if f[0] == lesson_path]
+    if not mine or os.path.dirname(failure["frames"][-1][0]) == os.path.join(ROOT, "tests"):
+        return "test", None  # raised by a test (a check the lesson's code called back into, too)
+    file, line, func, _ = mine[-1]
+    if first <= line <= last:
+        return "yours", line + shift
+    called = any(first <= n <= last for _, n, _, _ in mine)
+    return "lesson", (func, called)
+
+
+def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
+    """(the first line, the detail) of a failure: the exercise at fault and, in words, what went wrong."""
+    kind, at = _where(ex, failure, source, lesson_path, shift)
+    t, msg = failure["type"], failure["msg"].split("\n")[0]
+    test = _words(failure["test"])
+    frames = failure["frames"]
+    if t in ("AssertionError", "Failed") and kind == "test":
+        what = msg or f"a check failed: `{frames[-1][3]}`"
+    elif kind == "yours":
+        what = f"your {ex.short} raised {t}: {msg} (line {at} of your copy)"
+    elif kind == "lesson":
+        func, called = at
+        what = (f"the lesson's {func} found the state your {ex.short} left wrong: {msg}" if t == "AssertionError"
+                else f"the lesson's {func}, {'called from' if called else 'after'} your {ex.short}, raised {t}: {msg}")
+    else:
+        what = f"the test could not use what your {ex.short} gave it: {t}: {msg}"
+    where = "\n".join(f"    {os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{n} in {fn}"
+                      for f, n, fn, _ in [f for f in frames if f[0].startswith(ROOT) or f[0] == lesson_path][-4:])
+    detail = f"  test: {test}" + (f" ({failure['doc']})" if failure["doc"] else "") + f"\n  at:\n{where}"
+    return f"{ex.id} fails: {what}", detail
+
+
+def grade_body(ex, text, shift=0, memory=MEMORY) -> Grade:
+    """Grade one exercise: text (what the attendee wrote of it, as it stands in the copy) put into the lesson,
+    the lesson's code standing in for every other exercise, and its tests run in a child with limits."""
+    preload(ex.stage)
+    source = splice(reference(ex.stage), {ex.name: text})
+    folder = tempfile.mkdtemp(prefix="workshop-")
+    t0 = time.monotonic()
+    try:
+        got = _isolated(lambda: _run_tests(ex.stage, source, ex.tests, folder), ex.seconds, memory)
+        seconds = time.monotonic() - t0
+        if "error" in got:
+            return Grade("fails", f"{ex.id} fails: {got['error']}", "", seconds)
+        if got["failure"]:
+            why, detail = explain(ex, got["failure"], source, got["lesson"], shift)
+            return Grade("fails", why, detail, seconds, got["tests"])
+        if got["rc"] != 0 or not any(o == "passed" for _, o in got["tests"]):
+            with open(os.path.join(folder, "log.txt")) as f:
+                log = f.read().strip().splitlines()
+            return Grade("fails", f"{ex.id} fails: its tests did not run (pytest exit {got['rc']}): "
+                                  f"{log[-1] if log else ''}", "\n".join(log[-20:]), seconds, got["tests"])
+        return Grade("passes", "", "", seconds, got["tests"])
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def grade_copy(ex, source) -> Grade:
+    """Grade ex as written in source (the attendee's copy of its lesson)."""
+    if is_stub(source, ex):
+        return Grade("to do", f"{ex.id}: to do: {ex.idea}")
+    a, b, _ = span(source, ex.name)
+    shift = source[:a].count("\n") - reference(ex.stage)[:span(reference(ex.stage), ex.name)[0]].count("\n")
+    return grade_body(ex, source[a:b], shift)
+
+
+@functools.lru_cache(None)
+def preload(stage):
+    """Import torch and the engine once in this process, before the children fork, and load the model when the
+    stage's graded tests use it."""
+    sys.path.insert(0, ROOT)
+    import llama3_generate  # noqa: F401 -- torch and the lessons, imported once for every child
+    if stage == "07":
+        return
+    with open(os.path.join(ROOT, TESTS[stage]), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    graded = {t.split("[")[0] for e in exercises(stage) for t in e.tests}
+    if any(isinstance(n, ast.FunctionDef) and n.name in graded and "smollm" in [a.arg for a in n.args.args]
+           for n in tree.body):
+        import llama3_generate as L
+        L.load_model = functools.lru_cache(None)(L.load_model)
+        L.load_model()
+
+
+def grade(stages, folder=WORKSPACE, say=None) -> dict:
+    """{exercise: Grade} for every exercise of these stages in folder (not started: every one "not started")."""
+    out = {}
+    for s in stages:
+        path = os.path.join(folder, LESSONS[s] + ".py")
+        if not os.path.exists(path):
+            out.update({e: Grade("not started") for e in exercises(s)})
+            continue
+        with open(path, encoding="utf-8") as f:
+            src = f.read()
+        for e in exercises(s):
+            out[e] = grade_copy(e, src)
+            say and say(e, out[e])
+    return out
+
+
+# -------- pytest --workspace: one item per exercise, graded as progress grades it --------------------------------
+
+class ExerciseFailed(Exception):
+    pass
+
+
+class ExerciseItem(pytest.Item):
+    def __init__(self, *, exercise, grader, **kw):
+        super().__init__(**kw)
+        self.exercise, self.grader = exercise, grader
+
+    def runtest(self):
+        g = self.grader.grade(self.exercise)
+        if g.status == "to do":
+            pytest.skip(f"{self.exercise.id}: to do")
+        if g.status != "passes":
+            raise ExerciseFailed(f"{g.why}\n{g.detail}\n  hint: {self.exercise.idea}\n  closer to the code: "
+                                 f"python tests/workshop.py hint {self.exercise.stage} {self.exercise.short}")
+
+    def repr_failure(self, excinfo, style=None):
+        return str(excinfo.value) if isinstance(excinfo.value, ExerciseFailed) else super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, 0, self.exercise.id
+
+
 def stages_of(args) -> list:
     """The stages whose test files a pytest command line names (none named: every stage)."""
     named = sorted({s for a in args for s, t in TESTS.items() if os.path.basename(str(a).split("::")[0]) == t[6:]})
@@ -283,94 +600,64 @@ def stages_of(args) -> list:
 
 
 class Grader:
-    """pytest plugin (conftest registers it under --workspace): imports the graded stages from the workspace and
-    says, for each failing test, which exercise it grades, what it checks and the hint."""
+    """pytest plugin (conftest registers it under --workspace): the tests of a stage started in the workspace are
+    replaced by one item per exercise (its name: TokenAllocator.alloc), graded by grade_copy as progress grades it;
+    the tests that grade no exercise check the lesson beyond them and run only without --workspace."""
 
     def __init__(self, config):
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
-        self.finder = use(self.stages, self.folder, say=False)
-        self.report_path = config.getoption("workspace_report")
-        self.results = {}  # test id -> [outcome, ids of the exercises it blames, why]
-
-    def pytest_unconfigure(self, config):
-        if self.finder in sys.meta_path:
-            sys.meta_path.remove(self.finder)
-
-    def pytest_report_header(self, config):
-        where = os.path.relpath(self.folder, ROOT)
-        return (f"workshop: stages {', '.join(self.stages)} from {where}/, the rest from the reference lessons"
-                if self.stages else f"workshop: nothing started in {where}/ (python tests/workshop.py start 03): "
-                                    "this run grades the reference lessons")
+        self.only = config.getoption("exercise") or []
+        self.grades, self.items = {}, []
 
     def source(self, stage) -> str:
         with open(os.path.join(self.folder, LESSONS[stage] + ".py"), encoding="utf-8") as f:
             return f.read()
 
-    def explain(self, item, call):
-        """(the exercises a failing test blames, what to tell the attendee)."""
-        stage = next((s for s in self.stages if item.nodeid.split("::")[0].endswith(TESTS[s])), None)
-        if stage is None:
-            return [], ""
-        lesson = LESSONS[stage]
-        err = str(call.excinfo.value) if call.excinfo else ""
-        todo = [e for e in exercises(stage) if STUB + e.hint in err]
-        if todo:
-            where = os.path.relpath(os.path.join(self.folder, lesson + ".py"))
-            return todo[:1], f"{todo[0].id} is not written yet ({where}).\n  hint: {todo[0].hint}"
-        src = self.source(stage)
-        graders = [e for e in exercises(stage) if graded(e, item.nodeid) and not is_stub(src, e)]
-        if not graders:
-            return [], ("this test checks more of the lesson than its exercises; compare your copy with the "
-                        f"reference: diff {lesson}.py {os.path.relpath(os.path.join(self.folder, lesson))}.py")
-        if len(graders) == 1:
-            e = graders[0]
-            return graders, f"{e.id} gives a wrong answer: this test checks that {e.checks}.\n  hint: {e.hint}"
-        return graders, f"one of {', '.join(e.id for e in graders)} gives a wrong answer; this test checks that\n" + \
-            "\n".join(f"  {e.name}: {e.checks}.\n    hint: {e.hint}" for e in graders)
+    def grade(self, ex) -> Grade:
+        if ex not in self.grades:
+            self.grades[ex] = grade_copy(ex, self.source(ex.stage))
+        return self.grades[ex]
 
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_makereport(self, item, call):
-        rep = (yield).get_result()
-        if rep.failed:
-            blame, text = self.explain(item, call)
-            if text:
-                rep.sections.append(("workshop", text))
-            why = [line[2:].strip() for line in rep.longreprtext.splitlines() if line.startswith("E ")
-                   and line[2:].strip()][:2]
-            self.results[item.nodeid] = ["failed", [e.id for e in blame], " / ".join(why)[:300]]
-        elif rep.when == "call" or rep.skipped:
-            self.results[item.nodeid] = [rep.outcome, [], ""]
+    def pytest_report_header(self, config):
+        where = os.path.relpath(self.folder, ROOT)
+        return (f"workshop: grading stages {', '.join(self.stages)} from {where}/, each exercise alone"
+                if self.stages else f"workshop: nothing started in {where}/ (python tests/workshop.py start 03): "
+                                    "this run tests the reference lessons")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, session, config, items):
+        keep, dropped, added = [], [], {}
+        for item in items:
+            stage = next((s for s in self.stages if item.nodeid.split("::")[0].endswith(TESTS[s])), None)
+            if stage is None:
+                keep.append(item)
+                continue
+            dropped.append(item)
+            if stage not in added:
+                added[stage] = [ExerciseItem.from_parent(item.getparent(pytest.Module), name=e.name.replace('"', ""),
+                                                         exercise=e, grader=self)
+                                for e in exercises(stage) if not self.only or any(find(stage, o) is e
+                                                                                  for o in self.only)]
+                src = self.source(stage)
+                for it in added[stage]:
+                    if is_stub(src, it.exercise):
+                        it.add_marker(pytest.mark.skip(reason=f"{it.exercise.id}: to do"))
+                keep += added[stage]
+                self.items += added[stage]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
 
     def pytest_terminal_summary(self, terminalreporter):
-        if self.report_path:
-            with open(self.report_path, "w") as f:
-                json.dump(self.results, f)
-        if self.stages:
-            terminalreporter.section("workshop")
-        for s in self.stages:
-            src = self.source(s)
-            for e in exercises(s):
-                terminalreporter.line(f"  {status_of(e, self.results, is_stub(src, e)):8} {e.id}")
-
-
-def graded(ex: Exercise, nodeid: str) -> bool:
-    """Does test nodeid grade ex? ("name" names every case of a parametrized test, "name[p]" one)."""
-    file, _, name = nodeid.partition("::")
-    return file.endswith(TESTS[ex.stage]) and (name in ex.tests or name.split("[")[0] in ex.tests)
-
-
-def status_of(ex: Exercise, results: dict, stubbed: bool) -> str:
-    """to do: its stub is still there; fails: a test failed on it; passes: its tests ran and passed; blocked:
-    its tests stopped at another exercise first; not run. results: {test id: [outcome, exercises blamed, why]}."""
-    if stubbed:
-        return "to do"
-    mine = [r for n, r in results.items() if graded(ex, n)]
-    if any(ex.id in blame for _, blame, _ in mine):
-        return "fails"
-    if mine and all(o != "failed" for o, _, _ in mine):
-        return "passes" if any(o == "passed" for o, _, _ in mine) else "skipped"
-    return "blocked" if mine else "not run"  # blocked: progress grades it alone
+        if not self.items:
+            return
+        terminalreporter.section("workshop")
+        for it in self.items:
+            ex = it.exercise
+            status = self.grades[ex].status if ex in self.grades else "to do" if is_stub(
+                self.source(ex.stage), ex) else "not run"
+            terminalreporter.line(f"  {status:8} {ex.id}")
 
 
 # -------- the commands ------------------------------------------------------------------------------------
@@ -390,135 +677,140 @@ def start(stage, force=False, folder=WORKSPACE, say_next=True):
         f.write(src)
     print(f"wrote {rel}: {len(exercises(stage))} exercises, each raising NotImplementedError until you write it")
     for line, e in sorted((src[:span(src, e.name)[0]].count("\n") + 1, e) for e in exercises(stage)):
-        print(f"  line {line:4}  {e.name}: {e.hint}")
+        print(f"  line {line:4}  {e.name}: {e.idea}")
     if stage == "04":
         print("04's kernels run on a CPU through Triton's interpreter (TRITON_INTERPRET=1, set for you); Triton has "
               "Linux wheels only: on macOS or Windows do 04 on a Linux machine")
-    test = TESTS[stage]
-    say_next and print(f"next: read {LESSONS[stage]}.py (the reference: do not peek at these functions), run it, open "
-          f"notebooks/{NOTEBOOKS[stage]},\nthen write the functions in {rel} and check them with\n"
-          f"  python -m pytest {test} --workspace -x\n  python tests/workshop.py progress")
+    say_next and print(
+        f"next: open notebooks/{NOTEBOOKS[stage]} (the idea, its figure), write the functions in {rel}, and grade "
+        f"them with\n  python -m pytest {TESTS[stage]} --workspace      (one: --exercise {exercises(stage)[0].short})"
+        f"\n  python tests/workshop.py progress\nstuck: python tests/workshop.py hint {stage} "
+        f"{exercises(stage)[0].short} (closer to the code), then `solution`")
     return 0
 
 
-class Runner:
-    """pytest.main in this process, once per case, the lessons and test files imported afresh each time and the
-    model loaded once: ~1 s a case where a fresh pytest process takes ~5 (torch, the model)."""
-
-    def __init__(self):
-        os.chdir(ROOT)
-        sys.path.insert(0, ROOT)
-        os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest: no plugins to rewrite
-        import llama3_generate as L
-        L.load_model = functools.lru_cache(None)(L.load_model)
-        self.L, self.tmp = L, tempfile.mkdtemp()
-        self.log = ""
-
-    def __call__(self, stage, source, tests, plain=False) -> tuple:
-        """Run tests of the stage's test file on source as its lesson: (rc, {test id: [outcome, blamed, why]})."""
-        import contextlib
-        import io
-        with open(os.path.join(self.tmp, LESSONS[stage] + ".py"), "w", encoding="utf-8") as f:
-            f.write(source)
-        for name in [n for n in sys.modules if re.match(r"(test_)?0\d_|test_engine$|llama3_generate$", n)]:
-            del sys.modules[name]  # imported afresh: the workspace's where this stage is graded
-        if stage != "07":
-            sys.modules["llama3_generate"] = self.L  # the reference engine, its model loaded once
-        report, log = os.path.join(self.tmp, "report.json"), io.StringIO()
-        if os.path.exists(report):
-            os.remove(report)
-        quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler")
-                 for a in ("-p", "no:" + p)]
-        args = [f"{TESTS[stage]}::{t}" for t in sorted(tests)] + ["--assert=plain"] * plain + [
-            "-q", "-x", "--workspace", "--workspace-dir", self.tmp, "--workspace-report", report, *quiet]
-        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            rc = pytest.main(args)
-        self.log = log.getvalue()
-        return rc, json.load(open(report)) if os.path.exists(report) else {}
+def progress(folder=WORKSPACE, as_json=False):
+    """Every exercise's grade, each stage's count and the total; --json: one object for an instructor."""
+    say = None if as_json else lambda e, g: print(f"  {e.stage}  {e.name:32} {g.status}" + (
+        f"\n      {g.why.removeprefix(e.id + ' fails: ')}" if g.why and g.status == "fails" else ""), flush=True)
+    grades = grade(list(LESSONS), folder, say)
+    passed = sum(g.status == "passes" for g in grades.values())
+    if as_json:
+        print(json.dumps(dict(passed=passed, total=len(grades), exercises={
+            e.id: dict(status=g.status, why=g.why) for e, g in grades.items()}), indent=1))
+        return 0
+    print()
+    for s in LESSONS:
+        mine = [g.status for e, g in grades.items() if e.stage == s]
+        state = "not started" if mine[0] == "not started" else f"{mine.count('passes')} / {len(mine)} pass" + (
+            f", {mine.count('fails')} fail" if "fails" in mine else "") + (
+            f", {mine.count('to do')} to do" if "to do" in mine else "")
+        print(f"stage {s} {LESSONS[s]:24} {state}")
+    print(f"{passed} / {len(grades)} exercises")
+    return 0
 
 
-def grade(stages, folder=WORKSPACE, run=None) -> dict:
-    """{exercise: "passes" | "fails" | "to do" | "not started"}: each exercise written is graded alone, the
-    lesson's code standing in for every other exercise, so alloc passes before free is written."""
-    status = {}
-    for s in stages:
-        path = os.path.join(folder, LESSONS[s] + ".py")
-        if not os.path.exists(path):
-            status.update({e: "not started" for e in exercises(s)})
-            continue
-        with open(path, encoding="utf-8") as f:
-            src = f.read()
-        ref = reference(s)
-        for e in exercises(s):
-            if is_stub(src, e):
-                status[e] = "to do"
-                continue
-            a, b, _ = span(src, e.name)
-            run = run or Runner()
-            rc, got = run(s, splice(ref, {e.name: src[a:b]}), e.tests)
-            mine = [o for n, (o, _, _) in got.items() if graded(e, n)]
-            status[e] = "fails" if "failed" in mine or rc not in (0, 1) else "passes" if "passed" in mine else "not run"
-            if status[e] == "fails":
-                why = [f"{n.split('::')[-1]}: {w}" for n, (o, _, w) in got.items() if o == "failed"]
-                status[e] += "   " + (why[0] if why else run.log.strip().splitlines()[-1])
-    return status
+def hint(stage, name):
+    e = find(stage, name)
+    print(f"{e.id}\n  the idea: {e.idea}\n  closer to the code: {e.hint}\n  its tests check that {e.checks}\n"
+          f"still stuck: python tests/workshop.py solution {stage} {e.short}")
 
 
-def progress(folder=WORKSPACE):
-    status = grade(list(LESSONS), folder)
-    print(f"{'stage':5}  {'exercise':32} status")
-    for e in EXERCISES:
-        print(f"{e.stage:5}  {e.name:32} {status[e]}")
-    print(f"{sum(v == 'passes' for v in status.values())} of {len(status)} exercises pass "
-          "(each graded alone: the lesson's code stands in for the others)")
+def alternatives(stage) -> str | None:
+    """tests/data/alternatives/<lesson>.py: each exercise of the stage written again from the attendee's copy
+    alone (other names, loops for tensor ops, other wording): a second right answer the grader must pass."""
+    path = os.path.join(ALTERNATIVES, LESSONS[stage] + ".py")
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def reindent(text, indent_from, indent_to):
+    if indent_from is None:
+        return text
+    return "".join(" " * indent_to + line[indent_from:] if line.strip() else line for line in text.splitlines(True))
 
 
 def verify(stages=None, say=print) -> list:
-    """CI's proof that every exercise is graded: the lesson with only that body cut out fails the tests that grade
-    it, blaming it, and the untouched lesson passes them all. Returns the problems (none: all is well)."""
-    import time
-    run = Runner()
+    """CI's proof that the grader grades: for each stage, the lesson's own body of every exercise passes; every
+    attendee's bug in tests/mutants.py that lies in an exercise fails that exercise's grade, blamed on it on the
+    first line, in words (not a bare comparison of numbers); each alternative right answer passes. Returns the
+    problems (none: all is well)."""
+    import mutants
     stages = stages or [s for s in LESSONS if exercises(s) and (s != "04" or importlib.util.find_spec("triton"))]
     problems = []
     for s in stages:
-        for cut in [None] + exercises(s):
-            t0 = time.perf_counter()
-            tests = {t for e in ([cut] if cut else exercises(s)) for t in e.tests}
-            rc, got = run(s, reference(s) if cut is None else stub(reference(s), [cut]), tests, plain=True)
-            if cut is None:
-                bad = [e.id for e in exercises(s) if status_of(e, got, False) != "passes"]
-                ok = rc == 0 and not bad
-                what = f"{s} untouched: {'passes' if ok else 'FAILS ' + ', '.join(bad)}"
-            else:
-                ok = rc == 1 and status_of(cut, got, False) == "fails"
-                what = f"{cut.id} cut out: {'fails, as it must' if ok else 'NOT caught (rc %s)' % rc}"
-            say(f"  {what} ({time.perf_counter() - t0:.1f} s)")
-            if not ok:
-                problems.append(what + "\n" + run.log[-3000:])
+        ref, alt = reference(s), alternatives(s)
+        cases = [(e, "the lesson's", body_text(ref, e.name), "passes") for e in exercises(s)]
+        if alt:
+            cases += [(e, "alternative", reindent(*_alt(alt, ref, e)), "passes") for e in exercises(s)
+                      if _has(alt, e)]
+        cases += [(find(s, mu.exercise.name), f"mutant: {mu.what}", mu.body, "fails")
+                  for mu in mutants.of_exercises(s)]  # find: mutants imports workshop, maybe a second copy
+        problems += [f"{s}: mutant {mu.what!r} is stale: its snippet occurs {ref.count(mu.old)} times in the lesson"
+                     for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py" and
+                     ref.count(mu.old) != 1]
+        for e, what, text, want in cases:
+            g = grade_body(e, text)
+            bad = (g.status != want or want == "fails" and not g.why.startswith(e.id + " fails: ")
+                   or want == "fails" and bare(g.why))
+            say(f"  {'ok ' if not bad else 'BAD'} {g.seconds:4.1f} s  {e.id:34} {what[:70]}: {g.status}" +
+                (f"\n        {g.why}" if bad or want == "fails" else ""))
+            if bad:
+                problems.append(f"{e.id} ({what}): {g.status}, want {want}\n{g.why}\n{g.detail}")
     return problems
+
+
+def bare(why: str) -> bool:
+    """A failure that says numbers, not words: a bare assert, `assert 0 > 0`, torch's "not close"."""
+    text = why.split(" fails: ", 1)[-1]
+    return (text.startswith("a check failed: ") or re.fullmatch(r"[\s\d.,:()\[\]<>=!+\-*/a-z_]*", text) is not None
+            and len(text.split()) < 4 or "are not close" in text or "are not equal" in text)
+
+
+def _has(alt, e):
+    try:
+        span(alt, e.name)
+        return True
+    except StopIteration:
+        return False
+
+
+def _alt(alt, ref, e):
+    a, b, indent = span(alt, e.name)
+    return alt[a:b], indent, span(ref, e.name)[2]
+
+
+def body_text(source, name) -> str:
+    a, b, _ = span(source, name)
+    return source[a:b]
 
 
 def your_turn(stage) -> str:
     """The "Your turn" cell that ends the stage's notebook (`python tests/workshop.py notebooks` writes them)."""
     name, test = LESSONS[stage], TESTS[stage]
-    rows = "\n".join(f"| `{e.name}` | {e.checks} | {', '.join(f'`{t}`' for t in e.tests)} |" for e in exercises(stage))
+    rows = "\n".join(f"| `{e.name}` | {e.idea} | {e.checks} |" for e in exercises(stage))
     triton = ("\n\nOn a CPU the kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set for you); Triton has "
               "Linux wheels only, so on macOS or Windows do this stage on a Linux machine.") if stage == "04" else ""
+    first = exercises(stage)[0].short
     return f"""## Your turn
 
-Write this lesson's idea yourself: `python tests/workshop.py start {stage}` copies `{name}.py` into `workspace/`
-(git ignores it) with these bodies cut out, each raising `NotImplementedError` with a hint:
+Write this lesson's idea yourself, from this notebook: `python tests/workshop.py start {stage}` writes
+`workspace/{name}.py` (git ignores it) with these bodies cut out; each docstring there is the contract.
 
-| exercise | its tests check that | graded by (in `{test}`) |
+| exercise | the idea, and what to watch for | graded: its tests check that |
 |---|---|---|
 {rows}
 
-Write them in `workspace/{name}.py`, then
+Write them in `workspace/{name}.py`, then grade them (each alone: the lesson's code stands in for the others):
 
-    python -m pytest {test} --workspace -x    # a failure names the exercise, what it checks, the hint
-    python tests/workshop.py progress    # each exercise graded alone: passes, fails (and why), to do
+    python -m pytest {test} --workspace    # one: --exercise {first}; a failure says which and why
+    python tests/workshop.py progress    # every stage, and your score
+    python tests/workshop.py hint {stage} {first}    # stuck: a hint closer to the code; `solution` last
 
-Run this notebook on your code: `WORKSHOP=1 jupyter lab` (its first cell then imports `workspace/{name}.py`).{triton}"""
+When they pass, read `{name}.py` as the reference and run it. `WORKSHOP=1 jupyter lab` runs this notebook on
+your copy (its first cell then imports `workspace/{name}.py`).{triton}"""
 
 
 def write_notebooks():
@@ -536,44 +828,50 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="write workspace/<lesson>.py with the stage's exercises to do")
-    st.add_argument("stage", help="01 .. 06, or all")
+    st.add_argument("stage", help="01 .. 07, or all")
     st.add_argument("--force", action="store_true", help="start again (your copy is kept as .bak)")
-    pr = sub.add_parser("progress", help="which exercises pass")
+    pr = sub.add_parser("progress", help="every exercise's grade and the score")
+    pr.add_argument("--json", action="store_true", help="one JSON object (an instructor collecting a room's)")
     for p in (st, pr):
         p.add_argument("--dir", default=WORKSPACE, help="the workspace folder (default: workspace/)")
-    sub.add_parser("list", help="every exercise, its hint and the tests that grade it")
-    so = sub.add_parser("solution", help="print the reference body of an exercise (stuck? read it, then write yours)")
-    so.add_argument("stage")
-    so.add_argument("name", help="TokenAllocator.alloc, or alloc")
+    sub.add_parser("list", help="every exercise, its idea and the tests that grade it")
+    for cmd, text in (("hint", "a hint close to the code (stuck on the idea?)"),
+                      ("solution", "the lesson's body of an exercise (stuck after the hint? read it, then write "
+                                   "yours)")):
+        p = sub.add_parser(cmd, help=text)
+        p.add_argument("stage")
+        p.add_argument("name", help="TokenAllocator.alloc, or alloc")
     sub.add_parser("notebooks", help="(maintainers) rewrite each lesson notebook's last cell, \"Your turn\"")
-    ve = sub.add_parser("verify", help="(CI) each exercise cut out alone fails its tests; the lesson passes them")
+    ve = sub.add_parser("verify", help="(CI) the lesson passes; each mutant fails, blamed on its exercise; each "
+                                       "alternative passes")
     ve.add_argument("stages", nargs="*")
     a = ap.parse_args(argv)
     if a.cmd == "start":
-        stages = list(LESSONS) if a.stage == "all" else [a.stage.zfill(2)]
+        stages = [s for s in LESSONS if exercises(s)] if a.stage == "all" else [a.stage.zfill(2)]
         if any(s not in LESSONS for s in stages):
             ap.error(f"no stage {a.stage!r}: choose from {', '.join(LESSONS)} or all")
         rc = max(start(s, a.force, a.dir, say_next=len(stages) == 1) for s in stages)
         if len(stages) > 1:
-            print("next, stage by stage: read the lesson, run it, open its notebook, write its functions in "
-                  f"{os.path.relpath(a.dir)}/, and check them with\n  python -m pytest tests/test_0N_....py "
-                  "--workspace -x\n  python tests/workshop.py progress")
+            print("next, stage by stage: open its notebook, write its functions in "
+                  f"{os.path.relpath(a.dir)}/, grade them with\n  python -m pytest tests/test_0N_....py "
+                  "--workspace\n  python tests/workshop.py progress\nthen read the lesson and run it")
         return rc
     if a.cmd == "progress":
-        return progress(a.dir)
-    if a.cmd == "solution":
-        e = next((e for e in exercises(a.stage.zfill(2)) if e.name == a.name or e.name.endswith("." + a.name)), None)
+        return progress(a.dir, a.json)
+    if a.cmd in ("hint", "solution"):
+        e = find(a.stage.zfill(2), a.name) if a.stage.zfill(2) in LESSONS else None
         if e is None:
             ap.error(f"no exercise {a.name!r} in stage {a.stage}: `python tests/workshop.py list` lists them")
-        return print(body(reference(e.stage), e.name).rstrip("\n"))
+        return hint(e.stage, e.name) if a.cmd == "hint" else print(body(reference(e.stage), e.name).rstrip("\n"))
     if a.cmd == "notebooks":
         return write_notebooks()
     if a.cmd == "verify":
+        t0 = time.monotonic()
         problems = verify(a.stages)
-        print("\n".join(problems) or "every exercise is graded")
+        print("\n\n".join(problems) or f"every exercise is graded ({time.monotonic() - t0:.0f} s)")
         return int(bool(problems))
     for e in EXERCISES:
-        print(f"{e.id}: {e.hint}\n    checks: {e.checks}\n    graded by: {', '.join(e.tests)}")
+        print(f"{e.id}: {e.idea}\n    checks: {e.checks}\n    graded by: {', '.join(e.tests)}")
 
 
 if __name__ == "__main__":
