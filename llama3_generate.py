@@ -33,12 +33,12 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, the core first: the model; deterministic mode (batch-invariant matmuls and attention:
-an answer's bits whatever the batch); generate (a static batch through any backend: the lessons'
+Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
 parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
 them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
 says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
-weights; tensor parallelism (--tp N: the model split over N processes); the set-up the command line
+weights; deterministic mode (batch-invariant matmuls and attention: an answer's bits whatever the
+batch, beside the model as TP is); tensor parallelism (--tp N: the model split over N processes); the set-up the command line
 and the server share; the server (--serve); the command line (its flags, parsed before torch loads so
 that --help answers at once, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the
 engine is built from them: L01 .. L06 below); 04, where every Triton kernel lives, loads only on the
@@ -325,107 +325,6 @@ class NoCache:
 
     def attend(self, layer_id, q, k, v):
         return attend_dense(q, k, v)
-
-
-# ----------------------------------------------------------------------------------------------
-# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
-# ----------------------------------------------------------------------------------------------
-# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
-# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
-# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
-# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
-# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
-# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
-# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
-# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
-# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), and each
-# sample draws from its own seeded random stream.
-
-TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
-PIECE = 16   # keys per attention piece, and query rows per tile
-
-
-def tiles(x, n: int):
-    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
-    pad = -x.shape[0] % n
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
-
-
-def invariant_linear(x, w):
-    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
-    if not len(x):
-        return F.linear(x, w)
-    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
-
-
-def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
-    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
-    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
-    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
-    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
-    G = H // Hkv
-    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
-        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
-        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
-        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
-        live = (i < p + n)[:, None, None]
-        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
-        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
-        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
-        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
-        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
-        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
-        t += n
-    return torch.cat(out)
-
-
-def attend_tiles(q, k, v, pos, n_keys: int):
-    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
-    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
-    Hkv, nt, R, D = q.shape
-    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
-    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
-    for j in range(0, n_keys, PIECE):
-        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
-                  for x in (k, v))
-        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
-        key = torch.arange(j, j + PIECE, device=q.device)
-        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
-        s = s.masked_fill(hidden, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
-        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
-        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
-        l, m = l * alpha + p.sum(-1), m_new
-    return acc / l[..., None]
-
-
-def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
-    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
-    prefill)."""
-    lens = [int(n) for n in seq_lens]
-    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
-                         page)
-
-
-DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
-
-
-def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
-    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
-    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
-    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else)."""
-    if deterministic and L04 is not None:
-        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
-        return model.use_kernels(L04, linear=L04.invariant_matmul)
-    if deterministic:
-        kv.use_kernels(decode_pieces, attend_pieces)
-        return model.use_ops(DETERMINISTIC_OPS)
-    if L04 is not None:
-        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
-        if graphs:
-            return model.use_kernels(L04)
-    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
-        model.use_ops(PYTORCH_OPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1206,7 +1105,7 @@ class CudaGraphDecoder:
 
 # ==============================================================================================
 # The core ends here: every lesson has been used. What follows serves it: tokenizers, weights,
-# tensor parallelism, the shared set-up, the OpenAI server and the command line.
+# deterministic mode, tensor parallelism, the shared set-up, the OpenAI server and the command line.
 # ==============================================================================================
 
 # ----------------------------------------------------------------------------------------------
@@ -1679,6 +1578,107 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
         model.output.weight = model.tok_embeddings.weight
     model.rope_cos, model.rope_sin = rope_tables(args)  # built on "meta" above: make them for real
     return model.to(device=device, dtype=dtype).eval(), tok
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
+# ----------------------------------------------------------------------------------------------
+# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
+# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
+# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
+# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
+# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
+# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
+# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
+# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), and each
+# sample draws from its own seeded random stream.
+
+TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
+PIECE = 16   # keys per attention piece, and query rows per tile
+
+
+def tiles(x, n: int):
+    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
+    pad = -x.shape[0] % n
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
+
+
+def invariant_linear(x, w):
+    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
+    if not len(x):
+        return F.linear(x, w)
+    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
+
+
+def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
+    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
+    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
+    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
+    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
+    G = H // Hkv
+    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
+        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
+        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
+        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
+        live = (i < p + n)[:, None, None]
+        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
+        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
+        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
+        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
+        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
+        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
+        t += n
+    return torch.cat(out)
+
+
+def attend_tiles(q, k, v, pos, n_keys: int):
+    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
+    Hkv, nt, R, D = q.shape
+    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
+    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
+    for j in range(0, n_keys, PIECE):
+        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
+                  for x in (k, v))
+        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
+        key = torch.arange(j, j + PIECE, device=q.device)
+        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
+        s = s.masked_fill(hidden, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
+        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
+        l, m = l * alpha + p.sum(-1), m_new
+    return acc / l[..., None]
+
+
+def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
+    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
+    prefill)."""
+    lens = [int(n) for n in seq_lens]
+    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
+                         page)
+
+
+DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
+
+
+def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
+    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
+    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
+    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else)."""
+    if deterministic and L04 is not None:
+        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
+        return model.use_kernels(L04, linear=L04.invariant_matmul)
+    if deterministic:
+        kv.use_kernels(decode_pieces, attend_pieces)
+        return model.use_ops(DETERMINISTIC_OPS)
+    if L04 is not None:
+        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        if graphs:
+            return model.use_kernels(L04)
+    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
+        model.use_ops(PYTORCH_OPS)
 
 
 # ----------------------------------------------------------------------------------------------
