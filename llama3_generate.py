@@ -35,15 +35,15 @@ everything runs its PyTorch paths.
 
 Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
 parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
-them, then what only the command line and the server ask); GPU decode (CudaGraphDecoder). A banner
-says where the core ends: every lesson has been used by then. What serves it comes after: tokenizers;
-weights; deterministic mode (batch-invariant matmuls and attention: an answer's bits whatever the
-batch, beside the model as TP is); tensor parallelism (--tp N: the model split over N processes); the set-up the command line
-and the server share; the server (--serve); the command line (its flags, parsed before torch loads so
-that --help answers at once, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the
-engine is built from them: L01 .. L06 below); 04, where every Triton kernel lives, loads only on the
-Triton path (a GPU, or CUDA graphs asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py
-(TP 1 vs TP N on GPUs).
+them); GPU decode (CudaGraphDecoder). A banner says where the core ends: every lesson has been used by
+then. What serves it comes after: the Engine extended with what only the command line and the server
+ask (warm-up, aborts, figures); tokenizers; weights; deterministic mode (batch-invariant matmuls and
+attention: an answer's bits whatever the batch, beside the model as TP is); tensor parallelism (--tp
+N: the model split over N processes); the set-up the command line and the server share; the server
+(--serve); the command line (its flags, parsed before torch loads so that --help answers at once, and
+main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01 ..
+L06 below); 04, where every Triton kernel lives, loads only on the Triton path (a GPU, or CUDA graphs
+asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
@@ -772,78 +772,6 @@ class Engine:
         """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
         return {s.rid: s.finish for s in self.sched.finished}
 
-    # ------------------------------------------------------------------------------------------
-    # What only the command line and the server ask: warm-up, aborts, failures, figures, events.
-    # ------------------------------------------------------------------------------------------
-
-    @property
-    def stats(self) -> dict:
-        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
-        return {**self.sched.stats, **self.counts}
-
-    def warm_up(self, n_seqs: int = 1) -> float:
-        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
-        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
-        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
-        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.busy or self.finished), "warm_up() comes before add()"
-        t0 = time.perf_counter()
-        if self.graphs is not None:
-            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs.graph(b)
-        # k-step and 1-step
-        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
-        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
-        self.run()
-        self.reset()
-        # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
-        gc.collect()
-        gc.freeze()  # of every stream; frozen, the collector leaves it alone
-        return time.perf_counter() - t0
-
-    def reset(self):
-        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
-        self.sched.reset()
-        self.counts, self.n_seqs = self.new_counts(), 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def abort(self, sid: int):
-        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
-        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        self.land()
-        seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
-        if seq is not None:
-            seq.finish = "abort"
-
-    def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
-        for s in list(self.sched.running):
-            s.failed = why
-            self.abort(s.rid)
-
-    def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
-        events."""
-        done, self.sched.finished = self.sched.finished, []
-        for log in (self.sched.events, self.sched.decode_log):
-            if len(log) > 200_000:
-                del log[:-100_000]
-        return done
-
-    @property
-    def timings(self) -> dict:
-        return {s.rid: s.timings() for s in self.sched.finished}
-
-    def kv_capacity(self) -> int:
-        return self.kv.capacity()
-
-    @property
-    def events(self) -> list:
-        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
-        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
-        return self.sched.events
-
 
 # ----------------------------------------------------------------------------------------------
 # GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's
@@ -1104,9 +1032,84 @@ class CudaGraphDecoder:
 
 
 # ==============================================================================================
-# The core ends here: every lesson has been used. What follows serves it: tokenizers, weights,
-# deterministic mode, tensor parallelism, the shared set-up, the OpenAI server and the command line.
+# The core ends here: every lesson has been used. What follows serves it: the engine's methods for
+# the command line and the server, tokenizers, weights, deterministic mode, tensor parallelism, the
+# shared set-up, the OpenAI server and the command line.
 # ==============================================================================================
+
+class Engine(Engine):
+    """The core's Engine, extended with what only the command line and the server ask: warm-up, aborts,
+    failures, figures and events (the same name: everything outside the core builds this one)."""
+
+    @property
+    def stats(self) -> dict:
+        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
+        return {**self.sched.stats, **self.counts}
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
+        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
+        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
+        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        assert not (self.busy or self.finished), "warm_up() comes before add()"
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
+                self.graphs.graph(b)
+        # k-step and 1-step
+        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
+        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        self.run()
+        self.reset()
+        # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
+        gc.collect()
+        gc.freeze()  # of every stream; frozen, the collector leaves it alone
+        return time.perf_counter() - t0
+
+    def reset(self):
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        self.sched.reset()
+        self.counts, self.n_seqs = self.new_counts(), 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def abort(self, sid: int):
+        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
+        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
+        self.land()
+        seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
+        if seq is not None:
+            seq.finish = "abort"
+
+    def fail(self, why: str):
+        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        for s in list(self.sched.running):
+            s.failed = why
+            self.abort(s.rid)
+
+    def pop_finished(self) -> list:
+        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
+        events."""
+        done, self.sched.finished = self.sched.finished, []
+        for log in (self.sched.events, self.sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+        return done
+
+    @property
+    def timings(self) -> dict:
+        return {s.rid: s.timings() for s in self.sched.finished}
+
+    def kv_capacity(self) -> int:
+        return self.kv.capacity()
+
+    @property
+    def events(self) -> list:
+        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
+        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
+        return self.sched.events
+
+
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,

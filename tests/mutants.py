@@ -382,7 +382,7 @@ MUTANTS = [
            "stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == \"stop\"",
            "stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == \"length\""),
     Mutant("engine", "n samples with a seed all draw from the same generator",
-           "manual_seed((params.seed + i) % 2**64)", "manual_seed(params.seed % 2**64)"),
+           "manual_seed((seed + i) % 2**64)", "manual_seed(seed % 2**64)"),
     Mutant("engine", "logits taken at each sequence's first new token instead of its last",
            "last = (torch.tensor(n_new).cumsum(0) - 1)[",
            "last = (torch.tensor(n_new).cumsum(0) - torch.tensor(n_new))["),
