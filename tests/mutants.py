@@ -5,9 +5,11 @@
 stage: 01 .. 06, or engine (llama3_generate.py against tests/test_engine.py). --tests-from main runs main's
 stage tests against the same mutants (what they caught before); -k narrows the tests for a quick look only.
 
-Each mutant is the kind of bug an attendee writes doing the workshop's exercises (an off-by-one, a boundary one
-step off, a case forgotten, an order reversed, a count one short): an exact snippet of a lesson and its mutated
-form. The runner copies the repository to a temporary folder once, applies one mutant at a time, runs the
+Each mutant is an exact snippet of a lesson and its mutated form: the kind of bug an attendee writes (an
+off-by-one, a boundary one step off, a case forgotten, an order reversed, a count one short). Two kinds in one
+list: a mutant inside an exercise's body is an attendee's bug, graded by the workshop too (below); one in the
+code no attendee writes (04's extend kernel, 05's admission, the engine) checks that the stage's own tests
+would catch it there. The runner copies the repository to a temporary folder once, applies one mutant at a time, runs the
 stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. A snippet that no longer occurs
 exactly once in its file is reported as STALE (the lesson moved on: update the mutant). Not part of the default
 `pytest` run (it takes minutes per stage); exit status 1 if any mutant survived or went stale.
