@@ -494,7 +494,8 @@ def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
     else:
         what = f"the test could not use what your {ex.short} gave it: {t}: {msg}"
     where = "\n".join(f"    {os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{n} in {fn}"
-                      for f, n, fn, _ in [f for f in frames if f[0].startswith(ROOT) or f[0] == lesson_path][-4:])
+                      for f, n, fn, _ in [f for f in frames if f[0] == lesson_path or f[0].startswith(ROOT)
+                                          and "site-packages" not in f[0]][-4:])  # a venv may live in ROOT
     detail = f"  test: {test}" + (f" ({failure['doc']})" if failure["doc"] else "") + f"\n  at:\n{where}"
     return f"{ex.id} fails: {what}", detail
 
