@@ -84,6 +84,7 @@ except ImportError:
 L01 = importlib.import_module("01_kv_cache")  # table_slots: the host twin of the kernels' _slot
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in exp2: scores are scaled by log2(e)
 GDC = tl.constexpr(not INTERPRET)
 
 
@@ -337,7 +338,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
         else:
             mid = torch.empty(n, dtype=torch.float32, device=q.device)
     # fold in log2(e): exp2 is cheap
-    scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634
+    scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
     _stage1[(Hkv, num_splits, B)](
         q, k_pool, v_pool, r2t, req_rows, seq_lens, mid, out, scale, num_splits,
         k_pool.stride(0), v_pool.stride(0), r2t.stride(0), page,
@@ -460,7 +461,7 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     if out is None:
         # (T, n_q_heads, head_dim)
         out = torch.empty_like(q)
-    scale = (sm_scale if sm_scale is not None else D ** -0.5) * 1.4426950408889634
+    scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
     _extend[(len(blocks) // 2, Hkv)](
         q.contiguous(), k_pool, v_pool, req_to_token,
         torch.as_tensor(req_rows).to(q.device, non_blocking=True), prefix, extend, q_start, blocks,
@@ -574,7 +575,7 @@ def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, se
     out, f32 = torch.empty_like(q), INTERPRET or q.dtype == torch.float32
     _extend[(B * per, Hkv)](
         q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), prefix,
-        torch.ones_like(prefix), b, blocks, out, D ** -0.5 * 1.4426950408889634, k_pool.stride(0),
+        torch.ones_like(prefix), b, blocks, out, D ** -0.5 * LOG2E, k_pool.stride(0),
         v_pool.stride(0), req_to_token.stride(0), page, GROUP=H // Hkv, HEAD_DIM=D,
         BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32",
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
