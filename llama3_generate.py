@@ -460,7 +460,7 @@ class Seq(L05.Req):
         stop = eos and (not p.ignore_eos or self.index is not None)
         # the regex allows nothing more, or no room is left: finished without asking the model (06 decides)
         if self.index is not None and not stop:
-            stop = self.index.finish(self.fsm, p.max_new_tokens - len(self.output)) == "stop"
+            stop = self.index.finish(self.fsm, self.room) == "stop"
         self.done = stop or len(self.output) >= p.max_new_tokens
         # length: cut short (a constrained one before its regex matched)
         self.finish = "stop" if stop else "length"
@@ -478,6 +478,11 @@ class Seq(L05.Req):
         self.jumped += len(new) - common
         self.output = new
         return len(self.prompt) + common
+
+    @property
+    def room(self) -> int:
+        """Tokens it may still output: max_new_tokens less its output so far."""
+        return self.params.max_new_tokens - len(self.output)
 
     @property
     def argmax(self) -> bool:  # the model's own argmax: nothing added, no FSM (GPU multi-step)
@@ -705,7 +710,7 @@ class Engine:
             banned = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
                 if s.index is not None:
-                    ok = s.index.allowed(s.fsm, s.params.max_new_tokens - len(s.output)).to(logits.device)
+                    ok = s.index.allowed(s.fsm, s.room).to(logits.device)
                     banned[i] = True
                     banned[i, :len(ok)] = ~ok
             logits = logits.masked_fill(banned, float("-inf"))
@@ -910,15 +915,14 @@ class CudaGraphDecoder:
         prev = self.inflight
         if prev is None:
             return running, 0
-        left = lambda s: s.params.max_new_tokens - len(s.output)
-        return [s for s in prev.batch if not s.done and left(s) > prev.k], prev.k
+        return [s for s in prev.batch if not s.done and s.room > prev.k], prev.k
 
     def most_steps(self, batch, ahead: int) -> int:
         """Steps a chunk of batch may take: multi_step, fewer where a sequence's context ends sooner
         or all their max_new_tokens do; 0 where one is not greedy and unconstrained."""
         if not batch or not all(s.argmax for s in batch):
             return 0
-        ends = [s.params.max_new_tokens - len(s.output) - ahead for s in batch]
+        ends = [s.room - ahead for s in batch]
         context = [self.max_len - len(s.tokens) + 1 - ahead for s in batch]
         return min([self.multi_step, max(ends)] + context)
 
@@ -933,7 +937,7 @@ class CudaGraphDecoder:
         prev, self.inflight = self.inflight, None
         ahead = prev.k if prev else 0  # tokens each sequence of prev will have once it lands
         if batch and (k >= 2 or prev and k >= 1):
-            need = [min(k, s.params.max_new_tokens - len(s.output) - ahead) for s in batch]
+            need = [min(k, s.room - ahead) for s in batch]
             # its ~30 small kernels run beside the chunk in flight, not after it
             with self.beside(prev):
                 positions = self.kv.prepare([s.rid for s in batch], need)
