@@ -427,10 +427,10 @@ def test_penalties_and_logit_bias_follow_openai_formulas(srv):
 def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
     rng = random.Random()
     msgs, n, k = [{"role": "user", "content": words(rng, 4)}], 8, rng.randint(1, 5)
-    tok = srv.engine.tok
+    tok = srv.engine.tok  # ignore_eos below: a random checkpoint's first greedy token may be EOS (no entries)
     out = srv.client.chat.completions.create(model=srv.model, messages=msgs, max_tokens=n, temperature=temperature,
                                              seed=rng.randint(0, 99), logprobs=True, top_logprobs=k,
-                                             frequency_penalty=0.5)
+                                             frequency_penalty=0.5, extra_body={"ignore_eos": True})
     entries, text = out.choices[0].logprobs.content, out.choices[0].message.content
     assert entries and b"".join(bytes(e.bytes) for e in entries).decode(errors="replace") == text
     by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size)}  # a top k may hold EOS too
@@ -445,7 +445,7 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
         if temperature == 0:
             assert t == int(top.indices[0])
     c = srv.client.completions.create(model=srv.model, prompt=msgs[0]["content"], max_tokens=n, temperature=0,
-                                      logprobs=2)
+                                      logprobs=2, extra_body={"ignore_eos": True})
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
     assert all(len(d) <= 2 and max(d.values()) >= v - 1e-6 for d, v in zip(lp.top_logprobs, lp.token_logprobs))
