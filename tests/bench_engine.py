@@ -772,8 +772,10 @@ def same_answers(model, tok, prompts, max_new=96, deterministic=False) -> dict:
     alone = [run([p])[0] for p in prompts]
     batch = run(prompts)
     cached = run(prompts, reset=False)  # the batch's prompts (and answers) are in the radix cache now
-    same = lambda outs: sum(a == b for a, b in zip(outs, alone))
-    return dict(prompts=len(prompts), max_new=max_new, same_in_batch=same(batch), same_cached=same(cached),
+    parted = [[next((i for i, (x, y) in enumerate(zip(o, a)) if x != y), None) for o, a in zip(outs, alone)]
+              for outs in (batch, cached)]  # per prompt: the first token unlike alone's (None: the same)
+    return dict(prompts=len(prompts), max_new=max_new, same_in_batch=parted[0].count(None),
+                same_cached=parted[1].count(None), parted_in_batch=parted[0], parted_cached=parted[1],
                 cached_tokens=e.stats["cached_tokens"])
 
 
