@@ -264,17 +264,20 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
         for p, n in zip(prompts, max_new):
             e.add(p, L.SamplingParams(max_new_tokens=n))
         outs = list(e.run().values())
-        assert (e.graphs is None or e.graphs.inflight is None) and kv_left(e) == 0
+        assert e.graphs is None or e.graphs.inflight is None, "the run ended with a chunk still in flight"
+        assert kv_left(e) == 0, f"the run ended with {kv_left(e)} KV slots still held"
         return outs, e
 
     plain, _ = run(prompts, (7, 20, 12), cuda_graphs=False)
     tok.stop_ids = [plain[1][5]]  # an EOS mid-way through the second sequence
     plain, _ = run(prompts, (7, 20, 12), cuda_graphs=False)
     multi, e = run(prompts, (7, 20, 12), cuda_graphs=True, fused=False, multi_step=4)
-    assert multi == plain and len(plain[1]) <= 6
+    assert multi == plain, f"greedy steps 4 at a time wrote {multi}; one step at a time {plain}"
+    assert len(plain[1]) <= 6, "the second sequence did not stop at its EOS"
     assert None in resumed and any(k and k != list(range(len(k))) for k in resumed)  # from the host; and continued
     # on the device after the EOS, the rows behind it gathered to the front
-    assert e.stats["decode_tokens"] == sum(map(len, plain)) - len(plain)
+    n = sum(map(len, plain)) - len(plain)  # each sequence's first token came from its prefill
+    assert e.stats["decode_tokens"] == n, f"decode_tokens counts {e.stats['decode_tokens']}; the outputs decoded {n}"
     tok.stop_ids = []
     one, _ = run(prompts[:1], (8,), cuda_graphs=False)
     fused, e = run(prompts[:1], (8,), cuda_graphs=True, multi_step=3)
@@ -356,8 +359,11 @@ def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch
     for n in (12, 9, 14):
         e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
     e.run()
-    assert ["decode", "prefill"] in trace, trace  # a chunk landed by a prefill step
-    assert (e.stats["prefill_s"], e.stats["decode_s"]) == (took["prefill"], took["decode"]), trace
+    assert ["decode", "prefill"] in trace, f"no prefill step landed a chunk; what each step ran: {trace}"
+    got, want = (e.stats["prefill_s"], e.stats["decode_s"]), (took["prefill"], took["decode"])
+    assert got == want, (f"the steps counted prefill_s {got[0]:g} s and decode_s {got[1]:g} s; the fake clock spent "
+                         f"{want[0]:g} and {want[1]:g} (a prefill 1000 s; a decode or a chunk's read 1 s, decode's "
+                         f"also when a prefill step lands it); what each step ran: {trace}")
 
 
 SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed", chunk_tokens=7),

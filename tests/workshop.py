@@ -234,9 +234,12 @@ EXERCISES = [
              "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
              "steps); add the seconds to self.counts[kind + '_s']",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
-             "and its events account for every token of a run that preempts",
+             "its events account for every token of a run that preempts, k greedy steps at a time write the tokens "
+             "of one at a time, and each step's seconds count as its kind (a landed chunk's as decode)",
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
-              "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]")),
+              "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]",
+              "test_multi_step_chunks_count_as_decode_whichever_step_lands_them",
+              "test_multi_step_decoding_matches_one_step[token]")),
 ]
 
 
@@ -735,7 +738,7 @@ def reindent(text, indent_from, indent_to):
 
 def verify(stages=None, say=print) -> list:
     """CI's proof that the grader grades: for each stage, the lesson's own body of every exercise passes; every
-    attendee's bug in tests/mutants.py that lies in an exercise fails that exercise's grade, blamed on it on the
+    attendee's bug in tests/mutants.py lies in an exercise and fails that exercise's grade, blamed on it on the
     first line, in words (not a bare comparison of numbers); each alternative right answer passes. Returns the
     problems (none: all is well)."""
     import mutants
@@ -747,11 +750,15 @@ def verify(stages=None, say=print) -> list:
         if alt:
             cases += [(e, "alternative", reindent(*_alt(alt, ref, e)), "passes") for e in exercises(s)
                       if _has(alt, e)]
+        ems = mutants.of_exercises(s)
         cases += [(find(s, mu.exercise.name), f"mutant: {mu.what}", mu.body, "fails")
-                  for mu in mutants.of_exercises(s)]  # find: mutants imports workshop, maybe a second copy
+                  for mu in ems]  # find: mutants imports workshop, maybe a second copy
+        mine = [mu for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py"]
+        graded = {mu.what for mu in ems}
         problems += [f"{s}: mutant {mu.what!r} is stale: its snippet occurs {ref.count(mu.old)} times in the lesson"
-                     for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py" and
-                     ref.count(mu.old) != 1]
+                     if ref.count(mu.old) != 1 else f"{s}: mutant {mu.what!r} lies in no exercise's body (no "
+                     "attendee writes that code: it belongs in tests/code_mutants.py)"
+                     for mu in mine if mu.what not in graded]
         for e, what, text, want in cases:
             g = grade_body(e, text)
             bad = (g.status != want or want == "fails" and not g.why.startswith(e.id + " fails: ")
