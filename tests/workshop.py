@@ -612,7 +612,7 @@ class Grader:
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
         self.only = config.getoption("exercise") or []
-        self.grades, self.items = {}, []
+        self.grades, self.items, self.folded = {}, [], 0
 
     def source(self, stage) -> str:
         with open(os.path.join(self.folder, LESSONS[stage] + ".py"), encoding="utf-8") as f:
@@ -649,9 +649,13 @@ class Grader:
                         it.add_marker(pytest.mark.skip(reason=f"{it.exercise.id}: to do"))
                 keep += added[stage]
                 self.items += added[stage]
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
+        self.folded = len(dropped)  # not deselected: each grades an exercise, inside its item
         items[:] = keep
+
+    def pytest_report_collectionfinish(self, config, start_path, items):
+        if self.items:
+            return (f"workshop: {self.folded} tests grade {len(self.items)} exercises, one item each; "
+                    f"{len(items)} items to run")
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.items:
