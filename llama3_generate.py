@@ -1598,8 +1598,9 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 # the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
 # order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
 # 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
-# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), and each
-# sample draws from its own seeded random stream.
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
+# every sum over the ranks in rank order (TPSum.ordered), and each sample draws from its own seeded
+# random stream.
 
 TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
 PIECE = 16   # keys per attention piece, and query rows per tile
@@ -1673,7 +1674,10 @@ DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_
 def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
     """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
     with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
-    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else)."""
+    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else), and
+    under TP each sum over the ranks in rank order (TPSum.ordered)."""
+    if getattr(model, "tp_sum", None) is not None:
+        model.tp_sum.ordered = deterministic
     if deterministic and L04 is not None:
         kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
         return model.use_kernels(L04, linear=L04.invariant_matmul)
@@ -1802,6 +1806,16 @@ def shard_model(model, rank: int, world: int):
 ONE_SHOT_BYTES = 2 << 20
 
 
+def rank_order_sum(parts):
+    """parts (world, ...) summed rank 0 first, one add at a time: each element's order whatever
+    the size (a ring or tree all-reduce cuts the buffer into pieces by its size, and with 3 or
+    more ranks each piece's elements may be summed in another order)."""
+    acc = parts[0].clone()
+    for p in parts[1:]:
+        acc += p
+    return acc
+
+
 class TPSum:
     """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the
     sum). On GPUs up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums
@@ -1841,10 +1855,12 @@ class TPSum:
             # NCCL links up large sums' paths
             torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))
 
+    ordered = False  # deterministic mode: NCCL's and gloo's sums become rank_order_sum
+
     def __call__(self, x, out=None, use=0):
         ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
         small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
-        if self.algo == "lamport" and small and not ours:
+        if self.algo == "lamport" and small and not ours:  # rank order already, whatever the size
             return self.L04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
         if self.algo != "nccl" and (ours or small):
             ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
@@ -1853,6 +1869,8 @@ class TPSum:
             return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
         if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
             x = out.copy_(x)
+        if self.ordered:  # (world, 1, numel): every rank's x, summed in rank order
+            return x.copy_(rank_order_sum(self.gather(x.reshape(1, -1), None)).view_as(x))
         torch.distributed.all_reduce(x)
         return x
 

@@ -15,11 +15,11 @@ NOTOK = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()  # no stop token: ma
 NEW = 12  # tokens each needle generates
 
 
-def needle_model(dtype=torch.float32, device="cpu", seed=0):
-    """A random 2-layer Llama (GQA 4:2, head_dim 32), weights (std 0.3) big enough for rounding to
-    show."""
+def needle_model(dtype=torch.float32, device="cpu", seed=0, n_kv_heads=2):
+    """A random 2-layer Llama (4 heads, GQA 4:2 by default, head_dim 32), weights (std 0.3) big
+    enough for rounding to show."""
     torch.manual_seed(seed)
-    args = L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=256,
+    args = L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=256, hidden_dim=256,
                        max_seq_len=256, rope_theta=10000.0)
     with torch.device(device):
         model = L.Transformer(args).eval()

@@ -229,6 +229,55 @@ def test_lamport_sum_adds_every_ranks_push_in_rank_order():
     signal.alarm(0)
 
 
+def tp_sum_rows(seed: int):
+    """One rank of a gloo group: TPSum over 64 random rows (magnitudes 1e-3 to 1e3, so the order of a sum shows)
+    and over their first k rows alone, gloo's all-reduce and deterministic mode's (ordered). The sizes k whose rows'
+    bits moved, each way; and whether ordered's sum is rank 0 + rank 1 + ... in that order (every rank's rows are
+    drawn from its seed, so each rank can add them up itself)."""
+    L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    g = [torch.Generator().manual_seed(seed + r) for r in range(world)]
+    xs = [torch.randn(64, 1024, generator=g[r]) * 10.0 ** torch.randint(-3, 4, (64, 1), generator=g[r])
+          for r in range(world)]
+    fake = SimpleNamespace(tok_embeddings=SimpleNamespace(weight=torch.zeros(8, 4)), args=SimpleNamespace(vocab_size=8))
+    tp_sum, moved = L.TPSum(fake, rank, world), {}
+    for ordered in (False, True):
+        tp_sum.ordered = ordered
+        whole = tp_sum(xs[rank].clone())
+        moved[ordered] = [k for k in (1, 2, 3, 5, 17, 33) if not torch.equal(tp_sum(xs[rank][:k].clone()), whole[:k])]
+    in_order = xs[0].clone()
+    for x in xs[1:]:
+        in_order += x
+    return dict(all_reduce=moved[False], ordered=moved[True], rank_order=torch.equal(whole, in_order))
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_deterministic_tp_sums_a_row_in_rank_order_whatever_the_batch(world, tmp_path):
+    """Deterministic mode under TP (set_ops sets TPSum.ordered): a row's sum over the ranks is the same bits
+    alone and in a batch of 64, rank 0's part first. The negative half: gloo's ring all-reduce cuts the buffer by
+    its size, so with 3 or more ranks a row's bits move with the batch (2 ranks' sum is one add: it cannot)."""
+    got = run_ranks(world, tp_sum_rows, int(torch.randint(0, 10**6, ())), tmp_path=tmp_path)
+    assert all(r["ordered"] == [] for r in got), f"ordered sums moved with the batch at sizes {got}"
+    assert all(r["rank_order"] for r in got), "an ordered sum is not rank 0 + rank 1 + ... in that order"
+    assert any(r["all_reduce"] for r in got), "gloo's all-reduce never moved a row: the test could not fail"
+
+
+def tp_needle(seed: int, deterministic: bool):
+    """One rank of TP 4 (gloo): test_deterministic's needle, alone and in random company: the trials it moved."""
+    from test_deterministic import needle_model, needle_trials
+    L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
+    model = needle_model(n_kv_heads=4)  # 4 heads of each: one per rank
+    L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    return [t for t, *_ in needle_trials(model, deterministic, trials=4, seed=seed)]
+
+
+def test_deterministic_needle_under_tp_4(tmp_path):
+    """The needle test at TP 4: in deterministic mode the needle's tokens and logprobs are the same bits alone and
+    in every company, on every rank (per-rank matmuls batch-invariant, each sum over ranks in rank order)."""
+    got = run_ranks(4, tp_needle, int(torch.randint(0, 10**6, ())), True, tmp_path=tmp_path)
+    assert got == [[]] * 4, f"the trials whose needle moved, per rank: {got}"
+
+
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
     """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
     refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
