@@ -505,6 +505,10 @@ class Request:
         return self.missing
 
     @property
+    def room(self) -> int:  # tokens it may still output
+        return self.max_new - len(self.output)
+
+    @property
     def samples(self) -> bool:
         # the next step feeds all its KV lacks, so a token is sampled after it
         return True

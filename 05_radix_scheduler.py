@@ -601,9 +601,8 @@ class Scheduler(L02.Scheduler):
         max_new, taken before its steps run)."""
         ratio, rows = self.seen[0] / self.seen[1], []
         for r in reqs:
-            left = r.max_new - len(r.output)
-            held = len(r.prompt) + len(r.output) + ahead + min(self.lookahead, left)
-            rows.append((max(1, int(ratio * left + 0.999)), held))
+            held = len(r.prompt) + len(r.output) + ahead + min(self.lookahead, r.room)
+            rows.append((max(1, int(ratio * r.room + 0.999)), held))
         return np.array(rows, int).reshape(-1, 2)
 
     def run_ahead(self, batch, k, ahead=0) -> int:
@@ -612,7 +611,7 @@ class Scheduler(L02.Scheduler):
         to its max_new) slots (its steps past the end write scratch). Cached prefixes are evicted for
         all k steps first. 0: not one step fits (a one-step decode step preempts, 02). ahead: each
         one's tokens already in flight."""
-        left = [r.max_new - len(r.output) - ahead for r in batch]
+        left = [r.room - ahead for r in batch]
         need = lambda steps: self.slots_needed(batch, [min(steps, n) for n in left])
         free = self.free_slots()
         if free is None or need(k) <= free:

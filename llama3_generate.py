@@ -480,11 +480,6 @@ class Seq(L05.Req):
         return len(self.prompt) + common
 
     @property
-    def room(self) -> int:
-        """Tokens it may still output: max_new_tokens less its output so far."""
-        return self.params.max_new_tokens - len(self.output)
-
-    @property
     def argmax(self) -> bool:  # the model's own argmax: nothing added, no FSM (GPU multi-step)
         return self.params.argmax and self.index is None
 

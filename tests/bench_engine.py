@@ -590,7 +590,7 @@ class ProxyEngine(L.Engine):
         batch, t0 = self.sched.running, time.perf_counter()
         if self.sched.waiting or self.sched.chunked or not batch:
             return super().step(on_token)  # admit, prefill (or 1-step decode when nothing is admitted)
-        k = min([self.multi_step] + [s.params.max_new_tokens - len(s.output) for s in batch])
+        k = min([self.multi_step] + [s.room for s in batch])
         try:
             self.kv.prepare([s.rid for s in batch], [k] * len(batch))
         except L.OutOfBlocks:
