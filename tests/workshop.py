@@ -654,7 +654,7 @@ class Grader:
 
     def pytest_report_collectionfinish(self, config, start_path, items):
         if self.items:
-            return (f"workshop: {self.folded} tests grade {len(self.items)} exercises, one item each; "
+            return (f"workshop: {self.folded} tests, one item per exercise they grade ({len(self.items)} here); "
                     f"{len(items)} items to run")
 
     def pytest_terminal_summary(self, terminalreporter):
