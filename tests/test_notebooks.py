@@ -3,6 +3,7 @@ ships with its outputs so a reader browsing the repository sees the figures befo
 import glob
 import importlib.util
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -13,14 +14,33 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
-def test_notebook_runs(path):
+def cannot_run(path):
     if "04_triton" in path and importlib.util.find_spec("triton") is None:
-        pytest.skip("needs Triton (Linux only)")
+        return "needs Triton (Linux only)"
     if importlib.util.find_spec("ipykernel") is None:  # the python3 kernel the notebooks name
-        pytest.skip("needs a Jupyter kernel (pip install ipykernel)")
+        return "needs a Jupyter kernel (pip install ipykernel)"
+
+
+def execute(path):
     nb = nbformat.read(path, as_version=4)
     NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+
+
+@pytest.fixture(scope="module")
+def running(request):
+    """The selected notebooks, started two at a time, the longest (07) first: each kernel computes on one thread
+    (OMP_NUM_THREADS, set by conftest), so one after another left a core of two idle. {path: Future}."""
+    chosen = [it.callspec.params["path"] for it in request.session.items
+              if getattr(it, "originalname", "") == "test_notebook_runs" and not cannot_run(it.callspec.params["path"])]
+    with ThreadPoolExecutor(2) as pool:
+        yield {p: pool.submit(execute, p) for p in sorted(chosen, key=lambda p: "07_" not in p)}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+def test_notebook_runs(path, running):
+    if cannot_run(path):
+        pytest.skip(cannot_run(path))
+    running[path].result()  # its cell's error, if one failed
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
