@@ -29,13 +29,29 @@ def readme_row(lesson: str, what: str, path=os.path.join(ROOT, "README.md")) -> 
     return dict(zip(("what", "command", "measured"), found[0][1:]))
 
 
-def lesson_json(script: str, *flags) -> dict:
+def lesson_run(script: str, *flags) -> subprocess.Popen:
     """`python SCRIPT --json FLAGS` as the README's reader runs it (flags only skip work that prints no figure
-    checked here, like the real-model demos)."""
-    p = subprocess.run([sys.executable, os.path.join(ROOT, script), "--json", *flags], capture_output=True, text=True,
-                       cwd=ROOT, timeout=600)
-    assert p.returncode == 0, p.stderr[-2000:]
-    return json.loads(p.stdout)
+    checked here, like the real-model demos), started."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--json", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def printed(p: subprocess.Popen) -> dict:
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-2000:]
+    return json.loads(out)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The selected lessons' runs, all started at once: each computes on one thread (OMP_NUM_THREADS, set by
+    conftest), so one after another left a core of two idle. {command: Popen}."""
+    procs = {tuple(it.callspec.params["command"]): None for it in request.session.items
+             if getattr(it, "originalname", "") == "test_readme_quotes_what_the_lesson_prints"}
+    procs = {c: lesson_run(*c) for c in procs}
+    yield procs
+    for p in procs.values():
+        p.kill()
 
 
 pct = lambda x: f"{x:.1%}"
@@ -107,10 +123,10 @@ def expected(figures, row, lesson):
 
 
 @pytest.mark.parametrize("lesson,what,command,figures", FIGURES, ids=[f[0] for f in FIGURES])
-def test_readme_quotes_what_the_lesson_prints(lesson, what, command, figures):
+def test_readme_quotes_what_the_lesson_prints(lesson, what, command, figures, runs):
     row = readme_row(lesson, what)
     assert row["command"].startswith(f"`python {command[0]}"), row["command"]
-    missing = [f"{s!r} (README has: {cell!r})" for cell, s in expected(figures(lesson_json(*command)), row, lesson)
+    missing = [f"{s!r} (README has: {cell!r})" for cell, s in expected(figures(printed(runs[command])), row, lesson)
                if s not in cell]
     assert not missing, f"README, lesson {lesson}: the command prints " + "; ".join(missing)
 
