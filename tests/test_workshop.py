@@ -7,15 +7,20 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import workshop as W
 
 
 def test_every_exercise_is_graded():
-    """CI's proof, one process for all stages (tests/workshop.py verify)."""
-    r = subprocess.run([sys.executable, "tests/workshop.py", "verify"], cwd=W.ROOT, capture_output=True, text=True,
-                       timeout=1200)
+    """CI's proof (tests/workshop.py verify), the stages in two processes at once."""
+    halves = [[s for s in W.verifiable() if s in "01 02 04 07"], [s for s in W.verifiable() if s in "03 05 06"]]
+    procs = [subprocess.Popen([sys.executable, "tests/workshop.py", "verify", *h], cwd=W.ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for h in halves]  # 2 cores, 1 each
+    outs = [p.communicate(timeout=1200) for p in procs]
+    r = SimpleNamespace(returncode=max(p.returncode for p in procs), stdout="".join(o for o, _ in outs),
+                        stderr="".join(e for _, e in outs))
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     import mutants
     stages = [s for s in W.LESSONS if "04" not in s or "04 _attend" in r.stdout]  # without Triton, 04's are skipped
