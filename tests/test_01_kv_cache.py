@@ -292,7 +292,8 @@ def test_contiguous_cache_batches_against_a_brute_force_model(seed):
     """Many requests through one ContiguousKVCache (no model): each token's slot is row * max_seq_len + position."""
     kv = m.ContiguousKVCache(1, 3, 12, 2, 8)
     backend_against_brute_force(kv, seed)
-    assert sorted(kv.free_rows) == [0, 1, 2] and kv.lens == [0] * 3
+    assert sorted(kv.free_rows) == [0, 1, 2], f"after every request was freed, the free rows are {kv.free_rows}"
+    assert kv.lens == [0] * 3, f"after every request was freed, the rows' lengths are {kv.lens}"
 
 
 def test_contiguous_cache_fills_a_row_exactly():

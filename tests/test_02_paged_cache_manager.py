@@ -274,8 +274,11 @@ def test_batch_estimate_counts_copy_on_write_once_per_shared_block():
     m = P.BlockManager(2, 4, 0.0)
     m.append("p", 2)
     m.fork("p", "c")
-    assert m.batch_blocks_needed(["p", "c"], [1, 1]) == 1
-    assert m.prepare(["p", "c"], [1, 1]) == [(0, 1)] and m.check()
+    need = m.batch_blocks_needed(["p", "c"], [1, 1])
+    assert need == 1, f"a parent and its child each add a token to their shared block: {need} blocks; want 1"
+    copies = m.prepare(["p", "c"], [1, 1])
+    assert copies == [(0, 1)], f"prepare's copies {copies}; want one, block 0 into 1 (copy-on-write once)"
+    assert m.check()
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
@@ -684,7 +687,7 @@ def test_preempt_logs_the_kv_it_drops_then_drops_it(mode):
     sched.postprocess(batch, [[2]])
     sched.waiting.append(other)
     held = r.kv_len
-    assert held == 7 and sched.running == [r]
+    assert held == 7 and sched.running == [r], f"the set-up: r holds {held} tokens (want 7), running {sched.running}"
     sched.running.remove(r)
     n_events = len(sched.events)
     sched.preempt(r)

@@ -160,7 +160,8 @@ def test_random_ops_agree_with_brute_force():
         same_state(a, bf, f"step {step}")
     for slots in held:
         a.free(torch.tensor(slots))
-    assert a.available() == size and a.mem_state.abs().sum() == 0
+    assert a.available() == size, f"every slot was freed, but {a.available()} of {size} are available"
+    assert a.mem_state.abs().sum() == 0, "every slot was freed, but mem_state still counts references"
 
 
 @pytest.mark.parametrize("density", [0.1, 0.5, 0.8, 0.95])

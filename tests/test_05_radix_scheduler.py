@@ -97,11 +97,13 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
                                             f"of {page} returned slots {slots.tolist()}; a brute-force list of the "
                                             f"cached prefixes says {want}")
             longest = max(longest, len(want))
-            assert len(want) <= len(seq) - compute_last  # one token is always left to compute
+            assert len(want) <= len(seq) - compute_last, "the brute force left no token to compute"
             if rng.random() < 0.3 and want:  # lock it, like a running request
                 before = tree.protected_size()
                 delta = tree.inc_lock_ref(node)
-                assert tree.protected_size() - before == -delta
+                assert tree.protected_size() - before == -delta, (
+                    f"inc_lock_ref returned {delta} (evictable tokens it changed); protected_size grew by "
+                    f"{tree.protected_size() - before}")
                 locks.append((node, [tuple(seq[:i]) for i in range(page, len(want) + 1, page)]))
         elif kind < 0.8 and locks:
             node, _ = locks.pop(rng.randrange(len(locks)))
@@ -124,12 +126,17 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
             f"op {op}: the tree counts {tree.evictable_size() + tree.protected_size()} tokens; it holds "
             f"{brute.tokens()}")
         tree.check()  # integrity after every op: refcounts == tree, tree + free == pool
-    assert alloc.available() * page + brute.tokens() == alloc.size * page
-    assert longest >= 3 * page  # the test matched several pages
+    free = alloc.available() * page
+    assert free + brute.tokens() == alloc.size * page, (f"the pool has {free} free slots and the tree should hold "
+                                                        f"{brute.tokens()}: {alloc.size * page} in all")
+    assert longest >= 3 * page, "no prefix of several pages was ever matched (the test's own inputs)"
     for node, _ in locks:
         tree.dec_lock_ref(node)
     tree.evict(10**9)
-    assert alloc.available() == alloc.size and tree.evictable_size() == tree.protected_size() == 0
+    assert alloc.available() == alloc.size, (f"after evicting everything unlocked, {alloc.available()} of "
+                                             f"{alloc.size} pages are free")
+    assert tree.evictable_size() == tree.protected_size() == 0, (
+        f"an empty tree says {tree.evictable_size()} evictable and {tree.protected_size()} protected tokens")
 
 
 def test_split_lru_order_and_pretty_print():
@@ -661,7 +668,8 @@ def test_lpm_orders_longest_cached_prefix_first_ties_first_come():
         got = [r.rid for r in R.POLICIES["lpm"](sched.tree, None, list(reqs))]
         assert got == [r.rid for r in want], (f"lpm ordered requests with cached prefixes of "
                                               f"{[len(r.prefix) for r in reqs]} tokens as {got}")
-        assert [r.rid for r in sched.admit()] == [r.rid for r in want]
+        admitted = [r.rid for r in sched.admit()]
+        assert admitted == [r.rid for r in want], f"the scheduler admitted {admitted} in lpm order; want {got}"
 
 
 def ancestors(node):

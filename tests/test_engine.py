@@ -227,13 +227,16 @@ def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
     plain, e0 = run(False)
     rng.set_state(state)  # the same max_new_tokens
     cached, e1 = run(None)  # None: on where the backend shares
-    assert cached == plain and e0.sched.tree is None and e0.stats["cached_tokens"] == 0
+    assert e0.sched.tree is None and e0.stats["cached_tokens"] == 0, "radix=False still cached tokens"
+    assert cached == plain, f"with the radix cache the engine wrote {cached}; without it {plain}"
     page = e1.kv.page
     hits = [ev.tokens for ev in e1.sched.events if ev.kind == "admit"]
-    assert all(h % page == 0 for h in hits) and max(hits) >= len(doc) // page * page - page
-    assert e1.stats["cached_tokens"] >= 3 * (len(doc) // page * page - page) and e1.stats["evicted_tokens"] > 0
+    assert all(h % page == 0 for h in hits), f"admitted with cached prefixes {hits}: not whole {page}-token pages"
+    assert max(hits) >= len(doc) // page * page - page, f"the shared document was never found cached: {hits}"
+    assert e1.stats["cached_tokens"] >= 3 * (len(doc) // page * page - page), "few prompts reused the document"
+    assert e1.stats["evicted_tokens"] > 0, "nothing was evicted, though the pool cannot hold every prefix"
     e1.sched.tree.check(held=[])
-    assert kv_left(e1) == 0
+    assert kv_left(e1) == 0, f"the run ended with {kv_left(e1)} KV slots held outside the radix cache"
 
 
 def test_contiguous_backend_refuses_a_radix_cache():
@@ -721,8 +724,9 @@ def test_events_account_for_a_run_under_memory_pressure(backend, preempt, graphs
     outs = e.run()
     finished = {sid: (len(p), len(outs[sid])) for sid, p in zip(sids, prompts)}
     check_events(e.events, finished, e.stats, e.kv_capacity() if backend == "paged" else None)
-    assert e.stats["preemptions"] > 0
-    assert any(ev.kind == ("swap_out" if preempt == "swap" else "preempt") for ev in e.events)
+    assert e.stats["preemptions"] > 0, "the run never preempted (stats['preemptions'] is 0)"
+    kind = "swap_out" if preempt == "swap" else "preempt"
+    assert any(ev.kind == kind for ev in e.events), f"preemptions were counted, but no {kind!r} event was logged"
 
 
 def test_lesson_schedulers_log_the_same_events():
