@@ -528,6 +528,9 @@ def random_doc(s, rng, root, depth=0, refs=()):
         return random_doc({**s, **rng.choice(s.pop("anyOf"))}, rng, root, depth + 1, refs)
     if "enum" in s or "const" in s:  # in the layout, values are written as json.dumps writes them
         values = s.get("enum", [s.get("const")]) if rng.random() < 0.9 else VALUES
+        if "pattern" in s or "format" in s:  # patterns match strings without escapes only (as below)
+            plain = lambda v: not isinstance(v, str) or not any(c in '"\\' or c < " " for c in v)
+            values = [v for v in values if plain(v)] or [None]
         return m._plain(rng.choice(values))
     kind = s.get("type", rng.choice(["string", "integer", "number", "boolean", "null", "object", "array"]))
     kind = rng.choice(kind) if isinstance(kind, list) else kind
