@@ -482,10 +482,10 @@ class Request:
     whole prompt once admitted, one token in decode, prompt + output so far after a recompute
     preemption)."""
 
-    def __init__(self, rid, prompt, max_new, stop_ids=()):
+    def __init__(self, rid, prompt, max_new_tokens, stop_ids=()):
         self.rid = rid                   # request id: the backend's sequence id too
         self.prompt = list(prompt)       # token ids
-        self.max_new = max_new           # output tokens, at most
+        self.max_new_tokens = max_new_tokens  # output tokens, at most (the engine reads this one)
         self.stop_ids = set(stop_ids)    # a token that ends the output (EOS)
         self.output = []                 # token ids generated so far
         self.kv_len = 0                  # tokens[:kv_len] have K/V in the backend
@@ -506,7 +506,7 @@ class Request:
 
     @property
     def room(self) -> int:  # tokens it may still output
-        return self.max_new - len(self.output)
+        return self.max_new_tokens - len(self.output)
 
     @property
     def samples(self) -> bool:
@@ -520,7 +520,7 @@ class Request:
     def append(self, token):
         """A sampled token; it may end the request (the engine's requests add constraints and jump-forward)."""
         self.output.append(token)
-        self.done = token in self.stop_ids or len(self.output) >= self.max_new
+        self.done = token in self.stop_ids or self.room <= 0
 
 
 # one scheduling decision, logged as it is made (see Scheduler)

@@ -477,7 +477,7 @@ class Scheduler(L02.Scheduler):
             return new
         if self.reserve is True:
             budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
-            if budget < min(r.max_new for r in self.waiting):
+            if budget < min(r.max_new_tokens for r in self.waiting):
                 # every request needs >= max_new (the engine's too)
                 self.held = True
                 return new  # nothing can be admitted: skip the matching
@@ -540,7 +540,7 @@ class Scheduler(L02.Scheduler):
             if budget is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else
                 # its prompt's blocks whole pages
-                need = -(-(extend + (r.max_new - 1 if self.reserve is True else 0)) // block) * block
+                need = -(-(extend + (r.max_new_tokens - 1 if self.reserve is True else 0)) // block) * block
                 # with r
                 grown = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
                 if (need > budget + delta or grown is not None and not self.fits_ahead(grown)) and (
@@ -681,7 +681,7 @@ class Scheduler(L02.Scheduler):
     def release(self, r):
         """Drop r's KV; its computed tokens go into the tree first (for later requests, or r after a preemption)."""
         # finished (or aborted): its share of max_new
-        self.seen += (len(r.output) / r.max_new, 1) if r.done else 0
+        self.seen += (len(r.output) / r.max_new_tokens, 1) if r.done else 0
         if r.in_kv and self.tree is not None:
             if r.kv_len:
                 self.tree.insert(r.tokens[:r.kv_len], self.kv.slots(r.rid))

@@ -461,7 +461,7 @@ class Seq(L05.Req):
         # the regex allows nothing more, or no room is left: finished without asking the model (06 decides)
         if self.index is not None and not stop:
             stop = self.index.finish(self.fsm, self.room) == "stop"
-        self.done = stop or len(self.output) >= p.max_new_tokens
+        self.done = stop or self.room <= 0
         # length: cut short (a constrained one before its regex matched)
         self.finish = "stop" if stop else "length"
         return changed
@@ -472,7 +472,7 @@ class Seq(L05.Req):
         the first token that changed (None: no jump)."""
         text = self.text
         self.fsm, self.text, new, common = self.index.jump_forward(self.fsm, text, self.output, self.tok,
-                                                                   self.params.max_new_tokens)
+                                                                   self.max_new_tokens)
         if self.text == text:
             return None
         self.jumped += len(new) - common

@@ -458,10 +458,10 @@ def test_fits_ahead_vs_a_step_by_step_model(page):
         n_run, n_new = int(rng.integers(0, 12)), int(rng.integers(1, 4))
         reqs = [R.Req(k, [1] * int(rng.integers(1, 40)), int(rng.integers(1, 30))) for k in range(n_run + n_new)]
         for r in reqs[:n_run]:
-            r.output = [2] * int(rng.integers(0, r.max_new))
+            r.output = [2] * int(rng.integers(0, r.max_new_tokens))
         seen = np.array([rng.uniform(0.1, 1) * (k := int(rng.integers(1, 5))), k]) if rng.random() < 0.7 else None
         ratio = 1 if seen is None else seen[0] / seen[1]
-        ends = [max(1, int(ratio * (r.max_new - len(r.output)) + 0.999)) for r in reqs]
+        ends = [max(1, int(ratio * (r.max_new_tokens - len(r.output)) + 0.999)) for r in reqs]
         held = [len(r.tokens) + (k >= n_run) for k, r in enumerate(reqs)]
         peak = max(sum(-(-(h + s) // page) * page for h, e in zip(held, ends) if s < e) for s in range(max(ends)))
         for blocks in {peak // page - 1, peak // page, peak // page + 1} - {0}:

@@ -71,7 +71,7 @@ def test_admission_keeps_room_to_run_ahead(page):
 
         def checked(batch):
             if batch is s.running:  # a decode step
-                need = s.slots_needed(batch, [min(k, r.max_new - len(r.output)) for r in batch])
+                need = s.slots_needed(batch, [min(k, r.room) for r in batch])
                 short[lookahead].append(need - s.free_slots() - s.tree.evictable_size())
             return prepare(batch)
         s.prepare = checked
@@ -95,7 +95,7 @@ def test_run_ahead_takes_the_most_steps_that_fit(page):
         reqs = []
         for _ in range(rand(1, 6)):
             r = s.add(torch.randint(0, 256, (rand(1, 9),), generator=g).tolist(), rand(1, 40))
-            r.output = [0] * rand(0, r.max_new - 1)
+            r.output = [0] * rand(0, r.max_new_tokens - 1)
             try:
                 s.kv.prepare([r.rid], [len(r.prompt) + len(r.output) - 1 + rand(0, 3)])
             except L.OutOfBlocks:
@@ -104,14 +104,14 @@ def test_run_ahead_takes_the_most_steps_that_fit(page):
         if rand(0, 1) and s.free_slots() >= page:  # a cached prefix the tree may evict
             s.kv.prepare([99], [page]), s.tree.insert(list(range(page)), s.kv.slots(99)), s.kv.free(99)
         k, ahead = rand(1, 16), rand(0, 2)
-        reqs = [r for r in reqs if r.max_new - len(r.output) > ahead]
+        reqs = [r for r in reqs if r.room > ahead]
         if not reqs:
             continue
 
         def fits(steps):
             kv = copy.deepcopy(s.kv)
             try:
-                kv.prepare([r.rid for r in reqs], [min(steps, r.max_new - len(r.output) - ahead) for r in reqs])
+                kv.prepare([r.rid for r in reqs], [min(steps, r.room - ahead) for r in reqs])
                 return True
             except L.OutOfBlocks:
                 return False
