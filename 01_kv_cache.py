@@ -18,9 +18,9 @@ tokens: (a) `greedy(kv=None)` recomputes; (b) `greedy` on `StaticKVCache`, gpt-f
 one picture -- token i of table row r in slot table[r, i // page] * page + i % page -- so one Triton kernel (04)
 and one CUDA graph (the engine's) read them all; `attend_table` is that read in PyTorch.
 
-Imports: a lesson imports only earlier lessons at module level (01 imports none of them). Its demo
-loads the model file, llama3_generate, and loading that imports the lessons its engine uses (01, 02,
-03, 05, 06; 04 where Triton is), so running any lesson loads them all.
+Imports: a lesson imports only earlier lessons at module level (01 imports none of them). A demo
+that runs the model (01, 02, 06) loads llama3_generate inside the function, and loading that imports
+the lessons its engine uses (01, 02, 03, 05, 06; 04 where Triton is).
 
 Every request reserves its whole future at admission:
 
@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -493,6 +494,16 @@ def plot_pool(results, prompt, output, pool_tokens: int, path: str, width: int =
     return path
 
 
+def cpu_threads():  # every lesson's demo and the engine's command line call it
+    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and
+    in processes started from here. Why: a matrix product split over every core waits for its
+    slowest thread, so one core busy elsewhere made 2-core decode 3-20x slower; one thread decodes
+    as fast on a quiet 2-core machine."""
+    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
+        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
+        torch.set_num_threads(n)
+
+
 # ======== DEMO: the lesson, measured ==============================================================
 
 def memory_report(n_requests=1000, pool_tokens=32768, max_seq_len=2048, seed=0, plot=None) -> dict:
@@ -586,7 +597,7 @@ def main(argv=None):
                    help="skip the real model's three ways to generate (the memory figures only)")
     a = p.parse_args(argv)
     import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 2 or a.new_tokens < 1 or a.max_seq_len < 2:
         p.error("--requests must be >= 2, --new-tokens >= 1, --max-seq-len >= 2")
     if a.pool_tokens < a.max_seq_len:

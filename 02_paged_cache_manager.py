@@ -921,8 +921,7 @@ def main(argv=None):
                     help="KV budget in token slots for the concurrency figure")
     ap.add_argument("--no-model", action="store_true", help="skip the real-model preemption demo")
     args = ap.parse_args(argv)
-    import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
     if args.budget < 2048 or args.budget % 2048:

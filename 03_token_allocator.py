@@ -44,8 +44,7 @@ look-ahead slots per running request free (its lookahead), a chunk runs as many 
 a request takes no slot past its max_new_tokens (a chunk's steps after its end write a scratch
 slot): the slots held ahead are what it costs never to make the GPU wait.
 
-Imports: 01 (the seam) and 02 (OutOfBlocks) at module level. The demo loads llama3_generate
-only for its CPU thread setting, and loading it imports the engine's lessons (see 01).
+Imports: 01 (the seam, cpu_threads) and 02 (OutOfBlocks) at module level; no model.
 
 References: LightLLM (ModelTC/lightllm, TokenAttention, `MemoryManager.alloc / alloc_contiguous /
 free` and `mem_state`), SGLang (`ReqToTokenPool`, `token_to_kv_pool` / `TokenToKVPoolAllocator`),
@@ -386,8 +385,7 @@ def main(argv=None):
                     help="requests in the synthetic trace (default 200)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
-    import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 1:
         ap.error("--requests must be >= 1")
     # --bench: the peers beside the pool (not the lesson), after its figures

@@ -42,9 +42,8 @@ kernel picks its reduction order from the batch's shapes), and the same two kern
 that keep it still: one attention reduction for every query, over keys in pieces of a fixed size,
 and one matmul tile configuration for every M.
 
-Imports: torch, Triton, then 01 (table_slots, the host twin of `_slot`) at module level. The demo
-(`main`) loads llama3_generate only for its CPU thread setting, and loading the model file imports
-the lessons the engine uses (01, 02, 03, 05, 06; 04 where Triton is).
+Imports: torch, Triton, then 01 (table_slots, the host twin of `_slot`; cpu_threads) at module
+level; no model.
 
 CPU: TRITON_INTERPRET=1 (set here when there is no CUDA) runs the same kernels in numpy. Its traps:
 bf16 `tl.dot` is garbage (operands are cast to fp32 when interpreting) and fp32->bf16 casts
@@ -727,8 +726,7 @@ def main(argv=None):
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--bench", action="store_true", help="GPU benchmark vs flash-attn and SDPA: tests/bench_04.py")
     args = ap.parse_args(argv)
-    import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     cuda = torch.cuda.is_available() and not INTERPRET
     if args.bench and not cuda:
         sys.exit("error: --bench needs a CUDA GPU (this machine runs the kernel through the Triton interpreter)")

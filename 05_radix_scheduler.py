@@ -55,9 +55,7 @@ prefill steps while requests decode; chunk_tokens cuts long prompts into chunks 
 chunked prefill), so that no running request waits longer than one chunk's step (prefill-first: and
 a decode step) for its next token -- the report's last table shows the step timeline.
 
-Imports: 02 (Request, Scheduler) and 03 (the token pool) at module level. The demo loads
-llama3_generate only for its CPU thread setting, and loading it imports the engine's lessons (see
-01).
+Imports: 02 (Request, Scheduler) and 03 (the token pool) at module level; no model.
 
 References: Zheng et al. 2024, "SGLang: Efficient Execution of Structured Language Model Programs"
 (RadixAttention, Algorithm 1); sglang/srt/mem_cache/radix_cache.py and managers/schedule_policy.py
@@ -927,8 +925,7 @@ def cli_args(argv=None):
 
 def main(argv=None):
     args = cli_args(argv)
-    import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L02.L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     policies = [args.policy] if args.policy else list(POLICIES)
     t0 = time.perf_counter()
     report = measure_hit_rates(args, policies)

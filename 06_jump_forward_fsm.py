@@ -1380,7 +1380,7 @@ def main(argv=None):
     ap.add_argument("--bench", action="store_true", help="06 vs xgrammar and llguidance: tests/bench_06.py (CPU)")
     args = ap.parse_args(argv)
     import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     # the peers beside 06 (they are not the lesson): held schemas, compile and mask times
     if args.bench:
         return runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests", "bench_06.py"),

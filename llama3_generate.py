@@ -1906,16 +1906,6 @@ def tp_share(model, make):
 # line's and the server's).
 # ----------------------------------------------------------------------------------------------
 
-def cpu_threads():
-    """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and
-    in processes started from here. Why: a matrix product split over every core waits for its
-    slowest thread, so one core busy elsewhere made 2-core decode 3-20x slower; one thread decodes
-    as fast on a quiet 2-core machine."""
-    if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
-        os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
-        torch.set_num_threads(n)
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -2605,7 +2595,7 @@ def serve(args, ready=None):
     given, is called before serving (tests: the port, the engine; worker.close() stops it)."""
     try:
         device = parse_device(args.device)
-        cpu_threads()
+        L01.cpu_threads()
         model, tok = load_model(args.model, device, DTYPES[args.dtype])
         # a server's pool: 64 whole contexts on a GPU (within 80% of its free memory), two on a CPU
         n_seqs = MAX_BATCH if device.type == "cuda" else 2
@@ -2800,7 +2790,7 @@ def set_up(args, rank: int, world: int, device: str) -> SimpleNamespace:
         print(f"warning: --n {args.n} at --temperature 0 (greedy) gives {args.n} identical samples of "
               f"each prompt; set --temperature above 0 for different ones", file=sys.stderr)
     device = parse_device(device)
-    cpu_threads()
+    L01.cpu_threads()
     t0 = time.perf_counter()
     model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
     if world > 1:

@@ -71,7 +71,7 @@ def bench(tok, path=SAMPLE) -> dict:
 
 if __name__ == "__main__":
     import llama3_generate as L
-    L.cpu_threads()  # one thread on 2 cores (why: in its docstring)
+    L.L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
     ap = argparse.ArgumentParser(description="06 beside xgrammar and llguidance on held JSON schemas (CPU)")
     ap.add_argument("--model", help="model path (default: SmolLM2-135M-Instruct)")
     bench(L.load_model(ap.parse_known_args()[0].model)[1])  # known: 06's --bench runs this file with its own flags

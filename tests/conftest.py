@@ -26,7 +26,7 @@ def pytest_configure(config):
         import workshop  # tests/workshop.py
         config.pluginmanager.register(workshop.Grader(config), "workshop")
     import llama3_generate  # after TRITON_INTERPRET (and the workspace's import hook)
-    llama3_generate.cpu_threads()  # one thread on 2 cores, for this process and those it starts (why: its docstring)
+    llama3_generate.L01.cpu_threads()  # one thread on 2 cores, for this process and those it starts (why: its docstring)
 
 
 def pytest_collection_modifyitems(config, items):
