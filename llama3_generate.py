@@ -34,14 +34,13 @@ those). Every Triton kernel lives in 04 and loads only on that path: without Tri
 everything runs its PyTorch paths.
 
 Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
-parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine: its methods in the order a step runs
-them); GPU decode (CudaGraphDecoder). A banner says where the core ends: every lesson has been used by
-then. What serves it comes after: the Engine extended with what only the command line and the server
-ask (warm-up, aborts, figures); tokenizers; weights; deterministic mode (batch-invariant matmuls and
-attention: an answer's bits whatever the batch, beside the model as TP is); tensor parallelism (--tp
-N: the model split over N processes); the set-up the command line and the server share; the server
-(--serve); the command line (its flags, parsed before torch loads so that --help answers at once, and
-main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01 ..
+parity tests); deterministic mode (batch-invariant matmuls and attention: an answer's bits whatever the
+batch; set_ops picks an engine's kernels); the engine (SamplingParams, BACKENDS, Seq, Engine, defined
+once: its methods in the order a step runs them, then warm-up, reset, abort and its figures); GPU
+decode (CudaGraphDecoder). A banner says where the core ends: the engine is complete there, and every
+lesson has been used. What serves it comes after: tokenizers; weights; tensor parallelism (--tp N: the
+model split over N processes); the set-up the command line and the server share; the server (--serve);
+the command line (its flags, parsed in main once torch has loaded, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01 ..
 L06 below); 04, where every Triton kernel lives, loads only on the Triton path (a GPU, or CUDA graphs
 asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
@@ -53,7 +52,6 @@ SGLang's deterministic inference for the deterministic mode.
 from __future__ import annotations
 
 import argparse
-import ast
 import asyncio
 import atexit
 import base64
@@ -77,13 +75,6 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Annotated, Literal
-
-# --help and bad numbers answer before torch loads (seconds): define the last section's DefaultsOnce
-# and cli_args alone now, and parse (nanoGPT's configurator execs code the same way)
-if __name__ == "__main__":
-    exec(compile(ast.Module([n for n in ast.parse(open(__file__).read()).body
-                             if getattr(n, "name", None) in ("DefaultsOnce", "cli_args")], []), __file__, "exec"))
-    ARGS = cli_args()
 
 import torch
 import torch.nn.functional as F
@@ -378,6 +369,111 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
         timings.update(prefill_s=t1 - t0, prefill_tokens=len(tokens), decode_s=time.perf_counter() - t1,
                        decode_tokens=n_decoded)
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
+# ----------------------------------------------------------------------------------------------
+# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
+# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
+# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
+# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
+# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
+# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
+# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
+# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
+# every sum over the ranks in rank order (TPSum.ordered), and each sample draws from its own seeded
+# random stream.
+
+TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
+PIECE = 16   # keys per attention piece, and query rows per tile
+
+
+def tiles(x, n: int):
+    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
+    pad = -x.shape[0] % n
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
+
+
+def invariant_linear(x, w):
+    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
+    if not len(x):
+        return F.linear(x, w)
+    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
+
+
+def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
+    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
+    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
+    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
+    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
+    G = H // Hkv
+    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
+        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
+        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
+        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
+        live = (i < p + n)[:, None, None]
+        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
+        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
+        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
+        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
+        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
+        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
+        t += n
+    return torch.cat(out)
+
+
+def attend_tiles(q, k, v, pos, n_keys: int):
+    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
+    Hkv, nt, R, D = q.shape
+    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
+    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
+    for j in range(0, n_keys, PIECE):
+        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
+                  for x in (k, v))
+        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
+        key = torch.arange(j, j + PIECE, device=q.device)
+        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
+        s = s.masked_fill(hidden, float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
+        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
+        l, m = l * alpha + p.sum(-1), m_new
+    return acc / l[..., None]
+
+
+def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
+    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
+    prefill)."""
+    lens = [int(n) for n in seq_lens]
+    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
+                         page)
+
+
+DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
+
+
+def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
+    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
+    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
+    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else), and
+    under TP each sum over the ranks in rank order (TPSum.ordered)."""
+    if getattr(model, "tp_sum", None) is not None:
+        model.tp_sum.ordered = deterministic
+    if deterministic and L04 is not None:
+        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
+        return model.use_kernels(L04, linear=L04.invariant_matmul)
+    if deterministic:
+        kv.use_kernels(decode_pieces, attend_pieces)
+        return model.use_ops(DETERMINISTIC_OPS)
+    if L04 is not None:
+        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        if graphs:
+            return model.use_kernels(L04)
+    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
+        model.use_ops(PYTORCH_OPS)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -772,6 +868,56 @@ class Engine:
         """seq id -> "stop" (EOS, or the regex complete) or "length" (max_new_tokens)."""
         return {s.rid: s.finish for s in self.sched.finished}
 
+    @property
+    def stats(self) -> dict:
+        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
+        return {**self.sched.stats, **self.counts}
+
+    @property
+    def events(self) -> list:
+        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
+        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
+        return self.sched.events
+
+    @property
+    def timings(self) -> dict:
+        return {s.rid: s.timings() for s in self.sched.finished}
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
+        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
+        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
+        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+        assert not (self.busy or self.finished), "warm_up() comes before add()"
+        t0 = time.perf_counter()
+        if self.graphs is not None:
+            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
+                self.graphs.graph(b)
+        # k-step and 1-step
+        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
+        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        self.run()
+        self.reset()
+        # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
+        gc.collect()
+        gc.freeze()  # of every stream; frozen, the collector leaves it alone
+        return time.perf_counter() - t0
+
+    def reset(self):
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        self.sched.reset()
+        self.counts, self.n_seqs = self.new_counts(), 0
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def abort(self, sid: int):
+        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
+        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
+        self.land()
+        seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
+        if seq is not None:
+            seq.finish = "abort"
+
 
 # ----------------------------------------------------------------------------------------------
 # GPU decode: decode steps replayed from CUDA graphs (one per batch size), batch 1 through 04's
@@ -1031,84 +1177,10 @@ class CudaGraphDecoder:
 
 
 # ==============================================================================================
-# The core ends here: every lesson has been used. What follows serves it: the engine's methods for
-# the command line and the server, tokenizers, weights, deterministic mode, tensor parallelism, the
-# shared set-up, the OpenAI server and the command line.
+# The core ends here: every lesson has been used, and the engine is complete. What follows serves
+# it: tokenizers, weights, tensor parallelism, the shared set-up, the OpenAI server and the command
+# line.
 # ==============================================================================================
-
-class Engine(Engine):
-    """The core's Engine, extended with what only the command line and the server ask: warm-up, aborts,
-    failures, figures and events (the same name: everything outside the core builds this one)."""
-
-    @property
-    def stats(self) -> dict:
-        """The scheduler's counters (steps, prompt and cached tokens, preemptions, evictions) and the engine's."""
-        return {**self.sched.stats, **self.counts}
-
-    def warm_up(self, n_seqs: int = 1) -> float:
-        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
-        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
-        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
-        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
-        assert not (self.busy or self.finished), "warm_up() comes before add()"
-        t0 = time.perf_counter()
-        if self.graphs is not None:
-            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs.graph(b)
-        # k-step and 1-step
-        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
-        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
-        self.run()
-        self.reset()
-        # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
-        gc.collect()
-        gc.freeze()  # of every stream; frozen, the collector leaves it alone
-        return time.perf_counter() - t0
-
-    def reset(self):
-        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
-        self.sched.reset()
-        self.counts, self.n_seqs = self.new_counts(), 0
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-
-    def abort(self, sid: int):
-        """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
-        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        self.land()
-        seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
-        if seq is not None:
-            seq.finish = "abort"
-
-    def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
-        for s in list(self.sched.running):
-            s.failed = why
-            self.abort(s.rid)
-
-    def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten here (a server runs on), and all but the latest
-        events."""
-        done, self.sched.finished = self.sched.finished, []
-        for log in (self.sched.events, self.sched.decode_log):
-            if len(log) > 200_000:
-                del log[:-100_000]
-        return done
-
-    @property
-    def timings(self) -> dict:
-        return {s.rid: s.timings() for s in self.sched.finished}
-
-    def kv_capacity(self) -> int:
-        return self.kv.capacity()
-
-    @property
-    def events(self) -> list:
-        """The scheduler's decisions so far: 02's Event(step, kind, rid, tokens) (rid: the sequence id), one per
-        admission, prefill, decode step or multi-step chunk of a sequence, eviction, preemption, swap and finish."""
-        return self.sched.events
-
-
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
@@ -1583,111 +1655,6 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
-# ----------------------------------------------------------------------------------------------
-# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
-# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
-# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
-# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
-# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
-# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
-# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
-# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
-# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
-# every sum over the ranks in rank order (TPSum.ordered), and each sample draws from its own seeded
-# random stream.
-
-TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
-PIECE = 16   # keys per attention piece, and query rows per tile
-
-
-def tiles(x, n: int):
-    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
-    pad = -x.shape[0] % n
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
-
-
-def invariant_linear(x, w):
-    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
-    if not len(x):
-        return F.linear(x, w)
-    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
-
-
-def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
-    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
-    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
-    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
-    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
-    G = H // Hkv
-    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
-        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
-        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
-        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
-        live = (i < p + n)[:, None, None]
-        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
-        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
-        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
-        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
-        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
-        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
-        t += n
-    return torch.cat(out)
-
-
-def attend_tiles(q, k, v, pos, n_keys: int):
-    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
-    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
-    Hkv, nt, R, D = q.shape
-    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
-    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
-    for j in range(0, n_keys, PIECE):
-        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
-                  for x in (k, v))
-        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
-        key = torch.arange(j, j + PIECE, device=q.device)
-        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
-        s = s.masked_fill(hidden, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
-        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
-        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
-        l, m = l * alpha + p.sum(-1), m_new
-    return acc / l[..., None]
-
-
-def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
-    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
-    prefill)."""
-    lens = [int(n) for n in seq_lens]
-    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
-                         page)
-
-
-DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
-
-
-def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
-    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
-    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
-    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else), and
-    under TP each sum over the ranks in rank order (TPSum.ordered)."""
-    if getattr(model, "tp_sum", None) is not None:
-        model.tp_sum.ordered = deterministic
-    if deterministic and L04 is not None:
-        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
-        return model.use_kernels(L04, linear=L04.invariant_matmul)
-    if deterministic:
-        kv.use_kernels(decode_pieces, attend_pieces)
-        return model.use_ops(DETERMINISTIC_OPS)
-    if L04 is not None:
-        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
-        if graphs:
-            return model.use_kernels(L04)
-    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
-        model.use_ops(PYTORCH_OPS)
-
-
-# ----------------------------------------------------------------------------------------------
 # Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
 # gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
 # ----------------------------------------------------------------------------------------------
@@ -2009,7 +1976,7 @@ class EngineThread(threading.Thread):
                     break
                 # a step failed, not in one request's sampling: the running requests end
                 except Exception as exc:
-                    e.fail(f"error: the engine failed serving this request: {exc!r}")
+                    self.fail(f"error: the engine failed serving this request: {exc!r}")
                 self.flush()
         # the thread dies: every request ends with why, the server says so and stops
         except BaseException as exc:
@@ -2051,10 +2018,25 @@ class EngineThread(threading.Thread):
     def end(self, samples, why):  # (request id, sample index) each: ended, saying why
         self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
 
+    def fail(self, why: str):
+        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        for s in list(self.engine.sched.running):
+            s.failed = why
+            self.engine.abort(s.rid)
+
+    def pop_finished(self) -> list:
+        """The sequences finished since the last call, forgotten by the engine (a server runs on), and all
+        but the latest events."""
+        sched = self.engine.sched
+        done, sched.finished = sched.finished, []
+        for log in (sched.events, sched.decode_log):
+            if len(log) > 200_000:
+                del log[:-100_000]
+        return done
+
     def flush(self):
         """Requests finished (or aborted) since the last look: last tokens and finish reason."""
-        e = self.engine
-        for s in e.pop_finished():
+        for s in self.pop_finished():
             self.emit(s, s.failed or s.finish)
             del self.live[s.rid]
         self.send_out()
@@ -2569,7 +2551,7 @@ def choice(r, i: int, text: str, finish, key: str) -> dict:
         tool_call = dict(index=0, id=call_id, type="function", function=function)
         message.update(content=None, tool_calls=[tool_call])
     answer = {key: message} if r.chat else {"text": text}
-    return dict(index=i, finish_reason=finish, logprobs=logprobs(r, i), **answer)
+    return dict(index=i, finish_reason=finish, logprobs=logprob_entries(r, i), **answer)
 
 
 def token_logprob(tok, t: int, lp: float) -> dict:
@@ -2577,7 +2559,7 @@ def token_logprob(tok, t: int, lp: float) -> dict:
                 bytes=list(tok.token_bytes(t)))
 
 
-def logprobs(r, i: int):
+def logprob_entries(r, i: int):
     """OpenAI's shapes of each (token, logprob, [(token, logprob)] of the top k); None: unasked."""
     if r.k is None:
         return None
@@ -2608,7 +2590,7 @@ def serve(args, ready=None):
         family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
         sock = socket.create_server((args.host, args.port), family=family)
         print(f"serving {name} ({device}, {args.dtype}, {args.backend} backend, "
-              f"{engine.kv_capacity():,} KV tokens, {engine.max_len:,} per sequence) "
+              f"{engine.kv.capacity():,} KV tokens, {engine.max_len:,} per sequence) "
               f"at http://{args.host}:{sock.getsockname()[1]}/v1", file=sys.stderr, flush=True)
         log_level = "warning" if args.quiet else "info"
         port = worker.serve_http(sock, name, args.max_new_tokens, log_level)
@@ -2627,9 +2609,8 @@ def serve(args, ready=None):
 
 
 # ----------------------------------------------------------------------------------------------
-# The command line: its flags (parsed before torch loads: see the top of the file), the helpers main
-# uses, and main: load, build the engine, add the prompts, run, print the completions and the
-# figures.
+# The command line: its flags, the helpers main uses, and main: parse, load, build the engine, add
+# the prompts, run, print the completions and the figures.
 # ----------------------------------------------------------------------------------------------
 
 class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
@@ -2642,7 +2623,7 @@ class DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def cli_args(argv=None) -> argparse.Namespace:
-    """The command line, parsed before torch loads: --help and bad numbers answer at once."""
+    """The command line; bad numbers answer in one line, before the model loads."""
     ap = argparse.ArgumentParser(description="Generate text with a Llama 3 architecture model, through the "
                                  "lessons' KV caches.", formatter_class=DefaultsOnce)
     add = ap.add_argument
@@ -2920,7 +2901,7 @@ def print_figures(engine, outs: dict):
         ttft = f"{ttft[0]:.0f} ms"
     else:
         ttft = f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
-    peak = st['peak_kv_used'] / engine.kv_capacity()
+    peak = st['peak_kv_used'] / engine.kv.capacity()
     print(f"[prefill {phase_rate(st, 'prefill')}, decode {phase_rate(st, 'decode')}{mixed}, "
           f"first token after {ttft}, {plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "
           f"{plural(st['preemptions'], 'preemption')}, "
@@ -2930,7 +2911,7 @@ def print_figures(engine, outs: dict):
 
 if __name__ == "__main__":
     try:
-        main(ARGS)
+        main()
     # Ctrl-C: one line, not a traceback, and the shell's status for it (128 + SIGINT)
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)

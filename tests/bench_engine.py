@@ -211,8 +211,8 @@ def serve(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> di
                 output_tokens=out_tokens,
                 seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
                 decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
-                kv_tokens=e.kv_capacity(), peak_kv_used=st["peak_kv_used"] / e.kv_capacity(),
-                peak_live_tokens=st["peak_live_tokens"] / e.kv_capacity(),
+                kv_tokens=e.kv.capacity(), peak_kv_used=st["peak_kv_used"] / e.kv.capacity(),
+                peak_live_tokens=st["peak_live_tokens"] / e.kv.capacity(),
                 radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"],
                 recomputed_tokens=st["recomputed_tokens"])
 

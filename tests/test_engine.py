@@ -723,7 +723,7 @@ def test_events_account_for_a_run_under_memory_pressure(backend, preempt, graphs
     sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, max_new)]
     outs = e.run()
     finished = {sid: (len(p), len(outs[sid])) for sid, p in zip(sids, prompts)}
-    check_events(e.events, finished, e.stats, e.kv_capacity() if backend == "paged" else None)
+    check_events(e.events, finished, e.stats, e.kv.capacity() if backend == "paged" else None)
     assert e.stats["preemptions"] > 0, "the run never preempted (stats['preemptions'] is 0)"
     kind = "swap_out" if preempt == "swap" else "preempt"
     assert any(ev.kind == kind for ev in e.events), f"preemptions were counted, but no {kind!r} event was logged"
