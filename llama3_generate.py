@@ -33,16 +33,17 @@ host sync (the decoder queues them and returns the tokens of the k before: the e
 those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
 everything runs its PyTorch paths.
 
-Top to bottom, the core first: the model; generate (a static batch through any backend: the lessons'
-parity tests); deterministic mode (batch-invariant matmuls and attention: an answer's bits whatever the
-batch; set_ops picks an engine's kernels); the engine (SamplingParams, BACKENDS, Seq, Engine, defined
-once: its methods in the order a step runs them, then warm-up, reset, abort and its figures); GPU
-decode (CudaGraphDecoder). A banner says where the core ends: the engine is complete there, and every
-lesson has been used. What serves it comes after: tokenizers; weights; tensor parallelism (--tp N: the
-model split over N processes); the set-up the command line and the server share; the server (--serve);
-the command line (its flags, parsed in main once torch has loaded, and main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01 ..
-L06 below); 04, where every Triton kernel lives, loads only on the Triton path (a GPU, or CUDA graphs
-asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
+Top to bottom, the core first: the model; generate (a static batch through any backend: the
+lessons' parity tests); deterministic mode (batch-invariant matmuls and attention: an answer's bits
+whatever the batch; set_ops picks an engine's kernels); the engine (SamplingParams, BACKENDS, Seq,
+Engine, defined once: its methods in the order a step runs them, then warm-up, reset, abort and its
+figures); GPU decode (CudaGraphDecoder). A banner says where the core ends: the engine is complete
+there, and every lesson has been used. What serves it comes after: tokenizers; weights; tensor
+parallelism (--tp N: the model split over N processes); the set-up the command line and the server
+share; the server (--serve); the command line (its flags, parsed in main once torch has loaded, and
+main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01
+.. L06 below); 04, where every Triton kernel lives, loads only on the Triton path (a GPU, or CUDA
+graphs asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
@@ -2019,14 +2020,14 @@ class EngineThread(threading.Thread):
         self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
 
     def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, failed saying why."""
+        """A step failed outside one request's sampling: every running sequence ends, saying why."""
         for s in list(self.engine.sched.running):
             s.failed = why
             self.engine.abort(s.rid)
 
     def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten by the engine (a server runs on), and all
-        but the latest events."""
+        """The sequences finished since the last call, forgotten by the engine (a server runs on),
+        and all but the latest events."""
         sched = self.engine.sched
         done, sched.finished = sched.finished, []
         for log in (sched.events, sched.decode_log):
