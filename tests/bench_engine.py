@@ -29,53 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 
 import llama3_generate as L  # noqa: E402
-
-
-# Random-weight stand-ins for the GPU benchmarks (the GPU machine has no checkpoints), and transformers' model
-# with the same weights: the peer.
-LLAMA_SHAPES = {
-    "llama-3.2-1b": L.ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
-                                rope_theta=500000.0, max_seq_len=8192, tie_embeddings=True,
-                                rope_scaling={"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                              "original_max_position_embeddings": 8192}),
-    "llama-3-8b": L.ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=14336,
-                              rope_theta=500000.0, max_seq_len=8192, tie_embeddings=False),
-}
-
-
-def random_model(args, device="cuda", dtype=torch.bfloat16, seed=0):
-    torch.manual_seed(seed)
-    with torch.device(device):
-        return L.Transformer(args).to(dtype).eval()
-
-
-def meta_state_dict(model) -> dict:
-    """The model's weights under Meta's names: the stacked projections (wqkv, w13) as views of their parts."""
-    sd = model.state_dict()
-    for i, layer in enumerate(model.layers):
-        at, ff = f"layers.{i}.attention.", f"layers.{i}.feed_forward."
-        sd.update(zip((at + "wq.weight", at + "wk.weight", at + "wv.weight"), layer.attention.qkv_weights()))
-        sd.update(zip((ff + "w1.weight", ff + "w3.weight"), layer.feed_forward.w13.weight.detach().chunk(2)))
-        del sd[at + "wqkv.weight"], sd[ff + "w13.weight"]
-    return sd
-
-
-def to_transformers(model):
-    """The same weights in transformers' LlamaForCausalLM: the peer for benchmarks and GPU parity tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    a = model.args
-    cfg = LlamaConfig(hidden_size=a.dim, intermediate_size=a.hidden_dim, num_hidden_layers=a.n_layers,
-                      num_attention_heads=a.n_heads, num_key_value_heads=a.n_kv_heads, vocab_size=a.vocab_size,
-                      rms_norm_eps=a.norm_eps, rope_theta=a.rope_theta, max_position_embeddings=a.max_seq_len,
-                      tie_word_embeddings=a.tie_embeddings,
-                      rope_scaling=dict(a.rope_scaling, rope_type="llama3") if a.rope_scaling else None)
-    w = model.tok_embeddings.weight
-    with torch.device(w.device):
-        hf = LlamaForCausalLM._from_config(cfg, dtype=w.dtype)
-    ours = meta_state_dict(model)
-    hf.load_state_dict({k: ours[v] for k, v in L.hf_names(a.n_layers).items() if v in ours},
-                       strict=not a.tie_embeddings)
-    return hf.eval()
+from helpers import LLAMA_SHAPES, NOTOK, random_model, to_transformers  # noqa: E402,F401 (bench_tp's too)
 
 
 def seconds(fn, *args):
@@ -194,7 +148,7 @@ def run_stopping(e, stops: dict) -> dict:
     return e.finished
 
 
-def serve(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> dict:
+def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> dict:
     """One warm engine serving the workload (output lengths fixed: EOS ignored; stops: each output ends after that
     many tokens instead); its throughput and memory use."""
     e = L.Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
@@ -235,7 +189,7 @@ def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equa
     for pool, per_seq in pools:
         rows = {}
         for name, kw in BENCH_BACKENDS.items():
-            rows[name] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
+            rows[name] = serve_timed(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), **kw)
             free()
         for row in rows.values():
             row["vs_token"] = row["tok_s"] / rows["token"]["tok_s"]
@@ -256,7 +210,7 @@ def bench_admissions(model, tok, prompts, lens, per_seq=512, backends=("token", 
         for name in backends:
             rows = out.setdefault(workload, {})[name] = {}
             for admission, reserve in ADMISSIONS.items():
-                rows[admission] = serve(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), stops=st,
+                rows[admission] = serve_timed(model, tok, prompts, lens, kv_tokens=per_seq * len(prompts), stops=st,
                                         reserve=reserve, **BENCH_BACKENDS[name])
                 free()
     return out
@@ -296,8 +250,7 @@ def draw(n_seqs: int, seed: int = 0):
 
 def engine_workload(device="cuda", n_seqs=256):
     """`engine`'s: a tokenizer stand-in, a random Llama-3.2-1B shape, n_seqs prompts and (prompt, output) lengths."""
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    return tok, random_model(LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
+    return NOTOK, random_model(LLAMA_SHAPES["llama-3.2-1b"], device), *draw(n_seqs)
 
 
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
@@ -307,7 +260,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
     tok, model, prompts, lens = engine_workload(device, n_seqs)
 
-    r["serve_1b"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048)
+    r["serve_1b"] = serve_timed(model, tok, prompts, lens, "token", n_seqs * 2048)
     r["backends"] = bench_backends(model, tok, prompts, lens)
     for row in [r["serve_1b"]] + [row for rows in r["backends"].values() for row in rows.values()]:
         roofline(row, r["copy_GBps"])
@@ -413,8 +366,7 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
     decode steps per delivery; args: a shape other than LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    e = L.Engine(model, tok, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
+    e = L.Engine(model, NOTOK, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
                  max_seq_len=longest, multi_step=multi_step)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
@@ -715,13 +667,12 @@ def bench_prefix(device="cuda", **kw) -> dict:
     """`prefix`: shared_document on SmolLM2-135M (bf16; skipped with its reason where it is not installed) and on
     the random Llama-3.2-1B shape."""
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     try:
-        r["smollm2-135m"] = shared_document(L.load_model(None, device, torch.bfloat16)[0], tok, **kw)
+        r["smollm2-135m"] = shared_document(L.load_model(None, device, torch.bfloat16)[0], NOTOK, **kw)
     except L.UserError as e:
         r["smollm2-135m"] = {"skipped": str(e)}
     free()
-    r["llama-3.2-1b"] = shared_document(random_model(LLAMA_SHAPES["llama-3.2-1b"], device), tok, **kw)
+    r["llama-3.2-1b"] = shared_document(random_model(LLAMA_SHAPES["llama-3.2-1b"], device), NOTOK, **kw)
     return r
 
 
@@ -796,7 +747,7 @@ def bench_deterministic(device="cuda", n_seqs=256, smollm=True) -> dict:
     tok, model, prompts, lens = engine_workload(device, n_seqs)
     for mode in ("default", "deterministic"):
         kw = dict(deterministic=mode == "deterministic")
-        r[f"serve_1b_{mode}"] = serve(model, tok, prompts, lens, "token", n_seqs * 2048, **kw)
+        r[f"serve_1b_{mode}"] = serve_timed(model, tok, prompts, lens, "token", n_seqs * 2048, **kw)
         free()
         r[f"batch1_1b_{mode}_tok_s"] = engine_decode_tok_s(model, tok, prompts[1][:128], 256, **kw)[0]
         free()

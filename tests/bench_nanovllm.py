@@ -24,7 +24,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import bench_engine as B  # noqa: E402
-from bench_engine import L  # noqa: E402
 
 
 def qwen3_checkpoint(args, out):
@@ -105,7 +104,7 @@ def main(argv=None):
     tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     model = B.random_model(shape, "cuda")
     for name in ("token", "paged 16"):  # ours first: nano-vllm sizes its KV pool from the memory left free
-        r[name] = B.serve(model, tok, prompts, lens, kv_tokens=a.seqs * 2048, **B.BENCH_BACKENDS[name])
+        r[name] = B.serve_timed(model, tok, prompts, lens, kv_tokens=a.seqs * 2048, **B.BENCH_BACKENDS[name])
     del model
     B.free()
     with tempfile.TemporaryDirectory() as path:

@@ -180,11 +180,11 @@ def rank_main(args):
     n_seqs, top = (256, 1024) if cuda else (8, 48)
     lens = torch.randint(top // 10, top + 1, (n_seqs, 2), generator=rng).tolist()
     prompts = [torch.randint(0, one_b.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
-    r["serve_1b"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
+    r["serve_1b"] = B.serve_timed(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if args.breakdown and cuda and world > 1:
         for model.tp_sum.algo in ("one_shot", "nccl"):
             B.free()
-            r[f"serve_1b_{model.tp_sum.algo}"] = B.serve(model, tok, prompts, lens, "token", n_seqs * 2 * top)
+            r[f"serve_1b_{model.tp_sum.algo}"] = B.serve_timed(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if rank == 0:
         print(json.dumps(r), flush=True)
 

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from expect import refuses
+from helpers import backend_against_brute_force, refuses
 
 m = importlib.import_module("01_kv_cache")
 N_NEW = 16
@@ -214,77 +214,6 @@ assert "llama3_generate" not in sys.modules, "a backend imported the model modul
     p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=root))
     assert p.returncode == 0, p.stderr[-2000:]
-
-
-def dense_reference(q, k, v, first):
-    """float64 causal attention written out: query i sits at position first + i and sees keys 0..first + i; query
-    head h reads kv head h // (H / Hkv). q (n, H, D), k, v (L, Hkv, D)."""
-    n, H, D = q.shape
-    k, v = (x.double().repeat_interleave(H // k.shape[1], dim=1) for x in (k, v))
-    s = torch.einsum("nhd,lhd->hnl", q.double(), k) / D ** 0.5
-    s = s.masked_fill(torch.arange(len(k))[None, :] > first + torch.arange(n)[:, None], float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", s.softmax(-1), v)
-
-
-def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4, D=8):
-    """Drive a KVCache backend (01's rows, 02's blocks, 03's slots; room for max_seqs requests of max_len tokens)
-    through random batches of prefills, chunks and decode steps, requests freed and new ones taking their room,
-    next to a Python model holding every request's K/V as lists. Checks positions, lengths, that every live token
-    has a slot of its own that the table maps it to (the one picture), and every output against float64."""
-    g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
-    Hkv = kv.layer_pools(0)[0].shape[1]
-    for pool in kv.layer_pools(0):
-        pool.fill_(1e4)  # poison (finite: a decode gathers masked stale columns too)
-    model, slot, next_id = {}, {}, 0  # seq_id -> (K rows, V rows) stored so far; (seq_id, position) -> its slot
-    for step in range(steps):
-        live = list(model)
-        if live and rng.random() < 0.25:  # a request ends: its room goes back
-            s = live[rng.integers(len(live))]
-            kv.free(s)
-            del model[s]
-            slot = {k: v for k, v in slot.items() if k[0] != s}
-            continue
-        seqs = [s for s in live if rng.random() < 0.7 and len(model[s][0]) < max_len]
-        if len(model) < max_seqs and rng.random() < 0.6:
-            seqs.append(next_id)
-            model[next_id], next_id = ([], []), next_id + 1
-        if not seqs:
-            continue
-        decode = rng.random() < 0.5 and all(model[s][0] for s in seqs)
-        n_new = [1 if decode else int(rng.integers(1, max_len - len(model[s][0]) + 1)) for s in seqs]
-        starts = [len(model[s][0]) for s in seqs]
-        pos = kv.prepare(seqs, n_new)
-        call = f"step {step}: prepare({seqs}, {n_new}) with lengths {starts}"
-        want = [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
-        assert pos.tolist() == want, f"{call} returned positions {pos.tolist()}; want {want}"
-        want = [s0 + n for s0, n in zip(starts, n_new)]
-        assert kv.batch_lens.tolist() == want, f"{call} set batch_lens {kv.batch_lens.tolist()}; want {want}"
-        slot.update(zip([(s, p) for s, s0, n in zip(seqs, starts, n_new) for p in range(s0, s0 + n)],
-                        kv.tok_slots.tolist()))
-        assert len(set(slot.values())) == len(slot), f"{call}: two live tokens share a slot (tok_slots " \
-            f"{kv.tok_slots.tolist()})"
-        for s in model:  # the table maps every live token to its slot
-            if model[s][0] or s in seqs:
-                n = starts[seqs.index(s)] + n_new[seqs.index(s)] if s in seqs else len(model[s][0])
-                got = m.table_slots(kv.table, [kv.rows[s]], n, kv.page)[0].tolist()
-                assert got == [slot[s, p] for p in range(n)], (
-                    f"{call}: the table maps request {s}'s {n} tokens to slots {got}; prepare wrote them to "
-                    f"{[slot[s, p] for p in range(n)]} (tok_slots)")
-        T = sum(n_new)
-        q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
-        out = kv.attend(0, q, k, v)
-        t = 0
-        for s, s0, n in zip(seqs, starts, n_new):
-            model[s][0].extend(k[t:t + n]), model[s][1].extend(v[t:t + n])
-            ref = dense_reference(q[t:t + n], torch.stack(model[s][0]), torch.stack(model[s][1]), s0)
-            err = (out[t:t + n].double() - ref).abs().max().item()
-            assert err <= 1e-5 + 1e-5 * ref.abs().max().item(), (
-                f"{call}: attend's output for request {s} (positions {s0}..{s0 + n - 1}) is off by {err:.2g} from "
-                "float64 attention over the request's own K/V, each query seeing the keys up to its position")
-            t += n
-    for s in list(model):
-        kv.free(s)
-    assert kv.used() == 0 and len(getattr(kv, "rows", {})) == 0
 
 
 @pytest.mark.parametrize("seed", range(3))

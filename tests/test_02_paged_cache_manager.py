@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from expect import refuses
+from helpers import backend_against_brute_force, refuses
 
 P = importlib.import_module("02_paged_cache_manager")
 kv01 = importlib.import_module("01_kv_cache")
@@ -574,7 +574,6 @@ def test_copy_on_write_only_for_a_shared_partial_block():
 def test_paged_cache_batches_against_a_brute_force_model(block_size, seed):
     """01's brute-force drive through the paged backend: a pool exactly as large as three requests of 12 tokens, so
     every block counts; each token's slot is table[row, pos // block] * block + pos % block."""
-    from test_01_kv_cache import backend_against_brute_force
     kv = P.PagedKVCache(1, 3 * P.cdiv(12, block_size), block_size, 2, 8, watermark=0.0, max_seqs=3, max_seq_len=12)
     backend_against_brute_force(kv, seed)
     assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check() and sorted(kv.free_rows) == [0, 1, 2]

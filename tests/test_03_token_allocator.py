@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from expect import refuses
+from helpers import backend_against_brute_force, refuses, tiny_model
 
 m = importlib.import_module("03_token_allocator")
 
@@ -260,9 +260,7 @@ def test_decode_attn_matches_float64_reference():
 
 def test_add_prefix_shares_slots_and_matches_recompute():
     import llama3_generate as L
-    torch.manual_seed(0)
-    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
-                                      max_seq_len=64)).eval()
+    model = tiny_model(0, vocab_size=97, hidden_dim=96, max_seq_len=64)
     a_tok = torch.randint(0, 97, (20,))
     b_tok = torch.cat([a_tok[:12], torch.randint(0, 97, (5,))])  # shares A's first 12 tokens
     kv = m.TokenKVCache.for_model(model, 64, max_requests=4, max_seq_len=32)
@@ -360,7 +358,6 @@ def test_cuda_decode_matches_contiguous_cache():
 def test_token_cache_batches_against_a_brute_force_model(seed):
     """01's brute-force drive through the token pool: exactly 3 x 12 slots and 3 request rows, so every slot and
     row counts (a leaked one is missed at once); each token's slot is req_to_token[row, pos]."""
-    from test_01_kv_cache import backend_against_brute_force
     kv = m.TokenKVCache(1, 36, 2, 8, max_requests=3, max_seq_len=12)
     backend_against_brute_force(kv, seed, steps=60)
     assert kv.allocator.available() == 36 and sorted(kv.req_pool.free_rows) == [0, 1, 2] and kv.lens == {}

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_model
 
 R = importlib.import_module("05_radix_scheduler")
 T = importlib.import_module("03_token_allocator")
@@ -577,11 +578,8 @@ def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
     """A random model through the scheduler, unchunked and then chunked at a tiny and a medium budget: the same
     tokens, the same cached sequences in the tree, and their K, V equal (one chunk boundary falls inside the shared
     prefix that lpm serves from the cache, and the repeats' prompts come from it whole)."""
-    import llama3_generate as L
     rng = random.Random()
-    torch.manual_seed(rng.randrange(1 << 30))
-    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
-                                      max_seq_len=512)).eval()
+    model = tiny_model(rng.randrange(1 << 30), vocab_size=97, hidden_dim=96, max_seq_len=512)
     shared = [rng.randrange(97) for _ in range(40)]
     prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(5)]
     prompts += [[rng.randrange(97) for _ in range(rng.randint(20, 60))], list(prompts[0])]
@@ -613,9 +611,7 @@ def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
     import llama3_generate as L
     C = importlib.import_module("01_kv_cache")
     rng = random.Random()
-    torch.manual_seed(rng.randrange(1 << 30))
-    model = L.Transformer(L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, hidden_dim=96,
-                                      max_seq_len=512)).eval()
+    model = tiny_model(rng.randrange(1 << 30), vocab_size=97, hidden_dim=96, max_seq_len=512)
     shared = [rng.randrange(97) for _ in range(rng.randint(40, 70))]
     prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(6)]
     prompts += [[rng.randrange(97) for _ in range(rng.randint(20, 60))], list(prompts[0]), prompts[1] + shared]

@@ -1256,9 +1256,10 @@ def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_is
     logits, jump-forward on and off, temperatures 0 and 1, budgets from 1 to past the shortest answer (where a
     jump-forward may fill the budget exactly): no exception, no failed sample; an answer that stops fullmatches
     (Python's re), one cut short is a prefix of a match (the regex module's partial matching) and had no room for
-    a shortest answer; none passes its budget; where the decision says go on, the mask allows a token."""
+    a shortest answer, with ignore_eos too; none passes its budget; where the decision says go on, the mask
+    allows a token."""
     import llama3_generate as L
-    from test_engine import tiny_model
+    from helpers import tiny_model
     rng, tok = random.Random(), MergeTok()
     cases = []  # (pattern, index, budget, temperature, jump-forward)
     for pattern in {random_regex(rng) for _ in range(12)}:
@@ -1287,7 +1288,8 @@ def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_is
         if not jump:  # the engine always jumps forward: off, its Seq finds nothing to jump over
             monkeypatch.setattr(L.Seq, "jump_forward", lambda self: None)
         for seed, case in enumerate(c for c in cases if c[4] == jump):
-            params = L.SamplingParams(max_new_tokens=case[2], temperature=case[3], regex=case[0], seed=seed)
+            params = L.SamplingParams(max_new_tokens=case[2], temperature=case[3], regex=case[0], seed=seed,
+                                      ignore_eos=seed % 2 == 1)  # the regex's end stops it all the same
             seqs[engine.add([5, 9, 11], params, case[1])[0]] = case
         engine.run()
         monkeypatch.undo()
@@ -1297,6 +1299,7 @@ def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_is
         s = finished[rid]
         assert s.failed is None and s.finish in ("stop", "length"), (case, s.failed)
         ids = [t for t in s.output if t not in tok.stop_ids]
+        assert s.output[:len(ids)] == ids, (case, s.output)  # an EOS ends it: none before its end
         check(case, s.output, tok.decode(ids), s.finish == "stop")
 
 

@@ -20,135 +20,9 @@ import pytest
 import torch
 
 import llama3_generate as L
+from helpers import FORMATS, MAX_NEW, PROMPTS, SHAPES, Reference, cli, tokens, write_checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MAX_NEW = 24
-PROMPTS = ["Hi", "Name a color.", "What is the capital of France?", "def f(x):\n    return x * 2",
-           "Write three words about the sea, then stop.", "torch.cat([a, b], dim=0) joins tensors along a dimension.",
-           "Explain the KV cache in one sentence: why does a decode step not recompute the keys of earlier tokens?"]
-SHAPES = {  # hidden_dim = Meta's formula for dim with multiple_of 256, so params.json needs nothing more
-    "smol": dict(dim=576, n_heads=9, n_kv_heads=3, hidden_dim=1536, tie=True, rope_theta=100000.0),
-    "gqa4": dict(dim=1024, n_heads=8, n_kv_heads=2, hidden_dim=2816, tie=False, rope_theta=500000.0),
-}
-FORMATS = ("gguf", "hf", "meta")
-
-
-def llama3_special_names():
-    """Meta's 256 special tokens in id order, as llama-models names them."""
-    names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
-             "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
-             "<|eot_id|>", "<|python_tag|>", "<|image|>"]
-    return names + [f"<|reserved_special_token_{2 + i}|>" for i in range(256 - len(names))]
-
-
-def train_tokenizer():
-    """A byte-level BPE with Llama 3's pre-tokenizer regex, 512 tokens + Llama 3's 256 special tokens."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(L.LLAMA3_PAT), "isolated"),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(PROMPTS * 20 + [open(os.path.join(ROOT, "llama3_generate.py")).read()], trainer)
-    tok.add_special_tokens(llama3_special_names())  # ids 512..767, Meta's order
-    return tok
-
-
-def to_meta_order(w, heads):
-    """HF rotates (i, i + d/2); Meta and GGUF store q/k rows in adjacent pairs (2i, 2i+1)."""
-    return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
-
-
-def stop_early(hf, tok):
-    """Random weights rarely say <|eot_id|>, so every sequence would run to --max-new-tokens together. Give the
-    end-of-turn token a common token's output row (1% larger): then some completions end early with EOS and the
-    others run on -- the schedule in which a multi-step chunk lands after its batch changed."""
-    dev = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU shared by parallel test workers can crawl)
-    hf.to(dev)
-    eot, head = tok.special["<|eot_id|>"], hf.get_output_embeddings().weight
-    ids = [tok.chat(p) for p in PROMPTS]
-    ids = [torch.tensor([x], device=dev) for x in ids]
-    greedy = lambda: [hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
-                                  eos_token_id=tok.stop_ids, pad_token_id=0)[0, x.shape[1]:].tolist() for x in ids]
-    counts = {}
-    for out in greedy():
-        for t in set(out[2:-2]):
-            counts[t] = counts.get(t, 0) + 1
-    original = head[eot].clone()
-    with torch.no_grad():
-        for t in sorted(counts, key=counts.get, reverse=True)[:8]:
-            head[eot] = head[t] * 1.01
-            lengths = [len(o) for o in greedy()]
-            if min(lengths) < MAX_NEW - 2 and max(lengths) == MAX_NEW:
-                return hf.cpu()
-        head[eot] = original
-    raise AssertionError("no token found that makes some completions stop early")
-
-
-def write_checkpoints(root, shape, seed):
-    """One random Llama in each format, all from the same weights and vocabulary. Returns {format: path}, hf model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    s = SHAPES[shape]
-    tok = train_tokenizer()
-    vocab = tok.get_vocab_size()
-    cfg = LlamaConfig(hidden_size=s["dim"], intermediate_size=s["hidden_dim"], num_hidden_layers=2,
-                      num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"], vocab_size=vocab,
-                      rms_norm_eps=1e-5, rope_theta=s["rope_theta"], max_position_embeddings=2048,
-                      tie_word_embeddings=s["tie"])
-    torch.manual_seed(seed)
-    hf = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        for p in hf.parameters():  # large weights: well-separated logits, so greedy ties are vanishingly rare
-            p.normal_(0, 0.2)
-    paths = {f: os.path.join(root, f"{shape}-{f}" + (".gguf" if f == "gguf" else "")) for f in FORMATS}
-    tok.save(os.path.join(root, "tokenizer.json"))
-    stop_early(hf, L.hf_tokenizer(os.path.join(root, "tokenizer.json")))
-    hf.save_pretrained(paths["hf"])  # config.json + model.safetensors
-    tok.save(os.path.join(paths["hf"], "tokenizer.json"))
-
-    ours = {L.hf_names(2)[k]: v.detach().clone() for k, v in hf.state_dict().items() if k in L.hf_names(2)}
-    if s["tie"]:
-        ours.pop("output.weight", None)
-    for i in range(2):
-        for w, heads in (("wq", s["n_heads"]), ("wk", s["n_kv_heads"])):
-            name = f"layers.{i}.attention.{w}.weight"
-            ours[name] = to_meta_order(ours[name], heads)
-
-    os.makedirs(paths["meta"])
-    torch.save(ours, os.path.join(paths["meta"], "consolidated.00.pth"))
-    json.dump({"dim": s["dim"], "n_layers": 2, "n_heads": s["n_heads"], "n_kv_heads": s["n_kv_heads"],
-               "vocab_size": vocab, "multiple_of": 256, "norm_eps": 1e-5, "rope_theta": s["rope_theta"],
-               "max_seq_len": 2048}, open(os.path.join(paths["meta"], "params.json"), "w"))
-    base = tok.get_vocab(with_added_tokens=False)
-    ranks = L._byte_level_ranks(base)  # byte-level strings -> bytes; rank = id
-    assert sorted(ranks.values()) == list(range(len(base)))
-    import base64
-    with open(os.path.join(paths["meta"], "tokenizer.model"), "wb") as f:
-        f.writelines(base64.b64encode(b) + b" %d\n" % r for b, r in sorted(ranks.items(), key=lambda x: x[1]))
-
-    import gguf
-    w = gguf.GGUFWriter(paths["gguf"], "llama")
-    w.add_context_length(2048), w.add_embedding_length(s["dim"]), w.add_block_count(2)
-    w.add_feed_forward_length(s["hidden_dim"]), w.add_head_count(s["n_heads"]), w.add_head_count_kv(s["n_kv_heads"])
-    w.add_layer_norm_rms_eps(1e-5), w.add_rope_freq_base(s["rope_theta"])
-    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("llama-bpe")
-    by_id = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda x: x[1])
-    w.add_token_list([t for t, _ in by_id])
-    w.add_token_types([3 if i >= len(base) else 1 for _, i in by_id])  # 3: control (special)
-    gg = {"tok_embeddings": "token_embd", "norm": "output_norm", "output": "output", "attention.wq": "attn_q",
-          "attention.wk": "attn_k", "attention.wv": "attn_v", "attention.wo": "attn_output",
-          "feed_forward.w1": "ffn_gate", "feed_forward.w3": "ffn_up", "feed_forward.w2": "ffn_down",
-          "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
-    for name, t in ours.items():
-        parts = name.split(".")
-        if parts[0] == "layers":
-            key = f"blk.{parts[1]}.{gg['.'.join(parts[2:-1])]}.weight"
-        else:
-            key = f"{gg[parts[0]]}.weight"
-        w.add_tensor(key, t.float().numpy())
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    return paths, hf
 
 
 @pytest.fixture(scope="module")
@@ -157,60 +31,6 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     seed = int(torch.randint(0, 10**6, ()))
     return {shape: write_checkpoints(str(root), shape, seed + i) for i, shape in enumerate(SHAPES)}
-
-
-def cli(*argv, device, capsys=None):
-    """Run the command line: `python llama3_generate.py ...` as its own process, or, given capsys, its main(argv) in
-    this one. Returns (completions from --json: one dict per line, stderr, stdout)."""
-    if capsys is not None:
-        L.main(["--device", device, *argv])  # an error exits (SystemExit): the test fails with its message
-        cap = capsys.readouterr()
-        out, err = cap.out, cap.err
-    else:
-        cmd = [sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--device", device, *argv]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
-        assert p.returncode == 0 and "Traceback" not in p.stderr, (argv, p.stderr[-3000:])
-        out, err = p.stdout, p.stderr
-    outs = [json.loads(line) for line in out.splitlines() if line.startswith("{")] if "--json" in argv else None
-    return outs, err, out
-
-
-class Reference:
-    """transformers' greedy generate on the same weights, prompt by prompt (batch 1, no padding), cut after the
-    first stop token; prompt ids from our tokenizer (the one the CLI uses) of that checkpoint. hf: transformers'
-    model on `device`, memo: its answers so far, both shared by the formats of one shape (same weights)."""
-
-    def __init__(self, path, hf, device, memo):
-        self.model, self.tok = L.load_model(path)  # CPU: tokenizer and the prompt encoding the CLI applies
-        self.hf, self.device, self.memo = hf, device, memo
-
-    def ids(self, prompts):
-        return L.encode_prompts(self.tok, prompts, True, MAX_NEW, self.model.args.max_seq_len)
-
-    def greedy(self, prompts, n=MAX_NEW):
-        out = []
-        for ids in self.ids(prompts):
-            key = (tuple(ids), n, tuple(self.tok.stop_ids))
-            if key not in self.memo:
-                x = torch.tensor([ids], device=self.device)
-                with torch.no_grad():
-                    y = self.hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                                         eos_token_id=self.tok.stop_ids, pad_token_id=0)[0, len(ids):].tolist()
-                self.memo[key] = y[:next((i + 1 for i, t in enumerate(y) if t in self.tok.stop_ids), len(y))]
-            out.append(self.memo[key])
-        return out
-
-    def near_argmax(self, prompts, outs, dtype, tol=0.25):
-        """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype
-        (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05, and a near-tie
-        by up to 0.16 seen on an H100; a wrong token sits a whole std or more below)."""
-        hf = copy.deepcopy(self.hf).to(dtype)  # a copy: rounding the shared model would change later fp32 answers
-        for ids, out in zip(self.ids(prompts), outs):
-            x = torch.tensor([ids + out], device=self.device)
-            with torch.no_grad():
-                ref = hf(x).logits[0, len(ids) - 1:-1].float()  # (len(out), vocab)
-            gap = ref.max(-1).values - ref[torch.arange(len(out)), torch.tensor(out, device=self.device)]
-            assert (gap <= tol * ref.std()).all(), (gap / ref.std()).max()
 
 
 @pytest.fixture(scope="module")
@@ -227,12 +47,6 @@ def refs(checkpoints):
             cache[shape, fmt, device] = Reference(paths[fmt], peer, device, memo)
         return cache[shape, fmt, device]
     return get
-
-
-def tokens(outs):
-    """--json completions -> token ids per (prompt, sample), in prompt order."""
-    outs = sorted(outs, key=lambda o: (o["prompt_index"], o["sample"]))
-    return [o["token_ids"] for o in outs]
 
 
 def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags, capsys=None):

@@ -6,8 +6,8 @@ import re
 import pytest
 import torch
 
-import bench_engine as B
 import llama3_generate as L
+from helpers import LLAMA_SHAPES, kv_left, meta_state_dict, random_model, serve, tiny_model, to_transformers
 
 PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "What is the capital of France?"]
 
@@ -86,15 +86,6 @@ def test_postprocess_requeues_from_the_token_append_says_changed():
     assert req.output == [20, 7, 8, 9, 24, 25, 26, 27] and s.finished == [req]
 
 
-def test_n_samples_are_reproducible(smollm):
-    params = L.SamplingParams(max_new_tokens=10, temperature=1.0, n=3)
-    a, e = run(smollm, ["Tell me a story."], params, seed=7)
-    b, _ = run(smollm, ["Tell me a story."], params, seed=7)
-    assert a == b and len(a) == 3
-    assert len({tuple(o) for o in a.values()}) > 1  # three samples, not one repeated
-    assert e.stats["cached_tokens"] > 0  # samples 2 and 3 reuse sample 1's prompt
-
-
 @pytest.mark.parametrize("backend,preempt", [("token", "recompute"), ("paged", "recompute"), ("paged", "swap")])
 def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preempt, monkeypatch):
     """The engine schedules through the lessons' classes: 05's Scheduler.admit admits, 02's Scheduler.preempt
@@ -133,18 +124,6 @@ def test_request_too_large_is_refused(smollm):
     engine = L.Engine(model, tok, kv_tokens=64)
     with pytest.raises(L.UserError):
         engine.add(list(range(60)), L.SamplingParams(max_new_tokens=10))
-
-
-def tiny_model(seed=0, **kw):
-    """A random 2-layer Llama (GQA 4:2, fp32) big enough to have several programs per kernel, small enough for
-    the Triton interpreter."""
-    torch.manual_seed(seed)
-    args = L.ModelArgs(**{**dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128,
-                                 max_seq_len=128, rope_theta=10000.0), **kw})
-    model = L.Transformer(args).eval()
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    return model
 
 
 @pytest.mark.triton
@@ -192,15 +171,6 @@ def test_argmax_kernel_matches_torch():
                 for h, vocab in halves:  # (the tie spans the halves: the first rank's index wins)
                     got = m04.argmax(h, torch.full((B,), -1), vocab=vocab, gather=lambda k: torch.stack(keys))
                     assert got.tolist() == out.tolist()
-
-
-def kv_left(e) -> int:
-    """KV slots an idle engine still holds, once its radix cache lets go: only the graphs' padding row (token: a
-    slot; paged: a block; contiguous: a row kept apart from the pool it counts)."""
-    if e.sched.tree:
-        e.sched.tree.evict(e.kv.capacity())
-        e.kv.allocator.check()
-    return e.kv.used() - (e.graphs is not None) * {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]
 
 
 BACKENDS = [dict(backend="token"), dict(backend="paged", block_size=4), dict(backend="contiguous")]
@@ -287,16 +257,6 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
     assert fused == one and e.graphs.fused and (1, 3) in e.graphs.graphs  # batch 1's 3 steps as one graph
 
 
-def greedy_outputs(model, tok, prompts, max_new, **opts) -> list:
-    """Each prompt's tokens (max_new[i] at most) from a fresh engine of 4 rows of 64, which ends holding no slot."""
-    e = L.Engine(model, tok, max_batch=4, max_seq_len=64, **opts)
-    for p, n in zip(prompts, max_new):
-        e.add(p, L.SamplingParams(max_new_tokens=n))
-    outs = list(e.run().values())
-    assert kv_left(e) == 0
-    return outs
-
-
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatch):
@@ -309,7 +269,8 @@ def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatc
                         lambda self, batch, pos, k, **kw: (ks.append(k), steps(self, batch, pos, k, **kw))[1])
     prompts, max_new = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
 
-    run = lambda **opts: greedy_outputs(model, tok, prompts, max_new, kv_tokens=256, fused=False, **kw, **opts)
+    run = lambda **opts: serve(model, tok, prompts, max_new, max_batch=4, max_seq_len=64, kv_tokens=256,
+                               fused=False, **kw, **opts)[0]
     one = run(cuda_graphs=False)
     assert run(cuda_graphs=True, multi_step=4) == one and list(map(len, one)) == [3, 14]
     assert ks[0] == 4 and ks[-1] < 4, ks  # the first ends 2 steps into a 4-step chunk; the context ends the last
@@ -327,8 +288,8 @@ def test_multi_step_random_workloads_match_one_step(kw):
     rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
-    run = lambda prompts, max_new, **opts: greedy_outputs(model, tok, prompts, max_new, kv_tokens=512, fused=False,
-                                                          **kw, **opts)
+    run = lambda prompts, max_new, **opts: serve(model, tok, prompts, max_new, max_batch=4, max_seq_len=64,
+                                                 kv_tokens=512, fused=False, **kw, **opts)[0]
     for _ in range(25):
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(1, 5))]
         max_new = rand(1, 30, len(prompts))
@@ -450,8 +411,8 @@ def test_warm_up_leaves_no_trace(graphs):
 @pytest.fixture(scope="module")
 def llama_1b():
     """A random Llama-3.2-1B shape in bf16 on the GPU and transformers' model on the same weights, built once."""
-    model = B.random_model(B.LLAMA_SHAPES["llama-3.2-1b"], "cuda")
-    return model, B.to_transformers(model)
+    model = random_model(LLAMA_SHAPES["llama-3.2-1b"], "cuda")
+    return model, to_transformers(model)
 
 
 @pytest.mark.gpu
@@ -515,7 +476,7 @@ def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_fused_decode_matches_the_model():
     """bf16, random Llama-3.2-1B shape: fused_decode's logits and K/V against the plain model's, step by step."""
-    model = B.random_model(B.LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
+    model = random_model(LLAMA_SHAPES["llama-3.2-1b"], "cuda", seed=int(torch.randint(0, 1000, ())))
     m03, m04 = L.lesson("03_token_allocator"), L.lesson("04_triton_token_attn")
     kvs = [m03.TokenKVCache.for_model(model, 1024, 2, 1024) for _ in range(2)]
     prompt = torch.randint(0, 128000, (int(torch.randint(50, 500, ())),), device="cuda")
@@ -608,7 +569,7 @@ def test_projections_load_stacked():
     (one GEMM where there were three), and the model's logits are transformers' over the separate weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
     a = tiny_model().args
-    sd = {k: torch.randn(v.shape) * 0.3 for k, v in B.meta_state_dict(L.Transformer(a)).items()}  # Meta's names
+    sd = {k: torch.randn(v.shape) * 0.3 for k, v in meta_state_dict(L.Transformer(a)).items()}  # Meta's names
     model = L.Transformer(a).eval()
     model.load_state_dict(sd)
     assert not any(k.endswith(("wq.weight", "w1.weight")) for k in model.state_dict())  # stacked, not kept apart
@@ -810,7 +771,7 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
     whole, the three schedules (chunks of 16 tokens cut the long prompts) writing the same tokens, the percentiles in
     order, the plot written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
     import bench_engine as B  # tests/bench_engine.py (pytest puts tests/ on sys.path)
-    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
+    args = tiny_model(max_seq_len=256).args
     plot = tmp_path / "serve.png"
     schedules = {name: (mixed, chunk and 16) for name, (mixed, chunk) in B.SERVE_SCHEDULES.items()}
     r = B.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
@@ -885,7 +846,7 @@ def test_finish_reasons_counts_and_stop_ids_against_generate(backend):
 
 def test_n_samples_each_draw_from_seed_plus_i():
     """n samples with a seed: sample i draws from its own generator seeded seed + i, so it equals a request of one
-    sample seeded seed + i, whatever runs beside it; and the n samples differ."""
+    sample seeded seed + i, whatever runs beside it; the n samples differ, and share the prompt's KV."""
     model = tiny_model(seed=12)
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     prompt = list(range(5, 15))
@@ -896,6 +857,7 @@ def test_n_samples_each_draw_from_seed_plus_i():
             e.add(p, L.SamplingParams(max_new_tokens=6, temperature=1.0))
         ids = e.add(prompt, L.SamplingParams(max_new_tokens=6, temperature=1.0, n=n, seed=seed))
         out = e.run()
-        return [out[i] for i in ids]
-    many = run_one(3, 40, also=[[1, 2, 3]])
-    assert many == [run_one(1, 40 + i)[0] for i in range(3)] and len({tuple(o) for o in many}) == 3
+        return [out[i] for i in ids], e.stats["cached_tokens"]
+    many, cached = run_one(3, 40, also=[[1, 2, 3]])
+    assert many == [run_one(1, 40 + i)[0][0] for i in range(3)] and len({tuple(o) for o in many}) == 3
+    assert cached > 0, "samples 2 and 3 computed their prompt again: they should reuse sample 1's"

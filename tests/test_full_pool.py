@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import llama3_generate as L
-from test_engine import kv_left, tiny_model
+from helpers import NOTOK, serve, tiny_model
 
 
 def workload(seed, n=32, lo=6, hi=64):
@@ -12,17 +12,6 @@ def workload(seed, n=32, lo=6, hi=64):
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n, 2), generator=g).tolist()
     return [torch.randint(0, 256, (p,), generator=g).tolist() for p, _ in lens], [m for _, m in lens]
-
-
-def serve(model, prompts, max_new, **kw):
-    """Every request to its max_new_tokens through a fresh engine of max_batch len(prompts); (outputs, engine)."""
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
-    e = L.Engine(model, tok, max_batch=len(prompts), max_seq_len=128, **kw)
-    for p, n in zip(prompts, max_new):
-        e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))
-    outs = list(e.run().values())
-    assert kv_left(e) == 0
-    return outs, e
 
 
 @pytest.mark.triton
@@ -41,8 +30,8 @@ def test_full_pool_decodes_in_chunks(kw, monkeypatch):
     model = tiny_model()
     prompts, max_new = workload(int(torch.randint(0, 10**6, ())))
     opts = dict(kv_tokens=32 * len(prompts), **kw)
-    one, _ = serve(model, prompts, max_new, cuda_graphs=False, **opts)
-    multi, e = serve(model, prompts, max_new, cuda_graphs=True, fused=False, multi_step=8, **opts)
+    one, _ = serve(model, NOTOK, prompts, max_new, cuda_graphs=False, **opts)
+    multi, e = serve(model, NOTOK, prompts, max_new, cuda_graphs=True, fused=False, multi_step=8, **opts)
     assert multi == one
     assert e.stats["peak_running"] > 16, e.stats  # the pool was shared by many: it ran full
     assert calls["one"] < 0.1 * (calls["one"] + calls["chunk"]), calls

@@ -8,7 +8,6 @@ README gives them as ranges measured over several runs and names the machine."""
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 

@@ -34,7 +34,7 @@ def words(rng, n):
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from test_cli_checkpoints import write_checkpoints
+    from helpers import write_checkpoints
     paths, _ = write_checkpoints(str(tmp_path_factory.mktemp("srv")), "smol", int(torch.randint(0, 10**6, ())))
     return paths["gguf"]
 
@@ -45,13 +45,13 @@ def running(*argv):
     own): its URL, engine and thread."""
     got = {}
 
-    def serve():  # its exit status, if it exits with one
+    def run_server():  # its exit status, if it exits with one
         try:
             L.serve(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]), lambda port, w: got.update(port=port,
                                                                                                         w=w))
         except SystemExit as e:
             got["exit"] = e.code
-    t = threading.Thread(target=serve)
+    t = threading.Thread(target=run_server)
     t.start()
     for _ in range(1200):  # bounded: 120 s
         if "w" in got:
@@ -148,6 +148,10 @@ def test_constrained_answers_equal_the_cli(srv, ckpt, capsys, tmp_path, how):
     if ref["finish_reason"] == "stop":  # complete: it matches, by Python's re and jsonschema
         if how == "regex":
             assert __import__("re").fullmatch(pattern, text)
+            # a stop string in what jump-forward wrote (the space after the word): the text before it
+            cut = srv.client.chat.completions.create(model=srv.model, messages=[{"role": "user", "content": prompt}],
+                                                     max_tokens=n, temperature=0, stop=[" "], **kw).choices[0]
+            assert (cut.message.content, cut.finish_reason) == (text.split(" ")[0], "stop"), (cut, text)
         else:
             jsonschema.validate(json.loads(text), schema)
 
@@ -578,7 +582,8 @@ def test_bench_serve_http_machinery_on_a_cpu():
     the server (client in a process of its own), every request served whole, percentiles in order. (Its figures are
     the GPU's to measure: no timing is asserted here.)"""
     import bench_engine as B
-    args = L.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128, max_seq_len=256)
+    from helpers import tiny_model
+    args = tiny_model(max_seq_len=256).args
     r = B.bench_http("cpu", rates=(50,), n_seqs=8, lengths=(4, 16), long=(40, 60), long_prompts=1, args=args)
     runs = r["rates"][50]
     assert list(runs) == ["in process", "HTTP"] and runs["HTTP"]["served_whole"]

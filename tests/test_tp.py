@@ -22,9 +22,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import bench_engine as B
 import llama3_generate as L
-from test_cli_checkpoints import PROMPTS, SHAPES, tokens, train_tokenizer
+from helpers import (PROMPTS, SHAPES, meta_state_dict, needle_model, needle_trials, random_model, tokens,
+                     train_tokenizer)
 
 PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and a half sequences
 
@@ -38,7 +38,7 @@ def checkpoint(tmp_path_factory):
                        vocab_size=tok.get_vocab_size(), hidden_dim=s["hidden_dim"], rope_theta=s["rope_theta"],
                        max_seq_len=2048, tie_embeddings=s["tie"])
     torch.manual_seed(int(torch.randint(0, 10**6, ())))
-    ours = {k: v.normal_(0, 0.2) for k, v in B.meta_state_dict(L.Transformer(args)).items()}
+    ours = {k: v.normal_(0, 0.2) for k, v in meta_state_dict(L.Transformer(args)).items()}
     save_file({hf: ours[name].contiguous() for hf, name in L.hf_names(2).items()}, f"{root}/model.safetensors")
     json.dump({"model_type": "llama", "hidden_size": s["dim"], "num_hidden_layers": 2, "num_attention_heads":
                s["n_heads"], "num_key_value_heads": s["n_kv_heads"], "vocab_size": args.vocab_size,
@@ -57,10 +57,10 @@ def tp1(checkpoint):
     options = {"contiguous": dict(backend="contiguous", kv_tokens=2 * small),
                "paged-swap": dict(backend="paged", kv_tokens=small, block_size=8, preempt="swap", reserve=False),
                "token-recompute": dict(backend="token", kv_tokens=small, reserve=False)}  # admit what fits now
-    return options, serve(checkpoint, options)
+    return options, tp_tokens(checkpoint, options)
 
 
-def serve(path, options, device="cpu"):
+def tp_tokens(path, options, device="cpu"):
     """Every config's greedy tokens and preemptions: TP 1 here, or one rank of TP N under torch.distributed."""
     model, tok = L.load_model(path, device)
     if torch.distributed.is_initialized():  # a rank
@@ -103,10 +103,10 @@ def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
     return [json.load(open(f"{result}.{r}")) for r in range(world)]
 
 
-def serve_rank(path, options, device="cpu"):
-    """serve() as one rank of a group joined by the command line's own tp_launch (gloo, or NCCL on GPUs)."""
+def tp_tokens_rank(path, options, device="cpu"):
+    """tp_tokens() as one rank of a group joined by the command line's own tp_launch (gloo, or NCCL on GPUs)."""
     L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])
-    return serve(path, options, device)
+    return tp_tokens(path, options, device)
 
 
 def cli_rank(*argv):
@@ -119,7 +119,7 @@ def cli_rank(*argv):
 
 def test_two_gloo_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path):
     options, want = tp1
-    got, _ = run_ranks(2, serve_rank, checkpoint, options, tmp_path=tmp_path)
+    got, _ = run_ranks(2, tp_tokens_rank, checkpoint, options, tmp_path=tmp_path)
     for name in options:  # each rank's pool holds half the KV heads, of any backend
         assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2) and got[name]["kv_heads"], name
     assert want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
@@ -136,18 +136,24 @@ def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
     assert quiet == ["", ""]
 
 
-def fused_decode_tokens(seed, device="cpu"):
-    """A tiny random model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
-    interpreted): greedy and sampled tokens, and the engine's graphs' fused flag; under torchrun's variables, as
-    one rank of TP over gloo (partial sums added by tp_sum, the head split by rows)."""
+def rank_model(seed, device):
+    """A tiny random model, the same on every rank (wide logits: no near ties for fp32 rounding to flip), this
+    rank's shard under torchrun's variables (TP over gloo: partial sums added by tp_sum, the head split by rows)."""
     if "WORLD_SIZE" in os.environ:
         device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
     args = L.ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=384, hidden_dim=128, max_seq_len=64)
     model = L.Transformer(args).to(device).eval()
-    for p in model.parameters():  # the same on every rank; wide logits: no near ties for fp32 rounding to flip
+    for p in model.parameters():
         p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
     if torch.distributed.is_initialized():
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    return model
+
+
+def fused_decode_tokens(seed, device="cpu"):
+    """rank_model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
+    interpreted): greedy and sampled tokens, and the engine's graphs' fused flag."""
+    model = rank_model(seed, device)
     e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=64,
                  cuda_graphs=True, max_batch=1, multi_step=4)
     for t in (0.0, 1.0):
@@ -159,14 +165,7 @@ def graph_decode_tokens(seed, device="cpu"):
     """fused_decode_tokens' model and requests, and two more greedy ones, through the graphs of batches (eager on
     CPUs, without 04's batch-1 kernels): under TP each rank's logits are its rows of the head; greedy multi-step
     steps take 04's argmax across the ranks, sampled steps the logits gathered whole."""
-    if "WORLD_SIZE" in os.environ:
-        device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
-    args = L.ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=384, hidden_dim=128, max_seq_len=64)
-    model = L.Transformer(args).to(device).eval()
-    for p in model.parameters():
-        p.data.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel() + seed)) * 0.3)
-    if torch.distributed.is_initialized():
-        L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
+    model = rank_model(seed, device)
     e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=256,
                  cuda_graphs=True, max_batch=4, multi_step=4, fused=False)
     for i, t in enumerate((0.0, 1.0, 0.0, 0.0)):
@@ -264,7 +263,6 @@ def test_deterministic_tp_sums_a_row_in_rank_order_whatever_the_batch(world, tmp
 
 def tp_needle(seed: int, deterministic: bool):
     """One rank of TP 4 (gloo): test_deterministic's needle, alone and in random company: the trials it moved."""
-    from test_deterministic import needle_model, needle_trials
     L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
     model = needle_model(n_kv_heads=4)  # 4 heads of each: one per rank
     L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
@@ -289,7 +287,7 @@ def test_tp_flag_starts_ranks_and_one_speaks(capfd):
 
 def test_heads_that_do_not_split_are_refused():
     """SmolLM2's attention (9 query / 3 KV heads) over 2 ranks: one line naming the head counts, nothing changed."""
-    model = B.random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
+    model = random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
         L.shard_model(model, 0, 2)
@@ -301,8 +299,8 @@ def test_heads_that_do_not_split_are_refused():
 def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
     """The same on 2 GPUs over NCCL: 04's kernels, CUDA graphs capturing the all-reduces, greedy multi-step."""
     options, _ = tp1
-    want = serve(checkpoint, options, "cuda")
-    got, _ = run_ranks(2, serve_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
+    want = tp_tokens(checkpoint, options, "cuda")
+    got, _ = run_ranks(2, tp_tokens_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
     for name in options:
         assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2), name
 
