@@ -24,7 +24,8 @@ import sys
 import time
 from dataclasses import replace
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root; tests/ (helpers) for runpy's callers
 
 import torch  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import llama3_generate as L
-from helpers import LLAMA_SHAPES, kv_left, meta_state_dict, random_model, serve, tiny_model, to_transformers
+from helpers import LLAMA_SHAPES, NOTOK, kv_left, meta_state_dict, random_model, serve, tiny_model, to_transformers
 
 PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "What is the capital of France?"]
 
@@ -183,13 +183,12 @@ def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
     equal greedy tokens (fp32), hits of whole pages on a shared document (the admit events --events prints), and
     nothing leaks once the cache lets go. A pool of about two requests: prefixes are evicted, sequences wait."""
     model, rng = tiny_model(), torch.Generator().manual_seed(random.randrange(1 << 30))  # fresh inputs each run
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     doc = torch.randint(0, 256, (int(torch.randint(40, 70, (), generator=rng)),), generator=rng).tolist()
     prompts = [doc + torch.randint(0, 256, (n,), generator=rng).tolist() for n in (3, 9, 17, 1, 30)]
     prompts += [list(prompts[1]), torch.randint(0, 256, (50,), generator=rng).tolist()]
 
     def run(radix):
-        e = L.Engine(model, tok, kv_tokens=144, max_batch=3, max_seq_len=112, radix=radix, cuda_graphs=False, **kw)
+        e = L.Engine(model, NOTOK, kv_tokens=144, max_batch=3, max_seq_len=112, radix=radix, cuda_graphs=False, **kw)
         for p in prompts:
             e.add(p, L.SamplingParams(max_new_tokens=int(torch.randint(4, 12, (), generator=rng))))
         return list(e.run().values()), e
@@ -345,11 +344,10 @@ def test_chunked_and_mixed_steps_write_the_same_tokens(kw, graphs):
     model = tiny_model()
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
     rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     cut = 0  # prompts held back or preempted part-way in
 
     def run(prompts, max_new, pool, late=0, **opts):  # late: the last prompt arrives after two steps
-        e = L.Engine(model, tok, kv_tokens=pool, max_batch=4, max_seq_len=64, cuda_graphs=graphs,
+        e = L.Engine(model, NOTOK, kv_tokens=pool, max_batch=4, max_seq_len=64, cuda_graphs=graphs,
                      multi_step=3, fused=False, **kw, **opts)
         sids = []
         for i, (p, n) in enumerate(zip(prompts, max_new)):
@@ -390,11 +388,10 @@ def test_warm_up_leaves_no_trace(graphs):
     It freezes the heap built so far, so the collector never walks it mid-serving (a full collection stalled every
     stream on the GPU)."""
     model = tiny_model()
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 11, 7)]
     outs = []
     for warm in (False, True):
-        e = L.Engine(model, tok, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
+        e = L.Engine(model, NOTOK, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
         if warm:
             gc.unfreeze()
             fresh = {**dict.fromkeys(e.sched.stats, 0), **e.new_counts()}
@@ -421,10 +418,9 @@ def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
     """Random Llama-3.2-1B shape in bf16 (token backend: CUDA graphs, 04's kernel, multi-step; at batch 1
     fused_decode): every greedy token is transformers' argmax up to bf16 noise, and the prefill logits agree."""
     model, hf = llama_1b
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 77, 300)]
-    engine = L.Engine(model, tok, backend, kv_tokens=4096, max_batch=max_batch, max_seq_len=512, block_size=256)
+    engine = L.Engine(model, NOTOK, backend, kv_tokens=4096, max_batch=max_batch, max_seq_len=512, block_size=256)
     for p in prompts:
         engine.add(p, L.SamplingParams(max_new_tokens=8, ignore_eos=True))
     outs = engine.run()
@@ -453,8 +449,7 @@ def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b, monkeypatch):
     monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, *a, **k: compiles.append(self.fn.__name__)
                         or compile_(self, *a, **k))
     model, _ = llama_1b
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    e = L.Engine(model, tok, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
+    e = L.Engine(model, NOTOK, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
     e.warm_up(8)
     assert compiles, "the warm-up compiles (or loads from Triton's cache) every kernel a run needs"
     compiles.clear()
@@ -675,11 +670,10 @@ def test_events_account_for_a_run_under_memory_pressure(backend, preempt, graphs
     model = tiny_model()
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
     rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     prompts = [rand(0, 256, rand(4, 30)) for _ in range(8)]
     max_new = rand(8, 40, len(prompts))
     longest = max(len(p) + n for p, n in zip(prompts, max_new))
-    e = L.Engine(model, tok, backend, kv_tokens=longest + 40, max_batch=6, block_size=4, preempt=preempt,
+    e = L.Engine(model, NOTOK, backend, kv_tokens=longest + 40, max_batch=6, block_size=4, preempt=preempt,
                  cuda_graphs=graphs, multi_step=4, fused=False, reserve=False)  # admit what fits now: it preempts
     sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, max_new)]
     outs = e.run()
@@ -848,11 +842,10 @@ def test_n_samples_each_draw_from_seed_plus_i():
     """n samples with a seed: sample i draws from its own generator seeded seed + i, so it equals a request of one
     sample seeded seed + i, whatever runs beside it; the n samples differ, and share the prompt's KV."""
     model = tiny_model(seed=12)
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     prompt = list(range(5, 15))
 
     def run_one(n, seed, also=()):
-        e = L.Engine(model, tok, "token", kv_tokens=512, max_batch=4, cuda_graphs=False)
+        e = L.Engine(model, NOTOK, "token", kv_tokens=512, max_batch=4, cuda_graphs=False)
         for p in also:
             e.add(p, L.SamplingParams(max_new_tokens=6, temperature=1.0))
         ids = e.add(prompt, L.SamplingParams(max_new_tokens=6, temperature=1.0, n=n, seed=seed))
