@@ -384,7 +384,7 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 # order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
 # 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
 # over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
-# every sum over the ranks in rank order (TPSum.ordered), and each sample draws from its own seeded
+# every sum over the ranks in rank order (tp_sum.ordered), and each sample draws from its own seeded
 # random stream.
 
 TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
@@ -460,7 +460,7 @@ def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
     """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
     with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
     attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else), and
-    under TP each sum over the ranks in rank order (TPSum.ordered)."""
+    under TP each sum over the ranks in rank order (model.tp_sum.ordered)."""
     if getattr(model, "tp_sum", None) is not None:
         model.tp_sum.ordered = deterministic
     if deterministic and L04 is not None:
