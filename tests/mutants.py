@@ -6,14 +6,16 @@ workshop's grade, blamed on its own exercise.
 stage: 01 .. 06, or engine (llama3_generate.py against tests/test_engine.py). --tests-from main runs main's
 stage tests against the same mutants (what they caught before); -k narrows the tests for a quick look only.
 
-Each mutant is an exact snippet of a lesson and its mutated form: the kind of bug an attendee writes (an
-off-by-one, a boundary one step off, a case forgotten, an order reversed, a count one short), inside the body of
-a workshop exercise. The bugs of the code no attendee writes (the lessons' other functions, 04's extend kernel,
-05's admission, the engine) are tests/code_mutants.py's: they check that a stage's own tests catch them, and
-this runner runs them too. It copies the repository to a temporary folder once, applies one mutant at a time,
-runs the stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. A snippet that no longer
-occurs exactly once in its file is reported as STALE (the lesson moved on: update the mutant). Not part of the
-default `pytest` run (it takes minutes per stage); exit status 1 if any mutant survived or went stale.
+Each mutant is a snippet of a lesson, the function it lies in (its qualname, where) and its mutated form: the kind
+of bug an attendee writes (an off-by-one, a boundary one step off, a case forgotten, an order reversed, a count one
+short), inside the body of a workshop exercise (where names it). The bugs of the code no attendee writes (the
+lessons' other functions, 04's extend kernel, 05's admission, the engine) are tests/code_mutants.py's: they check
+that a stage's own tests catch them, and this runner runs them too. It copies the repository to a temporary folder
+once, applies one mutant at a time, runs the stage's test files there (`-x -q`, a timeout) and prints caught /
+SURVIVED. A snippet is matched token by token, whatever the spaces and line breaks between its tokens (a reflow
+keeps it), inside its function only (apply); one not found there exactly once is reported as STALE (the lesson moved
+on: update the mutant). Not part of the default `pytest` run (it takes minutes per stage); exit status 1 if any
+mutant survived or went stale.
 
 The workshop grades each of MUTANTS too: `python tests/workshop.py verify` (CI) checks that each lies in an
 exercise's body (of_exercises) and fails that exercise's grade, blamed on it on the first line, in words; one
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -43,240 +46,265 @@ FILES = {"01": "01_kv_cache.py", "02": "02_paged_cache_manager.py", "03": "03_to
          "engine": "llama3_generate.py"}
 SKIP = {"06": "not schemas_sound_and_complete and not not_and_one_of"}  # JSON-schema breadth (4 min): no mutant
 # below touches the schema compiler; leaving tests out can only let a mutant survive, never catch one wrongly
-Mutant = namedtuple("Mutant", "stage what old new")  # stage: its file and its tests; old -> new in that file
+Mutant = namedtuple("Mutant", "stage where what old new")  # stage: its file and tests; where: the function
+GAP = r"(?:\s|\\\n)"  # what may lie between two of a snippet's tokens: spaces, line breaks, continuations
 
 MUTANTS = [
     # ---- 01: the contiguous cache's prepare / attend / free, and the reference attention ----
-    Mutant("01", "a token's slot forgets its row's offset (row * max_seq_len)",
+    Mutant("01", "ContiguousKVCache.prepare", "a token's slot forgets its row's offset (row * max_seq_len)",
            "(tok_rows * self.max_seq_len + positions)", "(tok_rows + positions)"),
-    Mutant("01", "the lengths the decode reads are one short",
+    Mutant("01", "ContiguousKVCache.prepare", "the lengths the decode reads are one short",
            "[rows, [p + n for p, n in zip(starts, n_new)]]", "[rows, [p + n - 1 for p, n in zip(starts, n_new)]]"),
-    Mutant("01", "new tokens' positions start one past the stored ones",
+    Mutant("01", "ContiguousKVCache.prepare", "new tokens' positions start one past the stored ones",
            "torch.cat([torch.arange(p, p + n) for p, n in zip(starts, n_new)])",
            "torch.cat([torch.arange(p + 1, p + n + 1) for p, n in zip(starts, n_new)])"),
-    Mutant("01", "a request exactly max_seq_len long is refused (boundary one step off)",
+    Mutant("01", "ContiguousKVCache.prepare", "a request exactly max_seq_len long is refused (boundary one step off)",
            "if have + n > self.max_seq_len:", "if have + n >= self.max_seq_len:"),
-    Mutant("01", "a new request's row is not taken off the free list (two requests share a row)",
-           "self.rows[s] = self.free_rows.pop(0)", "self.rows[s] = self.free_rows[0]"),
-    Mutant("01", "prefill of several requests: every request reads the first one's queries",
+    Mutant("01", "ContiguousKVCache.prepare", "a new request's row is not taken off the free list (two requests "
+           "share a row)", "self.rows[s] = self.free_rows.pop(0)", "self.rows[s] = self.free_rows[0]"),
+    Mutant("01", "KVCache.attend", "prefill of several requests: every request reads the first one's queries",
            "            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))\n            t += n\n",
            "            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))\n"),
-    Mutant("01", "prefill reads one key short of the request's new length",
+    Mutant("01", "KVCache.attend", "prefill reads one key short of the request's new length",
            "idx = table_slots(self.table, [r], p + n, self.page)[0]",
            "idx = table_slots(self.table, [r], p + n - 1, self.page)[0]"),
-    Mutant("01", "prepare overwrites a request's length instead of growing it",
+    Mutant("01", "ContiguousKVCache.prepare", "prepare overwrites a request's length instead of growing it",
            "            self.lens[r] += n\n        return positions",
            "            self.lens[r] = n\n        return positions"),
-    Mutant("01", "prepare gives new requests their rows before checking the lengths (a refused batch keeps them)",
-           "        for s, n in zip(seq_ids, n_new):\n            have = ",
+    Mutant("01", "ContiguousKVCache.prepare", "prepare gives new requests their rows before checking the lengths (a "
+           "refused batch keeps them)", "        for s, n in zip(seq_ids, n_new):\n            have =",
            "        for s in new:\n            self.rows[s] = self.free_rows.pop(0)\n        new = []\n"
-           "        for s, n in zip(seq_ids, n_new):\n            have = "),
-    Mutant("01", "attend stores k in the V pool too", "kp[self.tok_slots], vp[self.tok_slots] = k, v",
-           "kp[self.tok_slots], vp[self.tok_slots] = k, k"),
-    Mutant("01", "prefill attends over the new tokens only, not the request's earlier ones (chunks forget the past)",
-           "idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)",
+           "        for s, n in zip(seq_ids, n_new):\n            have ="),
+    Mutant("01", "KVCache.attend", "attend stores k in the V pool too",
+           "kp[self.tok_slots], vp[self.tok_slots] = k, v", "kp[self.tok_slots], vp[self.tok_slots] = k, k"),
+    Mutant("01", "KVCache.attend", "prefill attends over the new tokens only, not the request's earlier ones (chunks "
+           "forget the past)", "idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)",
            "idx = table_slots(self.table, [r], p + n, self.page)[0][p:]"),
-    Mutant("01", "a batch is decode when ANY request feeds one token (a mixed batch takes the decode path)",
-           "if all(n == 1 for n in n_new):  # decode", "if any(n == 1 for n in n_new):  # decode"),
+    Mutant("01", "KVCache.attend", "a batch is decode when ANY request feeds one token (a mixed batch takes the "
+           "decode path)", "if all(n == 1 for n in n_new):  # decode", "if any(n == 1 for n in n_new):  # decode"),
 
     # ---- 02: BlockManager (append, copy-on-write, fork, free) and the Scheduler's preemption ----
-    Mutant("02", "fork forgets the children's references (refcounts stay 1)",
+    Mutant("02", "BlockManager.fork", "fork forgets the children's references (refcounts stay 1)",
            "        for b in self.block_tables[child]:\n            self.ref_count[b] += 1\n", ""),
-    Mutant("02", "fork aliases the parent's table instead of copying it",
+    Mutant("02", "BlockManager.fork", "fork aliases the parent's table instead of copying it",
            "self.block_tables[child] = list(self.block_tables[parent])",
            "self.block_tables[child] = self.block_tables[parent]"),
-    Mutant("02", "append refuses when it needs exactly the blocks that are free (>= for >)",
+    Mutant("02", "BlockManager.append", "append refuses when it needs exactly the blocks that are free (>= for >)",
            "        if need > self.num_free:  # checked", "        if need >= self.num_free:  # checked"),
-    Mutant("02", "append sets the token count to n instead of adding n",
+    Mutant("02", "BlockManager.append", "append sets the token count to n instead of adding n",
            "self.num_tokens[seq] = self.num_tokens.get(seq, 0) + n", "self.num_tokens[seq] = n"),
-    Mutant("02", "copy-on-write keeps its reference on the shared block it replaced",
+    Mutant("02", "BlockManager.append", "copy-on-write keeps its reference on the shared block it replaced",
            "            src = table[-1]\n            self._release(src)\n", "            src = table[-1]\n"),
-    Mutant("02", "copy-on-write copies but does not say so (the copy is not returned)",
+    Mutant("02", "BlockManager.append", "copy-on-write copies but does not say so (the copy is not returned)",
            "            copies.append((src, dst))\n        table += [self._take() for _ in range(need - len(copies))]",
            "        table += [self._take() for _ in range(need - 1 if src is not None else need)]"),
-    Mutant("02", "fork lets a child that exists be overwritten",
-           "        if child in self.block_tables:\n            raise ValueError",
-           "        if False:\n            raise ValueError"),
-    Mutant("02", "fork gives the child no tokens",
+    Mutant("02", "BlockManager.fork", "fork lets a child that exists be overwritten", "        if child in "
+           "self.block_tables:\n            raise ValueError", "        if False:\n            raise ValueError"),
+    Mutant("02", "BlockManager.fork", "fork gives the child no tokens",
            "self.num_tokens[child] = self.num_tokens[parent]", "self.num_tokens[child] = 0"),
-    Mutant("02", "free forgets the sequence's blocks (they never come back)",
+    Mutant("02", "BlockManager.free", "free forgets the sequence's blocks (they never come back)",
            "        for b in reversed(self.block_tables.pop(seq)):\n            self._release(b)\n",
            "        self.block_tables.pop(seq)\n"),
-    Mutant("02", "free keeps the sequence's token count",
+    Mutant("02", "BlockManager.free", "free keeps the sequence's token count",
            "            self._release(b)\n        del self.num_tokens[seq]", "            self._release(b)\n"),
-    Mutant("02", "preempt logs its event after the release (it says 0 tokens dropped)",
+    Mutant("02", "Scheduler.preempt", "preempt logs its event after the release (it says 0 tokens dropped)",
            "        self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)\n"
            "        if self.preempt_mode == \"swap\":",
            "        if self.preempt_mode != \"swap\":\n            self.release(req)\n"
            "        self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)\n"
            "        if self.preempt_mode == \"swap\":"),
-    Mutant("02", "a swap-out never sets in_kv = False",
+    Mutant("02", "Scheduler.preempt", "a swap-out never sets in_kv = False",
            "            self.swapped.append((req, self.kv.swap_out(req.rid)))\n            req.in_kv = False\n",
            "            self.swapped.append((req, self.kv.swap_out(req.rid)))\n"),
-    Mutant("02", "preempt is not counted", "        self.stats[\"preemptions\"] += 1\n        self.log(\"swap_out\"",
-           "        self.log(\"swap_out\""),
-    Mutant("02", "a swap-out is logged as a preempt",
-           "self.log(\"swap_out\" if self.preempt_mode == \"swap\" else \"preempt\", req, req.kv_len)",
-           "self.log(\"preempt\", req, req.kv_len)"),
-    Mutant("02", "a preempted request is requeued at the tail (it loses its place)",
+    Mutant("02", "Scheduler.preempt", "preempt is not counted",
+           "        self.stats[\"preemptions\"] += 1\n        self.log(\"swap_out\"", "        self.log(\"swap_out\""),
+    Mutant("02", "Scheduler.preempt", "a swap-out is logged as a preempt", "self.log(\"swap_out\" if self.preempt_mode "
+           "== \"swap\" else \"preempt\", req, req.kv_len)", "self.log(\"preempt\", req, req.kv_len)"),
+    Mutant("02", "Scheduler.preempt", "a preempted request is requeued at the tail (it loses its place)",
            "            self.release(req)\n            self.waiting.appendleft(req)",
            "            self.release(req)\n            self.waiting.append(req)"),
 
     # ---- 03: TokenAllocator alloc (cumsum / searchsorted), alloc_contiguous, free; TokenKVCache ----
-    Mutant("03", "alloc looks for the 0th..n-1th free slot (off by one)",
+    Mutant("03", "TokenAllocator.alloc", "alloc looks for the 0th..n-1th free slot (off by one)",
            "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(0, n, device=self.device)"),
-    Mutant("03", "searchsorted from the right (the slot after each free one)",
+    Mutant("03", "TokenAllocator.alloc", "searchsorted from the right (the slot after each free one)",
            "self._take(torch.searchsorted(cum, want))", "self._take(torch.searchsorted(cum, want, right=True))"),
-    Mutant("03", "alloc refuses to take the very last free slots",
+    Mutant("03", "TokenAllocator.alloc", "alloc refuses to take the very last free slots",
            "        if n > self.n_free:\n            return None\n        cum",
            "        if n >= self.n_free:\n            return None\n        cum"),
-    Mutant("03", "alloc_contiguous without the leading zero: every run starts one slot late",
-           "c = F.pad((self.mem_state == 0).cumsum(0), (1, 0))", "c = (self.mem_state == 0).cumsum(0)"),
-    Mutant("03", "alloc_contiguous returns a run that is not free when no run exists",
+    Mutant("03", "TokenAllocator.alloc_contiguous", "alloc_contiguous without the leading zero: every run starts one "
+           "slot late", "c = F.pad((self.mem_state == 0).cumsum(0), (1, 0))", "c = (self.mem_state == 0).cumsum(0)"),
+    Mutant("03", "TokenAllocator.alloc_contiguous",
+           "alloc_contiguous returns a run that is not free when no run exists",
            "        if not bool(runs[start]):\n            return self.alloc(n)\n", ""),
-    Mutant("03", "alloc_contiguous takes the run one slot further",
+    Mutant("03", "TokenAllocator.alloc_contiguous", "alloc_contiguous takes the run one slot further",
            "torch.arange(start, start + n, device=self.device))",
            "torch.arange(start + 1, start + n + 1, device=self.device))"),
-    Mutant("03", "alloc_contiguous: a run of n - 1 free slots is good enough",
+    Mutant("03", "TokenAllocator.alloc_contiguous", "alloc_contiguous: a run of n - 1 free slots is good enough",
            "runs = (c[n:] - c[:-n]) == n", "runs = (c[n:] - c[:-n]) >= n - 1"),
-    Mutant("03", "alloc returns one slot fewer than asked",
+    Mutant("03", "TokenAllocator.alloc", "alloc returns one slot fewer than asked",
            "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(1, n, device=self.device)"),
-    Mutant("03", "alloc finds the slots but does not take them (refcounts stay 0)",
+    Mutant("03", "TokenAllocator.alloc", "alloc finds the slots but does not take them (refcounts stay 0)",
            "return self._take(torch.searchsorted(cum, want))", "return torch.searchsorted(cum, want)"),
-    Mutant("03", "alloc takes the highest free slots first",
+    Mutant("03", "TokenAllocator.alloc", "alloc takes the highest free slots first",
            "return self._take(torch.searchsorted(cum, want))",
            "return self._take(torch.searchsorted(cum, cum[-1] + 1 - want))"),
-    Mutant("03", "alloc_contiguous takes the last run, not the first",
+    Mutant("03", "TokenAllocator.alloc_contiguous", "alloc_contiguous takes the last run, not the first",
            "start = int(runs.int().argmax())", "start = len(runs) - 1 - int(runs.int().flip(0).argmax())"),
-    Mutant("03", "alloc_contiguous takes the run but forgets n_free",
+    Mutant("03", "TokenAllocator.alloc_contiguous", "alloc_contiguous takes the run but forgets n_free",
            "return self._take(torch.arange(start, start + n, device=self.device))",
            "self.mem_state[start:start + n] = 1\n        return torch.arange(start, start + n, device=self.device)"),
-    Mutant("03", "free accepts an index one past the pool (boundary one step off)",
+    Mutant("03", "TokenAllocator.free", "free accepts an index one past the pool (boundary one step off)",
            "if lo < 0 or hi >= self.size:", "if lo < 0 or hi > self.size:"),
-    Mutant("03", "free accepts a negative index",
+    Mutant("03", "TokenAllocator.free", "free accepts a negative index",
            "if lo < 0 or hi >= self.size:", "if hi >= self.size:"),
-    Mutant("03", "free writes the refcounts before it checks them (a refused free changes the pool)",
+    Mutant("03", "TokenAllocator.free",
+           "free writes the refcounts before it checks them (a refused free changes the pool)",
            "        if low_ref < 0:\n", "        self.mem_state[uniq] = left.clamp(min=0).to(torch.int32)\n"
            "        if low_ref < 0:\n"),
-    Mutant("03", "free counts every freed slot as free, shared ones too",
+    Mutant("03", "TokenAllocator.free", "free counts every freed slot as free, shared ones too",
            "self.n_free += n_zero", "self.n_free += uniq.numel()"),
-    Mutant("03", "free drops one reference per distinct slot, not per repeat",
+    Mutant("03", "TokenAllocator.free", "free drops one reference per distinct slot, not per repeat",
            "left = self.mem_state[uniq.clamp(0, self.size - 1)] - count",
            "left = self.mem_state[uniq.clamp(0, self.size - 1)] - 1"),
 
     # ---- 04: the decode kernel's tile loop (online softmax), the split combine, the extend kernel's mask ----
-    Mutant("04", "online softmax: the output accumulator is not rescaled by the new max",
+    Mutant("04", "_attend", "online softmax: the output accumulator is not rescaled by the new max",
            "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot("),
-    Mutant("04", "online softmax: the running sum is not rescaled by the new max",
+    Mutant("04", "_attend", "online softmax: the running sum is not rescaled by the new max",
            "l_i = l_i * alpha + tl.sum(p, 1)", "l_i = l_i + tl.sum(p, 1)"),
-    Mutant("04", "online softmax: exp instead of exp2 for the probabilities (scale is in log2 units)",
+    Mutant("04", "_attend", "online softmax: exp instead of exp2 for the probabilities (scale is in log2 units)",
            "p = tl.exp2(s - m_new[:, None])", "p = tl.exp(s - m_new[:, None])"),
-    Mutant("04", "the combine counts one empty split too",
+    Mutant("04", "_stage2", "the combine counts one empty split too",
            "smask = offs_s < tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))",
            "smask = offs_s <= tl.cdiv(seq_len, _chunk(seq_len, num_splits, BLOCK_N))"),
-    Mutant("04", "the combine weighs the splits with exp instead of exp2",
+    Mutant("04", "_stage2", "the combine weighs the splits with exp instead of exp2",
            "w = tl.exp2(lse - tl.max(lse, 0))", "w = tl.exp(lse - tl.max(lse, 0))"),
-    Mutant("04", "the combine forgets to normalise by the weights' sum",
+    Mutant("04", "_stage2", "the combine forgets to normalise by the weights' sum",
            "out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)", "out = tl.sum(o * w[:, None], 0)"),
 
     # ---- 05: RadixCache match_prefix / insert (split) / evict (LRU, locks), lpm order, chunked prefill ----
-    Mutant("05", "evict takes the most recently used leaf first",
+    Mutant("05", "RadixCache.evict", "evict takes the most recently used leaf first",
            "heap = [(x.last_access, x.serial, x) for x", "heap = [(-x.last_access, x.serial, x) for x"),
-    Mutant("05", "evict also takes locked leaves",
+    Mutant("05", "RadixCache.evict", "evict also takes locked leaves",
            "if not x.children and x.lock_ref == 0]", "if not x.children]"),
-    Mutant("05", "a parent left childless is never evicted",
+    Mutant("05", "RadixCache.evict", "a parent left childless is never evicted",
            "            if not parent.children and parent.lock_ref == 0:  # a parent left childless is the next "
            "candidate\n                heapq.heappush(heap, (parent.last_access, parent.serial, parent))\n", ""),
-    Mutant("05", "evict frees one leaf more than needed (<= n)",
+    Mutant("05", "RadixCache.evict", "evict frees one leaf more than needed (<= n)",
            "while freed < n and heap:", "while freed <= n and heap:"),
-    Mutant("05", "match_prefix without compute_last: the whole prompt may be cached (no token left to compute)",
-           "key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)", "key = tuple(tokens)"),
-    Mutant("05", "insert's new leaf starts one token late",
-           "leaf = Node(key[n:], key[n:] if slots is None else slots[n:len(key)].clone(), node, self.serial)",
-           "leaf = Node(key[n + 1:], key[n + 1:] if slots is None else slots[n + 1:len(key)].clone(), node, "
-           "self.serial)"),
-    Mutant("05", "insert returns the tokens it added instead of those already cached",
+    Mutant("05", "RadixCache.match_prefix", "match_prefix without compute_last: the whole prompt may be cached (no "
+           "token left to compute)", "key = tuple(tokens[:len(tokens) - 1] if compute_last else tokens)",
+           "key = tuple(tokens)"),
+    Mutant("05", "RadixCache.insert", "insert's new leaf starts one token late", "leaf = Node(key[n:], key[n:] if "
+           "slots is None else slots[n:len(key)].clone(), node, self.serial)", "leaf = Node(key[n + 1:], key[n + 1:] "
+           "if slots is None else slots[n + 1:len(key)].clone(), node, " "self.serial)"),
+    Mutant("05", "RadixCache.insert", "insert returns the tokens it added instead of those already cached",
            "                self.allocator.inc_ref(leaf.value)\n        return n",
            "                self.allocator.inc_ref(leaf.value)\n        return len(key) - n"),
-    Mutant("05", "match_prefix walks one token short of whole pages (a page walk that never ends at page 2)",
-           "values, node = self._walk(key[:len(key) // self.page * self.page])",
+    Mutant("05", "RadixCache.match_prefix", "match_prefix walks one token short of whole pages (a page walk that "
+           "never ends at page 2)", "values, node = self._walk(key[:len(key) // self.page * self.page])",
            "values, node = self._walk(key[:max(len(key) // self.page * self.page - 1, 0)])"),
-    Mutant("05", "match_prefix returns the slots of the last edge only",
-           "slots = torch.cat(values) if len(values) > 1 else values[0] if values",
-           "slots = values[-1] if values"),
-    Mutant("05", "insert caches a partial last page too",
+    Mutant("05", "RadixCache.match_prefix", "match_prefix returns the slots of the last edge only",
+           "slots = torch.cat(values) if len(values) > 1 else values[0] if values", "slots = values[-1] if values"),
+    Mutant("05", "RadixCache.insert", "insert caches a partial last page too",
            "key = tuple(tokens[:len(tokens) // self.page * self.page])\n        values, node = self._walk(key)\n"
            "        n = sum", "key = tuple(tokens)\n        values, node = self._walk(key)\n        n = sum"),
-    Mutant("05", "insert's new leaf takes no reference on its slots",
+    Mutant("05", "RadixCache.insert", "insert's new leaf takes no reference on its slots",
            "            if self.allocator is not None:\n                self.allocator.inc_ref(leaf.value)\n", ""),
-    Mutant("05", "insert does not count the new leaf as evictable",
+    Mutant("05", "RadixCache.insert", "insert does not count the new leaf as evictable",
            "            self.evictable += len(leaf.key)\n", ""),
-    Mutant("05", "evict stops one token short of n", "while freed < n and heap:", "while freed < n - 1 and heap:"),
-    Mutant("05", "evict forgets the evictable count",
+    Mutant("05", "RadixCache.evict", "evict stops one token short of n", "while freed < n and heap:",
+           "while freed < n - 1 and heap:"),
+    Mutant("05", "RadixCache.evict", "evict forgets the evictable count",
            "            freed += len(x.key)\n            self.evictable -= len(x.key)\n",
            "            freed += len(x.key)\n"),
-    Mutant("05", "evict unlinks a leaf but never frees its slots",
+    Mutant("05", "RadixCache.evict", "evict unlinks a leaf but never frees its slots",
            "            if self.allocator is not None:\n                # drop the tree's reference",
            "            if False:\n                # drop the tree's reference"),
-    Mutant("05", "lpm orders by the prompt's length, not its cached prefix",
+    Mutant("05", "POLICIES[\"lpm\"]", "lpm orders by the prompt's length, not its cached prefix",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.tokens))"),
-    Mutant("05", "lpm orders the shortest cached prefix first",
+    Mutant("05", "POLICIES[\"lpm\"]", "lpm orders the shortest cached prefix first",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: len(r.prefix))"),
-    Mutant("05", "lpm ties broken newest first (not stable FCFS)",
+    Mutant("05", "POLICIES[\"lpm\"]", "lpm ties broken newest first (not stable FCFS)",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: (-len(r.prefix), -r.rid))"),
 
     # ---- 06: TokenIndex (allowed, jump / compressed edges) and jump-forward decoding ----
-    Mutant("06", "jump-forward appends the forced string but leaves the DFA state where it was",
-           "return end, text + jump, new, len(os.path.commonprefix",
-           "return state, text + jump, new, len(os.path.commonprefix"),
-    Mutant("06", "jump stops one byte short of the chain's end",
+    Mutant("06", "TokenIndex.jump_forward",
+           "jump-forward appends the forced string but leaves the DFA state where it was", "return end, text + jump, "
+           "new, len(os.path.commonprefix", "return state, text + jump, new, len(os.path.commonprefix"),
+    Mutant("06", "TokenIndex.jump", "jump stops one byte short of the chain's end",
            "            self.jumps[state] = bytes(out)", "            self.jumps[state] = bytes(out[:-1])"),
-    Mutant("06", "jump-forward keeps a partial UTF-8 character",
+    Mutant("06", "TokenIndex.jump_forward", "jump-forward keeps a partial UTF-8 character",
            "jump = jump[len(text):len(jump.decode(\"utf-8\", \"ignore\").encode())]", "jump = jump[len(text):]"),
-    Mutant("06", "jump-forward ignores the token limit",
+    Mutant("06", "TokenIndex.jump_forward", "jump-forward ignores the token limit",
            "if not jump or len(new) > limit or fits(", "if not jump or fits("),
-    Mutant("06", "constrained decoding samples from the unmasked logits",
+    Mutant("06", "constrained_decode", "constrained decoding samples from the unmasked logits",
            "t = int(sample(logits.masked_fill(~ok, float(\"-inf\"))[None], temperature, 1.0, gen)[0])",
            "t = int(sample(logits[None], temperature, 1.0, gen)[0])"),
-    Mutant("06", "after a jump the KV keeps the old tokens (keep not cut back to the common prefix)",
+    Mutant("06", "constrained_decode",
+           "after a jump the KV keeps the old tokens (keep not cut back to the common prefix)",
            "ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)", "ids = list(prompt_ids) + out"),
-    Mutant("06", "decoding stops only when no room is left (asks the model where only EOS is allowed)",
-           "if index.finish(state, room):  # nothing left", "if room < 1:  # nothing left"),
-    Mutant("06", "decoding stops at max_new_tokens - 1 (one token short)",
+    Mutant("06", "constrained_decode", "decoding stops only when no room is left (asks the model where only EOS is "
+           "allowed)", "if index.finish(state, room):  # nothing left", "if room < 1:  # nothing left"),
+    Mutant("06", "constrained_decode", "decoding stops at max_new_tokens - 1 (one token short)",
            "room = max_new_tokens - (len(ids) - n0)  # tokens left", "room = max_new_tokens - (len(ids) - n0) - 1  #"),
     # ---- 07, the engine (llama3_generate.py): Engine.step ----
-    Mutant("engine", "a landed chunk's seconds count twice (as decode, and again as this step's kind)",
+    Mutant("engine", "Engine.step", "a landed chunk's seconds count twice (as decode, and again as this step's kind)",
            "t0 += self.land(on_token)", "self.land(on_token)"),
-    Mutant("engine", "every step's seconds count as decode, prefill's too",
-           'self.counts[f"{kind}_s"] += time.perf_counter() - t0',
-           'self.counts["decode_s"] += time.perf_counter() - t0'),
-    Mutant("engine", "the admitted requests are not scheduled (only those already running step)",
+    Mutant("engine", "Engine.step", "every step's seconds count as decode, prefill's too", "self.counts[f\"{kind}_s\"] "
+           "+= time.perf_counter() - t0", 'self.counts["decode_s"] += time.perf_counter() - t0'),
+    Mutant("engine", "Engine.step", "the admitted requests are not scheduled (only those already running step)",
            "batch, positions = self.schedule(new)", "batch, positions = self.schedule([])"),
-    Mutant("engine", "a landed chunk of k steps is post-processed as one step",
+    Mutant("engine", "Engine.step", "a landed chunk of k steps is post-processed as one step",
            "kind = self.postprocess(batch, ids, steps, on_token)", "kind = self.postprocess(batch, ids, 1, on_token)"),
 ]
 
 
+def apply(src, mu):
+    """(src with mu's bug, start, end of what it replaced), or None (STALE): mu.old's tokens must lie exactly once
+    in mu.where's definition, whatever spaces and line breaks lie between them (a reflow moves those). An old that
+    starts with its line's indentation takes the line's, and new is re-indented by as much."""
+    import workshop as W
+    try:
+        a, b, _ = W.span(src, mu.where, whole=True)
+    except StopIteration:  # the lesson renamed the function
+        return None
+    toks = re.findall(r"\w+|\S", mu.old)  # words, and every other character alone
+    pat = re.escape(toks[0]) + "".join(GAP + ("+" if re.match(r"\w\w", x[-1] + y[0]) else "*") + re.escape(y)
+                                       for x, y in zip(toks, toks[1:]))  # two words keep a space between them
+    hits = [m.span() for m in re.compile(pat).finditer(src, a, b)]
+    if len(hits) != 1:
+        return None
+    (s, e), line, new = hits[0], src.rfind("\n", 0, hits[0][0]) + 1, mu.new  # old from mid-line: new as written
+    if mu.old[:1] == " " and not src[line:s].strip():  # old from its line's indentation: new moves with it
+        by, s = s - line - (len(mu.old) - len(mu.old.lstrip(" "))), line
+        new = re.sub(r"(?m)^ *(?=\S)", lambda m: " " * max(0, len(m[0]) + by), mu.new)
+    e += re.match(r" *\n?", src[e:]).end() if mu.old.endswith("\n") else 0  # old to its line's end
+    return src[:s] + new + src[e:], s, e
+
+
 def of_exercises(stage) -> list:
     """The mutants of stage that lie in an exercise's body (an attendee's bug): each with .exercise (the
-    workshop's Exercise) and .body (that body with the bug), for `workshop.py verify`."""
+    workshop's Exercise, named by the mutant's where) and .body (that body with the bug), for `workshop.py
+    verify`."""
     import workshop as W
     out = []
     for mu in MUTANTS:
-        if W.LESSONS.get(stage) != FILES[mu.stage][:-3]:
+        e = next((e for e in W.exercises(stage) if e.name == mu.where), None)
+        got = apply(W.reference(stage), mu) if W.LESSONS.get(stage) == FILES[mu.stage][:-3] and e else None
+        if got is None:
             continue
-        src = W.reference(stage)
-        at, old, new = src.find(mu.old), mu.old, mu.new
+        (mutated, at, end), src = got, W.reference(stage)
+        old, new = src[at:end], mutated[at:end + len(mutated) - len(src)]
         head = len(os.path.commonprefix([old, new]))
         tail = len(os.path.commonprefix([old[head:][::-1], new[head:][::-1]]))
-        for e in W.exercises(stage):  # the changed characters lie in the exercise's body
-            a, b, _ = W.span(src, e.name)
-            if a <= at + head and at + len(old) - tail <= b:
-                mutated = src[:at] + new + src[at + len(old):]
-                out.append(ExerciseMutant(*mu, e, mutated[a:b + len(new) - len(old)]))
+        a, b, _ = W.span(src, e.name)
+        if a <= at + head and end - tail <= b:  # the changed characters lie in the exercise's body
+            out.append(ExerciseMutant(*mu, e, mutated[a:b + len(mutated) - len(src)]))
     return out
 
 
@@ -307,11 +335,11 @@ def run(mutants, timeout, keep=False, tests_from=None, k=""):
         for mu in mutants:
             path = os.path.join(work, FILES[mu.stage])
             src = open(path).read()
-            if src.count(mu.old) != 1:
+            if apply(src, mu) is None:
                 results.append((mu, "STALE", 0.0))
-                print(f"{mu.stage}  STALE     {mu.what} (snippet found {src.count(mu.old)} times)", flush=True)
+                print(f"{mu.stage}  STALE     {mu.what} (snippet not in {mu.where} exactly once)", flush=True)
                 continue
-            open(path, "w").write(src.replace(mu.old, mu.new))
+            open(path, "w").write(apply(src, mu)[0])
             t0 = time.time()
             try:
                 cmd = [sys.executable, "-m", "pytest", *TESTS[mu.stage], "-x", "-q", "-p", "no:cacheprovider",
@@ -353,7 +381,7 @@ def main(argv=None):
               and (a.only is None or i in a.only)]
     if a.list:
         for i, mu in chosen:
-            print(f"{i:3d}  {mu.stage}  {'attendee' if i < len(MUTANTS) else 'code':8s}  {mu.what}")
+            print(f"{i:3d}  {mu.stage}  {'attendee' if i < len(MUTANTS) else 'code':8s}  {mu.where}: {mu.what}")
         return 0
     results = run([mu for _, mu in chosen], a.timeout, a.keep, a.tests_from, a.k)
     print("\nstage   mutants  caught  survived  stale  harness errors")

@@ -29,6 +29,26 @@ def test_every_exercise_is_graded():
     assert r.stdout.count("alternative: passes") >= len(W.exercises("02") + W.exercises("03") + W.exercises("05"))
 
 
+def test_a_mutant_is_found_in_its_function_whatever_the_reflow():
+    """Each mutant applies exactly once to its lesson as it stands; the lesson reflowed (a line broken elsewhere
+    inside parentheses, continuations indented anew) keeps it at the same place with the same bug, whitespace
+    aside; a snippet changed in substance, or looked for in another function, is stale."""
+    import mutants
+    from code_mutants import CODE_MUTANTS
+    read = lambda mu: open(os.path.join(W.ROOT, mutants.FILES[mu.stage]), encoding="utf-8").read()
+    assert [mu.what for mu in mutants.MUTANTS + CODE_MUTANTS if mutants.apply(read(mu), mu) is None] == []
+    mu = next(mu for mu in mutants.MUTANTS if mu.what == "insert's new leaf starts one token late")
+    src = read(mu)
+    flowed = src.replace("Node(key[n:], key[n:] if slots is None else slots[",
+                         "Node(\n                key[n:],\n                key[n:] if slots is None\n"
+                         "                   else slots[")
+    (got, at, _), (want, at0, _) = mutants.apply(flowed, mu), mutants.apply(src, mu)
+    flat = lambda text: "".join(text.split())
+    assert flowed != src and at == at0 and flat(got) == flat(want) != flat(src)
+    assert mutants.apply(flowed.replace("key[n:],\n", "key[n - 1:],\n"), mu) is None  # changed in substance
+    assert mutants.apply(src, mu._replace(where="RadixCache.evict")) is None  # not in that function
+
+
 def test_start_keeps_signatures_docstrings_and_work(tmp_path, capsys):
     for s, name in W.LESSONS.items():
         assert W.start(s, folder=str(tmp_path)) == 0

@@ -263,18 +263,22 @@ def _parse(source: str):
     return ast.parse(source)
 
 
-def span(source: str, name: str):
+def span(source: str, name: str, whole=False):
     """(start, end, indent): the characters source[start:end] an exercise's attendee writes, a function's body
     after its docstring (whole lines, indent its column), or a lambda's expression in a dict, `POLICIES["lpm"]`
-    (indent None)."""
+    (indent None). whole: all of it, a definition's lines or a dict entry's key to its value (indent None): where
+    tests/mutants.py looks for a mutant's snippet."""
     tree, lines = _parse(source), source.splitlines(keepends=True)
     at = lambda line, col: sum(map(len, lines[:line - 1])) + (len(lines[line - 1].encode()[:col].decode()) if col
                                                                else 0)  # ast's columns count UTF-8 bytes
     if m := re.fullmatch(r"(\w+)\[(.+)\]", name):  # a lambda in a dict
         d = next(n.value for n in tree.body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == m[1])
-        e = next(v for k, v in zip(d.keys, d.values) if k.value == ast.literal_eval(m[2])).body
-        return at(e.lineno, e.col_offset), at(e.end_lineno, e.end_col_offset), None
+        k, e = next((k, v.body) for k, v in zip(d.keys, d.values) if k.value == ast.literal_eval(m[2]))
+        first = k if whole else e
+        return at(first.lineno, first.col_offset), at(e.end_lineno, e.end_col_offset), None
     fn = _find(tree, name)
+    if whole:
+        return at(fn.lineno, 0), at(fn.end_lineno + 1, 0), None
     doc = isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) and \
         isinstance(fn.body[0].value.value, str)
     first = fn.body[1] if doc and len(fn.body) > 1 else fn.body[0]
@@ -764,8 +768,8 @@ def verify(stages=None, say=print) -> list:
                   for mu in ems]  # find: mutants imports workshop, maybe a second copy
         mine = [mu for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py"]
         graded = {mu.what for mu in ems}
-        problems += [f"{s}: mutant {mu.what!r} is stale: its snippet occurs {ref.count(mu.old)} times in the lesson"
-                     if ref.count(mu.old) != 1 else f"{s}: mutant {mu.what!r} lies in no exercise's body (no "
+        problems += [f"{s}: mutant {mu.what!r} is stale: its snippet is not in {mu.where} exactly once"
+                     if mutants.apply(ref, mu) is None else f"{s}: mutant {mu.what!r} lies in no exercise's body (no "
                      "attendee writes that code: it belongs in tests/code_mutants.py)"
                      for mu in mine if mu.what not in graded]
         for e, what, text, want in cases:
