@@ -6,16 +6,14 @@ workshop's grade, blamed on its own exercise.
 stage: 01 .. 06, or engine (llama3_generate.py against tests/test_engine.py). --tests-from main runs main's
 stage tests against the same mutants (what they caught before); -k narrows the tests for a quick look only.
 
-Each mutant is a snippet of a lesson, the function it lies in (its qualname, where) and its mutated form: the kind
-of bug an attendee writes (an off-by-one, a boundary one step off, a case forgotten, an order reversed, a count one
-short), inside the body of a workshop exercise (where names it). The bugs of the code no attendee writes (the
-lessons' other functions, 04's extend kernel, 05's admission, the engine) are tests/code_mutants.py's: they check
-that a stage's own tests catch them, and this runner runs them too. It copies the repository to a temporary folder
-once, applies one mutant at a time, runs the stage's test files there (`-x -q`, a timeout) and prints caught /
-SURVIVED. A snippet is matched token by token, whatever the spaces and line breaks between its tokens (a reflow
-keeps it), inside its function only (apply); one not found there exactly once is reported as STALE (the lesson moved
-on: update the mutant). Not part of the default `pytest` run (it takes minutes per stage); exit status 1 if any
-mutant survived or went stale.
+Each mutant is a snippet of a lesson (old), the function it lies in (where, a qualname) and its mutated form (new):
+the kind of bug an attendee writes (an off-by-one, a boundary one step off, a case forgotten, an order reversed, a
+count one short), inside a workshop exercise's body (where names the exercise). tests/code_mutants.py holds the bugs
+of the code no attendee writes (the lessons' other functions, 04's extend kernel, 05's admission, the engine); this
+runner runs both. It copies the repository to a temporary folder once, applies one mutant at a time (apply: old's
+tokens, whatever the spaces and line breaks between them, exactly once inside where; else STALE: update the mutant),
+runs the stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. Not part of the default
+`pytest` run (minutes per stage); exit status 1 if any mutant survived or went stale.
 
 The workshop grades each of MUTANTS too: `python tests/workshop.py verify` (CI) checks that each lies in an
 exercise's body (of_exercises) and fails that exercise's grade, blamed on it on the first line, in words; one
@@ -288,23 +286,21 @@ def apply(src, mu):
 
 
 def of_exercises(stage) -> list:
-    """The mutants of stage that lie in an exercise's body (an attendee's bug): each with .exercise (the
-    workshop's Exercise, named by the mutant's where) and .body (that body with the bug), for `workshop.py
-    verify`."""
+    """The mutants of stage in an exercise's body (an attendee's bug), each with .exercise (the workshop's Exercise
+    that where names) and .body (that body with the bug), for `workshop.py verify`."""
     import workshop as W
-    out = []
+    out, src, ex = [], W.reference(stage), {e.name: e for e in W.exercises(stage)}
     for mu in MUTANTS:
-        e = next((e for e in W.exercises(stage) if e.name == mu.where), None)
-        got = apply(W.reference(stage), mu) if W.LESSONS.get(stage) == FILES[mu.stage][:-3] and e else None
+        got = apply(src, mu) if FILES[mu.stage][:-3] == W.LESSONS.get(stage) and mu.where in ex else None
         if got is None:
             continue
-        (mutated, at, end), src = got, W.reference(stage)
-        old, new = src[at:end], mutated[at:end + len(mutated) - len(src)]
+        (mutated, at, end), grow = got, len(got[0]) - len(src)
+        old, new = src[at:end], mutated[at:end + grow]
         head = len(os.path.commonprefix([old, new]))
         tail = len(os.path.commonprefix([old[head:][::-1], new[head:][::-1]]))
-        a, b, _ = W.span(src, e.name)
+        a, b, _ = W.span(src, mu.where)
         if a <= at + head and end - tail <= b:  # the changed characters lie in the exercise's body
-            out.append(ExerciseMutant(*mu, e, mutated[a:b + len(mutated) - len(src)]))
+            out.append(ExerciseMutant(*mu, ex[mu.where], mutated[a:b + grow]))
     return out
 
 

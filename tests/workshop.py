@@ -243,8 +243,6 @@ EXERCISES = [
 ]
 
 
-
-
 def exercises(stage=None) -> list:
     return [e for e in EXERCISES if stage in (None, e.stage)]
 
@@ -759,10 +757,9 @@ def verify(stages=None, say=print) -> list:
     problems = []
     for s in stages:
         ref, alt = reference(s), alternatives(s)
-        cases = [(e, "the lesson's", body_text(ref, e.name), "passes") for e in exercises(s)]
-        if alt:
-            cases += [(e, "alternative", reindent(*_alt(alt, ref, e)), "passes") for e in exercises(s)
-                      if _has(alt, e)]
+        cases = [(e, "the lesson's", ref[slice(*span(ref, e.name)[:2])], "passes") for e in exercises(s)]
+        cases += [(e, "alternative", t, "passes") for e in exercises(s)
+                  if alt and (t := _written(alt, e, span(ref, e.name)[2])) is not None]
         ems = mutants.of_exercises(s)
         cases += [(find(s, mu.exercise.name), f"mutant: {mu.what}", mu.body, "fails")
                   for mu in ems]  # find: mutants imports workshop, maybe a second copy
@@ -790,22 +787,13 @@ def bare(why: str) -> bool:
             and len(text.split()) < 4 or "are not close" in text or "are not equal" in text)
 
 
-def _has(alt, e):
+def _written(source, e, indent):
+    """What source writes of e, re-indented to indent (the lesson's); None where it does not write e."""
     try:
-        span(alt, e.name)
-        return True
+        a, b, own = span(source, e.name)
     except StopIteration:
-        return False
-
-
-def _alt(alt, ref, e):
-    a, b, indent = span(alt, e.name)
-    return alt[a:b], indent, span(ref, e.name)[2]
-
-
-def body_text(source, name) -> str:
-    a, b, _ = span(source, name)
-    return source[a:b]
+        return None
+    return reindent(source[a:b], own, indent)
 
 
 def your_turn(stage) -> str:
