@@ -1,18 +1,9 @@
 """
-bench_engine.py -- the engine's benchmarks, moved out of llama3_generate.py (which keeps the model, the engine
-and the command line that serves prompts). Run from the repository root:
-
-    python tests/bench_engine.py decode [PROMPT ...]   # batch-1 decode of a loaded model vs transformers
-    python tests/bench_engine.py engine                # GPU: serving benchmark on random Llama 3 shapes
-    python tests/bench_engine.py serve [--plot FILE]   # GPU: latency under Poisson arrivals, per schedule
-    python tests/bench_engine.py serve --simulate      # CPU: the same load through 05's scheduler, a cost model
-    python tests/bench_engine.py admission             # GPU: 05's three admissions at equal KV memory, early stops
-    python tests/bench_engine.py serve-http            # GPU: the same load in process and through --serve's HTTP
-    python tests/bench_engine.py prefix                # GPU: questions over one document, radix cache per backend
-    python tests/bench_engine.py deterministic         # GPU: deterministic mode's price; SmolLM2 answers the same
-
-Each prints a report, or with --json its figures as one JSON object. They use only the engine's public API
-(Engine, SamplingParams, warm_up, add, step, run, stats) and transformers' generate on the same weights.
+bench_engine.py -- the engine's benchmarks: decode (batch 1 of a loaded model vs transformers; CPU or GPU) and,
+on a GPU, engine, serve (serve --simulate: on a CPU, 05's scheduler and a cost model), admission, serve-http,
+prefix and deterministic; `python tests/bench_engine.py --help` says what each measures. Each prints a report,
+or with --json its figures as one JSON object, through the engine's public API (Engine, SamplingParams, warm_up,
+add, step, run, stats) and transformers' generate on the same weights.
 """
 import argparse
 import gc

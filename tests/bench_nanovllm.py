@@ -1,15 +1,9 @@
 """
-bench_nanovllm.py -- this engine beside nano-vllm (github.com/GeeeekExplorer/nano-vllm), the peer in the README's
-engine row, on one CUDA GPU in one process: nano-vllm's own bench.py workload (256 requests, prompt and output
-lengths uniform in [100, 1024], EOS ignored, throughput = output tokens / wall time) on random weights of the
-Llama-3.2-1B shape, the same draw of lengths and token ids for both engines, each timed warm.
-
-nano-vllm runs Qwen3 models only, so it gets a random Qwen3 checkpoint of that shape (written to a temporary
-folder; its extra q/k norms cost little). Install it from its repository (it needs flash-attn), or point
---nanovllm at a clone:
-
-    pip install git+https://github.com/GeeeekExplorer/nano-vllm.git
-    python tests/bench_nanovllm.py [--nanovllm DIR] [--json]
+bench_nanovllm.py -- this engine beside nano-vllm (github.com/GeeeekExplorer/nano-vllm) on one CUDA GPU in one
+process: nano-vllm's bench.py workload (256 requests, lengths uniform in [100, 1024], EOS ignored, output tokens /
+wall time) on random Llama-3.2-1B-shaped weights (a random Qwen3 checkpoint of that shape for nano-vllm, which runs
+Qwen3 only), the same draw for both, each timed warm. `pip install git+https://github.com/GeeeekExplorer/nano-vllm`
+(it needs flash-attn), then: python tests/bench_nanovllm.py [--nanovllm DIR] [--json]
 """
 import argparse
 import atexit

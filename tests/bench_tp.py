@@ -1,23 +1,14 @@
 """
-bench_tp.py -- tensor parallelism on GPUs: TP 1 against TP N (llama3_generate.py's shard_model) on the random
-Llama 3 shapes. Run from the repository root on a machine with N GPUs:
+bench_tp.py -- tensor parallelism on GPUs: TP 1 against TP N (shard_model) on the random Llama 3 shapes.
 
-    python tests/bench_tp.py --tp 2          # one report: parity, batch-1 decode, serving
-    python tests/bench_tp.py --tp 2 --json   # the figures as one JSON object
-    python tests/bench_tp.py --tp 2 --breakdown  # also where a batch-1 step's time goes, variant by variant
+    python tests/bench_tp.py --tp 2 [--json] [--breakdown]
 
-1. parity: the random 1B shape in fp32, 8 prompts of random tokens, 32 greedy tokens each: TP N's tokens equal TP 1's
-2. batch-1 decode, the random 8B shape in bf16, as the command line runs it (token backend, CUDA graphs, greedy
-   multi-step, 04's fused batch-1 kernels): tok/s of whole requests minus their first token (bench_engine's
-   engine_decode_tok_s). --breakdown: each variant's tok/s and the GPU's ms per step (its 16-step graph replayed
-   on a padding row: host work left out): the kernel configs before issue 57's sweep, TP N's all-reduce as NCCL,
-   PyTorch's one shot, Lamport's or left out (wrong tokens, the time without it); and all-reduces of 8 KB to
-   2 MB, NCCL, one shot and Lamport's (64 in a CUDA graph; the sums compared bit for bit)
-3. serving: nano-vllm's workload (256 requests, prompt and output lengths uniform in [100, 1024]) on the 1B shape
-   (--breakdown: at TP N also with one shot's and NCCL's all-reduces)
-
-Each TP size runs in processes of its own, started as torchrun starts them (RANK, WORLD_SIZE, ...); rank 0
-writes its figures. --device cpu --small runs the same on CPUs over gloo with small shapes (a smoke test)."""
+1. parity: the 1B shape in fp32, 8 random prompts, 32 greedy tokens each: TP N's tokens equal TP 1's
+2. batch-1 decode, the 8B shape in bf16, as the command line runs it (bench_engine's engine_decode_tok_s);
+   --breakdown: each variant's tok/s and GPU ms per step (kernel configs, NCCL / one shot / Lamport all-reduce)
+3. serving: nano-vllm's workload (256 requests, lengths uniform in [100, 1024]) on the 1B shape
+Each TP size runs in processes of its own, as torchrun starts them; rank 0 writes the figures. --device cpu
+--small runs the same over gloo with small shapes (a smoke test)."""
 import argparse
 import json
 import os

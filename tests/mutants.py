@@ -1,26 +1,15 @@
-"""Held-out subtle bugs (mutants) an attendee writes: every one must make its stage fail, in pytest and in the
+"""Held-out subtle bugs (mutants) an attendee writes: each must make its stage fail, in pytest and in the
 workshop's grade, blamed on its own exercise.
 
     python tests/mutants.py [stage ...] [--list] [--only I ...] [--tests-from REV] [-k EXPR] [--timeout S]
 
-stage: 01 .. 06, or engine (llama3_generate.py against tests/test_engine.py). --tests-from main runs main's
-stage tests against the same mutants (what they caught before); -k narrows the tests for a quick look only.
-
-Each mutant is a snippet of a lesson (old), the function it lies in (where, a qualname) and its mutated form (new):
-the kind of bug an attendee writes (an off-by-one, a boundary one step off, a case forgotten, an order reversed, a
-count one short), inside a workshop exercise's body (where names the exercise). tests/code_mutants.py holds the bugs
-of the code no attendee writes (the lessons' other functions, 04's extend kernel, 05's admission, the engine); this
-runner runs both. It copies the repository to a temporary folder once, applies one mutant at a time (apply: old's
-tokens, whatever the spaces and line breaks between them, exactly once inside where; else STALE: update the mutant),
-runs the stage's test files there (`-x -q`, a timeout) and prints caught / SURVIVED. Not part of the default
-`pytest` run (minutes per stage); exit status 1 if any mutant survived or went stale.
-
-The workshop grades each of MUTANTS too: `python tests/workshop.py verify` (CI) checks that each lies in an
-exercise's body (of_exercises) and fails that exercise's grade, blamed on it on the first line, in words; one
-process, about a second each.
-
-References: mutation testing (DeMillo, Lipton, Sayward 1978, "Hints on test data selection"); mutmut and
-cosmic-ray do this automatically for every operator, here the list is hand-picked to the ideas each stage teaches.
+stage: 01 .. 06, or engine; --tests-from main runs main's stage tests (what they caught before). A mutant is a
+snippet (old) of the function it lies in (where: an exercise's name) and its bug (new): an off-by-one, a boundary
+one step off, a case forgotten, an order reversed. apply matches old's tokens whatever the whitespace between
+them, once inside where (else STALE). tests/code_mutants.py holds the bugs of code no attendee writes; this runner
+runs both, one at a time in a copy of the repository (the stage's tests, `-x -q`), and prints caught / SURVIVED
+(exit status 1 if any survived or went stale). `workshop.py verify` (CI) grades each of MUTANTS in its exercise.
+References: mutation testing (DeMillo, Lipton, Sayward 1978); mutmut and cosmic-ray, here hand-picked.
 """
 from __future__ import annotations
 
