@@ -589,9 +589,9 @@ def blocks(m):
 
 
 def test_append_takes_whole_blocks_and_copies_a_shared_partial_one():
-    """append on a pool of 6 blocks of 4 tokens: whole blocks as needed, none while the last has room; a shared
-    full last block is not copied, a shared partly filled one is (once, returned as (src, dst)); no room:
-    OutOfBlocks, nothing changed."""
+    """append on a pool of 6 blocks of 4 tokens, then on one of 10 blocks: whole blocks as needed, none while the
+    last has room; no room: OutOfBlocks, nothing changed; a shared full last block is not copied, a shared partly
+    filled one is, by each writer but the last (returned as (src, dst))."""
     m = P.BlockManager(6, 4, 0.0)
     for seq, n, new_blocks in (("a", 5, 2), ("a", 3, 0), ("a", 1, 1), ("b", 4, 1), ("b", 0, 0)):
         before, have = blocks(m), len(m.block_tables.get(seq, []))

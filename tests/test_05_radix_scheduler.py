@@ -800,8 +800,9 @@ def test_insert_adds_what_is_new_and_says_what_was_cached(page):
 
 
 def test_evict_takes_the_least_recently_used_unlocked_leaves():
-    """evict on a tree [1 2 3] -> {[4 5], [7 8]}, and [6 6]: inserted in that order, so [4 5] is the least recently
-    used leaf, then [7 8]; [1 2 3] becomes a leaf when both are gone; a locked node is never evicted."""
+    """evict on a tree [1 2 3] -> {[4 5], [7 8]}, and [6 6], then on a tree [1 2] -> {[3], [4]}: inserted in that
+    order, so [4 5] is the least recently used leaf, then [7 8]; a parent left childless is a leaf, in the same call
+    too; a locked node is never evicted."""
     kv, tree, _ = small_tree(1, [[1, 2, 3, 4, 5], [1, 2, 3, 7, 8], [6, 6]])
     alloc = kv.allocator
     slot = {tuple(p): tree.match_prefix(p, False)[0].tolist() for p in ([1, 2, 3, 4, 5], [1, 2, 3, 7, 8], [6, 6])}

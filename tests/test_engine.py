@@ -309,24 +309,27 @@ def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch
     clock, took, trace = [0.0], {"prefill": 0.0, "decode": 0.0}, []
     forward, read, step = L.Engine.forward, L.CudaGraphDecoder.read, L.Engine.step
 
-    def spend(kind, seconds):
+    def spend(kind, seconds, what=None):
         clock[0], took[kind] = clock[0] + seconds, took[kind] + seconds
-        trace[-1].append(kind)
+        trace[-1].append(what or kind)
     monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(L.Engine, "step", lambda self, *a: (trace.append([]), step(self, *a))[1])
     monkeypatch.setattr(L.Engine, "forward", lambda self, batch, *a: (
         spend(*(("prefill", 1000.0) if batch[0].n_new > 1 else ("decode", 1.0))), forward(self, batch, *a))[1])
-    monkeypatch.setattr(L.CudaGraphDecoder, "read", staticmethod(lambda c: (spend("decode", 1.0), read(c))[1]))
+    monkeypatch.setattr(L.CudaGraphDecoder, "read", staticmethod(lambda c: (spend("decode", 1.0, "ahead"), read(c))[1]))
     e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
                  fused=False, multi_step=4)
     for n in (12, 9, 14):
         e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
     e.run()
-    assert ["decode", "prefill"] in trace, f"no prefill step landed a chunk; what each step ran: {trace}"
+    steps = f"what each step ran, in order (ahead: the tokens of several decode steps run at once): {trace}"
+    assert any("ahead" in t for t in trace), f"no step decoded ahead, on this CPU too (decode_ahead): {steps}"
+    assert ["ahead", "prefill"] in trace, ("no step with prompts waiting delivered the steps decoded ahead (land) "
+                                           f"before it admitted them: {steps}")
     got, want = (e.stats["prefill_s"], e.stats["decode_s"]), (took["prefill"], took["decode"])
     assert got == want, (f"the steps counted prefill_s {got[0]:g} s and decode_s {got[1]:g} s; the fake clock spent "
                          f"{want[0]:g} and {want[1]:g} (a prefill 1000 s; a decode or a chunk's read 1 s, decode's "
-                         f"also when a prefill step lands it); what each step ran: {trace}")
+                         f"also when a prefill step lands it); {steps}")
 
 
 SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed", chunk_tokens=7),

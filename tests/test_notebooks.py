@@ -1,8 +1,13 @@
 """Every workshop notebook runs top to bottom (cwd = repo root, so `importlib.import_module("0X_...")` works), and
-ships with its outputs so a reader browsing the repository sees the figures before running anything."""
+ships with its outputs so a reader browsing the repository sees the figures before running anything. Its questions
+(a **Predict:** or **Try:** cell, an `answer = None` cell, a check) are answered here from KEY, an answer key kept
+apart from the notebooks: right answers on the lessons must be told "right", wrong ones on a workshop copy of every
+lesson (WORKSHOP=1) "not yet" with the reason."""
 import glob
 import importlib.util
 import os
+import re
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -12,6 +17,11 @@ NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+IDS = [os.path.basename(p) for p in NOTEBOOKS]
+
+# Each notebook's questions, in order: (a right answer, a tempting wrong one), as an attendee would write them.
+KEY = {
+}
 
 
 def cannot_run(path):
@@ -21,31 +31,80 @@ def cannot_run(path):
         return "needs a Jupyter kernel (pip install ipykernel)"
 
 
-def execute(path):
+def questions(nb) -> list:
+    """The index of each question's cell: markdown that starts **Predict:** or **Try:**, then `answer = None`,
+    then a check that calls ask."""
+    at = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
+          and re.match(r"\*\*(Predict|Try):\*\*", c.source)]
+    for i in at:
+        answer, check = nb.cells[i + 1:i + 3]
+        assert re.fullmatch(r"answer = None(  # .*)?", answer.source), f"cell {i + 1}: {answer.source[:80]}"
+        assert check.cell_type == "code" and "ask(" in check.source, f"cell {i + 2}: {check.source[:80]}"
+    return at
+
+
+def said(cell) -> str:
+    return "".join(o.get("text", "") for o in cell.outputs if o.get("output_type") == "stream").strip()
+
+
+def execute(path, which, workspace=None):
+    """The notebook run with the key's `which` answers (0 right, 1 wrong): on the lessons, or (workspace: a
+    folder) as WORKSHOP=1 runs it, on the copies of the lessons there, up to its last check."""
     nb = nbformat.read(path, as_version=4)
-    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute()
+    at = questions(nb)
+    for i, answers in zip(at, KEY[os.path.basename(path)]):
+        nb.cells[i + 1].source = f"answer = {answers[which]}"
+    env = dict(os.environ)
+    if workspace:
+        nb.cells = nb.cells[:at[-1] + 3]
+        env.update(WORKSHOP="1", WORKSHOP_DIR=str(workspace))
+    NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": ROOT}}).execute(env=env)
+    return [(nb.cells[i].source.split("\n")[0], said(nb.cells[i + 2])) for i in at], said(nb.cells[1])
 
 
 @pytest.fixture(scope="module")
-def running(request):
-    """The selected notebooks, started two at a time, the longest (07) first: each kernel computes on one thread
-    (OMP_NUM_THREADS, set by conftest), so one after another left a core of two idle. {path: Future}."""
-    chosen = [it.callspec.params["path"] for it in request.session.items
-              if getattr(it, "originalname", "") == "test_notebook_runs" and not cannot_run(it.callspec.params["path"])]
+def running(request, tmp_path_factory):
+    """The selected notebooks, two at a time, the longest (07) first: each kernel computes on one thread
+    (OMP_NUM_THREADS, set by conftest), so one after another left a core of two idle. {(path, mode): Future}."""
+    ws = tmp_path_factory.mktemp("workspace")
+    for f in glob.glob(os.path.join(ROOT, "0*.py")) + [os.path.join(ROOT, "llama3_generate.py")]:
+        shutil.copy(f, ws)
+    runs = {"test_notebook_runs": ("lessons", 0, None), "test_notebook_runs_your_copy": ("copy", 1, ws)}
+    chosen = [(it.callspec.params["path"], runs[it.originalname]) for it in request.session.items
+              if getattr(it, "originalname", "") in runs and not cannot_run(it.callspec.params["path"])]
     with ThreadPoolExecutor(2) as pool:
-        yield {p: pool.submit(execute, p) for p in sorted(chosen, key=lambda p: "07_" not in p)}
+        yield {(p, mode): pool.submit(execute, p, which, folder)
+               for p, (mode, which, folder) in sorted(chosen, key=lambda c: "07_" not in c[0])}
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs(path, running):
+    """On the lessons, every right answer in the key is told "right", with why."""
     if cannot_run(path):
         pytest.skip(cannot_run(path))
-    running[path].result()  # its cell's error, if one failed
+    checks, _ = running[path, "lessons"].result()  # a cell's error, if one failed
+    for question, out in checks:
+        assert re.search(r"^right: .+ Why: \w+( \S+){4,}", out, re.M) and "not yet" not in out, \
+            f"{question}\nthe check said: {out}"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_runs_your_copy(path, running):
+    """WORKSHOP=1 with every lesson copied into a workspace: the notebook imports the copy, and every wrong
+    answer in the key is told "not yet", with what it is and why; never a pass."""
+    if cannot_run(path):
+        pytest.skip(cannot_run(path))
+    checks, first = running[path, "copy"].result()
+    assert "your copy in" in first, first
+    for question, out in checks:
+        assert re.search(r"^not yet: .+ Why: \w+( \S+){4,}", out, re.M) and "right:" not in out, \
+            f"{question}\nthe check said: {out}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_is_committed_executed_and_small(path):
-    """Refresh with `jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`."""
+    """Refresh with `jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`. It asks at least
+    three questions, unanswered: each check says so and reveals nothing."""
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"
@@ -53,3 +112,7 @@ def test_notebook_is_committed_executed_and_small(path):
     assert sum(bool(c.outputs) for c in code) >= len(code) // 2, "too few outputs"
     assert not any(o.get("output_type") == "error" for c in code for o in c.outputs)
     assert os.path.getsize(path) < 400_000, "keep notebooks small (lower the figure dpi)"
+    at = questions(nb)
+    assert len(at) >= 3 and len(KEY[os.path.basename(path)]) == len(at), (len(at), "questions")
+    for i in at:
+        assert said(nb.cells[i + 2]).startswith("your answer first"), nb.cells[i].source[:80]

@@ -5,6 +5,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -27,6 +28,16 @@ def test_every_exercise_is_graded():
     want = sum(len(mutants.of_exercises(s)) for s in stages)
     assert r.stdout.count(": fails\n") == want and want >= 60, r.stdout[-3000:]
     assert r.stdout.count("alternative: passes") >= len(W.exercises("02") + W.exercises("03") + W.exercises("05"))
+    assert not [line for line in r.stdout.splitlines() if " fails: " in line and "GPU" in line]  # a CPU's words
+    assert "07 Engine.step fails: no step decoded ahead, on this CPU too" in r.stdout
+
+
+def test_a_failure_shows_the_input_its_test_line_describes():
+    """verify flags a failure whose message shows a pool or a tree its `test:` line does not describe."""
+    why = "05 RadixCache.evict fails: evict(4) on a tree [1 2] -> {[3], [4]} freed 2 tokens; 8 of 10 blocks free"
+    assert W.undescribed(why, "  test: evict (evict on a tree [1 2 3] -> {[4 5], [7 8]}, a pool of 6 blocks)") == [
+        "10 blocks", "[1 2] -> {[3], [4]}"]
+    assert W.undescribed(why, "  test: evict (a pool of 10 blocks; then a tree [1 2] -> {[3], [4]})") == []
 
 
 def test_a_mutant_is_found_in_its_function_whatever_the_reflow():
@@ -132,9 +143,69 @@ def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_w
     for s, name in W.LESSONS.items():
         nb = nbformat.read(os.path.join(W.ROOT, "notebooks", W.NOTEBOOKS[s]), as_version=4)
         first, last = next(c for c in nb.cells if c.cell_type == "code"), nb.cells[-1]
-        assert 'if os.environ.get("WORKSHOP"): ' in first.source and f'.use(["{s}"])' in first.source
+        assert f'use(["{s}"]) if os.environ.get("WORKSHOP") else None' in first.source
         assert last.cell_type == "markdown" and last.source == W.your_turn(s)  # python tests/workshop.py notebooks
         for text in [f"python tests/workshop.py start {s}", f"python -m pytest {W.TESTS[s]} --workspace",
                      "python tests/workshop.py progress", f"python tests/workshop.py hint {s}"] + [
                 f"`{e.name}`" for e in W.exercises(s)]:
             assert text in last.source, (name, text)
+
+
+def test_a_failure_points_at_your_copy_and_at_the_lesson_each_by_its_own_lines(tmp_path):
+    """03's free written to break the pool, then call the lesson's check: the failure's `at:` names the line of
+    the copy (whose other exercises are stubs, so its lines are not the lesson's) and the lesson's line of the
+    check that failed, each in its own file; no line of the copy is given the lesson's name."""
+    W.start("03", folder=str(tmp_path))
+    path = tmp_path / "03_token_allocator.py"
+    write(path, "TokenAllocator.free", ["self.mem_state[idx.long()] -= 1", "self.check()"])
+    src, ref = path.read_text(), W.reference("03")
+    g = W.grade_copy(W.find("03", "free"), src, str(path))
+    mine = src.splitlines().index(" " * 8 + "self.check()") + 1
+    theirs = next(i for i, line in enumerate(ref.splitlines(), 1) if "host thinks" in line)
+    assert g.why.startswith("03 TokenAllocator.free fails: the lesson's check found the state your free left wrong")
+    assert f"{os.path.relpath(path)}:{mine} in free  (your free)" in g.detail, g.detail
+    assert f"    03_token_allocator.py:{theirs} in check  (the lesson's code)" in g.detail, g.detail
+    assert mine != theirs and f"\n    03_token_allocator.py:{mine} " not in g.detail
+
+
+def test_an_exercise_misnamed_is_refused_and_the_readme_selects_one(tmp_path):
+    """--exercise alloc-contiguous (a typo) exits non-zero naming the stage's exercises; the README's selection
+    (its grading line's comment) collects exactly one exercise."""
+    W.start("03", folder=str(tmp_path))
+    readme = open(os.path.join(W.ROOT, "README.md"), encoding="utf-8").read()
+    one = re.search(r"^python -m pytest tests/test_03_\S+ --workspace .*\((?:one of them: )?(--exercise \w+)\)$",
+                    readme, re.M)[1].split()
+    run = lambda *a: subprocess.run([sys.executable, "-m", "pytest", "tests/test_03_token_allocator.py", "--workspace",
+                                     "--workspace-dir", str(tmp_path), "-p", "no:cacheprovider", *a], cwd=W.ROOT,
+                                    capture_output=True, text=True, timeout=300)
+    r = run("--exercise", "alloc-contiguous", "--collect-only")
+    assert r.returncode != 0 and "03's are alloc, alloc_contiguous, free" in r.stdout + r.stderr, r.stdout + r.stderr
+    r = run(*one, "--collect-only", "-q")
+    assert r.returncode == 0 and re.findall(r"::(\S+)$", r.stdout, re.M) == ["TokenAllocator.alloc"], r.stdout
+
+
+def test_output_cut_short_by_a_pipe_ends_quietly(tmp_path):
+    """`python tests/workshop.py start 06 | head -3`: the reader stops reading; no traceback."""
+    p = subprocess.Popen([sys.executable, "tests/workshop.py", "start", "06", "--dir", str(tmp_path)], cwd=W.ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # before it writes a line
+    assert p.stderr.read() == "" and p.wait(60) != 0
+
+
+def test_hints_come_in_levels_that_teach():
+    """Every exercise's hint 1 is the idea as a question or a picture, with none of its solution's code (no name
+    of it with _, no call, no =); hint 2 works a small example by hand (numbers) without the solution's lines;
+    `hint` prints level 1 alone, `--level 2` the example and then points at `solution`."""
+    for e in W.EXERCISES:
+        sol = W.body(W.reference(e.stage), e.name)
+        code = {t for t in re.findall(r"\w+(?=\()|\w*_\w*", sol) if len(t) > 2} | {"lambda", "self"}
+        leak = [t for t in code if re.search(rf"(?<!\w){t}(?!\w)", e.hint)]
+        assert not leak and not re.search(r"=|\w\(|\w\[", e.hint) and len(e.hint) > 40, (e.id, leak, e.hint)
+        lines = {line.strip() for line in sol.splitlines() if len(line.strip()) > 12}
+        assert len(re.findall(r"\d", e.example)) >= 4 and not [x for x in lines if x in e.example], (e.id, e.example)
+    say = lambda *a: subprocess.run([sys.executable, "tests/workshop.py", "hint", "03", "alloc_contiguous", *a],
+                                    cwd=W.ROOT, capture_output=True, text=True, timeout=60).stdout
+    e = W.find("03", "alloc_contiguous")
+    one, two = say(), say("--level", "2")
+    assert e.hint.split("\n")[0] in one and e.example.split("\n")[0] not in one and "--level 2" in one, one
+    assert e.example.split("\n")[0] in two and "solution 03 alloc_contiguous" in two, two

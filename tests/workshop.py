@@ -2,9 +2,9 @@
 grader says, exercise by exercise, whether the attendee's are right.
 
     python tests/workshop.py start 03     # workspace/03_token_allocator.py: 3 bodies to write, each with its idea
-    python -m pytest tests/test_03_token_allocator.py --workspace     # grade them (-k alloc, or --exercise alloc)
+    python -m pytest tests/test_03_token_allocator.py --workspace     # grade them (one of them: --exercise alloc)
     python tests/workshop.py progress     # every stage's status and the score (--json for an instructor)
-    python tests/workshop.py hint 03 alloc        # stuck: a hint close to the code; `solution 03 alloc` last
+    python tests/workshop.py hint 03 alloc        # stuck: a question (--level 2: an example); `solution` last
 
 The path: the stage's notebook explains the idea with its figure; write the exercises in workspace/; the grader
 grades them; then read the lesson (03_token_allocator.py) as the reference and run it.
@@ -47,10 +47,11 @@ class Exercise:
     stage: str      # "03"
     name: str       # qualname in the lesson: "TokenAllocator.alloc"
     idea: str       # what to do and what to watch for (the stub says it; the notebook too)
-    hint: str       # close to the code (`workshop.py hint`)
+    hint: str       # hint 1: the idea as a question or a picture, no code (`workshop.py hint`)
     checks: str     # what its tests check, in words
     tests: tuple    # the tests of tests/test_<lesson>.py that grade it (names; "name[param]" for one case)
     seconds: int = 60  # a graded run longer than this fails (a loop that never ends)
+    example: str = ""  # hint 2: a small example worked by hand (`workshop.py hint --level 2`)
 
     @property
     def lesson(self) -> str:
@@ -77,169 +78,258 @@ EXERCISES = [
              "each request owns one row of max_seq_len slots: give a new request a free row, return the positions "
              "of its new tokens and where their K/V go. Watch: check that every request fits before changing "
              "anything (all or nothing); a slot depends on the row and the position",
-             "give each new request a free row, check every length first, then return positions lens[row]..+n "
-             "and set tok_slots = row * max_seq_len + position",
+             "Picture the cache as a grid: one row per request, as many columns as the longest request may grow. For "
+             "a batch of requests, each adding some tokens, which row does each write, at which columns, and what "
+             "must you know of every request before you hand out a single row?",
              "greedy decoding through your cache gives the no-cache tokens and logits; a request that does not fit is "
              "refused and leaves the cache untouched",
              ("test_contiguous_cache_fills_a_row_exactly",
-              "test_contiguous_cache_batches_against_a_brute_force_model")),
+              "test_contiguous_cache_batches_against_a_brute_force_model"),
+             example="Rows of 8, row 0 held by request a with 3 tokens, row 1 free. Batch: a adds 1 token, b (new) "
+                     "adds 4.\nb gets row 1. Positions: a -> [3], b -> [0, 1, 2, 3]; slot = row * 8 + position: a -> "
+                     "[3], b -> [8, 9, 10, 11].\nLengths after: 4 and 4. Had a asked for 6 more (3 + 6 > 8), nothing "
+                     "may change: b gets no row either."),
     Exercise("01", "KVCache.attend",
              "store this step's K/V at their slots, then let each query attend to its own request's keys only. "
              "Watch: decode (one query per request) and prefill (several, causal) read the pool differently; a "
              "request reads up to its length, no further",
-             "write k, v into the pools at tok_slots; decode: attend_table over the table; prefill: gather each "
-             "request's slots with table_slots and attend_dense over them",
+             "Two jobs, in order: put this step's keys and values where the cache said they go, then attend. A "
+             "generating step (one query per request) and a prompt (many queries, each seeing only the tokens up to "
+             "its own) read the stored keys differently: which keys may the j-th new query of a request see?",
              "greedy decoding through the contiguous cache (its prefill and decode both attend here) gives the "
              "no-cache tokens and logits",
-             ("test_contiguous_cache_batches_against_a_brute_force_model",)),
+             ("test_contiguous_cache_batches_against_a_brute_force_model",),
+             example="Request r lives in row 2 (rows of 8), holds 5 tokens, and prefills 3 more at positions 5, 6, "
+                     "7: their keys and values go to slots 21, 22, 23.\nQuery 0 (position 5) sees positions 0..5 "
+                     "(slots 16..21), query 1 sees 0..6, query 2 sees 0..7: 6, 7 and 8 keys.\nA generating step for "
+                     "r alone has 1 query, and it sees all 8."),
     Exercise("02", "BlockManager.append",
              "grow a sequence by n tokens, taking whole blocks from the free list as needed; a partly filled last "
              "block that another sequence shares is copied before it is written (copy-on-write). Watch: refuse "
              "(OutOfBlocks) before changing anything; a full shared block is not copied",
-             "need = blocks_needed(seq, n); refuse before changing anything; copy-on-write: a shared partly filled "
-             "last block is released and replaced by a fresh one (return (src, dst)); then take the new blocks",
+             "A sequence holds some tokens in blocks of a fixed size and wants n more. How many new blocks does that "
+             "take, counting the room left in its last block? And if that last block is shared with another sequence "
+             "and not full, may you write into it?",
              "random appends, forks and frees keep the refcounts, the free list and every sequence's tokens exactly "
              "as a brute-force model says; a shared block is copied once",
              ("test_append_takes_whole_blocks_and_copies_a_shared_partial_one",
               "test_batch_estimate_counts_copy_on_write_once_per_shared_block",
-              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]"),
+             example="Blocks of 4; a holds 6 tokens in blocks [0, 1] (block 1 holds 2: room for 2). Appending 5: 2 "
+                     "fit in block 1, 3 need 1 new block.\nNow say a was forked first, so block 1 has refcount 2: "
+                     "writing into it would change the fork's tokens. a copies it to a fresh block 2 (it returns (1, "
+                     "2)), block 1 drops to refcount 1, and a still needs 1 more block: table [0, 2, 3], 2 blocks "
+                     "taken. With 1 block free, that is a refusal, and nothing changes."),
     Exercise("02", "BlockManager.fork",
              "the child shares every block of the parent: its own copy of the table, the same token count, one "
              "more reference on each block. Watch: unknown parent: KeyError; a child that exists: ValueError",
-             "the child gets a copy of the parent's block table and token count; every shared block's refcount + 1",
+             "After a fork, parent and child read the same tokens. What must the child own by itself, and what must "
+             "each shared block know so that it is not handed out again while either of them still reads it?",
              "a forked sequence reads its parent's tokens, and its own after it writes (copy-on-write)",
              ("test_fork_shares_every_block_and_refuses_clearly",
-              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]"),
+             example="Parent p: table [0, 1], 6 tokens, refcounts {0: 1, 1: 1}. Fork p into c: c's table is a new "
+                     "list [0, 1] (so appending to c never changes p's), c has 6 tokens, refcounts {0: 2, 1: 2}, and "
+                     "no block left the free list.\nForking p into c again: c exists, refused. Forking an unknown x: "
+                     "refused."),
     Exercise("02", "BlockManager.free",
              "drop the sequence: each of its blocks loses one reference and is free again only when no one holds "
              "it. Watch: unknown sequence: KeyError",
-             "KeyError for an unknown sequence; _release every block of its table (last first); forget its tokens",
+             "A block may be held by several sequences. When one of them leaves, which of its blocks really become "
+             "free again, and how do you know?",
              "freed blocks come back to the free list exactly when no other sequence holds them",
              ("test_free_gives_a_block_back_when_nobody_holds_it",
-              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]")),
+              "test_random_alloc_append_fork_free_keeps_invariants_and_contents[1]"),
+             example="p holds [0, 1]; its fork c holds [0, 2, 3] (block 0 shared: refcount 2).\nFreeing c: block 3 "
+                     "-> refcount 0, free; block 2 -> 0, free; block 0 -> 1, still p's. The free list grows by 2; "
+                     "c's table and token count are gone; freeing c a second time is an error."),
     Exercise("02", "Scheduler.preempt",
              "take a running request out to make room: count it, log it with the tokens of KV it holds, then swap "
              "its blocks to CPU memory (it keeps its progress) or drop them and queue it first to recompute. "
              "Watch: log before anything is dropped; a swapped-out request's KV is no longer in the pool",
-             "count and log it; swap: append (req, kv.swap_out(rid)) to swapped, req.in_kv = False; recompute: "
-             "release(req) and put it back at the head of waiting",
+             "To make room you take a running request out. What must be written down first, while it still holds its "
+             "KV? And where does it wait afterwards, so that it can finish: with its KV kept somewhere else, or with "
+             "nothing, to start over?",
              "a pool too small for the trace preempts, and every request still finishes with its own KV intact",
              ("test_preempt_logs_the_kv_it_drops_then_drops_it", "test_scheduler_preempts_and_keeps_every_request_kv",
-              "test_preemption_order_against_the_policy")),
+              "test_preemption_order_against_the_policy"),
+             example="Request 0 holds 7 tokens of KV; requests 1 and 2 wait.\nRecompute: count 1 preemption, record "
+                     "(preempt, 0, 7 tokens), give its blocks back, queue it first: waiting [0, 1, 2].\nSwap: record "
+                     "(swap_out, 0, 7 tokens), copy its KV to CPU memory and keep it aside with that copy, marked as "
+                     "out of the pool; its 7 tokens of progress stay."),
     Exercise("03", "TokenAllocator.alloc",
              "the n lowest free slots (refcount 0), taken (refcount 1), as a LongTensor; None when fewer than n "
              "are free. Watch: a refusal takes nothing; n_free follows every change; try it without a Python loop "
              "over the pool",
-             "cum = (mem_state == 0).cumsum(0); the k-th free slot is searchsorted(cum, k) for k = 1..n; "
-             "None if fewer than n are free; take them with _take",
+             "Slots with refcount 0 are free. Count from the left how many free slots you have seen so far: at which "
+             "slot does that count first reach 1, 2, 3? Can you find those places for every k at once, with no loop?",
              "alloc returns the lowest free slots, exactly as a brute-force Python list does, and refuses cleanly",
-             ("test_alloc_takes_the_lowest_free_slots", "test_random_ops_agree_with_brute_force")),
+             ("test_alloc_takes_the_lowest_free_slots", "test_random_ops_agree_with_brute_force"),
+             example="Refcounts [1, 0, 2, 0, 0, 1, 0], n = 3. Free: [0, 1, 0, 1, 1, 0, 1]; count so far: [0, 1, 1, "
+                     "2, 3, 3, 4].\nThe count first reaches 1 at slot 1, 2 at slot 3, 3 at slot 4: take [1, 3, "
+                     "4].\nn = 5 with 4 free: None, and nothing is taken."),
     Exercise("03", "TokenAllocator.alloc_contiguous",
              "the first run of n consecutive free slots, taken; no run: fall back to alloc(n). Watch: a run may "
              "start at slot 0 or end at the last slot",
-             "c = free slots before i (cumsum, padded with 0); a run of n starts at i where c[i + n] - c[i] == n; "
-             "take the first, else fall back to alloc(n)",
+             "If you knew, for every position, how many free slots lie before it, how could one subtraction tell you "
+             "that the n slots starting at i are all free? Which i do you want when several work, and what if none "
+             "does?",
              "a run of n free slots is returned whenever one exists, the first one",
              ("test_alloc_contiguous_takes_the_first_run",
               "test_alloc_contiguous_returns_a_run_whenever_one_exists[0.5]",
-              "test_random_ops_agree_with_brute_force")),
+              "test_random_ops_agree_with_brute_force"),
+             example="Pool # . . # . . . # (#: held), n = 3. Free slots before positions 0..8: 0 0 1 2 2 3 4 5 "
+                     "5.\nWindows of 3 (count at i + 3 minus count at i): i = 0: 2 - 0 = 2; i = 1: 2 - 0 = 2; i = 2: "
+                     "3 - 1 = 2; i = 3: 4 - 2 = 2; i = 4: 5 - 2 = 3: the first run is slots 4, 5, 6.\nWith n = 4 no "
+                     "window reaches 4: fall back to the 4 lowest free slots, [1, 2, 4, 5]."),
     Exercise("03", "TokenAllocator.free",
              "one reference less for each slot listed (a slot listed twice loses two); slots reaching 0 are free "
              "again. Watch: check everything first: a slot out of range or not allocated is a ValueError with "
              "nothing changed",
-             "unique slots with counts; refcount - count must stay >= 0 and indices in range (ValueError, nothing "
-             "changed), then write the new refcounts and add the slots reaching 0 to n_free",
+             "A slot listed twice loses two references. Before you change anything, what would make the whole call "
+             "wrong (slots nobody holds, slots outside the pool), and how can you check every slot at once?",
              "freeing drops one reference per slot; double frees and foreign slots are refused without a change",
-             ("test_free_drops_one_reference_per_slot_listed", "test_random_ops_agree_with_brute_force")),
+             ("test_free_drops_one_reference_per_slot_listed", "test_random_ops_agree_with_brute_force"),
+             example="Refcounts [1, 2, 0, 1]. Freeing [1, 1, 3]: slot 1 is listed twice, 2 - 2 = 0; slot 3, 1 - 1 = "
+                     "0: refcounts [1, 0, 0, 0], 2 more free slots.\nThen freeing [2]: slot 2 would go to -1: "
+                     "refused, nothing changes.\nFreeing [0, 4]: slot 4 lies outside a pool of 4: refused, and slot "
+                     "0 keeps its reference too."),
     Exercise("04", "_attend",
              "one tile of keys in the online softmax: its scores, the mask, a new running max; rescale what you "
              "have by how far the max moved, then add the tile. Watch: the scale is in log2 units (exp2)",
-             "s = q k^T * qk_scale (log2 units), masked to -inf where not visible; m_new = max(m_i, rowmax s); "
-             "rescale l_i and acc by exp2(m_i - m_new), add exp2(s - m_new) and its product with v",
+             "You carry a running result over the keys seen so far: the largest score, the softmax's denominator, "
+             "and the weighted values. A new tile of keys brings a larger score: by how much must the old "
+             "denominator and weighted values shrink, so that everything is measured against the new largest score?",
              "the decode kernel equals float64 softmax attention (the online softmax over tiles)",
-             ("test_matches_reference[float32-gqa4-d64-scat-s1]",)),
+             ("test_matches_reference[float32-gqa4-d64-scat-s1]",),
+             example="Scores in base 2. Seen so far: [1, 3]: largest 3, denominator 2^(1-3) + 2^(3-3) = 1.25.\nNext "
+                     "tile: [5, 2]: largest 5. Rescale the old denominator by 2^(3-5) = 0.25 -> 0.3125, add the "
+                     "tile's 2^(5-5) + 2^(2-5) = 1.125: 1.4375 = 2^-4 + 2^-2 + 2^0 + 2^-3, as if all four came at "
+                     "once. The weighted values are rescaled by the same 0.25. A key that may not be seen scores "
+                     "minus infinity: 2^-inf = 0."),
     Exercise("04", "_stage2",
              "merge the splits' partial results, each weighed by its softmax mass (from its log-sum-exp). Watch: a"
              " split that holds no tokens",
-             "load each split's lse (-inf for splits that hold no tokens) and partial output; weights "
-             "exp2(lse - max lse); out = sum(w * o) / sum(w)",
+             "Each split of a sequence's keys returns its own softmax-weighted output and the log of its own "
+             "denominator. If one split's denominator is twice another's, how much more should its output count in "
+             "the merge? And what should a split that saw no keys count?",
              "splitting a sequence over several programs and merging their partial softmaxes gives the reference",
-             ("test_empty_splits_and_custom_scale",)),
+             ("test_empty_splits_and_custom_scale",),
+             example="Two splits, logs in base 2: A has log-denominator 3 (denominator 8) and output [1, 0]; B has 1 "
+                     "(denominator 2) and output [0, 1].\nWeights 2^(3-3) = 1 and 2^(1-3) = 0.25: out = (1 * [1, 0] "
+                     "+ 0.25 * [0, 1]) / 1.25 = [0.8, 0.2], the same as (8 * [1, 0] + 2 * [0, 1]) / 10.\nA split "
+                     "with no keys has log-denominator minus infinity: weight 0."),
     Exercise("05", "RadixCache.match_prefix",
              "the longest cached prefix of tokens, in whole pages, and its slots. Watch: with compute_last one "
              "token is always left to compute (its logits give the next token); a page is matched whole or not at "
              "all",
-             "drop the last token if compute_last, keep whole pages, _walk the tree; the slots are the matched "
-             "values concatenated (the tokens themselves without an allocator)",
+             "The tree stores token sequences in pages. Given a prompt, how far down the tree can you walk? Why must "
+             "the match end on a whole page, and one token short of the prompt when its last token's logits are "
+             "needed?",
              "matches, inserts and evictions give what a brute-force list of cached prompts gives",
              ("test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages",
-              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]"),
+             example="Page size 2; the tree holds [1 2 3 4 5 6].\nPrompt [1 2 3 4 9], its last token to compute: "
+                     "look up [1 2 3 4] (the last dropped): 4 tokens match, their slots.\nPrompt [1 2 3 4 5]: [1 2 3 "
+                     "4] again: 4, not 5 (the model computes the last token).\nPrompt [1 2 3 9]: [1 2 3], whole "
+                     "pages [1 2]: 2 tokens."),
     Exercise("05", "RadixCache.insert",
              "walk the cached prefix; what is left (whole pages) becomes a new leaf; return how many tokens were "
              "cached already. Watch: the leaf's slots take a reference; the tree counts them evictable",
-             "_walk the full pages of tokens; the part not matched becomes a new leaf under the last node "
-             "(its slots cloned, inc_ref'd, counted evictable); return how many were cached already",
+             "Part of a new prompt may be in the tree already. Which part becomes a new leaf, which node does it "
+             "hang from, and who must now hold a reference to its slots so that the pool does not hand them out "
+             "again?",
              "the tree holds exactly the prompts inserted, shares their common prefixes, and counts refs right",
              ("test_insert_adds_what_is_new_and_says_what_was_cached",
-              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]"),
+             example="Page size 1; the tree holds [1 2 3]. Inserting [1 2 4 5] with slots [10 11 12 13]: the walk "
+                     "matches [1 2] (splitting [1 2 3] into [1 2] -> [3]); [4 5] with slots [12 13] becomes a leaf "
+                     "under [1 2]; those 2 slots get one more reference and 2 more tokens can be evicted; it returns "
+                     "2 (cached already)."),
     Exercise("05", "RadixCache.evict",
              "free at least n tokens, least recently used unlocked leaves first; a parent left childless may go "
              "next. Watch: never a locked node; stop once n are freed",
-             "a heap of unlocked leaves by (last_access, serial); pop, free their slots, unlink them, push a parent "
-             "left childless and unlocked; stop once n tokens are freed",
+             "Which cached tokens are the safest to throw away? Think of the tree's leaves and when each was last "
+             "used. When a leaf goes, its parent may become a leaf: may it go in the same call? And which nodes may "
+             "never go?",
              "eviction frees the least recently used unlocked leaves first, never a locked one",
              ("test_evict_takes_the_least_recently_used_unlocked_leaves",
-              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]")),
+              "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]"),
+             example="Tree [1 2 3] -> {[4 5] used at time 1, [7 8] at time 2}, and [6 6] at time 3, held by a "
+                     "running request.\nEvicting 3 tokens: [4 5] first (the oldest leaf): 2 so far; [7 8] next: 4, "
+                     "enough, stop.\nEvicting 1 more: [1 2 3] has no children left, so it is a leaf: 3 tokens. [6 6] "
+                     "stays while it is held."),
     Exercise("05", 'POLICIES["lpm"]',
              "the waiting requests, longest cached prefix first. Watch: ties keep their arrival order",
-             "the waiting requests sorted by the length of their cached prefix (r.prefix), longest first; a stable "
-             "sort, so ties stay first come first served",
+             "Requests that share a long cached prefix reuse the most KV when they go first. What order of the "
+             "waiting queue does that suggest, and what should decide between two requests with equally long cached "
+             "prefixes?",
              "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
              "reaches the best possible order on a workload built for it",
              ("test_lpm_puts_the_longest_cached_prefix_first",
-              "test_lpm_orders_longest_cached_prefix_first_ties_first_come")),
+              "test_lpm_orders_longest_cached_prefix_first_ties_first_come"),
+             example="Waiting, in arrival order: A (cached prefix of 2 tokens), B (5), C (0), D (5), E (1).\nLongest "
+                     "first: B and D tie at 5 and B came first: B, D, then A (2), E (1), C (0)."),
     Exercise("06", "TokenIndex.jump",
              "the bytes the automaton forces from a state: while a state has exactly one way out and may not stop,"
              " take that byte. Watch: cache what you computed",
-             "from state, while forced[s]: append the one byte with table[s] >= 0 and follow it; cache in self.jumps",
+             "From some states of the automaton only one byte can come next, and the text may not end there. Follow "
+             "such states: what string do you collect, where do you stop, and why remember it for next time?",
              "the compressed edges are exactly the DFA's chains of forced bytes",
              ("test_jump_follows_the_forced_bytes_and_stops_at_a_choice", "test_compressed_edges_are_the_forced_chains",
-              "test_jump_is_the_forced_string_against_partial_matching")),
+              "test_jump_is_the_forced_string_against_partial_matching"),
+             example="Regex a{3,5}b after 'a': fewer than 3 a's cannot end and only 'a' may follow: 'aa', 2 bytes, "
+                     "then a choice ('a' or 'b'): stop.\nAfter 'aaa': 'a' or 'b' may come: 0 bytes.\nRegex "
+                     "ab(c|d)xyz after 'abc': 'xyz', 3 bytes, then the text may end: stop."),
     Exercise("06", "TokenIndex.jump_forward",
              "append the forced text without sampling, re-tokenized the way the tokenizer would write it. Watch: "
              "whole UTF-8 characters only; never pass the limit or leave less room than a shortest completion "
              "needs",
-             "append jump(state), cut to whole UTF-8 characters; re-tokenize text + it; keep the common token prefix "
-             "with output; no jump (return what you got) if nothing is forced or it would pass limit or lose the room "
-             "a shortest completion (self.dist) had",
+             "The forced bytes are known, but the model speaks in tokens: how do you turn the text plus the forced "
+             "bytes back into the tokens the tokenizer would have written, which of the tokens generated so far "
+             "survive, and when should you skip it?",
              "jump-forward gives what a byte-by-byte walk of the forced text gives, and never takes the room a "
              "shortest completion needs",
              ("test_jump_forward_appends_the_forced_text_in_whole_characters",
-              "test_jump_forward_keeps_the_room_a_shortest_completion_had")),
+              "test_jump_forward_keeps_the_room_a_shortest_completion_had"),
+             example="Generated so far, say, tokens [90, 1200] for '{\"na'; the automaton forces 'me\": '. "
+                     "Re-tokenized, '{\"name\": ' is, say, [90, 609, 794]: the common prefix with [90, 1200] is 1 "
+                     "token, so the K/V of 1 token is kept and the rest computed.\nForced bytes that end inside a "
+                     "UTF-8 character wait for the rest of it; new tokens that would pass the limit, or leave less "
+                     "room than the shortest completion needs: skip it."),
     Exercise("06", "constrained_decode",
              "decode where only the tokens the regex allows can be sampled: mask, sample, step the automaton, jump"
              " forward over forced text. Watch: stop where the automaton says it must finish, or at max_new_tokens",
-             "loop: jump_forward (when on) and keep the K/V of the tokens it kept; stop where "
-             "index.finish(state, room left) says so; else mask the logits to index.allowed(state, room left), "
-             "sample, step the DFA",
+             "At each point only some tokens keep the output a possible match: how do you stop the model choosing "
+             "the others, when is the answer over (before the model is asked anything), and what changes after "
+             "forced text is appended?",
              "every output matches the regex, with and without jump-forward, on random logits",
              ("test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged",
               "test_constrained_decode_stops_at_max_new_tokens_and_eos",
-              "test_jump_is_the_forced_string_against_partial_matching[(ab|cd){1,3}e?]")),
+              "test_jump_is_the_forced_string_against_partial_matching[(ab|cd){1,3}e?]"),
+             example="Regex (ab|cd){1,3}e?, one token per byte, 6 new tokens at most.\nStart: a or c may come; the "
+                     "model draws a. After a only b may come: with jump-forward, b is appended without the "
+                     "model.\nAfter ab: a, c, e or the end; the model draws e. Nothing may follow e: stop before "
+                     "asking the model again. Output 'abe': 3 tokens, 2 model calls."),
     Exercise("07", "Engine.step",
              "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
-             "kind of step took. Watch: a GPU may land several greedy steps at once",
-             "if requests wait, t0 += self.land(on_token) (decode's seconds); new = self.sched.admit(); on a GPU "
-             "self.decode_ahead() may land greedy steps (None: do one): batch, positions = self.schedule(new), "
-             "ids = self.next_tokens(batch, self.forward(batch, positions)); self.postprocess each landed (batch, ids, "
-             "steps); add the seconds to self.counts[kind + '_s']",
+             "kind of step took. Watch: the engine may run several greedy decode steps at once (decode_ahead; on "
+             "a CPU too): deliver their tokens (land) before admitting a prompt, and count them as decode",
+             "One turn of the engine: which requests join now, which tokens go through the model in this turn, and "
+             "how does each request get its next token? If several generating turns were run at once earlier, what "
+             "must happen to their tokens before anyone new joins, and how is the time of each turn counted?",
              "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
              "its events account for every token of a run that preempts, k greedy steps at a time write the tokens "
              "of one at a time, and each step's seconds count as its kind (a landed chunk's as decode)",
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
               "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]",
               "test_multi_step_chunks_count_as_decode_whichever_step_lands_them",
-              "test_multi_step_decoding_matches_one_step[token]")),
+              "test_multi_step_decoding_matches_one_step[token]"),
+             example="Running: A and B; waiting: C, a 12-token prompt; 4 generating turns of A and B were run ahead, "
+                     "not yet delivered.\nThis step: deliver those 4 tokens to each of A and B (that time counts as "
+                     "decode), then take C in; the batch is C's 12 prompt tokens (prefill-first), and this step's "
+                     "time counts as prefill.\nNext step nobody waits: A, B and C generate, maybe 4 turns at once "
+                     "again."),
 ]
 
 
@@ -333,9 +423,11 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-def use(stages, folder=WORKSPACE, say=True):
-    """Import these stages' lessons from `folder` (where there), every other lesson from the repository. Call it
-    before anything imports a lesson. Returns the finder (sys.meta_path.remove it to undo)."""
+def use(stages, folder=None, say=True):
+    """Import these stages' lessons from `folder` (where there; default $WORKSHOP_DIR, else workspace/), every
+    other lesson from the repository. Call it before anything imports a lesson. Returns the finder
+    (sys.meta_path.remove it to undo)."""
+    folder = folder or os.environ.get("WORKSHOP_DIR") or WORKSPACE
     finder = _Finder(folder, [LESSONS[s] for s in stages])
     sys.meta_path.insert(0, finder)
     for s in stages if say else ():
@@ -468,10 +560,15 @@ def _isolated(fn, seconds, memory=MEMORY) -> dict:
     return pickle.loads(data)
 
 
+def _lines(source, name) -> tuple:
+    """(first, last): the lines of source that hold what the attendee writes of exercise name."""
+    a, b, _ = span(source, name)
+    return source[:a].count("\n") + 1, source[:max(b - 1, a)].count("\n") + 1
+
+
 def _where(ex, failure, source, lesson_path, shift):
     """Who raised: ("yours", line in the attendee's copy) | ("lesson", function) | ("test", None)."""
-    a, b, _ = span(source, ex.name)
-    first, last = source[:a].count("\n") + 1, source[:max(b - 1, a)].count("\n") + 1
+    first, last = _lines(source, ex.name)
     mine = [f for f in failure["frames"] if f[0] == lesson_path]
     if not mine or os.path.dirname(failure["frames"][-1][0]) == os.path.join(ROOT, "tests"):
         return "test", None  # raised by a test (a check the lesson's code called back into, too)
@@ -482,7 +579,25 @@ def _where(ex, failure, source, lesson_path, shift):
     return "lesson", (func, called)
 
 
-def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
+def _at(ex, frames, source, lesson_path, shift, copy) -> str:
+    """The last frames of a failure, each where a reader finds it: a line of the exercise in the attendee's copy
+    (copy: its path), a line of the lesson's own code in the lesson (numbered as the lesson is), a test's line."""
+    first, last = _lines(source, ex.name)
+    ref_first, ref_last = _lines(reference(ex.stage), ex.name)
+    out = []
+    for f, n, fn, _ in [f for f in frames if f[0] == lesson_path or f[0].startswith(ROOT)
+                        and "site-packages" not in f[0]][-4:]:  # a venv may live in ROOT
+        if f != lesson_path:
+            out.append(f"    {os.path.relpath(f, ROOT)}:{n} in {fn}")
+        elif first <= n <= last:
+            out.append(f"    {copy or 'your ' + ex.short}:{n + shift} in {fn}  (your {ex.short})")
+        else:  # the lesson's code, below yours: moved by the lines yours has more than the lesson's
+            n -= 0 if n < first else (last - first) - (ref_last - ref_first)
+            out.append(f"    {LESSONS[ex.stage]}.py:{n} in {fn}  (the lesson's code)")
+    return "\n".join(out)
+
+
+def explain(ex, failure, source, lesson_path, shift=0, copy=None) -> tuple:
     """(the first line, the detail) of a failure: the exercise at fault and, in words, what went wrong."""
     kind, at = _where(ex, failure, source, lesson_path, shift)
     t, msg = failure["type"], failure["msg"].split("\n")[0]
@@ -498,16 +613,15 @@ def explain(ex, failure, source, lesson_path, shift=0) -> tuple:
                 else f"the lesson's {func}, {'called from' if called else 'after'} your {ex.short}, raised {t}: {msg}")
     else:
         what = f"the test could not use what your {ex.short} gave it: {t}: {msg}"
-    where = "\n".join(f"    {os.path.relpath(f, ROOT) if f.startswith(ROOT) else os.path.basename(f)}:{n} in {fn}"
-                      for f, n, fn, _ in [f for f in frames if f[0] == lesson_path or f[0].startswith(ROOT)
-                                          and "site-packages" not in f[0]][-4:])  # a venv may live in ROOT
+    where = _at(ex, frames, source, lesson_path, shift, copy)
     detail = f"  test: {test}" + (f" ({failure['doc']})" if failure["doc"] else "") + f"\n  at:\n{where}"
     return f"{ex.id} fails: {what}", detail
 
 
-def grade_body(ex, text, shift=0, memory=MEMORY) -> Grade:
+def grade_body(ex, text, shift=0, memory=MEMORY, copy=None) -> Grade:
     """Grade one exercise: text (what the attendee wrote of it, as it stands in the copy) put into the lesson,
-    the lesson's code standing in for every other exercise, and its tests run in a child with limits."""
+    the lesson's code standing in for every other exercise, and its tests run in a child with limits. shift:
+    the lines the copy has above it more than the lesson; copy: the copy's path, as a failure names it."""
     preload(ex.stage)
     source = splice(reference(ex.stage), {ex.name: text})
     folder = tempfile.mkdtemp(prefix="workshop-")
@@ -518,7 +632,7 @@ def grade_body(ex, text, shift=0, memory=MEMORY) -> Grade:
         if "error" in got:
             return Grade("fails", f"{ex.id} fails: {got['error']}", "", seconds)
         if got["failure"]:
-            why, detail = explain(ex, got["failure"], source, got["lesson"], shift)
+            why, detail = explain(ex, got["failure"], source, got["lesson"], shift, copy)
             return Grade("fails", why, detail, seconds, got["tests"])
         if got["rc"] != 0 or not any(o == "passed" for _, o in got["tests"]):
             with open(os.path.join(folder, "log.txt")) as f:
@@ -530,13 +644,13 @@ def grade_body(ex, text, shift=0, memory=MEMORY) -> Grade:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def grade_copy(ex, source) -> Grade:
-    """Grade ex as written in source (the attendee's copy of its lesson)."""
+def grade_copy(ex, source, copy=None) -> Grade:
+    """Grade ex as written in source (the attendee's copy of its lesson, at path copy)."""
     if is_stub(source, ex):
         return Grade("to do", f"{ex.id}: to do: {ex.idea}")
     a, b, _ = span(source, ex.name)
     shift = source[:a].count("\n") - reference(ex.stage)[:span(reference(ex.stage), ex.name)[0]].count("\n")
-    return grade_body(ex, source[a:b], shift)
+    return grade_body(ex, source[a:b], shift, copy=copy and os.path.relpath(copy))
 
 
 @functools.lru_cache(None)
@@ -568,7 +682,7 @@ def grade(stages, folder=WORKSPACE, say=None) -> dict:
         with open(path, encoding="utf-8") as f:
             src = f.read()
         for e in exercises(s):
-            out[e] = grade_copy(e, src)
+            out[e] = grade_copy(e, src, path)
             say and say(e, out[e])
     return out
 
@@ -589,8 +703,8 @@ class ExerciseItem(pytest.Item):
         if g.status == "to do":
             pytest.skip(f"{self.exercise.id}: to do")
         if g.status != "passes":
-            raise ExerciseFailed(f"{g.why}\n{g.detail}\n  hint: {self.exercise.idea}\n  closer to the code: "
-                                 f"python tests/workshop.py hint {self.exercise.stage} {self.exercise.short}")
+            raise ExerciseFailed(f"{g.why}\n{g.detail}\n  the idea: {self.exercise.idea}\n  stuck: python "
+                                 f"tests/workshop.py hint {self.exercise.stage} {self.exercise.short}")
 
     def repr_failure(self, excinfo, style=None):
         return str(excinfo.value) if isinstance(excinfo.value, ExerciseFailed) else super().repr_failure(excinfo)
@@ -614,6 +728,12 @@ class Grader:
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
         self.stages = [s for s in stages_of(config.args) if s in started(self.folder)]
         self.only = config.getoption("exercise") or []
+        named = stages_of(config.args)
+        for o in self.only:
+            if not any(find(s, o) for s in named):
+                raise pytest.UsageError(f"--exercise {o}: no such exercise in stage{'s' * (len(named) > 1)} "
+                                       f"{', '.join(named)}; " + "; ".join(
+                    f"{s}'s are {', '.join(e.short for e in exercises(s))}" for s in named if exercises(s)))
         self.grades, self.items, self.folded = {}, [], 0
 
     def source(self, stage) -> str:
@@ -622,7 +742,8 @@ class Grader:
 
     def grade(self, ex) -> Grade:
         if ex not in self.grades:
-            self.grades[ex] = grade_copy(ex, self.source(ex.stage))
+            self.grades[ex] = grade_copy(ex, self.source(ex.stage),
+                                         os.path.join(self.folder, LESSONS[ex.stage] + ".py"))
         return self.grades[ex]
 
     def pytest_report_header(self, config):
@@ -695,7 +816,7 @@ def start(stage, force=False, folder=WORKSPACE, say_next=True):
         f"next: open notebooks/{NOTEBOOKS[stage]} (the idea, its figure), write the functions in {rel}, and grade "
         f"them with\n  python -m pytest {TESTS[stage]} --workspace      (one: --exercise {exercises(stage)[0].short})"
         f"\n  python tests/workshop.py progress\nstuck: python tests/workshop.py hint {stage} "
-        f"{exercises(stage)[0].short} (closer to the code), then `solution`")
+        f"{exercises(stage)[0].short} (a question; --level 2: an example by hand), then `solution`")
     return 0
 
 
@@ -720,10 +841,14 @@ def progress(folder=WORKSPACE, as_json=False):
     return 0
 
 
-def hint(stage, name):
+def hint(stage, name, level=1):
+    """Hints in levels: 1 the idea as a question or a picture; 2 a small example worked by hand; then the
+    solution."""
     e = find(stage, name)
-    print(f"{e.id}\n  the idea: {e.idea}\n  closer to the code: {e.hint}\n  its tests check that {e.checks}\n"
-          f"still stuck: python tests/workshop.py solution {stage} {e.short}")
+    then = f"hint {stage} {e.short} --level 2" if level == 1 else f"solution {stage} {e.short}"
+    text = (e.hint if level == 1 else e.example).replace("\n", "\n  ")
+    print(f"{e.id}, hint {level} of 2:\n  {text}\nits tests check that {e.checks}\n"
+          f"still stuck: python tests/workshop.py {then}")
 
 
 def alternatives(stage) -> str | None:
@@ -772,7 +897,7 @@ def verify(stages=None, say=print) -> list:
         for e, what, text, want in cases:
             g = grade_body(e, text)
             bad = (g.status != want or want == "fails" and not g.why.startswith(e.id + " fails: ")
-                   or want == "fails" and bare(g.why))
+                   or want == "fails" and (bare(g.why) or undescribed(g.why, g.detail)))
             say(f"  {'ok ' if not bad else 'BAD'} {g.seconds:4.1f} s  {e.id:34} {what[:70]}: {g.status}" +
                 (f"\n        {g.why}" if bad or want == "fails" else ""))
             if bad:
@@ -787,6 +912,14 @@ def bare(why: str) -> bool:
             and len(text.split()) < 4 or "are not close" in text or "are not equal" in text)
 
 
+def undescribed(why: str, detail: str) -> list:
+    """What a failure's message shows of its input (a pool "of N blocks", a "tree [..] -> {..}") that its `test:`
+    line does not describe: the reader would look for one input and be shown another."""
+    test = detail.split("\n")[0]
+    shown = [f"{n} blocks" for n in re.findall(r"of (\d+) blocks", why)]
+    return [x for x in shown + re.findall(r"tree (\[[\d ]*\] -> \{[^}]*\})", why) if x not in test]
+
+
 def _written(source, e, indent):
     """What source writes of e, re-indented to indent (the lesson's); None where it does not write e."""
     try:
@@ -794,6 +927,44 @@ def _written(source, e, indent):
     except StopIteration:
         return None
     return reindent(source[a:b], own, indent)
+
+
+# -------- the notebooks' questions ------------------------------------------------------------------------
+
+def ask(answer, truth, why, shows="", given=None, close=0.0, wrong=None) -> bool:
+    """A notebook question's check (a **Predict:** or **Try:** cell, then `answer = None`, then this): the
+    attendee's answer against the truth computed in this run. Unanswered (None): it reveals nothing. Right: says
+    so and why. Wrong: "not yet", what it is and why; wrong maps a tempting answer to what it misses (a
+    dict, a list written as a tuple; or a list of pairs).
+    shows: the truth in words (default its repr); given(answer): the value a written line gives (a Try);
+    close: the relative tolerance for a number. Returns whether the answer was right."""
+    if answer is None:
+        print("your answer first: write it in the cell above (answer = ...), run that cell, then this one")
+        return False
+    it = shows or repr(truth)
+    try:
+        got = given(answer) if given else answer
+    except Exception as e:  # noqa: BLE001 -- the attendee's line: say what it raised
+        print(f"not yet: your answer raised {type(e).__name__}: {e}. Why: {why}")
+        return False
+    if _same(got, truth, close):
+        print(f"right: {it}. Why: {why}")
+        return True
+    miss = next((m for w, m in dict(wrong or {}).items() if _same(got, w, close)), "")
+    print(f"not yet: you said {answer if given is None else got!r}, but {it}. {miss + ' ' if miss else ''}"
+          f"Why: {why}")
+    return False
+
+
+def _same(a, b, close) -> bool:
+    a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
+    if isinstance(a, str) and isinstance(b, str):
+        return a.strip().lower() == b.strip().lower()
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return abs(a - b) <= close * abs(b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, close) for x, y in zip(a, b))
+    return a == b
 
 
 def your_turn(stage) -> str:
@@ -816,7 +987,7 @@ Write them in `workspace/{name}.py`, then grade them (each alone: the lesson's c
 
     python -m pytest {test} --workspace    # one: --exercise {first}; a failure says which and why
     python tests/workshop.py progress    # every stage, and your score
-    python tests/workshop.py hint {stage} {first}    # stuck: a hint closer to the code; `solution` last
+    python tests/workshop.py hint {stage} {first}    # stuck: a question; --level 2 an example; `solution` last
 
 When they pass, read `{name}.py` as the reference and run it. `WORKSHOP=1 jupyter lab` runs this notebook on
 your copy (its first cell then imports `workspace/{name}.py`).{triton}"""
@@ -844,12 +1015,13 @@ def main(argv=None):
     for p in (st, pr):
         p.add_argument("--dir", default=WORKSPACE, help="the workspace folder (default: workspace/)")
     sub.add_parser("list", help="every exercise, its idea and the tests that grade it")
-    for cmd, text in (("hint", "a hint close to the code (stuck on the idea?)"),
+    for cmd, text in (("hint", "stuck: the idea as a question (--level 2: a small example worked by hand)"),
                       ("solution", "the lesson's body of an exercise (stuck after the hint? read it, then write "
                                    "yours)")):
         p = sub.add_parser(cmd, help=text)
         p.add_argument("stage")
         p.add_argument("name", help="TokenAllocator.alloc, or alloc")
+        cmd == "hint" and p.add_argument("--level", type=int, choices=(1, 2), default=1)
     sub.add_parser("notebooks", help="(maintainers) rewrite each lesson notebook's last cell, \"Your turn\"")
     ve = sub.add_parser("verify", help="(CI) the lesson passes; each mutant fails, blamed on its exercise; each "
                                        "alternative passes")
@@ -871,7 +1043,9 @@ def main(argv=None):
         e = find(a.stage.zfill(2), a.name) if a.stage.zfill(2) in LESSONS else None
         if e is None:
             ap.error(f"no exercise {a.name!r} in stage {a.stage}: `python tests/workshop.py list` lists them")
-        return hint(e.stage, e.name) if a.cmd == "hint" else print(body(reference(e.stage), e.name).rstrip("\n"))
+        if a.cmd == "hint":
+            return hint(e.stage, e.name, a.level)
+        return print(body(reference(e.stage), e.name).rstrip("\n"))
     if a.cmd == "notebooks":
         return write_notebooks()
     if a.cmd == "verify":
@@ -884,4 +1058,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        rc = main()
+        sys.stdout.flush()  # here, so that a closed pipe raises where it is caught
+    except BrokenPipeError:  # `... | head` stopped reading: stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        rc = 141
+    sys.exit(rc)
