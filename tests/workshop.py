@@ -950,8 +950,8 @@ def ask(answer, truth, why, shows="", given=None, close=0.0, wrong=None) -> bool
     if _same(got, truth, close):
         print(f"right: {it}. Why: {why}")
         return True
-    miss = next((m for w, m in dict(wrong or {}).items() if _same(got, w, close)), "")
-    print(f"not yet: you said {answer if given is None else got!r}, but {it}. {miss + ' ' if miss else ''}"
+    miss = next((f" ({m})" for w, m in dict(wrong or {}).items() if _same(got, w, close)), "")
+    print(f"not yet: {f'you said {answer!r}' if given is None else f'your answer gives {got!r}'}, but {it}{miss}. "
           f"Why: {why}")
     return False
 
