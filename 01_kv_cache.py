@@ -141,19 +141,26 @@ class KVCache:
         kp, vp = self.layer_pools(layer)
         kp[self.tok_slots], vp[self.tok_slots] = k, v  # the whole cache write: one scatter per step
         rows, starts, n_new = self.batch
-        if all(n == 1 for n in n_new):  # decode: one query per request, batched
+        # decode: one query per request, batched; a mixed step's decode rows too (they lead, 05), so
+        # they neither pad prefill's tiles of query rows nor read their keys unsplit
+        d = next((i for i, n in enumerate(n_new) if n != 1), len(n_new))
+        outs, t = [], d
+        if d:
             decode = self.decode_attn or attend_table
-            return decode(q, kp, vp, self.table, self.batch_rows, self.batch_lens, page=self.page)
-        if self.extend_attn is not None:  # prefill in one launch
-            return self.extend_attn(q, kp, vp, self.table, self.batch_rows, starts, n_new,
-                                    page=self.page)
-        outs, t = [], 0
-        for r, p, n in zip(rows, starts, n_new):
-            # prefill: gather each request's slots, one request at a time
-            idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)
-            outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
-            t += n
-        return torch.cat(outs)
+            outs.append(decode(q[:d], kp, vp, self.table, self.batch_rows[:d], self.batch_lens[:d],
+                               page=self.page))
+        if d < len(n_new) and self.extend_attn is not None:  # prefill in one launch
+            # a copy: rows d.. as a view start off Triton's 16-byte alignment (another compile)
+            table_rows = self.batch_rows[d:].clone() if d else self.batch_rows
+            outs.append(self.extend_attn(q[d:], kp, vp, self.table, table_rows, starts[d:], n_new[d:],
+                                         page=self.page))
+        elif d < len(n_new):
+            for r, p, n in zip(rows[d:], starts[d:], n_new[d:]):
+                # prefill: gather each request's slots, one request at a time
+                idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)
+                outs.append(attend_dense(q[t:t + n], kp[idx], vp[idx]))
+                t += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def free(self, seq_id):
         """Drop a request's KV."""

@@ -362,10 +362,13 @@ class Scheduler(L02.Scheduler):
       reserve="expected"  (the engine's) look ahead, as LightLLM's router: also admit only while, at every step
                     from now, the pool holds what the running requests will hold then, each growing a token a step
                     until its expected end (a share of its remaining max_new, learned: see fits_ahead).
-      mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang);
-                    while requests wait for KV or rows (held), a decode step between two mixed steps: the
-                    running ones decode at the pace of pure decode steps (the engine's CUDA graphs and
-                    multi-step chunks) and free their KV sooner, rather than one token per mixed step.
+      mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang),
+                    then a decode step: mixed steps back to back give a stream one token a step, a decode step
+                    gives it k (the engine's CUDA graphs, multi-step chunks), so under a burst of prompts the
+                    streams fall behind and free their rows late, and the queue's first tokens wait for them.
+                    A prompt part-way in runs its chunks back to back (each gives every stream a token): its
+                    first token comes a step sooner per chunk. While requests wait for KV or rows (held), a
+                    step that admits is prefill-only (`solo`), the streams' tokens left to decode steps.
                     False: prefill-first (vLLM's order, the engine's: decode steps stay pure, CUDA-graph-able), a
                     decode step between two prefill steps while requests decode (a burst of prompts or a long one's
                     chunks do not stall the streams step after step).
@@ -402,6 +405,7 @@ class Scheduler(L02.Scheduler):
         # the request whose prompt is part-way in (chunked prefill)
         self.chunked, self.prefilled = None, False
         self.held = False  # the last admission left requests waiting for KV or rows
+        self.solo = False  # mixed: this step's prompts run without the decode tokens (held)
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0,
                           recomputed_tokens=0, peak_running=0)
@@ -453,17 +457,20 @@ class Scheduler(L02.Scheduler):
         take; else: their prompts, after one token for each running request); lock their prefixes,
         open their rows."""
         self.swap_in()
-        if self.prefilled and self.running and (not self.mixed or self.held):
-            # a decode step between two prefill steps: a stream waits one prefill step at most;
-            # mixed: while the queue waits for KV (or rows), so the running ones free theirs sooner
+        if self.prefilled and self.running and not (self.mixed and self.chunked and not self.held):
+            # a decode step between two prefill (or mixed) steps: a stream waits one prefill step at
+            # most, and decodes k tokens, not one, between two admissions
             self.prefilled = False
             return []
+        # held: the queue drains as fast as the running ones finish, and a decode token costs more in an
+        # eager mixed step than in a decode step's CUDA graph (H200 step log): admit in a prefill-only step
+        self.solo = self.mixed and self.held
         room, new, prefill, spare = self.max_running - len(self.running), [], 0, None
         self.held = bool(self.waiting) and (room <= 0 or bool(self.swapped))
         if self.chunk_tokens is None:  # tokens this step may feed
             step = self.max_prefill_tokens
         else:
-            step = self.chunk_tokens - (len(self.running) if self.mixed else 0)
+            step = self.chunk_tokens - (len(self.running) if self.mixed and not self.solo else 0)
         if self.chunked is not None:
             # a prompt part-way in goes first; it holds its KV and its lock already
             r = self.chunked
@@ -695,7 +702,7 @@ class Scheduler(L02.Scheduler):
         """This step's requests: the admitted ones (prefill-first), with every running one (mixed),
         or, when none was admitted, the running ones."""
         self.prefilled = bool(new)
-        return self.running + new if self.mixed and new else new or self.running
+        return self.running + new if self.mixed and new and not self.solo else new or self.running
 
     def step(self, forward=None):
         """02's step; forward None: a simulation, where each request's next token is read from its target."""

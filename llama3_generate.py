@@ -894,6 +894,8 @@ class Engine:
         if self.graphs is not None:
             for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
                 self.graphs.graph(b)
+        if self.device.type == "cuda" and self.graphs is not None and self.kv.decode_attn is not None:
+            self.warm_decode_rows()
         # k-step and 1-step
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
         self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
@@ -903,6 +905,17 @@ class Engine:
         gc.collect()
         gc.freeze()  # of every stream; frozen, the collector leaves it alone
         return time.perf_counter() - t0
+
+    def warm_decode_rows(self):
+        """A mixed step attends its decode rows eagerly (01's attend), however many: compile now what
+        each number of them launches (04's split counts), not in a step while serving (~1 s each)."""
+        kp, vp = self.kv.layer_pools(0)
+        (_, hkv, d), n = kp.shape, self.max_batch
+        q = kp.new_zeros(n, hkv * (self.model.args.n_heads // self.model.args.n_kv_heads), d)
+        rows = torch.full((n,), self.graphs.pad_row, dtype=torch.int32, device=self.device)
+        lens = torch.ones_like(rows)  # the pad row's one scratch token
+        for b in range(1, n + 1):
+            self.kv.decode_attn(q[:b], kp, vp, self.kv.table, rows[:b], lens[:b], page=self.kv.page)
 
     def reset(self):
         """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""

@@ -292,15 +292,18 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     return r
 
 
-SERVE_SCHEDULES = {name: (mixed, 4096 if chunked else None)  # (mixed, chunk_tokens): 05's Scheduler options
+# (mixed, chunk_tokens): 05's Scheduler options. The budget from the H200's step time (1B shape): a step of
+# 6,144 tokens takes ~45 ms, under half of prefill-first's ITL p99, and a 16k prompt needs 3 chunks (4,096: 5)
+SERVE_SCHEDULES = {name: (mixed, 6144 if chunked else None)
                    for name, (mixed, chunked) in L.lesson("05_radix_scheduler").SCHEDULES.items()}
 
 
 def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     """Requests arrive at the given times (seconds from now) while the engine steps, as at a server: time to first
     token (TTFT) and the gap between deliveries (inter-token latency as vLLM's bench_serving counts it).
-    itl_max_steps: the longest gap's steps, [tokens fed by kind, ms] each, and the time outside any step."""
-    got, start, seen, steps = set(), {}, {}, []  # steps: (end, tokens fed by kind, seconds) each
+    itl_max_steps: the longest gap's steps, [tokens fed by kind, ms] each, and the time outside any step;
+    ttft_waits: where the slowest first tokens waited (ttft_waits())."""
+    got, start, seen, steps, begun = set(), {}, {}, [], {}  # steps: (end, tokens fed by kind, seconds) each
     on_token = lambda s: got.add(s.rid)
     t0, i = time.perf_counter(), 0
     while i < len(prompts) or engine.busy:
@@ -312,10 +315,14 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
             time.sleep(max(0.0, arrivals[i] - now))
             continue
         fed, began = {k: engine.stats[f"{k}_tokens"] for k in ("prefill", "decode", "mixed")}, time.perf_counter()
+        logged = len(engine.events)
         engine.step(on_token)
         end = time.perf_counter()
         now = end - t0
         steps.append((now, {k: engine.stats[f"{k}_tokens"] - n for k, n in fed.items()}, end - began))
+        for ev in engine.events[logged:]:  # admitted in this step: its first step (TTFT's queued part ends)
+            if ev.kind == "admit":
+                begun.setdefault(ev.rid, began - t0)
         for sid in got:
             seen.setdefault(sid, []).append(now)
         got.clear()
@@ -328,12 +335,18 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
     gaps = [g for g, _, _ in gaps]
     tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
     out_tokens = sum(n for _, n in lens)
+    kinds = [(end - sec, end, max(("decode", "prefill", "mixed"), key=lambda k: (k != "decode") * fed[k]))
+             for end, fed, sec in steps]  # (start, end, the kind of step) each
+    sids = sorted(start)
+    waits = ttft_waits([seen[k][0] for k in sids], [start[k] for k in sids], [begun[k] for k in sids],
+                       [lens[k] for k in sids], kinds)
     return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
                 ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), ttft_max_ms=max(ttft) * 1e3,
                 itl_p50_ms=pct(gaps, 50),
                 itl_p99_ms=pct(gaps, 99), itl_max_ms=longest * 1e3, tpot_p50_ms=pct(tpot, 50),
                 tpot_p99_ms=pct(tpot, 99), outputs=engine.run(),
-                itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]])
+                itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]],
+                ttft_waits=waits)
 
 
 def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape):
@@ -380,12 +393,27 @@ def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 102
     return r
 
 
-def simulate_serve(rates=(16, 32), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
-                   schedules=SERVE_SCHEDULES, vocab=128256, step_s=6e-3, token_s=4.5e-6, overlap=True,
-                   log=lambda msg: None) -> dict:
+# serve --simulate's step cost (s), fitted to the H200's 1B shape (bf16): an eager step with prompts takes
+# PREFILL_S + TOKEN_S a token fed + PAIR_S a (query, key) pair of its prompts + CTX_S a token of context a
+# decode row reads; a CUDA-graph decode step DECODE_S + CTX_S a token of context
+PREFILL_S, TOKEN_S, PAIR_S, DECODE_S, CTX_S = 4e-3, 4.5e-6, 0.5e-9, 3e-3, 10e-9
+
+
+def step_seconds(batch, decoding: set) -> float:
+    """The cost model's time for one step of batch (decoding: ids of the rows that decode)."""
+    ctx = sum(x.kv_len for x in batch if id(x) in decoding)
+    if all(id(x) in decoding for x in batch):
+        return DECODE_S + CTX_S * ctx
+    fed = sum(x.n_new for x in batch)
+    pairs = sum(x.n_new * (x.kv_len + x.n_new / 2) for x in batch if id(x) not in decoding)
+    return PREFILL_S + TOKEN_S * fed + PAIR_S * pairs + CTX_S * ctx
+
+
+def simulate_serve(rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
+                   schedules=SERVE_SCHEDULES, vocab=128256, multi_step=4, log=lambda msg: None) -> dict:
     """`serve --simulate` (a CPU): serve's draws (the same lengths and arrivals) through 05's Scheduler with no model,
-    on a clock where a step takes step_s + token_s per token it feeds (a cost model: the GPU run measures). Each
-    token is delivered at the end of its step (one step per delivery: no multi-step)."""
+    on step_seconds' clock (a cost model: the GPU run measures). A decode step runs multi_step steps before the
+    next admission and delivers their tokens at its end, as the engine's multi-step chunks."""
     R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
     rng = torch.Generator().manual_seed(0)  # serve_workload's draws, in its order (the model draws none)
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
@@ -395,32 +423,77 @@ def simulate_serve(rates=(16, 32), n_seqs=320, lengths=(100, 1024), long=(8192, 
     longest, r = max(p + n for p, n in lens), {"device": "cpu (simulated)", "shape": "llama-3.2-1b",
                                               "requests": n_seqs, "schedules": schedules, "rates": {},
                                               "long_prompts": sorted(p for p, _ in lens if p > lengths[1])}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensor ops: a thread pool only adds overhead (05's simulate)
     for rate in rates:
         arrivals = torch.empty(n_seqs).exponential_(rate, generator=rng).cumsum(0).tolist()
         for name, (mixed, chunk_tokens) in schedules.items():
             kv = T.TokenKVCache(1, n_seqs * 1024 + longest, 1, 1, min(256, n_seqs) + 1, longest)
             s = R.Scheduler(kv, "lpm", min(256, n_seqs), 32768, reserve="expected", mixed=mixed,
-                            chunk_tokens=chunk_tokens)
-            now, i, seen, reqs = 0.0, 0, [[] for _ in lens], []
-            while i < n_seqs or s.busy:
-                while i < n_seqs and arrivals[i] <= now:
-                    reqs.append(s.add(prompts[i], lens[i][1], target=[i % 1000 + 10] * lens[i][1]))
-                    i += 1
-                if not s.busy:
-                    now = arrivals[i]
-                    continue
-                batch, _ = s.schedule()
-                fed = sum(x.n_new for x in batch)
-                now += max(step_s, token_s * fed) if overlap else step_s + token_s * fed
-                samples = [x.samples for x in batch]
-                for x, y in zip(batch, samples):
-                    seen[x.rid] += [now] if y else []
-                s.postprocess(batch, [[x.target[len(x.output)]] if y else [] for x, y in zip(batch, samples)])
-            x = r["rates"].setdefault(rate, {})[name] = latency(seen, arrivals, lens)
-            short = [d[0] - t for d, t, (p, _) in zip(seen, arrivals, lens) if p <= lengths[1]]
-            x.update(steps=s.stats["steps"], short_ttft_p99_ms=torch.tensor(short).quantile(0.99).item() * 1e3)
-            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in x.items()))
+                            chunk_tokens=chunk_tokens, lookahead=multi_step)
+            x = r["rates"].setdefault(rate, {})[name] = simulate_arrivals(s, prompts, lens, arrivals, multi_step)
+            log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in x.items() if k != "ttft_waits"))
+    torch.set_num_threads(threads)
     return r
+
+
+def simulate_arrivals(s, prompts, lens, arrivals, multi_step) -> dict:
+    """simulate_serve's run of one schedule: latency()'s figures, and where the slowest first tokens waited."""
+    now, i, n, seen, begun, steps = 0.0, 0, len(prompts), [[] for _ in lens], {}, []
+    while i < n or s.busy:
+        while i < n and arrivals[i] <= now:
+            s.add(prompts[i], lens[i][1], target=[i % 1000 + 10] * lens[i][1])
+            i += 1
+        if not s.busy:
+            now = arrivals[i]
+            continue
+        batch, got, t0 = None, set(), now
+        for k in range(multi_step):  # a decode step: multi_step of them, one delivery
+            batch, _ = s.schedule(None if batch is None else [])
+            decoding = set(map(id, s.running))
+            now += step_seconds(batch, decoding)
+            got.update(x.rid for x in batch if x.samples)
+            prefill = sum(x.n_new for x in batch if id(x) not in decoding)
+            for x in batch:
+                begun.setdefault(x.rid, t0)
+            s.postprocess(batch, [[x.target[len(x.output)]] if x.samples else [] for x in batch])
+            if prefill or not s.running:
+                break
+        steps.append((t0, now, "decode" if not prefill else "mixed" if s.mixed else "prefill"))
+        for rid in got:
+            seen[rid].append(now)
+    x = latency(seen, arrivals, lens)
+    short = [d[0] - t for d, t, (p, _) in zip(seen, arrivals, lens) if p <= 1024]
+    x.update(steps=s.stats["steps"], short_ttft_p99_ms=torch.tensor(short).quantile(0.99).item() * 1e3)
+    x["ttft_waits"] = ttft_waits([d[0] for d in seen], arrivals, [begun[k] for k in range(n)], lens, steps)
+    return x
+
+
+def ttft_waits(first, arrivals, begun, lens, steps, top=4) -> list:
+    """Where the `top` slowest first tokens waited: [prompt tokens, TTFT, queued (arrival to its first step),
+    then, from its first step to its first token, the ms and count of each kind of step] each (ms).
+    steps: (start, end, kind) each, in the run's clock."""
+    out = []
+    for k in sorted(range(len(first)), key=lambda k: arrivals[k] - first[k])[:top]:
+        row = dict(prompt=lens[k][0], ttft=(first[k] - arrivals[k]) * 1e3, queued=(begun[k] - arrivals[k]) * 1e3)
+        for a, b, kind in steps:
+            if begun[k] <= a < first[k]:
+                ms, count = row.get(kind, (0.0, 0))
+                row[kind] = (ms + (b - a) * 1e3, count + 1)
+        out.append(row)
+    return out
+
+
+def waits_report(r: dict) -> list:
+    """serve_report's lines on where the slowest first tokens waited."""
+    lines = ["the slowest first tokens: prompt tokens, TTFT = queued + steps from its first step (ms, count):"]
+    for rate, runs in r["rates"].items():
+        for name, x in runs.items():
+            lines += [f"{rate:>5}  {name:<23}" + "; ".join(
+                f"{w['prompt']:,} {w['ttft']:.0f} = {w['queued']:.0f} + " + " + ".join(
+                    f"{k} {w[k][0]:.0f} ({w[k][1]})" for k in ("prefill", "mixed", "decode") if k in w)
+                for w in x.get("ttft_waits", [])[:2])]
+    return lines
 
 
 def serve_plot(r: dict, path: str):
@@ -451,6 +524,7 @@ def serve_report(r: dict) -> str:
         lines += [f"{rate:>5}  {name:<23}{x['output_tok_s']:>8,.0f}{x['ttft_p50_ms']:>7.0f} /{x['ttft_p99_ms']:>5.0f} /"
                   f"{x['ttft_max_ms']:>5.0f}{x['itl_p50_ms']:>8.1f} /{x['itl_p99_ms']:>5.0f} /{x['itl_max_ms']:>5.0f}"
                   f"{x['tpot_p50_ms']:>10.2f} /{x['tpot_p99_ms']:>5.2f}" for name, x in runs.items()]
+    lines += waits_report(r)
     if "same_tokens" not in r:  # simulated: no steps timed, the tokens are the workload's
         return "\n".join(lines)
     lines += ["the longest gap, steps inside it (tokens fed, ms) and the time outside any step:"]
@@ -781,8 +855,7 @@ def cli_args(argv=None) -> argparse.Namespace:
                          "prefill-first and mixed chunked steps on a random Llama-3.2-1B shape")
     srv.add_argument("--plot", help="save its latency plot (PNG) here")
     srv.add_argument("--simulate", action="store_true", help="on a CPU: the same load through 05's scheduler with no "
-                     "model, each step timed by a cost model (6 ms + 4.5 us a token, or the larger of the two)")
-    srv.add_argument("--additive", action="store_true", help="--simulate's step time is 6 ms + 4.5 us a token")
+                     "model, each step timed by a cost model fitted to the H200 (step_seconds)")
     sub.add_parser("admission", help="GPU: the engine workload at equal KV memory (512 tokens a sequence), outputs to "
                    "max_new and with early stops, through 05's three admissions on token, paged 16 and paged 256")
     http = sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the "
@@ -805,7 +878,7 @@ def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
     if args.command == "serve" and args.simulate:
-        r = simulate_serve(overlap=not args.additive, log=log)
+        r = simulate_serve(log=log)
         serve_plot(r, args.plot) if args.plot else None
         print(json.dumps(r) if args.json else serve_report(r))
         return

@@ -68,7 +68,8 @@ MUTANTS = [
            "forget the past)", "idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)",
            "idx = table_slots(self.table, [r], p + n, self.page)[0][p:]"),
     Mutant("01", "KVCache.attend", "a batch is decode when ANY request feeds one token (a mixed batch takes the "
-           "decode path)", "if all(n == 1 for n in n_new):  # decode", "if any(n == 1 for n in n_new):  # decode"),
+           "decode path)", "d = next((i for i, n in enumerate(n_new) if n != 1), len(n_new))",
+           "d = len(n_new) if 1 in n_new else 0"),
 
     # ---- 02: BlockManager (append, copy-on-write, fork, free) and the Scheduler's preemption ----
     Mutant("02", "BlockManager.fork", "fork forgets the children's references (refcounts stay 1)",

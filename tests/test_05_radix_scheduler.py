@@ -524,6 +524,52 @@ def test_cli_json(capsys):
     assert chunked["long_prompt_first_token_after"] > c["long_prompt"]  # the decode steps between its chunks
 
 
+def test_a_mixed_step_is_followed_by_a_decode_step_but_a_long_prompts_chunks_run_back_to_back():
+    """mixed: after a step that admits, a decode step (the engine decodes k tokens a stream there, not one), so a
+    burst of short prompts runs P d P d; a long prompt's chunks run back to back (each gives every stream a token).
+    Prefill-first: a decode step between any two prefill steps. Fresh random prompts each run."""
+    rng = np.random.default_rng()
+    for mixed in (True, False):
+        s = R.Scheduler(T.TokenKVCache(1, 4096, 1, 1, 16, 1024), "fcfs", 16, reserve=False, mixed=mixed,
+                        chunk_tokens=64)
+        for _ in range(3):  # streams
+            s.add(R._toks(rng, 10), 40, target=R._toks(rng, 40))
+        kinds = ""  # P: prompt tokens and decode tokens (mixed), p: prompt tokens only, d: decode only
+        for step in range(20):
+            if 3 <= step < 9:  # a burst: a short prompt a step
+                s.add(R._toks(rng, 8), 20, target=R._toks(rng, 20))
+            if step == 10:  # 200 tokens: 4 chunks of 64 - 9 running
+                s.add(R._toks(rng, 200), 20, target=R._toks(rng, 20))
+            logged = len(s.events)
+            s.step()
+            fed = {e.kind for e in s.events[logged:]}
+            kinds += ("P" if "decode" in fed else "p") if "prefill" in fed else "d"
+        if mixed:
+            assert kinds[3:11] == "PdPdPdPd", f"the burst: {kinds[3:11]} (want P d P d: a decode step after each)"
+            assert kinds[11:16] == "PPPPd", f"the long prompt: {kinds[11:16]} (want its 4 chunks back to back)"
+        else:
+            assert "P" not in kinds and "pp" not in kinds, f"prefill-first: {kinds} (want p d p d)"
+
+
+def test_a_mixed_step_that_admits_while_requests_wait_for_rows_feeds_prompts_only():
+    """mixed, held (every row taken, requests waiting): a step that admits is prefill-only (`solo`), the running
+    ones' tokens left to the decode steps (CUDA graphs on the engine); not held, it carries their decode tokens."""
+    rng = np.random.default_rng()
+    s = R.Scheduler(T.TokenKVCache(1, 4096, 1, 1, 16, 1024), "fcfs", 4, reserve=False, mixed=True, chunk_tokens=64)
+    for i in range(8):  # 4 rows, 8 requests: the rest wait for a row
+        n = int(rng.integers(3, 30))
+        s.add(R._toks(rng, int(rng.integers(4, 12))), n, target=R._toks(rng, n))
+    seen = {True: 0, False: 0}  # admitting steps, by held
+    while s.busy:
+        held, running, logged = s.held, bool(s.running), len(s.events)
+        s.step()
+        kinds = {e.kind for e in s.events[logged:]}
+        if "prefill" in kinds and running:
+            seen[held] += 1
+            assert ("decode" in kinds) != held, f"held {held}: an admitting step fed {sorted(kinds)}"
+    assert seen[True] >= 2, f"admitting steps while held: {seen}"
+
+
 @pytest.fixture
 def one_thread():
     """Small batches on a 2-core machine shared with other jobs: one thread avoids oversubscribed thread pools."""

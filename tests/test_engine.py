@@ -781,7 +781,30 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
         parts = x["itl_max_steps"]  # the longest gap's steps and the time outside them add up to it
         assert len(parts) >= 2 and parts[-1][0] == "outside steps" and parts[-1][1] > -1e-6
         assert abs(sum(ms for _, ms in parts) - x["itl_max_ms"]) < 1e-6 and all(ms > 0 for _, ms in parts[:-1])
+        waits(x, outside=0.2)
     assert "same tokens in every schedule: True" in B.serve_report(r)
+
+
+def waits(x, outside=0.0):
+    """serve's ttft_waits: the slowest first tokens, slowest first, each TTFT = queued + the steps from its first
+    step to its first token, give or take the time outside steps (a share `outside` of the TTFT)."""
+    w = x["ttft_waits"]
+    assert w and abs(w[0]["ttft"] - x["ttft_max_ms"]) < 1e-6 and all(a["ttft"] >= b["ttft"] for a, b in zip(w, w[1:]))
+    for a in w:
+        steps = sum(a[kind][0] for kind in ("prefill", "mixed", "decode") if kind in a)
+        assert a["queued"] >= 0 and (1 - outside) * a["ttft"] - 1e-6 <= a["queued"] + steps <= a["ttft"] + 1e-6, a
+
+
+def test_serve_simulated_on_a_cpu_says_where_first_tokens_wait():
+    """`serve --simulate`: serve's draws through 05's scheduler on the cost model's clock, every schedule; each
+    of the slowest first tokens' TTFT is exactly its queue plus its steps (no time outside steps)."""
+    import bench_engine as B
+    r = B.simulate_serve(rates=(50,), n_seqs=24, lengths=(4, 24), long=(60, 120), long_prompts=2)
+    assert list(r["rates"][50]) == list(B.SERVE_SCHEDULES) and len(r["long_prompts"]) == 2
+    for x in r["rates"][50].values():
+        assert 0 < x["ttft_p50_ms"] <= x["ttft_p99_ms"] <= x["ttft_max_ms"] and x["itl_p99_ms"] <= x["itl_max_ms"]
+        waits(x)
+    assert "the slowest first tokens" in B.serve_report(r)
 
 
 def test_cli_regex_is_pythons_alone_and_schemas_strict_unless_exact(tmp_path, capsys, monkeypatch):
