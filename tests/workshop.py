@@ -521,23 +521,26 @@ def _isolated(fn, seconds, memory=MEMORY) -> dict:
         return fn()
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child
-        os.close(r)
-        code = 0
+    if pid == 0:  # the child: whatever happens, it ends here
+        code = 1
         try:
-            import resource
-            with open("/proc/self/status") as f:
-                held = int(re.search(r"VmSize:\s+(\d+)", f.read())[1]) * 1024
-            resource.setrlimit(resource.RLIMIT_AS, (held + memory, resource.RLIM_INFINITY))
-        except (OSError, ImportError, ValueError, TypeError):
-            pass  # no /proc (macOS): the time limit only
-        try:
-            out = pickle.dumps(fn())
-        except BaseException as e:  # noqa: BLE001 -- the parent reports it
-            out, code = pickle.dumps(dict(error=f"{type(e).__name__}: {e}")), 1
-        with os.fdopen(w, "wb") as f:
-            f.write(out)
-        os._exit(code)
+            os.close(r)
+            try:
+                import resource
+                with open("/proc/self/status") as f:
+                    held = int(re.search(r"VmSize:\s+(\d+)", f.read())[1]) * 1024
+                resource.setrlimit(resource.RLIMIT_AS, (held + memory, resource.RLIM_INFINITY))
+            except (OSError, ImportError, ValueError, TypeError):
+                pass  # no /proc (macOS): the time limit only
+            try:
+                out, code = pickle.dumps(fn()), 0
+            except BaseException as e:  # noqa: BLE001 -- the parent reports it
+                traceback.clear_frames(e.__traceback__)  # what it grew is freed before the report is built
+                out = pickle.dumps(dict(error=f"{type(e).__name__}: {e}"))
+            with os.fdopen(w, "wb") as f:
+                f.write(out)
+        finally:
+            os._exit(code)
     os.close(w)
     import select
     data, t0 = b"", time.monotonic()
