@@ -469,6 +469,18 @@ class _Collect:
 
     def __init__(self):
         self.tests, self.failure = [], None
+        self.reserve = bytearray(32 << 20)  # taken under the child's memory limit, freed at a MemoryError
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        """A test that ran out of memory: what it grew, and the reserve, freed before pytest builds its report
+        (at the limit, the stack's next page cannot be mapped: the child died of signal 11 in pytest's code)."""
+        try:
+            return (yield)
+        except MemoryError as e:
+            self.reserve = None
+            traceback.clear_frames(e.__traceback__)
+            raise
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_makereport(self, item, call):
