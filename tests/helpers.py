@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 
@@ -16,6 +17,12 @@ import llama3_generate as L
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L01 = importlib.import_module("01_kv_cache")
+
+
+def ctrl_c_reaches():
+    """Popen's preexec_fn for a child that Ctrl-C must reach, as from a terminal: a background job's children
+    (nohup pytest &) start with SIGINT ignored, and then Python never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def refuses(exc, fn, *args, what: str):

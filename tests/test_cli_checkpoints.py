@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import llama3_generate as L
-from helpers import FORMATS, MAX_NEW, PROMPTS, SHAPES, Reference, cli, tokens, write_checkpoints
+from helpers import (FORMATS, MAX_NEW, PROMPTS, SHAPES, Reference, cli, ctrl_c_reaches, tokens,
+                     write_checkpoints)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -319,8 +320,7 @@ def test_ctrl_c_is_one_line_and_status_130():
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--ignore-eos",
                           "--max-new-tokens", "1000", "Hi"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as from a terminal: a
-    # background job's children (nohup pytest &) start with SIGINT ignored, and then Python never raises Ctrl-C
+                         preexec_fn=ctrl_c_reaches)
     assert p.stdout.read(1), "nothing streamed"  # decoding has begun
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)

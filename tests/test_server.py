@@ -550,12 +550,14 @@ def test_a_client_that_disconnects_frees_its_slots(srv, stream):
 def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
     """A process of its own, Ctrl-C while a stream is open: the stream ends (finish "abort", [DONE]), the process
     says one line and exits 130, no traceback. At the start it says where it serves, then uvicorn's lines follow."""
+    from helpers import ctrl_c_reaches
     with socket.socket() as s:  # a free loopback port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}/v1"
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--serve", "--model", ckpt,
-                          "--port", str(port), "--kv-tokens", "2048"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+                          "--port", str(port), "--kv-tokens", "2048"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=ctrl_c_reaches)
     try:
         for _ in range(600):  # bounded: 60 s
             try:
