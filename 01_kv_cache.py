@@ -603,7 +603,6 @@ def main(argv=None):
     p.add_argument("--no-model", action="store_true",
                    help="skip the real model's three ways to generate (the memory figures only)")
     a = p.parse_args(argv)
-    import llama3_generate as L
     cpu_threads()  # one thread on 2 cores (why: in its docstring)
     if a.requests < 2 or a.new_tokens < 1 or a.max_seq_len < 2:
         p.error("--requests must be >= 2, --new-tokens >= 1, --max-seq-len >= 2")
