@@ -374,14 +374,18 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 @triton.jit
 def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
             page, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+            BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
+            DECODE: tl.constexpr = False):
     j, kvh = tl.program_id(0), tl.program_id(1)
     H = tl.num_programs(1) * GROUP
-    # this block: request b, its rows r0..
-    b, r0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)
-    row, prefix = tl.load(ROWS + b).to(tl.int64), tl.load(PREFIX + b)
-    # q0: b's first token in the ragged batch
-    n_new, q0 = tl.load(EXTEND + b), tl.load(QSTART + b)
+    if DECODE:  # one new token per request b, after PREFIX[b] - 1 cached (PREFIX: the lengths)
+        per = (GROUP + BLOCK_R - 1) // BLOCK_R  # blocks per token
+        b, r0 = j // per, j % per * BLOCK_R
+        prefix, n_new, q0 = tl.load(PREFIX + b) - 1, 1, b
+    else:  # this block: request b, its rows r0..; q0: b's first token in the ragged batch
+        b, r0 = tl.load(BLOCKS + 2 * j), tl.load(BLOCKS + 2 * j + 1)
+        prefix, n_new, q0 = tl.load(PREFIX + b), tl.load(EXTEND + b), tl.load(QSTART + b)
+    row = tl.load(ROWS + b).to(tl.int64)
     offs_r, offs_d, offs_n = tl.arange(0, BLOCK_R), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     # (R,) row -> new token, head in the group
     tok, g = (r0 + offs_r) // GROUP, (r0 + offs_r) % GROUP
@@ -487,10 +491,12 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 # Deterministic mode (Engine(deterministic=True); SGLang's --enable-deterministic-inference, vLLM's
 # VLLM_BATCH_INVARIANT=1) makes each order a function of the row alone:
 #
-#     attention  every query, prefill or decode, through `_extend` with one configuration: its
-#                keys reduce in BLOCK_N tiles from key 0, in order (a fixed split SIZE, not a
-#                split count)
-#     matmul     `_matmul`: one tile configuration for every M, the whole K in one program, in order
+#     attention  every query, prefill or decode, through `_extend` with one key tile: its keys
+#                reduce in BLOCK_N tiles from key 0, in order (a fixed split SIZE, not a split
+#                count); rows per program are free (16 for decode, 128 for prefill)
+#     matmul     `_matmul`: the whole K in one program, in order; the tile follows M (16 rows at
+#                decode's batch 1, 128 for a prefill): which rows and columns share a program
+#                never moves a row's sum, only how K is cut would
 #
 #     the keys of a query at position 150 (8 kv heads, 132 SMs):
 #         default, batch 1:   3 splits |0..63|64..127|128..150|, stage 2 merges them
@@ -500,14 +506,31 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 # The pointwise kernels (APPENDIX) were invariant already: one program per row. What it costs is in
 # the README (tests/bench_engine.py deterministic).
 
-# every M: one config (block_m, block_n, block_k, warps, stages); fp32's small tiles compile fast
-MATMUL_CONFIG = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
-                 torch.float32: (32, 32, 32, 4, 1)}
+# The tile follows M, the K tile stays: a row's sum is the chain acc += A[:, k:k+16] W[k:k+16] over
+# K in order, whatever BLOCK_M and BLOCK_N (which rows and columns share a program) and however many
+# programs run; only how K is cut into products would move it. Checked per shape on a GPU
+# (tests/test_deterministic.py, M = 1 to 1,024). (top M, (block_m, block_n, block_k, warps,
+# stages)); block_n then halves until the tiles fill the SMs (narrow outputs such as wo's at M = 1).
+MATMUL_TILES = {torch.bfloat16: [(16, (16, 64, 256, 4, 5)), (64, (64, 32, 128, 4, 4)),
+                                 (256, (64, 64, 64, 4, 4)), (None, (128, 128, 64, 8, 3))],
+                torch.float32: [(None, (32, 32, 32, 4, 1))]}  # fp32's small tiles compile fast
+MATMUL_TILES[torch.float16] = MATMUL_TILES[torch.bfloat16]
+
+
+def matmul_tiles(M: int, N: int, dtype, sms: int, glu=False) -> tuple:
+    """(block_m, block_n, block_k, warps, stages) of an (M, K) x (K, N) product (glu: 2 W tiles)."""
+    bm, bn, bk, warps, stages = next(t for top, t in MATMUL_TILES[dtype] if top is None or M <= top)
+    while bn > 16 and triton.cdiv(M, bm) * triton.cdiv(N, bn) < sms // 2:
+        bn //= 2
+    while stages > 2 and (bm + bn * (1 + glu)) * bk * 2 * stages > 200_000:  # shared memory
+        stages -= 1
+    return bm, bn, bk, warps, stages
 
 
 @triton.jit(do_not_specialize=["M"])  # one compiled kernel for every M
 def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr):
+            BLOCK_K: tl.constexpr, GROUP: tl.constexpr, GLU: tl.constexpr, DOT_F32: tl.constexpr,
+            PREC: tl.constexpr):
     pid, grid_n, grid_m = tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(M, BLOCK_M)
     first = pid // (GROUP * grid_n) * GROUP  # GROUP row blocks walk the columns together (L2 reuse)
     rows = tl.minimum(grid_m - first, GROUP)
@@ -516,67 +539,84 @@ def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: 
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # GLU: W's rows N.. (w3), the same chain
     for k0 in range(0, K, BLOCK_K):  # the whole K here, in order: no split-K
         k = k0 + offs_k
         in_k = k[None, :] < K
         a = tl.load(A + offs_m[:, None] * s_am + k[None, :], mask=(offs_m[:, None] < M) & in_k,
                     other=0.0)
-        w = tl.load(W + offs_n[:, None] * s_wn + k[None, :], mask=(offs_n[:, None] < N) & in_k,
-                    other=0.0)
+        w_at = W + offs_n[:, None] * s_wn + k[None, :]
+        w = tl.load(w_at, mask=(offs_n[:, None] < N) & in_k, other=0.0)
         if DOT_F32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        if GLU:
+            w = tl.load(w_at + N * s_wn, mask=(offs_n[:, None] < N) & in_k, other=0.0)
+            up = tl.dot(a, tl.trans(w.to(a.dtype)), up, input_precision=PREC)
+    out = acc.to(C.dtype.element_ty)
+    if GLU:  # _swiglu's arithmetic on the two products as rounded: the same bits as unfused
+        g = out.to(tl.float32)
+        out = (g * tl.sigmoid(g)).to(C.dtype.element_ty) * up.to(C.dtype.element_ty)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(C + offs_m[:, None] * s_cm + offs_n[None, :], acc.to(C.dtype.element_ty), mask=mask)
+    tl.store(C + offs_m[:, None] * s_cm + offs_n[None, :], out, mask=mask)
 
 
-def invariant_matmul(x, w):
-    """F.linear(x, w) (x (..., K), w (N, K)), each row's bits whatever M and the other rows."""
+def invariant_matmul(x, w, glu=False, tiles=None):
+    """F.linear(x, w) (x (..., K), w (N, K)), each row's bits whatever M and the other rows. glu:
+    w stacks (w1; w3), and the result is the model's swiglu of the two halves, in one kernel.
+    tiles: matmul_tiles' choice, overridden (a sweep's)."""
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     x = x if x.stride(-1) == 1 else x.contiguous()
-    (M, K), N = x.shape, w.shape[0]
-    bm, bn, bk, warps, stages = MATMUL_CONFIG[x.dtype]
+    (M, K), N = x.shape, w.shape[0] // (2 if glu else 1)
+    bm, bn, bk, warps, stages = tiles or matmul_tiles(M, N, x.dtype, num_sms(x.device), glu)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     f32 = INTERPRET or x.dtype == torch.float32
     if M:
         _matmul[(triton.cdiv(M, bm) * triton.cdiv(N, bn),)](
             x, w, out, M, N, K, x.stride(0), w.stride(0), out.stride(0), BLOCK_M=bm, BLOCK_N=bn,
-            BLOCK_K=bk, GROUP=8, DOT_F32=f32, PREC="ieee" if f32 else "tf32", num_warps=warps,
-            num_stages=stages)
+            BLOCK_K=bk, GROUP=8, GLU=glu, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
+            num_warps=warps, num_stages=stages)
     return out.view(*shape[:-1], N)
 
 
-# `_extend`'s one configuration for prefill and decode: 16 (token, head) rows a program (a decode
-# token's G heads fill them; the prefill tiles of 128 rows would be mostly padding there)
-DETERMINISTIC_CONFIG = {torch.bfloat16: dict(rows=16, block_n=64, num_warps=4, num_stages=2),
-                        torch.float16: dict(rows=16, block_n=64, num_warps=4, num_stages=2),
+def invariant_swiglu(x, w13):
+    """The model's swiglu(*F.linear(x, w13).chunk(2, -1)), batch-invariant, in one kernel."""
+    return invariant_matmul(x, w13, glu=True)
+
+
+# `_extend`'s configuration in the mode. Only block_n (the key tile) is the reduction's: a row's
+# softmax runs over key tiles [0, block_n), [block_n, 2 block_n), ... whatever rows share its
+# program (a tile past its position adds exact zeros), as BLOCK_M is free for the matmul. So
+# decode holds 16 rows a program (a token's G heads), prefill 128 (fp32: one small tile for both).
+DETERMINISTIC_CONFIG = {torch.bfloat16: dict(rows=16, block_n=128, num_warps=4, num_stages=2),
+                        torch.float16: dict(rows=16, block_n=128, num_warps=4, num_stages=2),
                         torch.float32: dict(rows=16, block_n=32, num_warps=4, num_stages=1)}
+DETERMINISTIC_PREFILL = {torch.bfloat16: dict(rows=128, num_stages=3),
+                         torch.float16: dict(rows=128, num_stages=3), torch.float32: {}}
 
 
 def deterministic_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
                                    extend_lens, page=1):
-    """token_extend_attention in DETERMINISTIC_CONFIG (01's extend_attn in deterministic mode)."""
+    """token_extend_attention with DETERMINISTIC_CONFIG's key tile (01's extend_attn, the mode)."""
+    cfg = {**DETERMINISTIC_CONFIG[q.dtype], **DETERMINISTIC_PREFILL[q.dtype]}
     return token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens,
-                                  extend_lens, page=page, **DETERMINISTIC_CONFIG[q.dtype])
+                                  extend_lens, page=page, **cfg)
 
 
 def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page=1):
     """A decode step through `_extend` (01's decode_attn in deterministic mode): one new token per
-    request after seq_len - 1 cached ones, so the same bits as that query in a prefill. Its plan is
-    built on the device from seq_lens (no host lengths): a CUDA graph holds it."""
+    request after seq_len - 1 cached ones, so the same bits as that query in a prefill. The kernel
+    reads its blocks from seq_lens on the device (DECODE): no plan to build; a CUDA graph holds
+    it."""
     (B, H, D), Hkv = q.shape, k_pool.shape[1]
     cfg, dev = DETERMINISTIC_CONFIG[q.dtype], q.device
-    per = triton.cdiv(H // Hkv, cfg["rows"])  # blocks per token: 1 unless a group outnumbers rows
-    b = torch.arange(B, device=dev, dtype=torch.int32)
-    first = torch.arange(per, device=dev, dtype=torch.int32) * cfg["rows"]
-    blocks = torch.stack([b.repeat_interleave(per), first.repeat(B)], 1).flatten()
-    prefix = (torch.as_tensor(seq_lens, device=dev) - 1).int()
-    out, f32 = torch.empty_like(q), INTERPRET or q.dtype == torch.float32
-    _extend[(B * per, Hkv)](
-        q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), prefix,
-        torch.ones_like(prefix), b, blocks, out, D ** -0.5 * LOG2E, k_pool.stride(0),
-        v_pool.stride(0), req_to_token.stride(0), page, GROUP=H // Hkv, HEAD_DIM=D,
-        BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32",
+    lens, out = torch.as_tensor(seq_lens, device=dev), torch.empty_like(q)
+    f32 = INTERPRET or q.dtype == torch.float32
+    _extend[(B * triton.cdiv(H // Hkv, cfg["rows"]), Hkv)](
+        q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), lens,
+        lens, lens, lens, out, D ** -0.5 * LOG2E, k_pool.stride(0), v_pool.stride(0),
+        req_to_token.stride(0), page, GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"],
+        BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32", DECODE=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 

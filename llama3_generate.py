@@ -177,8 +177,13 @@ def swiglu(gate, up):
 
 # What every layer calls: PyTorch's, or 04's Triton kernel for each pointwise step
 # (Transformer.use_kernels); linear: a batch-invariant matmul in deterministic mode
-PYTORCH_OPS = SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, swiglu=swiglu,
-                              linear=F.linear)
+def model_ops(rms_norm, apply_rope, swiglu, linear, linear_swiglu=None) -> SimpleNamespace:
+    """linear_swiglu(x, w13): the stacked gate-and-up product's SwiGLU (one kernel where given)."""
+    glu = linear_swiglu or (lambda x, w: swiglu(*linear(x, w).chunk(2, -1)))
+    return SimpleNamespace(rms_norm=rms_norm, apply_rope=apply_rope, linear=linear, linear_swiglu=glu)
+
+
+PYTORCH_OPS = model_ops(rms_norm, apply_rope, swiglu, F.linear)
 
 
 def stack_on_load(stacked: str, parts: tuple):
@@ -233,11 +238,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv):
         T, kv_width = x.shape[0], self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([self.n_heads * self.head_dim, kv_width, kv_width], -1)
-        q = q.view(T, self.n_heads, self.head_dim)     # (T, n_heads, head_dim)
-        k = k.view(T, self.n_kv_heads, self.head_dim)  # (T, n_kv_heads, head_dim)
-        v = v.view(T, self.n_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rope(q, cos, sin), self.ops.apply_rope(k, cos, sin)
+        qkv = self.wqkv(x)
+        q_width = self.n_heads * self.head_dim
+        # q and k side by side, (T, n_heads + n_kv_heads, head_dim): one RoPE for both
+        qk = self.ops.apply_rope(qkv[:, :q_width + kv_width].view(T, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.n_heads, self.n_kv_heads], 1)  # (T, n_heads | n_kv_heads, head_dim)
+        v = qkv[:, q_width + kv_width:].view(T, self.n_kv_heads, self.head_dim)
         out = kv.attend(self.layer_id, q, k, v)                 # the seam: (T, n_heads, head_dim)
         return self.wo(out.reshape(T, -1))
 
@@ -252,7 +258,7 @@ class FeedForward(nn.Module):
         self._register_load_state_dict_pre_hook(stack_on_load("w13", ("w1", "w3")))
 
     def forward(self, x):
-        return self.w2(self.ops.swiglu(*self.w13(x).chunk(2, -1)))
+        return self.w2(self.ops.linear_swiglu(x, self.w13.weight))
 
 
 class Block(nn.Module):
@@ -282,11 +288,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def use_kernels(self, L04, linear=F.linear):
+    def use_kernels(self, L04, linear=F.linear, linear_swiglu=None):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
         each is a handful of tiny kernels whose launches, at batch 1, cost more than the weights take to read."""
-        kernels = {name: getattr(L04, name) for name in ("rms_norm", "apply_rope", "swiglu")}
-        self.use_ops(SimpleNamespace(**kernels, linear=linear))
+        self.use_ops(model_ops(L04.rms_norm, L04.apply_rope, L04.swiglu, linear, linear_swiglu))
 
     def use_ops(self, ops):
         """Every module's ops (PYTORCH_OPS's names) from now on."""
@@ -382,7 +387,7 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 # (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
 # the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
 # order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
-# 04's _matmul, one tile configuration for every M, no split-K), every query one attention routine
+# 04's _matmul, the whole K in order, no split-K, whatever its tile), every query one attention routine
 # over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
 # every sum over the ranks in rank order (tp_sum.ordered), and each sample draws from its own seeded
 # random stream.
@@ -453,7 +458,7 @@ def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
                          page)
 
 
-DETERMINISTIC_OPS = SimpleNamespace(**{**vars(PYTORCH_OPS), "linear": invariant_linear})
+DETERMINISTIC_OPS = model_ops(rms_norm, apply_rope, swiglu, invariant_linear)
 
 
 def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
@@ -465,7 +470,7 @@ def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
         model.tp_sum.ordered = deterministic
     if deterministic and L04 is not None:
         kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
-        return model.use_kernels(L04, linear=L04.invariant_matmul)
+        return model.use_kernels(L04, L04.invariant_matmul, L04.invariant_swiglu)
     if deterministic:
         kv.use_kernels(decode_pieces, attend_pieces)
         return model.use_ops(DETERMINISTIC_OPS)
@@ -898,7 +903,9 @@ class Engine:
             self.warm_decode_rows()
         # k-step and 1-step
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
-        self.add(list(range(min(8, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        # deterministic: past 04's last tile bucket (M > 256), so a prefill's big tiles compile now too
+        n = 257 if self.deterministic and self.device.type == "cuda" else 8
+        self.add(list(range(min(n, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
         self.reset()
         # what is built so far lives on: a full collection mid-serving would walk all of it, a stall

@@ -122,3 +122,44 @@ def test_invariant_matmul_kernel():
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     rows = invariant_rows(matmul, dtype, device, ms=(1, 3, 70, 300))
     assert len(rows) == 1
+
+
+@pytest.mark.triton
+def test_invariant_swiglu_is_the_models_swiglu_in_one_kernel():
+    """The fused gate-and-up product: the same bits as the unfused matmul then 04's swiglu, each row
+    whatever M, and float64's answer up to rounding."""
+    L04, cuda = L.lesson("04_triton_token_attn"), torch.cuda.is_available()
+    dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
+    w13 = torch.randn(2 * 48, 64, device=device).to(dtype)
+    for M in (1, 5, 70):
+        x = torch.randn(M, 64, device=device).to(dtype)
+        fused = L04.invariant_swiglu(x, w13)
+        assert torch.equal(fused, L04.swiglu(*L04.invariant_matmul(x, w13).chunk(2, -1)))
+        ref = L.swiglu(*(x.double() @ w13.double().t()).chunk(2, -1))
+        assert (fused.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), M
+
+
+SHAPES = {"Llama-3.2-1B": dict(dim=2048, hidden=8192, qkv=3072, vocab=128256),
+          "SmolLM2-135M": dict(dim=576, hidden=1536, qkv=960, vocab=49152)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", SHAPES)
+def test_invariant_matmul_tiles_keep_the_bits_on_a_gpu(shape):
+    """The tile follows M (matmul_tiles), the bits do not: a needle row among M random rows, M = 1 to
+    1,024, on every product of the model (qkv, wo, w13 fused with SwiGLU, w2, the head)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    L04, s = L.lesson("04_triton_token_attn"), SHAPES[shape]
+    tiles = set()
+    for N, K, glu in ((s["qkv"], s["dim"], False), (s["dim"], s["dim"], False), (2 * s["hidden"], s["dim"], True),
+                      (s["dim"], s["hidden"], False), (s["vocab"], s["dim"], False)):
+        w, needle, got = torch.randn(N, K, device="cuda").bfloat16() * 0.05, torch.randn(K, device="cuda"), set()
+        for M in (1, 16, 64, 256, 1024):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            i = random.randrange(M)
+            x[i] = needle
+            got.add(L04.invariant_matmul(x, w, glu=glu)[i].float().cpu().numpy().tobytes())
+            tiles.add(L04.matmul_tiles(M, N // (1 + glu), x.dtype, L04.num_sms(x.device)))
+        assert len(got) == 1, (N, K, glu)
+    assert len(tiles) >= 3  # the tiles did move with M
