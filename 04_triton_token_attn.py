@@ -561,14 +561,13 @@ def _matmul(A, W, C, M, N, K, s_am, s_wn, s_cm, BLOCK_M: tl.constexpr, BLOCK_N: 
     tl.store(C + offs_m[:, None] * s_cm + offs_n[None, :], out, mask=mask)
 
 
-def invariant_matmul(x, w, glu=False, tiles=None):
+def invariant_matmul(x, w, glu=False):
     """F.linear(x, w) (x (..., K), w (N, K)), each row's bits whatever M and the other rows. glu:
-    w stacks (w1; w3), and the result is the model's swiglu of the two halves, in one kernel.
-    tiles: matmul_tiles' choice, overridden (a sweep's)."""
+    w stacks (w1; w3), and the result is the model's swiglu of the two halves, in one kernel."""
     shape, x = x.shape, x.reshape(-1, x.shape[-1])
     x = x if x.stride(-1) == 1 else x.contiguous()
     (M, K), N = x.shape, w.shape[0] // (2 if glu else 1)
-    bm, bn, bk, warps, stages = tiles or matmul_tiles(M, N, x.dtype, num_sms(x.device), glu)
+    bm, bn, bk, warps, stages = matmul_tiles(M, N, x.dtype, num_sms(x.device), glu)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     f32 = INTERPRET or x.dtype == torch.float32
     if M:

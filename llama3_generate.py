@@ -387,7 +387,7 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 # (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
 # the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
 # order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
-# 04's _matmul, the whole K in order, no split-K, whatever its tile), every query one attention routine
+# 04's _matmul, the whole K in order, whatever its tile), every query one attention routine
 # over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
 # every sum over the ranks in rank order (tp_sum.ordered), and each sample draws from its own seeded
 # random stream.
@@ -903,8 +903,9 @@ class Engine:
             self.warm_decode_rows()
         # k-step and 1-step
         steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
-        # deterministic: past 04's last tile bucket (M > 256), so a prefill's big tiles compile now too
-        n = 257 if self.deterministic and self.device.type == "cuda" else 8
+        n = 8
+        if self.deterministic and self.device.type == "cuda":  # a prefill's big tiles compile now too
+            n = 1 + max(top for top, _ in triton_kernels().MATMUL_TILES[torch.bfloat16] if top)
         self.add(list(range(min(n, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
         self.reset()
