@@ -40,7 +40,7 @@ argmax, the model's pointwise steps).
 Third, deterministic mode (THE IDEA, 3): why a bf16 answer moves with the batch it runs in (each
 kernel picks its reduction order from the batch's shapes), and the same two kernels plus a matmul
 that keep it still: one attention reduction for every query, over keys in pieces of a fixed size,
-and one matmul tile configuration for every M.
+and a matmul that sums K in one order, its tile free to follow M.
 
 Imports: torch, Triton, then 01 (table_slots, the host twin of `_slot`; cpu_threads) at module
 level; no model.
