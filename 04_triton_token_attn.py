@@ -161,7 +161,7 @@ def _attend(q, k, v, visible, m_i, l_i, acc, qk_scale, DOT_F32: tl.constexpr, PR
 
 
 @triton.jit(do_not_specialize=["num_splits"])  # one compiled kernel for every split count
-def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs, s_r2t, page,
+def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_q, s_ks, s_vs, s_r2t, page,
             GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
             PDL: tl.constexpr = False):
@@ -169,7 +169,7 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
     kvh, split, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # programmatic dependent launch (see token_decode_attention): start the next kernel
     pdl_launch_next(PDL)
-    # q heads; q, out (batch, H, HEAD_DIM) contiguous, like MID's two parts
+    # q heads; out (batch, H, HEAD_DIM) contiguous, like MID's two parts; q's rows s_q apart
     H = tl.num_programs(0) * GROUP
     # .cg (L2, the coherent level): PDL reads these early
     seq_len = tl.load(LENS + b, cache_modifier=".cg")
@@ -195,7 +195,8 @@ def _stage1(Q, K, V, R2T, ROWS, LENS, MID, OUT, qk_scale, num_splits, s_ks, s_vs
         k, v = _kv_tile(K, V, R2T, row, s_r2t, n, nmask, nmask & (n < seq_len - 1), s_ks, s_vs, kvh,
                         HEAD_DIM, ".cg", page)
     pdl_wait(PDL)  # the previous kernel has finished and its writes (q, the newest K/V) are visible
-    q = tl.load(Q + heads[:, None] * HEAD_DIM + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    q_at = Q + b.to(tl.int64) * s_q + (kvh * GROUP + offs_h)[:, None] * HEAD_DIM + offs_d[None, :]
+    q = tl.load(q_at, mask=hmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     if PDL:
@@ -322,9 +323,11 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     f32 = INTERPRET or q.dtype == torch.float32
     tuned = SPLIT_CONFIG if num_splits > 1 else UNSPLIT_CONFIG
     cfg = config or (F32_CONFIG["decode"] if f32 and not INTERPRET else tuned)
-    q, r2t = q.contiguous(), req_to_token.contiguous()  # no copies when they already are
+    # no copies when they already are: q's heads side by side (its rows may be a view's)
+    q = q if q.stride()[1:] == (D, 1) else q.contiguous()
+    r2t = req_to_token.contiguous()
     if out is None:
-        out = torch.empty_like(q)  # (batch, n_q_heads, head_dim)
+        out = q.new_empty(q.shape)  # (batch, n_q_heads, head_dim)
     elif out.shape != q.shape or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous {tuple(q.shape)} tensor")
     # one fp32 buffer: partial outputs (B, H, splits, D), then their log2-sum-exp2 (B, H, splits)
@@ -339,7 +342,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     # fold in log2(e): exp2 is cheap
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
     _stage1[(Hkv, num_splits, B)](
-        q, k_pool, v_pool, r2t, req_rows, seq_lens, mid, out, scale, num_splits,
+        q, k_pool, v_pool, r2t, req_rows, seq_lens, mid, out, scale, num_splits, q.stride(0),
         k_pool.stride(0), v_pool.stride(0), r2t.stride(0), page,
         GROUP=H // Hkv, BLOCK_H=max(16, triton.next_power_of_2(H // Hkv)), HEAD_DIM=D,
         BLOCK_N=cfg["block_n"], DIRECT=num_splits == 1, DOT_F32=f32, PREC="ieee" if f32 else "tf32",
@@ -372,7 +375,7 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
 # new-token counts it already knows, so no device lengths are read to size the grid.
 
 @triton.jit
-def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_ks, s_vs, s_r2t,
+def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s_q, s_ks, s_vs, s_r2t,
             page, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
             BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, PREC: tl.constexpr,
             DECODE: tl.constexpr = False):
@@ -392,7 +395,9 @@ def _extend(Q, K, V, R2T, ROWS, PREFIX, EXTEND, QSTART, BLOCKS, OUT, qk_scale, s
     rmask = tok < n_new
     # (R,) row of q / out viewed (T * H, D)
     qrow = (q0 + tok).to(tl.int64) * H + kvh * GROUP + g
-    q = tl.load(Q + qrow[:, None] * HEAD_DIM + offs_d[None, :], mask=rmask[:, None], other=0.0)
+    # q may be a view (s_q: its token stride), out is contiguous
+    q_at = Q + (q0 + tok).to(tl.int64)[:, None] * s_q + (kvh * GROUP + g)[:, None] * HEAD_DIM
+    q = tl.load(q_at + offs_d[None, :], mask=rmask[:, None], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     pos = prefix + tok                                              # (R,) each query's position
@@ -463,12 +468,13 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     blocks, prefix, extend, q_start = extend_plan(prefix_lens, extend_lens, H // Hkv, cfg["rows"], q.device)
     if out is None:
         # (T, n_q_heads, head_dim)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
+    q = q if q.stride()[1:] == (D, 1) else q.contiguous()  # a token's heads side by side
     _extend[(len(blocks) // 2, Hkv)](
-        q.contiguous(), k_pool, v_pool, req_to_token,
+        q, k_pool, v_pool, req_to_token,
         torch.as_tensor(req_rows).to(q.device, non_blocking=True), prefix, extend, q_start, blocks,
-        out, scale, k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0), page,
+        out, scale, q.stride(0), k_pool.stride(0), v_pool.stride(0), req_to_token.stride(0), page,
         GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"], BLOCK_N=cfg["block_n"], DOT_F32=f32,
         PREC="ieee" if f32 else "tf32", num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
@@ -609,11 +615,12 @@ def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, se
     it."""
     (B, H, D), Hkv = q.shape, k_pool.shape[1]
     cfg, dev = DETERMINISTIC_CONFIG[q.dtype], q.device
-    lens, out = torch.as_tensor(seq_lens, device=dev), torch.empty_like(q)
+    lens, out = torch.as_tensor(seq_lens, device=dev), q.new_empty(q.shape)
     f32 = INTERPRET or q.dtype == torch.float32
+    q = q if q.stride()[1:] == (D, 1) else q.contiguous()  # a token's heads side by side
     _extend[(B * triton.cdiv(H // Hkv, cfg["rows"]), Hkv)](
-        q.contiguous(), k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), lens,
-        lens, lens, lens, out, D ** -0.5 * LOG2E, k_pool.stride(0), v_pool.stride(0),
+        q, k_pool, v_pool, req_to_token, torch.as_tensor(req_rows, device=dev), lens,
+        lens, lens, lens, out, D ** -0.5 * LOG2E, q.stride(0), k_pool.stride(0), v_pool.stride(0),
         req_to_token.stride(0), page, GROUP=H // Hkv, HEAD_DIM=D, BLOCK_R=cfg["rows"],
         BLOCK_N=cfg["block_n"], DOT_F32=f32, PREC="ieee" if f32 else "tf32", DECODE=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

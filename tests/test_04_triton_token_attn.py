@@ -61,6 +61,27 @@ def test_pdl_variant(splits):
     run_and_check(P, torch.float32, num_splits=splits, pdl=True)
 
 
+def test_q_may_be_a_view_of_the_projection():
+    """q as the model passes it: the query heads of a (T, H + Hkv, D) tensor whose k heads follow
+    (one RoPE for both), so its rows are (H + Hkv) * D apart. Decode and prefill read it in place:
+    the same outputs as from a contiguous copy, and the same as float64."""
+    q, k, v, r2t, rows, lens = m.make_problem([3, 70], 6, 2, 64, torch.float32, seed=int(torch.randint(0, 10**6, ())))
+    wide = torch.randn(len(lens), 6 + 2, 64)
+    wide[:, :6] = q
+    view = wide[:, :6]
+    assert not view.is_contiguous()
+    got = m.token_decode_attention(view, k, v, r2t, rows, lens)
+    assert torch.equal(got, m.token_decode_attention(q, k, v, r2t, rows, lens))
+    assert m.rel_err(got, m.reference_decode_attention(q, k, v, r2t, rows, lens)) <= m.TOLERANCE[torch.float32]
+    prefix, extend = [0, 60], [3, 10]
+    P = extend_problem(prefix, extend, 6, 2, 64, torch.float32, seed=3)
+    wide = torch.randn(sum(extend), 8, 64)
+    wide[:, :6] = P[0]
+    got = m.token_extend_attention(wide[:, :6], *P[1:])
+    assert torch.equal(got, m.token_extend_attention(*P))
+    assert m.rel_err(got, m.reference_extend_attention(*P)) <= m.TOLERANCE[torch.float32]
+
+
 def test_reference_is_softmax_attention():
     """The reference itself, against a hand-written loop for one request and one head."""
     q, k, v, r2t, rows, lens = m.make_problem([5, 3], 4, 2, 16, torch.float64, seed=2)
