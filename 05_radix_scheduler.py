@@ -615,8 +615,9 @@ class Scheduler(L02.Scheduler):
         the most steps, up to k, that the pool holds now, each request taking min(steps, tokens left
         to its max_new) slots (its steps past the end write scratch). Cached prefixes are evicted for
         all k steps first. 0: not one step fits (a one-step decode step preempts, 02). ahead: each
-        one's tokens already in flight."""
-        left = [r.room - ahead for r in batch]
+        one's tokens already in flight (a list, or one number for all)."""
+        ahead = ahead if isinstance(ahead, list) else [ahead] * len(batch)
+        left = [r.room - a for r, a in zip(batch, ahead)]
         need = lambda steps: self.slots_needed(batch, [min(steps, n) for n in left])
         free = self.free_slots()
         if free is None or need(k) <= free:

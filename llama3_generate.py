@@ -718,13 +718,16 @@ class Engine:
         return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
 
     def step(self, on_token=None):
-        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did).
+        A greedy prefill may go in while a multi-step chunk is in flight (overlaps, prefill_beside)."""
         t0, kind = time.perf_counter(), "decode"
-        # admitting changes the batch: a chunk in flight lands first
-        if self.sched.waiting or self.sched.chunked:
-            t0 += self.land(on_token)  # its seconds count as decode
+        if (self.sched.waiting or self.sched.chunked) and not self.overlaps():
+            t0 += self.land(on_token)  # admitting changes the batch: a chunk in flight lands first
         new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
         landed = self.decode_ahead() if self.graphs is not None and not new else None
+        if new and self.graphs is not None and self.graphs.inflight is not None:
+            landed, seconds = self.prefill_beside(new, on_token)  # it lands the chunk in flight
+            t0 += seconds
         # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
         if landed is None:
             batch, positions = self.schedule(new)
@@ -732,6 +735,32 @@ class Engine:
         for batch, ids, steps in landed:
             kind = self.postprocess(batch, ids, steps, on_token)
         self.counts[f"{kind}_s"] += time.perf_counter() - t0
+
+    def overlaps(self) -> bool:
+        """Whether this step may admit and prefill with a multi-step chunk in flight (mini-sglang's
+        overlap): the host admits, matches prefixes and builds the prefill while the GPU runs the
+        chunk, and a running sequence's state on the host is one chunk behind, which admission
+        reads only to be cautious. Prefill-first, one rank, no prompt part-way in."""
+        g, world = self.graphs, getattr(self.model, "tp", (0, 1))[1]
+        return g is not None and g.inflight is not None and not self.sched.mixed and not self.sched.chunked \
+            and world == 1
+
+    def prefill_beside(self, new, on_token=None):
+        """The overlap's prefill step: built while the chunk in flight runs, queued behind it, the
+        next chunk behind the prefill; then the chunk in flight lands and the prefill's tokens are
+        read, each a wait for work the GPU has done (it has the next chunk). Returns (what landed,
+        the landing's seconds: decode's). Where the prefill is not greedy, or its KV would need
+        an eviction (which could change what the chunk runs on), the chunk lands first and
+        nothing comes back (None): take one step."""
+        free = self.sched.free_slots()
+        need = self.sched.slots_needed(new, [s.n_new for s in new])
+        if not all(s.argmax for s in new) or free is not None and need > free:
+            return None, self.land(on_token)
+        batch, positions = self.schedule(new)
+        self.graphs.side_after_this()  # the next chunk's slots come from the pool after these
+        ids = self.graphs.argmax_ahead(self.forward(batch, positions))
+        seconds = self.land(on_token, queue=True)
+        return [(batch, self.graphs.ids(ids, batch), 1)], seconds
 
     def decode_ahead(self):
         """Greedy decode on the GPU (CudaGraphDecoder.decode_ahead): k steps per host sync, queued
@@ -743,15 +772,17 @@ class Engine:
         if k:
             with g.beside(g.inflight):  # an eviction frees slots (03's free syncs)
                 k = self.sched.run_ahead(batch, k, ahead)
-        landed = g.decode_ahead(batch, k)
+        landed = g.decode_ahead(batch, k, ahead)
         self.counts["decode_chunks"] += g.inflight is not None
         return landed
 
-    def land(self, on_token=None) -> float:
-        """Post-process the multi-step chunk in flight, if any. Its seconds (mostly the wait for its k steps on the
-        GPU) count as decode, whichever step lands it; returns them."""
+    def land(self, on_token=None, queue=False) -> float:
+        """Post-process the multi-step chunk in flight, if any (queue: the next one queued first,
+        decode_ahead). Its seconds (mostly the wait for its k steps on the GPU) count as decode,
+        whichever step lands it; returns them."""
         t0 = time.perf_counter()
-        for batch, ids, steps in self.graphs.collect() if self.graphs is not None else ():
+        landed = self.decode_ahead() if queue else self.graphs.collect() if self.graphs is not None else ()
+        for batch, ids, steps in landed:
             self.postprocess(batch, ids, steps, on_token)
         self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
         return seconds
@@ -774,7 +805,9 @@ class Engine:
         tokens = torch.tensor([t for s in batch for t in s.feed])
         # rows that sample
         last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]
-        return self.model(tokens.to(self.device), positions, self.kv, logits_at=last.to(self.device))
+        # non_blocking: CUDA stages a pageable copy at once, without waiting for a chunk in flight
+        tokens, last = (x.to(self.device, non_blocking=True) for x in (tokens, last))
+        return self.model(tokens, positions, self.kv, logits_at=last)
 
     def next_tokens(self, batch, logits) -> list:
         """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
@@ -1053,12 +1086,13 @@ class CudaGraphDecoder:
             self._capture(b)
         return self.graphs[b], b
 
-    def _load(self, batch, positions, rows, lens):
-        """Copy a step's inputs into the static buffers; returns the bucket's replay function."""
-        n = len(batch)
+    def _load(self, batch, positions, rows, lens, start=0):
+        """Copy a step's inputs into the static buffers (rows start.. of the bucket: those before
+        are there already); returns the bucket's replay function."""
+        n = len(batch) + start
         replay, b = self.graph(n)
-        self.tokens[:n] = torch.tensor([s.tokens[-1] for s in batch], device=self.device)
-        self.positions[:n], self.rows[:n], self.lens[:n] = positions, rows, lens
+        self.tokens[start:n] = torch.tensor([s.tokens[-1] for s in batch]).to(self.device, non_blocking=True)
+        self.positions[start:n], self.rows[start:n], self.lens[start:n] = positions, rows, lens
         self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
         return replay
 
@@ -1071,43 +1105,62 @@ class CudaGraphDecoder:
             logits = self.model.tp_sum.gather(logits, 1)
         return logits.float()
 
+    def argmax_ahead(self, logits):
+        """A step's greedy tokens, copied to the host without waiting for the GPU (see `ids`)."""
+        ids = logits.argmax(-1)
+        host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=self.cuda)
+        return SimpleNamespace(host=host.copy_(ids, non_blocking=self.cuda), done=self._event())
+
+    @staticmethod
+    def ids(ahead, batch) -> list:
+        """argmax_ahead's tokens (a wait for them) as next_tokens gives them: one per row that samples."""
+        if ahead.done:
+            ahead.done.synchronize()
+        ids = iter(ahead.host.tolist())
+        return [[next(ids)] if s.samples else [] for s in batch]
+
     def going_on(self, running):
         """The next chunk's batch and the tokens each has in flight: the chunk in flight's sequences
         minus those that reach their max_new_tokens in it (known without reading it) or stopped
-        (EOS) in a chunk read before; with none in flight, the running ones."""
+        (EOS) in a chunk read before, then the running ones it does not hold (a prefill's, just
+        landed: they join); with none in flight, the running ones."""
         prev = self.inflight
         if prev is None:
-            return running, 0
-        return [s for s in prev.batch if not s.done and s.room > prev.k], prev.k
+            return running, [0] * len(running)
+        held = set(map(id, prev.batch))
+        going = [s for s in prev.batch if not s.done and s.room > prev.k]
+        joined = [s for s in running if id(s) not in held]
+        return going + joined, [prev.k] * len(going) + [0] * len(joined)
 
-    def most_steps(self, batch, ahead: int) -> int:
+    def most_steps(self, batch, ahead) -> int:
         """Steps a chunk of batch may take: multi_step, fewer where a sequence's context ends sooner
-        or all their max_new_tokens do; 0 where one is not greedy and unconstrained."""
+        or all their max_new_tokens do; 0 where one is not greedy and unconstrained. ahead: each
+        one's tokens in flight."""
         if not batch or not all(s.argmax for s in batch):
             return 0
-        ends = [s.room - ahead for s in batch]
-        context = [self.max_len - len(s.tokens) + 1 - ahead for s in batch]
+        ends = [s.room - a for s, a in zip(batch, ahead)]
+        context = [self.max_len - len(s.tokens) + 1 - a for s, a in zip(batch, ahead)]
         return min([self.multi_step, max(ends)] + context)
 
-    def decode_ahead(self, batch, k: int) -> list | None:
-        """k decode steps of batch (going_on) for one kv.prepare and one host sync (`steps`), k as
-        the scheduler sized it. The next k steps are queued before the host reads the last k, so
-        the GPU never waits for the host: they continue the chunk in flight on the device. A
-        sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's multi-step does the same)
-        wastes the steps after that, whose tokens are dropped: a chunk waits for nobody's end, so
-        chunks stay long. Its slots stop at its max_new_tokens; steps past it write scratch
-        (`scratch_tail`). Returns the chunk landed now (see `collect`), or None: take one step."""
+    def decode_ahead(self, batch, k: int, ahead) -> list | None:
+        """k decode steps of batch (going_on; ahead: each one's tokens in flight) for one kv.prepare
+        and one host sync (`steps`), k as the scheduler sized it. The next k steps are queued before
+        the host reads the last k, so the GPU never waits for the host: they continue the chunk in
+        flight on the device. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's
+        multi-step does the same) wastes the steps after that, whose tokens are dropped: a chunk
+        waits for nobody's end, so chunks stay long. Its slots stop at its max_new_tokens; steps
+        past it write scratch (`scratch_tail`). Returns the chunk landed now (see `collect`), or
+        None: take one step."""
         prev, self.inflight = self.inflight, None
-        ahead = prev.k if prev else 0  # tokens each sequence of prev will have once it lands
         if batch and (k >= 2 or prev and k >= 1):
-            need = [min(k, s.room - ahead) for s in batch]
+            need = [min(k, s.room - a) for s, a in zip(batch, ahead)]
             # its ~30 small kernels run beside the chunk in flight, not after it
             with self.beside(prev):
                 positions = self.kv.prepare([s.rid for s in batch], need)
                 self.scratch_tail(k)
-            going_on = set(map(id, batch))
-            # their rows
-            keep = [i for i, s in enumerate(prev.batch) if id(s) in going_on] if prev else None
+            rows = {id(s): i for i, s in enumerate(prev.batch)} if prev else {}
+            # the rows of prev that go on (they lead the batch, in order)
+            keep = [rows[id(s)] for s in batch if id(s) in rows] if prev else None
             self.inflight = self.steps(batch, positions, k, need=need, keep=keep, ahead=ahead)
         if prev is None:
             return [] if self.inflight else None
@@ -1135,25 +1188,24 @@ class CudaGraphDecoder:
         live = [(s, t) for s, t in zip(chunk.batch, self.read(chunk)) if not s.done]
         return [([s for s, _ in live], [t for _, t in live], chunk.k)]
 
-    def steps(self, batch, positions, k: int, need=None, keep=None, ahead: int = 0):
+    def steps(self, batch, positions, k: int, need=None, keep=None, ahead=None):
         """Queue k greedy decode steps of `batch`, kv.prepare'd for need[i] <= k tokens each (vLLM's
         multi-step scheduling; the rest write scratch):
         k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
-        left off (its tokens need not have reached the host), and batch is its rows at indices keep, in order:
-        they are gathered to the front on the device. Returns a chunk for `read`; nothing here waits for the GPU."""
-        kv, n = self.kv, len(batch)
-        if keep is None:  # each one's first new token: positions[first], its length then
+        left off (its tokens need not have reached the host), and batch leads with its rows at indices keep, in
+        order: they are gathered to the front on the device; the rest join from the host. ahead: each one's tokens
+        in flight. Returns a chunk for `read`; nothing here waits for the GPU."""
+        kv, n, m = self.kv, len(batch), len(keep or ())
+        if keep and keep != list(range(m)):  # some finished: close the gaps (no wait for the GPU)
+            idx = torch.tensor(keep).to(self.device, non_blocking=True)
+            for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
+                buf[:m] = buf[idx]
+        replay, b = self.graph(n)
+        self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
+        if m < n:  # each joining one's first new token: positions[at], its length then
             need_t = torch.tensor(need or [k] * n).to(self.device, non_blocking=True)
-            at = need_t.cumsum(0) - need_t
-            lens = kv.batch_lens - (need_t - 1).int()
-            replay = self._load(batch, positions[at], kv.batch_rows, lens)
-        else:
-            replay, b = self.graph(n)
-            if keep != list(range(n)):  # some finished: close the gaps (no wait for the GPU)
-                idx = torch.tensor(keep).to(self.device, non_blocking=True)
-                for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
-                    buf[:n] = buf[idx]
-            self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
+            at, lens = need_t.cumsum(0) - need_t, kv.batch_lens - (need_t - 1).int()
+            self._load(batch[m:], positions[at[m:]], kv.batch_rows[m:], lens[m:], start=m)
         queued = self._event()  # for `beside`: the GPU work queued before this chunk
         if (n, k) in self.graphs:  # batch 1: all k steps in one graph (see _capture)
             self.graphs[n, k]()
@@ -1161,7 +1213,7 @@ class CudaGraphDecoder:
             for _ in range(k):
                 replay()
         # each sequence's first position (ahead: the chunk in flight's)
-        first = [s.kv_len + ahead for s in batch]
+        first = [s.kv_len + a for s, a in zip(batch, ahead or [0] * n)]
         self.hist_host.reverse()  # the other buffer's chunk has been read before this one is queued
         hist = self.hist_host[0][:n].copy_(self.hist[:n], non_blocking=self.cuda)
         return SimpleNamespace(batch=batch, k=k, need=need, first=first, hist=hist, queued=queued,
@@ -1188,6 +1240,11 @@ class CudaGraphDecoder:
                 yield
         finally:
             torch.cuda.current_stream().wait_stream(self.side)
+
+    def side_after_this(self):
+        """Work put `beside` the chunk in flight from now on starts after the work queued so far
+        (a prefill's kv.prepare, behind the chunk): two allocations from one pool, in order."""
+        self.inflight.queued = self._event()
 
     @staticmethod
     def read(chunk):

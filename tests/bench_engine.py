@@ -12,6 +12,7 @@ import math
 import os
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import replace
 
@@ -140,12 +141,35 @@ def run_stopping(e, stops: dict) -> dict:
     return e.finished
 
 
-def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw) -> dict:
+def gpu_busy(run) -> dict:
+    """The GPU's busy share of run(): the union of its kernels' intervals over their span, recorded by the profiler
+    (a pass of its own: it slows the host), and its idle gaps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        run()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        p.export_chrome_trace(os.path.join(d, "trace.json"))
+        with open(os.path.join(d, "trace.json")) as f:
+            kernels = sorted((x["ts"], x["ts"] + x["dur"]) for x in json.load(f)["traceEvents"]
+                             if x.get("cat") == "kernel")
+    gaps, end = [], kernels[0][1]
+    for start, stop in kernels:
+        if start > end:
+            gaps.append(start - end)
+        end = max(end, stop)
+    span = end - kernels[0][0]
+    return dict(gpu_busy=1 - sum(gaps) / span, gpu_span_s=span / 1e6, gaps_over_1ms=sum(g > 1000 for g in gaps),
+                idle_in_gaps_under_5us_s=sum(g for g in gaps if g < 5) / 1e6, longest_gap_ms=max(gaps, default=0) / 1e3)
+
+
+def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, busy=False, **kw) -> dict:
     """One warm engine serving the workload (output lengths fixed: EOS ignored; stops: each output ends after that
-    many tokens instead); its throughput and memory use."""
+    many tokens instead); its throughput and memory use; busy: then again under the profiler (gpu_busy)."""
     e = L.Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
     e.warm_up(len(prompts))  # every bucket's graph captured, the kernels compiled, before timing
-    sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
+    add = lambda: [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
+    sids = add()
     elapsed = seconds(run_stopping, e, dict(zip(sids, stops))) if stops else seconds(e.run)
     st, out_tokens = e.stats, sum(map(len, e.finished.values()))
     a, w = model.args, model.tok_embeddings.weight
@@ -160,7 +184,14 @@ def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, **kw)
                 kv_tokens=e.kv.capacity(), peak_kv_used=st["peak_kv_used"] / e.kv.capacity(),
                 peak_live_tokens=st["peak_live_tokens"] / e.kv.capacity(),
                 radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"],
-                recomputed_tokens=st["recomputed_tokens"])
+                recomputed_tokens=st["recomputed_tokens"]) | (busy_pass(e, add) if busy else {})
+
+
+def busy_pass(e, add) -> dict:
+    """gpu_busy of the same run again, on the same warm engine (its cache and figures reset first)."""
+    e.reset()
+    add()
+    return gpu_busy(e.run)
 
 
 def roofline(row: dict, gbps: float):
@@ -230,7 +261,10 @@ def roofline_report(row: dict, gbps: float) -> str:
             f"{row['decode_tok_s']:,.0f} tok/s, {row['decode_share_of_roofline']:.0%} of the roofline "
             f"{row['decode_roofline_tok_s']:,.0f} (weights + live KV read per step at {gbps:,.0f} GB/s); one-step "
             f"decodes {row['one_step_decodes']} of {row['one_step_decodes'] + row['decode_chunks']} decode calls, "
-            f"{row['decode_steps']:,} decode steps")
+            f"{row['decode_steps']:,} decode steps" + (f"\nthe GPU busy {row['gpu_busy']:.1%} of the run "
+            f"({row['gpu_span_s']:.2f} s, profiled apart): idle gaps over 1 ms {row['gaps_over_1ms']}, the longest "
+            f"{row['longest_gap_ms']:.1f} ms; gaps under 5 us (kernel to kernel) "
+            f"{row['idle_in_gaps_under_5us_s'] * 1e3:.0f} ms" if "gpu_busy" in row else ""))
 
 
 def draw(n_seqs: int, seed: int = 0):
@@ -252,7 +286,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
     tok, model, prompts, lens = engine_workload(device, n_seqs)
 
-    r["serve_1b"] = serve_timed(model, tok, prompts, lens, "token", n_seqs * 2048)
+    r["serve_1b"] = serve_timed(model, tok, prompts, lens, "token", n_seqs * 2048, busy=True)
     r["backends"] = bench_backends(model, tok, prompts, lens)
     for row in [r["serve_1b"]] + [row for rows in r["backends"].values() for row in rows.values()]:
         roofline(row, r["copy_GBps"])

@@ -158,11 +158,11 @@ class Engines:
     def __init__(self, model, **kw):
         self.model, self.kw, self.engines = model, kw, {}
 
-    def get(self, backend="token", block_size=16, chunk_tokens=None, schedule="prefill-first"):
-        key = (backend, block_size)
+    def get(self, backend="token", block_size=16, chunk_tokens=None, schedule="prefill-first", rows=16):
+        key = (backend, block_size, rows)
         if key not in self.engines:
             self.engines[key] = L.Engine(self.model, NOTOK, backend=backend, block_size=block_size,
-                                         kv_tokens=4096, max_batch=16, **self.kw)
+                                         kv_tokens=4096, max_batch=rows, **self.kw)
         e = self.engines[key]
         e.reset()
         e.sched.set_schedule(schedule == "mixed", chunk_tokens)
@@ -185,12 +185,13 @@ def needle_run(e, prompts, at: int, params, warm=()):
 
 
 def trial_options(rng):
-    """One trial's company and engine: batch size, cache, chunking, schedule, backend."""
+    """One trial's company and engine: batch size, cache, chunking, schedule, backend, rows (3: the
+    company is admitted as others finish, on a GPU beside multi-step chunks in flight)."""
     backend = rng.choice(["token", "paged", "contiguous"])
     return dict(n=rng.randint(2, 10), cached=backend != "contiguous" and rng.random() < 0.5,
                 kw=dict(backend=backend, block_size=rng.choice([4, 16]),
                         chunk_tokens=rng.choice([None, rng.randint(8, 40)]),
-                        schedule=rng.choice(["prefill-first", "mixed"])))
+                        schedule=rng.choice(["prefill-first", "mixed"]), rows=rng.choice([16, 3])))
 
 
 def needle_trials(model, deterministic: bool, trials: int, seed=0, params=None) -> list:

@@ -250,7 +250,7 @@ MUTANTS = [
     Mutant("engine", "Engine.step", "the step never decodes ahead (one decode step at a time, where k could run)",
            "landed = self.decode_ahead() if self.graphs is not None and not new else None", "landed = None"),
     Mutant("engine", "Engine.step", "a step with prompts waiting admits them before it lands the chunk in flight",
-           "if self.sched.waiting or self.sched.chunked:", "if False:"),
+           "if (self.sched.waiting or self.sched.chunked) and not self.overlaps():", "if False:"),
     Mutant("engine", "Engine.step", "a landed chunk of k steps is post-processed as one step",
            "kind = self.postprocess(batch, ids, steps, on_token)", "kind = self.postprocess(batch, ids, 1, on_token)"),
 ]

@@ -301,6 +301,41 @@ def test_multi_step_random_workloads_match_one_step(kw):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
+def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
+    """The overlap (Engine.overlaps): more prompts than rows, so requests are admitted while a multi-step chunk is
+    in flight; their prefill runs behind it, their first tokens are read from the device after it lands, and they
+    join the next chunk from the host while the others go on from the device. Random prompts, lengths and an EOS:
+    the same tokens as one step at a time, no slot leaked, and both paths taken."""
+    model, seen = tiny_model(), {"beside": 0, "joined": 0}
+    ahead, steps = L.CudaGraphDecoder.argmax_ahead, L.CudaGraphDecoder.steps
+
+    def joined(self, batch, *a, keep=None, **opts):
+        seen["joined"] += keep is not None and len(keep) < len(batch)
+        return steps(self, batch, *a, keep=keep, **opts)
+    monkeypatch.setattr(L.CudaGraphDecoder, "steps", joined)
+    monkeypatch.setattr(L.CudaGraphDecoder, "argmax_ahead", lambda self, x: (
+        seen.__setitem__("beside", seen["beside"] + 1), ahead(self, x))[1])
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    run = lambda prompts, max_new, **opts: serve(model, tok, prompts, max_new, max_batch=3, max_seq_len=64,
+                                                 kv_tokens=512, fused=False, max_prefill_tokens=12, **kw,
+                                                 **opts)[0]
+    for schedule in ["prefill-first"] * 3 + ["mixed"]:  # mixed steps decode every running one: they land first
+        prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(5, 9))]
+        max_new = rand(1, 30, len(prompts))
+        tok.stop_ids = []
+        free = run(prompts, max_new, cuda_graphs=False)
+        longest = max(range(len(free)), key=lambda i: len(free[i]))
+        tok.stop_ids = [free[longest][rand(0, len(free[longest]))]]
+        one = run(prompts, max_new, cuda_graphs=False)
+        got = run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6), schedule=schedule)
+        assert got == one, (schedule, prompts, max_new, tok.stop_ids)
+    assert seen["beside"] and seen["joined"], f"the overlap's paths ran {seen} times"
+
+
+@pytest.mark.triton
 def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch):
     """A multi-step chunk's seconds (the wait for its k steps) count as decode, also where the next prefill
     step's admission lands it (prefill-first: a decode step between two prefill steps). On a fake clock, a
@@ -315,21 +350,26 @@ def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch
     monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(L.Engine, "step", lambda self, *a: (trace.append([]), step(self, *a))[1])
     monkeypatch.setattr(L.Engine, "forward", lambda self, batch, *a: (
-        spend(*(("prefill", 1000.0) if batch[0].n_new > 1 else ("decode", 1.0))), forward(self, batch, *a))[1])
+        spend(*(("decode", 1.0) if batch[0] in self.sched.running else ("prefill", 1000.0))),
+        forward(self, batch, *a))[1])
     monkeypatch.setattr(L.CudaGraphDecoder, "read", staticmethod(lambda c: (spend("decode", 1.0, "ahead"), read(c))[1]))
-    e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
-                 fused=False, multi_step=4)
-    for n in (12, 9, 14):
-        e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
-    e.run()
-    steps = f"what each step ran, in order (ahead: the tokens of several decode steps run at once): {trace}"
-    assert any("ahead" in t for t in trace), f"no step decoded ahead, on this CPU too (decode_ahead): {steps}"
-    assert ["ahead", "prefill"] in trace, ("no step with prompts waiting delivered the steps decoded ahead (land) "
-                                           f"before it admitted them: {steps}")
-    got, want = (e.stats["prefill_s"], e.stats["decode_s"]), (took["prefill"], took["decode"])
-    assert got == want, (f"the steps counted prefill_s {got[0]:g} s and decode_s {got[1]:g} s; the fake clock spent "
-                         f"{want[0]:g} and {want[1]:g} (a prefill 1000 s; a decode or a chunk's read 1 s, decode's "
-                         f"also when a prefill step lands it); {steps}")
+    # whole prompts: a prefill goes in beside the chunk in flight, which it lands (prefill_beside); chunked (5 of
+    # a prompt's 8 tokens, then 3): a step that continues a prompt lands the chunk before it admits
+    for chunk in (None, 5):
+        clock[0], trace[:], took["prefill"], took["decode"] = 0.0, [], 0.0, 0.0
+        e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
+                     fused=False, multi_step=4, chunk_tokens=chunk)
+        for n in (12, 9, 14):
+            e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
+        e.run()
+        steps = f"what each step ran, in order (ahead: the tokens of several decode steps run at once): {trace}"
+        assert any("ahead" in t for t in trace), f"no step decoded ahead, on this CPU too (decode_ahead): {steps}"
+        assert any({"ahead", "prefill"} <= set(t) for t in trace), (
+            f"no step with prompts waiting delivered the steps decoded ahead (land) as it admitted them: {steps}")
+        got, want = (e.stats["prefill_s"], e.stats["decode_s"]), (took["prefill"], took["decode"])
+        assert got == want, (f"chunk_tokens={chunk}: the steps counted prefill_s {got[0]:g} s and decode_s "
+                             f"{got[1]:g} s; the fake clock spent {want[0]:g} and {want[1]:g} (a prefill 1000 s; a "
+                             f"decode or a chunk's read 1 s, decode's also when a prefill step lands it); {steps}")
 
 
 SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed", chunk_tokens=7),

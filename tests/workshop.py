@@ -314,7 +314,8 @@ EXERCISES = [
     Exercise("07", "Engine.step",
              "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
              "kind of step took. Watch: the engine may run several greedy decode steps at once (decode_ahead; on "
-             "a CPU too): deliver their tokens (land) before admitting a prompt, and count them as decode",
+             "a CPU too): deliver their tokens (land) before admitting a prompt, unless the step may overlap them "
+             "(overlaps: prefill_beside lands them), and count them as decode",
              "One turn of the engine: which requests join now, which tokens go through the model in this turn, and "
              "how does each request get its next token? If several generating turns were run at once earlier, what "
              "must happen to their tokens before anyone new joins, and how is the time of each turn counted?",
@@ -324,7 +325,8 @@ EXERCISES = [
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
               "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]",
               "test_multi_step_chunks_count_as_decode_whichever_step_lands_them",
-              "test_multi_step_decoding_matches_one_step[token]"),
+              "test_multi_step_decoding_matches_one_step[token]",
+              "test_prefills_beside_a_chunk_in_flight_match_one_step[token]"),
              example="Running: A and B; waiting: C, a 12-token prompt; 4 generating turns of A and B were run ahead, "
                      "not yet delivered.\nThis step: deliver those 4 tokens to each of A and B (that time counts as "
                      "decode), then take C in; the batch is C's 12 prompt tokens (prefill-first), and this step's "
