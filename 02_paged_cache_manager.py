@@ -345,9 +345,9 @@ class PagedKVCache(L01.KVCache):
             self.k_cache[:, dst], self.v_cache[:, dst] = self.k_cache[:, src], self.v_cache[:, src]
         self._write_tables(seq_ids)
         rows = [self.rows[s] for s in seq_ids]
-        # (B,) each, in one copy; non_blocking: CUDA stages a pageable copy at once, without waiting
-        # for the GPU
-        host = torch.tensor([list(n_new), starts, rows])
+        # (B,) each, in one copy from pinned memory, which waits for no queued GPU work (PyTorch
+        # keeps the buffer until the copy has run; a pageable one is read when the copy runs)
+        host = torch.tensor([list(n_new), starts, rows], pin_memory=self.device.type == "cuda")
         n_t, start_t, row_t = host.to(self.device, non_blocking=True)
         # (T,); the size spares a sync
         per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=sum(n_new))
@@ -385,9 +385,10 @@ class PagedKVCache(L01.KVCache):
             blocks += table[first:]
             self.written[row] = (len(table), table[-1] if table else None)
         if blocks:
-            w = torch.tensor(where).to(self.device, non_blocking=True)  # (changes, 2)
-            entries = torch.tensor(blocks, dtype=torch.int32).to(self.device, non_blocking=True)
-            self.table[w[:, 0], w[:, 1]] = entries
+            pin = self.device.type == "cuda"  # as above
+            w = torch.tensor(where, pin_memory=pin).to(self.device, non_blocking=True)  # (changes, 2)
+            entries = torch.tensor(blocks, dtype=torch.int32, pin_memory=pin)
+            self.table[w[:, 0], w[:, 1]] = entries.to(self.device, non_blocking=True)
 
     def used(self) -> int:
         return (self.manager.num_blocks - self.manager.num_free) * self.block_size

@@ -514,11 +514,19 @@ class SamplingParams:
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
+BEHIND_PREFILL = 2  # decode steps queued behind a prefill that overlaps (Engine.prefill_beside)
 # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
 SCHEDULES = ("prefill-first", "mixed")
 
 
 OutOfBlocks = L02.OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
+
+
+def to_device(x, device):
+    """A host tensor on `device` without waiting for the GPU's queued work: copied from pinned
+    memory, which PyTorch keeps until the copy has run (a pageable buffer is read only when the
+    copy runs, after the steps queued before it: freed and reused by then)."""
+    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
 
 
 BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
@@ -740,7 +748,8 @@ class Engine:
         """Whether this step may admit and prefill with a multi-step chunk in flight (mini-sglang's
         overlap): the host admits, matches prefixes and builds the prefill while the GPU runs the
         chunk, and a running sequence's state on the host is one chunk behind, which admission
-        reads only to be cautious. Prefill-first, one rank, no prompt part-way in."""
+        reads only to be cautious. Prefill-first, one rank, no prompt part-way in. A constrained
+        request never overlaps: 06's FSM steps on the host, so its next mask waits for its token."""
         g, world = self.graphs, getattr(self.model, "tp", (0, 1))[1]
         return g is not None and g.inflight is not None and not self.sched.mixed and not self.sched.chunked \
             and world == 1
@@ -759,16 +768,17 @@ class Engine:
         batch, positions = self.schedule(new)
         self.graphs.side_after_this()  # the next chunk's slots come from the pool after these
         ids = self.graphs.argmax_ahead(self.forward(batch, positions))
-        seconds = self.land(on_token, queue=True)
+        # a short chunk, to cover the landing: the prefill's sequences join the chunk after it
+        seconds = self.land(on_token, queue=BEHIND_PREFILL)
         return [(batch, self.graphs.ids(ids, batch), 1)], seconds
 
-    def decode_ahead(self):
+    def decode_ahead(self, most=None):
         """Greedy decode on the GPU (CudaGraphDecoder.decode_ahead): k steps per host sync, queued
         ahead of it, k as many as the pool holds for every sequence (05's run_ahead, which evicts
-        cached prefixes for them). Returns what landed, or None: take one step."""
+        cached prefixes for them), `most` at most. Returns what landed, or None: take one step."""
         g = self.graphs
         batch, ahead = g.going_on(self.sched.running)
-        k = g.most_steps(batch, ahead)
+        k = min(g.most_steps(batch, ahead), most or g.multi_step)
         if k:
             with g.beside(g.inflight):  # an eviction frees slots (03's free syncs)
                 k = self.sched.run_ahead(batch, k, ahead)
@@ -776,12 +786,12 @@ class Engine:
         self.counts["decode_chunks"] += g.inflight is not None
         return landed
 
-    def land(self, on_token=None, queue=False) -> float:
-        """Post-process the multi-step chunk in flight, if any (queue: the next one queued first,
-        decode_ahead). Its seconds (mostly the wait for its k steps on the GPU) count as decode,
-        whichever step lands it; returns them."""
+    def land(self, on_token=None, queue=0) -> float:
+        """Post-process the multi-step chunk in flight, if any (queue: a chunk of that many steps
+        at most queued first, decode_ahead). Its seconds (mostly the wait for its k steps on the
+        GPU) count as decode, whichever step lands it; returns them."""
         t0 = time.perf_counter()
-        landed = self.decode_ahead() if queue else self.graphs.collect() if self.graphs is not None else ()
+        landed = self.decode_ahead(queue) if queue else self.graphs.collect() if self.graphs is not None else ()
         for batch, ids, steps in landed:
             self.postprocess(batch, ids, steps, on_token)
         self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
@@ -805,8 +815,7 @@ class Engine:
         tokens = torch.tensor([t for s in batch for t in s.feed])
         # rows that sample
         last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]
-        # non_blocking: CUDA stages a pageable copy at once, without waiting for a chunk in flight
-        tokens, last = (x.to(self.device, non_blocking=True) for x in (tokens, last))
+        tokens, last = (to_device(x, self.device) for x in (tokens, last))
         return self.model(tokens, positions, self.kv, logits_at=last)
 
     def next_tokens(self, batch, logits) -> list:
@@ -1091,7 +1100,7 @@ class CudaGraphDecoder:
         are there already); returns the bucket's replay function."""
         n = len(batch) + start
         replay, b = self.graph(n)
-        self.tokens[start:n] = torch.tensor([s.tokens[-1] for s in batch]).to(self.device, non_blocking=True)
+        self.tokens[start:n] = to_device(torch.tensor([s.tokens[-1] for s in batch]), self.device)
         self.positions[start:n], self.rows[start:n], self.lens[start:n] = positions, rows, lens
         self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
         return replay
@@ -1175,7 +1184,7 @@ class CudaGraphDecoder:
             first, end = -(-(start + n) // kv.page), -(-(start + k) // kv.page)  # whole pages
             where += [(row, p) for p in range(first, end)]
         if where:
-            w = torch.tensor(where).to(self.device, non_blocking=True)
+            w = to_device(torch.tensor(where), self.device)
             kv.table[w[:, 0], w[:, 1]] = self.pad_page
 
     def collect(self, chunk=None) -> list:
@@ -1197,13 +1206,13 @@ class CudaGraphDecoder:
         in flight. Returns a chunk for `read`; nothing here waits for the GPU."""
         kv, n, m = self.kv, len(batch), len(keep or ())
         if keep and keep != list(range(m)):  # some finished: close the gaps (no wait for the GPU)
-            idx = torch.tensor(keep).to(self.device, non_blocking=True)
+            idx = to_device(torch.tensor(keep), self.device)
             for buf in (self.tokens, self.positions, self.rows, self.lens, self.hist):
                 buf[:m] = buf[idx]
         replay, b = self.graph(n)
         self.positions[n:b], self.rows[n:b], self.lens[n:b] = 0, self.pad_row, 1
         if m < n:  # each joining one's first new token: positions[at], its length then
-            need_t = torch.tensor(need or [k] * n).to(self.device, non_blocking=True)
+            need_t = to_device(torch.tensor(need or [k] * n), self.device)
             at, lens = need_t.cumsum(0) - need_t, kv.batch_lens - (need_t - 1).int()
             self._load(batch[m:], positions[at[m:]], kv.batch_rows[m:], lens[m:], start=m)
         queued = self._event()  # for `beside`: the GPU work queued before this chunk
