@@ -109,6 +109,15 @@ def attend_table(q, k_pool, v_pool, table, rows, seq_lens, page: int = 1):
     return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)  # masks them; (B, H, D)
 
 
+def to_device(x, device):
+    """A host tensor (a backend's lists, say) on `device` without waiting for the GPU's queued
+    work: copied from pinned memory, which PyTorch keeps until the copy has run (a pageable buffer
+    is read only when the copy runs, after the work queued before it: freed and reused by then)."""
+    if torch.device(device).type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
 class KVCache:
     """The seam between the model and its KV memory. Every backend (01 rows, 02 blocks, 03 token
     slots) is one:

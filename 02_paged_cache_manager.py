@@ -345,10 +345,8 @@ class PagedKVCache(L01.KVCache):
             self.k_cache[:, dst], self.v_cache[:, dst] = self.k_cache[:, src], self.v_cache[:, src]
         self._write_tables(seq_ids)
         rows = [self.rows[s] for s in seq_ids]
-        # (B,) each, in one copy from pinned memory, which waits for no queued GPU work (PyTorch
-        # keeps the buffer until the copy has run; a pageable one is read when the copy runs)
-        host = torch.tensor([list(n_new), starts, rows], pin_memory=self.device.type == "cuda")
-        n_t, start_t, row_t = host.to(self.device, non_blocking=True)
+        # (B,) each, in one copy that waits for no queued GPU work
+        n_t, start_t, row_t = L01.to_device(torch.tensor([list(n_new), starts, rows]), self.device)
         # (T,); the size spares a sync
         per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=sum(n_new))
         # (T,)
@@ -385,10 +383,8 @@ class PagedKVCache(L01.KVCache):
             blocks += table[first:]
             self.written[row] = (len(table), table[-1] if table else None)
         if blocks:
-            pin = self.device.type == "cuda"  # as above
-            w = torch.tensor(where, pin_memory=pin).to(self.device, non_blocking=True)  # (changes, 2)
-            entries = torch.tensor(blocks, dtype=torch.int32, pin_memory=pin)
-            self.table[w[:, 0], w[:, 1]] = entries.to(self.device, non_blocking=True)
+            w = L01.to_device(torch.tensor(where), self.device)  # (changes, 2)
+            self.table[w[:, 0], w[:, 1]] = L01.to_device(torch.tensor(blocks, dtype=torch.int32), self.device)
 
     def used(self) -> int:
         return (self.manager.num_blocks - self.manager.num_free) * self.block_size

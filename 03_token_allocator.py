@@ -262,10 +262,9 @@ class TokenKVCache(L01.KVCache):
         for s in fresh:
             self._new_request(s)
         rows = [self.rows[s] for s in seq_ids]
-        # (B,) each, from pinned memory: the copy waits for no queued GPU work (PyTorch keeps the
-        # buffer until it has run; a pageable one is read when the copy runs, maybe freed by then)
-        host = torch.tensor([n_new, starts, rows], dtype=torch.long, pin_memory=self.device.type == "cuda")
-        n_t, start_t, row_t = host.to(self.device, non_blocking=True)
+        # (B,) each, in one copy that waits for no queued GPU work
+        host = torch.tensor([n_new, starts, rows], dtype=torch.long)
+        n_t, start_t, row_t = L01.to_device(host, self.device)
         first = n_t.cumsum(0) - n_t  # (B,) offset of each request's first new token
         # (T,); the size spares a sync
         per_token = lambda x: torch.repeat_interleave(x, n_t, output_size=len(slots))

@@ -443,9 +443,8 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
                               dtype=torch.int32).flatten()                      # (num_blocks * 2,)
         q_start = extend.cumsum(0, dtype=torch.int32) - extend  # (B,) first token of each request
         _plan.clear()
-        # pinned: the copies wait for no queued GPU work, and PyTorch keeps them until they ran
-        pin = lambda x: x.pin_memory() if torch.device(device).type == "cuda" else x
-        _plan[key] = [pin(x).to(device, non_blocking=True) for x in (blocks, prefix, extend, q_start)]
+        # copies that wait for no queued GPU work
+        _plan[key] = [L01.to_device(x, device) for x in (blocks, prefix, extend, q_start)]
     return _plan[key]
 
 

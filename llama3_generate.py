@@ -522,11 +522,7 @@ SCHEDULES = ("prefill-first", "mixed")
 OutOfBlocks = L02.OutOfBlocks  # any backend out of KV memory (03's pool raises it too)
 
 
-def to_device(x, device):
-    """A host tensor on `device` without waiting for the GPU's queued work: copied from pinned
-    memory, which PyTorch keeps until the copy has run (a pageable buffer is read only when the
-    copy runs, after the steps queued before it: freed and reused by then)."""
-    return x.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else x.to(device)
+to_device = L01.to_device  # a host tensor's copy that waits for no queued GPU work
 
 
 BACKENDS = {  # --backend: a lesson's KV cache (01's KVCache); adding one is a class and a line here
