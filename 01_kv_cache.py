@@ -67,9 +67,7 @@ import torch.nn.functional as F
 
 def attend_dense(q, k, v):
     """Reference attention for one request: q (n, H, D) are the LAST n of the L positions in k, v
-    (L, Hkv, D).
-
-    Query i sits at position L - n + i and sees keys 0 .. L - n + i (causal). GQA: Hkv divides H."""
+    (L, Hkv, D): query i, at L - n + i, sees keys 0 .. L - n + i (causal). GQA: Hkv divides H."""
     n, L = q.shape[0], k.shape[0]
     mask = None
     if n > 1:
@@ -81,9 +79,8 @@ def attend_dense(q, k, v):
 
 
 def attend_decode(q, k, v, seq_lens):
-    """Reference decode attention for a batch: q (B, H, D) is each request's newest token, the last
-    of its seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request; columns past seq_lens[b]
-    are masked)."""
+    """Batched reference decode: q (B, H, D) is each request's newest token, the last of its
+    seq_lens[b] keys in k, v (B, L, Hkv, D) (gathered per request, masked past seq_lens[b])."""
     mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]  # (B, L)
     # (B, H, 1, D)
     out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
@@ -93,17 +90,15 @@ def attend_decode(q, k, v, seq_lens):
 
 def table_slots(table, rows, n: int, page: int = 1) -> torch.Tensor:
     """The pool slots of tokens 0..n-1 of table rows `rows` (B ints), LongTensor (B, n): token i of
-    row r sits in slot table[r, i // page] * page + i % page, the one picture every backend keeps
-    (see KVCache)."""
+    row r sits in slot table[r, i // page] * page + i % page, every backend's picture (KVCache)."""
     i = torch.arange(n, device=table.device)
     rows = torch.as_tensor(rows, device=table.device).long()
     return table[rows][:, i // page].long() * page + i % page
 
 
 def attend_table(q, k_pool, v_pool, table, rows, seq_lens, page: int = 1):
-    """Decode attention read through a table (the PyTorch twin of 04's kernel): q (B, H, D), one
-    query per request; k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): each
-    request's table row and length."""
+    """Decode attention through a table (04's kernel in PyTorch): q (B, H, D), a query per request;
+    k_pool, v_pool (slots, Hkv, D) of one layer; rows, seq_lens (B,): table rows and lengths."""
     # (B, L): columns past a length are stale
     slots = table_slots(table, rows, int(seq_lens.max()), page)
     return attend_decode(q, k_pool[slots], v_pool[slots], seq_lens)  # masks them; (B, H, D)
@@ -113,14 +108,12 @@ def to_device(x, device):
     """A host tensor (a backend's lists, say) on `device` without waiting for the GPU's queued
     work: copied from pinned memory, which PyTorch keeps until the copy has run (a pageable buffer
     is read only when the copy runs, after the work queued before it: freed and reused by then)."""
-    if torch.device(device).type != "cuda":
-        return x.to(device)
-    return x.pin_memory().to(device, non_blocking=True)
+    cuda = torch.device(device).type == "cuda"
+    return x.pin_memory().to(device, non_blocking=True) if cuda else x.to(device)
 
 
 class KVCache:
-    """The seam between the model and its KV memory. Every backend (01 rows, 02 blocks, 03 token
-    slots) is one:
+    """The seam between the model and its KV memory, which every backend (01, 02, 03) implements:
 
         positions = kv.prepare(seq_ids, n_new)  # before a forward: room for n_new[i] tokens of seq_ids[i]
         out = kv.attend(layer, q, k, v)         # in every layer: store k, v; attend over all that is visible
@@ -202,9 +195,8 @@ class KVCache:
     @classmethod
     def for_pool(cls, model, tokens: int, max_batch: int, max_len: int, pad: int = 0,
                  block_size: int = 16):
-        """The engine's cache: a pool of `tokens` KV slots for at most max_batch sequences of
-        max_len tokens, plus `pad` scratch rows for CUDA graphs' padding. Returns (cache, how many
-        sequences it runs at once)."""
+        """The engine's cache: `tokens` KV slots for at most max_batch sequences of max_len tokens,
+        plus `pad` scratch rows for CUDA graphs' padding -> (cache, sequences it runs at once)."""
         raise NotImplementedError
 
     def use_kernels(self, decode, extend=None):
@@ -250,10 +242,8 @@ class StaticKVCache:
 
 class ContiguousKVCache(KVCache):
     """gpt-fast's static cache for a batch: each request owns one row of max_seq_len slots, reserved
-    up front.
-
-    k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim). A row is one page of
-    max_seq_len slots in a table of one column: slot = row * max_seq_len + position."""
+    up front. k_cache, v_cache: (n_layers, max_batch, max_seq_len, n_kv_heads, head_dim). A row is
+    one page of max_seq_len slots in a table of one column: slot = row * max_seq_len + position."""
 
     def __init__(self, n_layers, max_batch, max_seq_len, n_kv_heads, head_dim, dtype=torch.float32,
                  device="cpu"):
@@ -329,9 +319,8 @@ class ContiguousKVCache(KVCache):
 
 
 def greedy(model, prompt, max_new_tokens, kv=None):
-    """Greedy decode of one prompt -> (new tokens, logits (max_new_tokens, vocab)). kv=None is (a),
-    nanoGPT: every step re-runs the whole sequence. With a cache, (b): the prompt once, then only
-    the newest token."""
+    """Greedy decode of one prompt -> (new tokens, logits (max_new_tokens, vocab)). kv=None: (a),
+    nanoGPT, each step re-runs the sequence; a cache: (b), the prompt once, then the newest."""
     import llama3_generate as L
     ids, logits = list(prompt), []
     for step in range(max_new_tokens):
@@ -349,8 +338,7 @@ def greedy(model, prompt, max_new_tokens, kv=None):
 def generate_contiguous(model, prompt, max_new_tokens, max_seq_len=2048, kv=None):
     """(c): ContiguousKVCache written by the model through its seam, decoded by llama3_generate.generate."""
     import llama3_generate as L
-    kv = kv if kv is not None else ContiguousKVCache.for_model(model, max_batch=1,
-                                                               max_seq_len=max_seq_len)
+    kv = kv if kv is not None else ContiguousKVCache.for_model(model, 1, max_seq_len)
     logits = []
     # (vocab,) per step
     hook = model.register_forward_hook(lambda mod, args, out: logits.append(out[-1]))
@@ -362,9 +350,8 @@ def generate_contiguous(model, prompt, max_new_tokens, max_seq_len=2048, kv=None
 
 
 def step_ms(model, position: int, cached: bool, repeats: int = 3) -> float:
-    """Time of the step producing token `position` (best of `repeats`): without a cache it
-    recomputes all position + 1 tokens; with one it computes only the newest (the stored K/V stay
-    zero: their values do not change the cost)."""
+    """Best-of-`repeats` time of the step making token `position`: uncached, all position + 1
+    tokens; cached, only the newest (its stored K/V stay zero: values do not change the cost)."""
     import llama3_generate as L
     best = float("inf")
     for _ in range(repeats):
@@ -387,10 +374,8 @@ CATEGORIES = ("live", "future", "internal", "external")
 
 def synthetic_trace(kind: str = "sharegpt", n: int = 1000, seed: int = 0, max_seq_len: int = 2048,
                     sigma: float = 1.0):
-    """Request lengths drawn from log-normals with ShareGPT-like or Alpaca-like means (no download).
-
-    Returns (prompt_lens, output_lens), int64 numpy arrays of n requests, each >= 1, prompt + output
-    <= max_seq_len."""
+    """Request lengths drawn from log-normals with ShareGPT-like or Alpaca-like means (no download)
+    -> (prompt_lens, output_lens): int64 arrays of n, each >= 1, prompt + output <= max_seq_len."""
     mean_in, mean_out = TRACES[kind]
     rng = np.random.default_rng(seed)
     # log-normal with that mean
@@ -423,9 +408,8 @@ def first_fit(running, size: int, pool_tokens: int):
 
 
 def simulate(prompt, output, reserve, pool_tokens: int):
-    """Yields (running, n_waiting) at every decode step while requests wait. running: [start,
-    reserved, request, generated] sorted by start; request r holds prompt[r] + generated live tokens
-    and will end at prompt + output."""
+    """Yields (running, n_waiting) per decode step while requests wait; running: [start, reserved,
+    r, generated] by start (r holds prompt[r] + generated; it ends at prompt + output)."""
     if reserve.max() > pool_tokens:
         raise ValueError(f"a request reserves {reserve.max()} slots but the pool has only {pool_tokens}")
     waiting, running = deque(range(len(prompt))), []
@@ -455,9 +439,8 @@ def breakdown(running, prompt, output, pool_tokens: int) -> dict:
 def account(prompt, output, scheme: str, pool_tokens: int, max_seq_len: int) -> dict:
     """Mean share of the pool per category over all saturated steps, the mean batch, and one snapshot to draw."""
     totals, batch, steps, snap = dict.fromkeys(CATEGORIES, 0), 0, 0, None
-    for running, n_waiting in simulate(prompt, output,
-                                       reservation(scheme, prompt, output, max_seq_len),
-                                       pool_tokens):
+    reserve = reservation(scheme, prompt, output, max_seq_len)
+    for running, n_waiting in simulate(prompt, output, reserve, pool_tokens):
         for c, n in breakdown(running, prompt, output, pool_tokens).items():
             totals[c] += n
         batch, steps = batch + len(running), steps + 1
@@ -512,9 +495,8 @@ def plot_pool(results, prompt, output, pool_tokens: int, path: str, width: int =
 
 def cpu_threads():  # every lesson's demo and the engine's command line call it
     """Half of torch's default CPU threads (one on 2 cores) unless OMP_NUM_THREADS is set, here and
-    in processes started from here. Why: a matrix product split over every core waits for its
-    slowest thread, so one core busy elsewhere made 2-core decode 3-20x slower; one thread decodes
-    as fast on a quiet 2-core machine."""
+    in its children. Why: a matmul split over all cores waits for its slowest thread, so one core
+    busy elsewhere made 2-core decode 3-20x slower; one thread is as fast on a quiet machine."""
     if "OMP_NUM_THREADS" not in os.environ:  # the user's choice stands (torch reads it itself)
         os.environ["OMP_NUM_THREADS"] = str(n := max(1, torch.get_num_threads() // 2))
         torch.set_num_threads(n)
@@ -523,8 +505,7 @@ def cpu_threads():  # every lesson's demo and the engine's command line call it
 # ======== DEMO: the lesson, measured ==============================================================
 
 def memory_report(n_requests=1000, pool_tokens=32768, max_seq_len=2048, seed=0, plot=None) -> dict:
-    """Every scheme on both traces; `live_fraction` is ShareGPT's (the paper's trace). Draws
-    ShareGPT's pool to `plot`."""
+    """Every scheme on both traces; `live_fraction`: ShareGPT's (the paper's), drawn to `plot`."""
     traces = {}
     for kind in TRACES:
         prompt, output = synthetic_trace(kind, n_requests, seed, max_seq_len)
@@ -623,11 +604,10 @@ def main(argv=None):
         sys.exit(f"error: {e}")
     g = None if a.no_model else generation_report(new_tokens=a.new_tokens)
     if a.json:
-        print(json.dumps({**m, "generate": g} if g else m))
-    else:
-        if g:
-            print_generation(g), print()
-        print_memory(m, g and g["kv_bytes_per_token_fp16"])
+        return print(json.dumps({**m, "generate": g} if g else m))
+    if g:
+        print_generation(g), print()
+    print_memory(m, g and g["kv_bytes_per_token_fp16"])
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ scheduler.py (style); FlashAttention-2's flash_attn_with_kvcache (paged KV, page
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -98,10 +99,9 @@ class BlockManager:
             self.free_blocks.append(block)
 
     def blocks_needed(self, seq, n: int, copied: Counter | None = None) -> int:
-        """Blocks that appending n tokens to seq takes from the free list: new blocks, plus a copy
-        of its partly filled last block if another sequence shares it (copy-on-write). copied: the
-        copies earlier appends of the same batch make of each block -- the last sharer to write owns
-        the block alone by then, and copies nothing."""
+        """Free blocks that appending n tokens to seq takes: new blocks, plus a copy of its partial
+        last block if shared (copy-on-write). copied: per block, the copies earlier appends of the
+        batch made (the last sharer to write owns it alone, copying nothing)."""
         table = self.block_tables.get(seq)
         if not table:
             return cdiv(n, self.block_size)
@@ -115,13 +115,9 @@ class BlockManager:
         return sum(self.blocks_needed(s, n, copied) for s, n in zip(seqs, n_new))
 
     def can_allocate(self, n_tokens: int, taken: int = 0, alone: bool = False) -> bool:
-        """Admit a new request only if a watermark of blocks stays free, so it does not force a
-        preemption of the running ones right away. A request that would run alone preempts nobody:
-        it needs only to fit."""
+        """Admit a new request only if a watermark of blocks stays free: it preempts no running one
+        at once. One that would run alone preempts nobody: it needs only to fit."""
         return self.num_free - taken - cdiv(n_tokens, self.block_size) >= (0 if alone else self.watermark_blocks)
-
-    def can_append(self, seqs, n_new) -> bool:
-        return self.batch_blocks_needed(seqs, n_new) <= self.num_free
 
     def append(self, seq, n: int) -> list:
         """Grow seq by n tokens (a new seq_id starts a sequence). -> the (src, dst) block copies
@@ -141,13 +137,11 @@ class BlockManager:
         return copies
 
     def prepare(self, seq_ids, n_new) -> list:
-        """Append n_new[i] tokens to seq_ids[i], all or nothing. A BlockManager is thus also a
-        backend without tensors (prepare / free) for simulating a scheduler on a trace. Returns the
-        copy-on-write copies."""
+        """Append n_new[i] tokens to seq_ids[i], all or nothing -> the copy-on-write copies. So a
+        BlockManager is also a backend without tensors (prepare / free) to simulate a scheduler."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a sequence appears twice in one batch: {list(seq_ids)}")
-        if not self.can_append(seq_ids, n_new):
-            need = self.batch_blocks_needed(seq_ids, n_new)
+        if (need := self.batch_blocks_needed(seq_ids, n_new)) > self.num_free:
             raise OutOfBlocks(f"the batch needs {need} blocks but only {self.num_free} are free")
         return [c for s, n in zip(seq_ids, n_new) for c in self.append(s, n)]
 
@@ -191,8 +185,7 @@ class BlockManager:
 
 class BlockRefs:
     """The blocks as 05's radix tree sees a pool (03's TokenAllocator: available, inc_ref, free,
-    mem_state): it holds one reference per cached page, a page being one whole block named by its
-    slots (block * block_size + i)."""
+    mem_state): a reference per cached page, one whole block named by its slots (block * B + i)."""
 
     def __init__(self, manager, device):
         self.m, self.size, self.device = manager, manager.num_blocks, device
@@ -220,14 +213,10 @@ class BlockRefs:
 # -------- attention through the block tables (flash-attn or PyTorch) ------------------------------
 
 def flash_attn():
-    """flash-attn's paged-KV kernels (decode: flash_attn_with_kvcache; a ragged prefill:
-    flash_attn_varlen_func, both given the block table), or None where flash-attn is not installed
-    (CPU machines, CI)."""
-    try:
-        import flash_attn as fa
-        return fa
-    except ImportError:
-        return None
+    """flash-attn's paged-KV kernels (decode: flash_attn_with_kvcache; ragged prefill:
+    flash_attn_varlen_func; both read the block table), or None where not installed (CPU, CI)."""
+    with contextlib.suppress(ImportError):
+        return importlib.import_module("flash_attn")
 
 
 def flash_ok(k_cache) -> bool:
@@ -278,16 +267,12 @@ def paged_attention(q, k_cache, v_cache, block_table, seq_lens, q_lens, path: st
 # -------- 01's seam over blocks: PagedKVCache -----------------------------------------------------
 
 class PagedKVCache(L01.KVCache):
-    """The paged backend behind 01's seam (KVCache): prepare(seq_ids, n_new) -> positions, attend,
-    free.
-
-    The block tables live on the device as well, one fixed row per sequence: table (max_seqs,
-    max_blocks) int32, what flash-attn and 04's kernels read, and what the engine's CUDA graphs
-    capture. The BlockManager stays the truth; each step writes to the device only what changed
-    since the last (new block ids, and the block a copy-on-write replaced), never whole tables from
-    lists. Unused entries are never read (lengths bound every read); tests poison them to prove it.
-    05's radix tree shares whole blocks by reference (add_prefix, share_prefix and BlockRefs: its
-    own reference per cached block); a prompt's partial last block is recomputed, never shared."""
+    """01's seam (KVCache) over blocks. table (max_seqs, max_blocks) int32 on the device, one fixed
+    row per sequence, is what flash-attn, 04's kernels and the engine's CUDA graphs read; the
+    BlockManager stays the truth, and a step writes only what changed (new block ids, and the block
+    a copy-on-write replaced), never whole tables from lists. Unused entries are never read
+    (lengths bound them; tests poison them). 05's radix tree shares whole blocks by reference
+    (add_prefix, share_prefix; BlockRefs: its own); a prompt's partial last block is recomputed."""
     shares_prefixes = True
 
     def __init__(self, n_layers, num_blocks, block_size, n_kv_heads, head_dim, dtype=torch.float32,
@@ -304,9 +289,9 @@ class PagedKVCache(L01.KVCache):
         self.table = torch.zeros(max_seqs, cdiv(self.max_seq_len, block_size), dtype=torch.int32,
                                  device=device)  # (max_seqs, max_blocks) int32
         self.free_rows = list(range(max_seqs))
-        self.rows = {}            # seq_id -> its row of self.table
-        # row -> (blocks the device row holds, the last of them): what the next write skips
-        self.written = {}
+        # rows: seq_id -> its row of self.table; written: row -> (blocks the device row holds, the
+        # last of them), what the next write skips
+        self.rows, self.written = {}, {}
         self.lens = self.manager.num_tokens  # seq_id -> tokens stored (the manager's own dict)
         # what 05's radix tree holds references through
         self.allocator = BlockRefs(self.manager, self.device)
@@ -368,9 +353,8 @@ class PagedKVCache(L01.KVCache):
         return row
 
     def _write_tables(self, seq_ids):
-        """Bring the device rows of seq_ids up to the manager's tables in one scatter: the blocks
-        appended since the last write, and the last written one again if copy-on-write replaced it
-        (the only block it ever replaces)."""
+        """Bring seq_ids' device rows up to the manager's tables in one scatter: blocks appended
+        since the last write, and the last one again if copy-on-write replaced it."""
         where, blocks = [], []
         for s in seq_ids:
             if s not in self.rows:
@@ -397,9 +381,8 @@ class PagedKVCache(L01.KVCache):
         return (self.manager.num_free - self.manager.watermark_blocks) * self.block_size
 
     def attend(self, layer, q, k, v):
-        """01's attend (04's kernels, or PyTorch through the table), or flash-attn's paged kernels
-        where they run: decode (and a prefill without 04's extend kernel) with path="auto",
-        everything with path="flash"."""
+        """01's attend (04's kernels, or PyTorch through the table), or flash-attn's where it runs:
+        path="auto": decode, and prefill without 04's extend kernel; path="flash": everything."""
         # (num_blocks, block_size, Hkv, D)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         n_new = self.batch[2]
@@ -475,9 +458,8 @@ class PagedKVCache(L01.KVCache):
 # ======== THE IDEA, 2: scheduling -- continuous batching, preemption when blocks run out ==========
 
 class Request:
-    """One request in flight. Its KV holds tokens[:kv_len]; the next step feeds tokens[kv_len:] (the
-    whole prompt once admitted, one token in decode, prompt + output so far after a recompute
-    preemption)."""
+    """A request in flight: its KV holds tokens[:kv_len]; the next step feeds tokens[kv_len:] (the
+    prompt once admitted, a token in decode, prompt + output after a recompute preemption)."""
 
     def __init__(self, rid, prompt, max_new_tokens, stop_ids=()):
         self.rid = rid                   # request id: the backend's sequence id too
@@ -497,18 +479,13 @@ class Request:
     def missing(self) -> int:  # tokens its KV lacks
         return len(self.prompt) + len(self.output) - self.kv_len
 
-    @property
-    def n_new(self) -> int:  # tokens the next step feeds (05's chunked prefill feeds a part)
-        return self.missing
+    n_new = missing  # tokens the next step feeds (05's chunked prefill feeds a part)
 
     @property
-    def room(self) -> int:  # tokens it may still output
+    def tokens_left(self) -> int:  # tokens it may still output
         return self.max_new_tokens - len(self.output)
 
-    @property
-    def samples(self) -> bool:
-        # the next step feeds all its KV lacks, so a token is sampled after it
-        return True
+    samples = True  # the next step feeds all its KV lacks, so a token is sampled after it
 
     @property
     def feed(self) -> list:  # the tokens the next step feeds
@@ -517,7 +494,7 @@ class Request:
     def append(self, token):
         """A sampled token; it may end the request (the engine's requests add constraints and jump-forward)."""
         self.output.append(token)
-        self.done = token in self.stop_ids or self.room <= 0
+        self.done = token in self.stop_ids or self.tokens_left <= 0
 
 
 # one scheduling decision, logged as it is made (see Scheduler)
@@ -536,8 +513,7 @@ EVENTS = {  # kind: what `tokens` counts
 
 
 class Scheduler:
-    """Continuous batching (nano-vllm's scheduler, cut down): the one step loop of 02, 05 and the
-    engine.
+    """Continuous batching (nano-vllm's, cut down): the one step loop of 02, 05 and the engine.
 
         batch, positions = sched.schedule()       # admit(), then room in the KV for the step (prepare)
         ids = forward(batch, tokens, positions)   # the model (or a stand-in): a next token per request
@@ -550,9 +526,8 @@ class Scheduler:
     now, prefill prompt + output so far later) or swap (copy its blocks to CPU memory, copy them
     back when they fit). 05's Scheduler is this class with another admit().
 
-    Every decision is logged to `events` as it is made: Event(step, kind, rid, tokens), kinds in
-    EVENTS (step: the forward it belongs to, counting from 0). A tuple appended per request and
-    step: cheap enough to stay on."""
+    Every decision is logged to `events` as made: Event(step, kind, rid, tokens), kinds in EVENTS
+    (step: its forward, from 0); a tuple per request and step, cheap enough to stay on."""
 
     def __init__(self, kv, max_running: int = 64, preempt: str = "recompute"):
         """kv: any backend (prepare / free) raising OutOfBlocks when full, or a bare BlockManager to
@@ -564,9 +539,9 @@ class Scheduler:
         self.kv, self.max_running, self.preempt_mode = kv, max_running, preempt
         self.waiting, self.running, self.swapped, self.finished = deque(), [], deque(), []
         self.stats = dict(preemptions=0, steps=0)
-        self.events = []      # Event per scheduling decision
-        # (running, live tokens, used blocks, anyone waiting) per decode step (a BlockManager)
-        self.decode_log = []
+        # an Event per scheduling decision; (running, live tokens, used blocks, anyone waiting) per
+        # decode step (a BlockManager)
+        self.events, self.decode_log = [], []
 
     @property
     def busy(self) -> bool:
@@ -625,10 +600,9 @@ class Scheduler:
         return batch, positions
 
     def prepare(self, batch):
-        """kv.prepare for this step's batch (the admitted, or self.running to decode, or both in one
-        list). When the pool cannot hold it: make_room(), then hold back the newest admitted
-        request, then preempt the newest running one, and try again. Returns (batch, positions); the
-        batch is self.running when nothing new fits."""
+        """kv.prepare for this step's batch (admitted, running, or both). When the pool cannot hold
+        it: make_room(), then hold back the newest admitted, then preempt the newest running one,
+        and retry. -> (batch, positions); batch is self.running when nothing new fits."""
         while True:
             try:
                 positions = self.kv.prepare([r.rid for r in batch], [r.n_new for r in batch])
@@ -661,8 +635,7 @@ class Scheduler:
         return self.m.batch_blocks_needed([r.rid for r in batch], n_new) * self.m.block_size
 
     def free_slots(self):
-        """KV slots prepare() may take now: free tokens, or whole free blocks (the watermark too);
-        None: rows are reserved (01)."""
+        """prepare()'s room now: free slots (whole blocks, watermark too); None: 01's rows."""
         return self.kv.room() if self.m is None else self.m.num_free * self.m.block_size
 
     def make_room(self, n_tokens: int) -> int:
@@ -704,9 +677,8 @@ class Scheduler:
     def postprocess(self, batch, new_ids, steps: int = 1):
         """After the forward of `steps` steps: batch[i] fed its n_new tokens and got new_ids[i] (k
         ids after k decode steps, each fed the one before; none after a chunk short of its prompt's
-        end). Append them until the request is done, then finish it, keep it running, or requeue it
-        (append said jump-forward changed tokens in its KV). Returns how many tokens were
-        appended."""
+        end). Append them until the request is done; finish it, keep it running, or requeue it
+        (append said jump-forward changed tokens in its KV). Returns how many were appended."""
         was_running, stepped = set(map(id, self.running)), set(map(id, batch))
         # prefill-first leaves the running be
         self.running = [r for r in self.running if id(r) not in stepped]
@@ -764,9 +736,8 @@ class Scheduler:
         return req
 
     def step(self, forward):
-        """One iteration. forward(batch, tokens, positions) -> a next token per request of batch (a
-        stand-in for the model in the simulations; its value is ignored where a chunk ends short of
-        its prompt's end)."""
+        """One iteration; forward(batch, tokens, positions) -> a next token per request (the model,
+        or a stand-in), ignored where a chunk ends short of its prompt's end."""
         batch, positions = self.schedule()
         tokens = [t for r in batch for t in r.feed]
         samples = [r.samples for r in batch]
@@ -787,8 +758,7 @@ def serve(model, prompts, max_new_tokens, num_blocks, block_size=16, preempt="re
     """Greedy decoding of prompts (lists of ids) through a paged cache of num_blocks. -> (outputs, scheduler)."""
     kv = PagedKVCache.for_model(model, num_blocks, block_size)
     sched = Scheduler(kv, max_running, preempt)
-    reqs = (Request(i, list(p), max_new_tokens, stop_ids) for i, p in enumerate(prompts))
-    sched.waiting.extend(reqs)
+    sched.waiting.extend(Request(i, p, max_new_tokens, stop_ids) for i, p in enumerate(prompts))
     return sched.run(greedy_forward(model, kv)), sched
 
 
@@ -816,14 +786,11 @@ def simulate(prompt_lens, output_lens, num_blocks, block_size=16, max_running=10
 
 
 def sharing_saved(prompt_lens, output_lens, width: int, beam: bool, block_size=16, seed=0) -> float:
-    """1 - blocks held with sharing / blocks of `width` unshared copies, summed over every decode
-    step.
-
-    Parallel sampling: the prompt is prefilled once and forked into `width` samples that then
-    diverge. Beam search (our model of it): after the prompt, each step every one of the `width` new
-    beams picks its parent uniformly at random among the old beams (fork parent -> child, then the
-    old beams are freed), so beams share the prompt and a common history that coalesces a few steps
-    back, as real beams do."""
+    """1 - blocks held with sharing / blocks of `width` unshared copies, summed over decode steps.
+    Parallel sampling: the prompt is prefilled once and forked into `width` samples that diverge.
+    Beam search (our model of it): after the prompt, each step each of the `width` new beams picks
+    its parent uniformly among the old ones (fork parent -> child, then the old beams are freed):
+    beams share the prompt and a history that coalesces a few steps back, as real beams do."""
     rng, m = np.random.default_rng(seed), BlockManager(1 << 20, block_size, 0.0)
     held = unshared = 0
     for p, o in zip(prompt_lens, output_lens):
@@ -851,8 +818,7 @@ def sharing_saved(prompt_lens, output_lens, width: int, beam: bool, block_size=1
 
 def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2048):
     """Live share of the pool and running batch while requests wait, paged (block 1, 16, 256) vs
-    01's max-len reservation measured by 01 on the same trace and budget; then the savings of
-    sharing."""
+    01's max-len rows (01's account, same trace and budget); then what sharing saves."""
     prompt, output = L01.synthetic_trace(trace, n, seed, max_seq_len)
     ref = L01.account(prompt, output, "max_len", budget_tokens, max_seq_len)
     res = {"trace": trace, "requests": n, "budget_tokens": budget_tokens, "live_fraction": {},
@@ -874,18 +840,18 @@ def measure(trace="sharegpt", n=1000, seed=0, budget_tokens=32768, max_seq_len=2
     return res
 
 
-def demo(max_new=16, num_blocks=20, block_size=4):
+def demo(max_new_tokens=16, num_blocks=20, block_size=4):
     """The real model through a pool too small for its batch: greedy outputs vs 01's contiguous cache."""
     import llama3_generate as L
     model, tok = L.load_model()
     prompts = [tok.chat(q) for q in ("Write a short poem about the sea.", "Why is the sky blue?", "Name the planets.")]
     ref = L.generate(model, L01.ContiguousKVCache.for_model(model, len(prompts), 256), prompts,
-                     max_new, stop_ids=tok.stop_ids)
+                     max_new_tokens, stop_ids=tok.stop_ids)
     res = {"num_blocks": num_blocks, "block_size": block_size, "text": tok.decode(ref[0])}
     for preempt in ("recompute", "swap"):
-        out, sched = serve(model, prompts, max_new, num_blocks, block_size, preempt, tok.stop_ids)
-        res[preempt] = {"equal_to_contiguous": out == ref,
-                        "preemptions": sched.stats["preemptions"]}
+        out, sched = serve(model, prompts, max_new_tokens, num_blocks, block_size, preempt,
+                           tok.stop_ids)
+        res[preempt] = dict(equal_to_contiguous=out == ref, preemptions=sched.stats["preemptions"])
     return res
 
 
@@ -912,10 +878,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     ap.add_argument("--trace", choices=sorted(L01.TRACES), default="sharegpt")
-    ap.add_argument("--requests", type=int, default=1000,
-                    help="requests drawn from the synthetic trace")
-    ap.add_argument("--budget", type=int, default=32768,
-                    help="KV budget in token slots for the concurrency figure")
+    ap.add_argument("--requests", type=int, default=1000, help="requests in the synthetic trace")
+    ap.add_argument("--budget", type=int, default=32768, help="KV budget in token slots")
     ap.add_argument("--no-model", action="store_true", help="skip the real-model preemption demo")
     args = ap.parse_args(argv)
     L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)
@@ -926,10 +890,8 @@ def main(argv=None):
     res = measure(args.trace, args.requests, budget_tokens=args.budget)
     if not args.no_model:
         res["demo"] = demo()
-    if args.json:
-        print(json.dumps(res))
-        return
-    print_report(res)
+    print(json.dumps(res)) if args.json else print_report(res)
+
 
 if __name__ == "__main__":
     main()

@@ -186,9 +186,8 @@ class PoolExhausted(L02.OutOfBlocks):
 
 
 class TokenKVCache(L01.KVCache):
-    """The token-pool backend behind 01's seam (prepare / attend / free): K/V live in slots anywhere
-    in one pool; req_to_token is 01's table with pages of one slot, so 01's attend reads it (04's
-    kernels on a GPU)."""
+    """The token-pool backend behind 01's seam: K/V in slots anywhere in one pool; req_to_token is
+    01's table of one-slot pages, which 01's attend reads (04's kernels on a GPU)."""
     # add_prefix, share_prefix: 05's radix tree hands slots from request to request
     shares_prefixes = True
 
@@ -317,10 +316,9 @@ class TokenKVCache(L01.KVCache):
 # ======== DEMO: measurements -- live tokens on a trace, the token pool against blocks and rows ====
 
 def trace_live_fraction(prompt, output, max_batch=32, max_seq_len=2048, block_sizes=(16, 256)):
-    """Serve a trace through the allocator (continuous batching, FIFO, one token per running request
-    per step) and compare, every step, the live tokens with what each scheme holds for the same
-    requests: the token pool (measured: size - available()), blocks of B tokens (sum of ceil(len /
-    B) * B) and 01's max-length rows."""
+    """Serve a trace through the allocator (continuous batching, FIFO, a token a step per running
+    request), comparing each step the live tokens with what each scheme holds: the token pool
+    (measured), blocks of B tokens (sum of ceil(len / B) * B) and 01's max-length rows."""
     pool, reqs = TokenAllocator(max_batch * max_seq_len), ReqToTokenPool(max_batch, max_seq_len)
     # request -> [row, tokens cached, tokens still to sample]
     waiting, running = list(range(len(prompt))), {}
@@ -380,8 +378,7 @@ def main(argv=None):
     ap.add_argument("--bench", action="store_true",
                     help="alloc + free vs a Python set and 02's blocks (CPU; on a GPU also CUDA and the "
                     "share of a decode step): tests/bench_03.py")
-    ap.add_argument("--requests", type=int, default=200,
-                    help="requests in the synthetic trace (default 200)")
+    ap.add_argument("--requests", type=int, default=200, help="requests in the synthetic trace")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     L01.cpu_threads()  # one thread on 2 cores (why: in its docstring)

@@ -113,10 +113,9 @@ def _chunk(seq_len, num_splits, BLOCK_N: tl.constexpr):
 def _slot(R2T, row, s_r2t, n, nmask, page, CACHE: tl.constexpr):
     """The pool slot of token n of table row `row` (int64), read where nmask (None: everywhere).
     Page 1: 03's req_to_token holds slots; page P: 02's block table holds blocks of P slots, slot =
-    table[n // P] * P + n % P (01's contiguous row is one page of max_len). One kernel serves all
-    three backends: `page` is an argument, not a constexpr, so every page size shares one
-    compilation, and Triton compiles an int argument equal to 1 as the constant 1, so the token
-    pool's `n // 1` and `n % 1` still fold away."""
+    table[n // P] * P + n % P (01's contiguous row: one page of max_len). One kernel for all three
+    backends: `page` is an argument, not a constexpr, so all page sizes share a compilation, and
+    Triton compiles an int argument equal to 1 as the constant 1: `n // 1`, `n % 1` fold away."""
     if nmask is None:
         entry = tl.load(R2T + row * s_r2t + n // page, cache_modifier=CACHE).to(tl.int64)
     else:
@@ -247,7 +246,6 @@ def num_sms(device) -> int:
 
 
 def pdl_kw(pdl: bool) -> dict:
-    """Launch options for programmatic dependent launch: the kernel's PDL flag and the launch attribute."""
     return dict(PDL=True, launch_pdl=True) if pdl else {}
 
 
@@ -273,34 +271,6 @@ F32_CONFIG = dict(decode=dict(block_n=32, num_warps=4, num_stages=1),
                   extend=dict(rows=32, block_n=32, num_warps=4, num_stages=1))
 
 
-def _decode_inputs(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page):
-    """token_decode_attention's checks: shapes, and every length >= 1 where the lengths are on the host.
-    Returns req_rows and seq_lens on q's device, and the longest length (on the device: an upper bound)."""
-    B, H, D = q.shape
-    Hkv = k_pool.shape[1]
-    if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
-            or k_pool.stride()[1:] != (D, 1) or v_pool.stride()[1:] != (D, 1)):
-        shapes = f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
-        raise ValueError(f"bad shapes: {shapes} (need n_q_heads % n_kv_heads == 0, a power-of-two "
-                         "head_dim >= 16, contiguous slots)")
-    if not torch.is_tensor(seq_lens) or seq_lens.device.type == "cpu":
-        # cheap to check and read on the host
-        seq_lens = torch.as_tensor(seq_lens)
-        if seq_lens.numel() and int(seq_lens.min()) < 1:
-            raise ValueError("every seq_len must be >= 1 (the new token is already in the pool)")
-        max_len = int(seq_lens.max()) if seq_lens.numel() else 1
-    else:
-        max_len = req_to_token.shape[1] * page  # an upper bound: reading a device tensor would sync
-
-    def on_q(x):
-        return x if torch.is_tensor(x) and x.device == q.device else torch.as_tensor(x, device=q.device)
-    req_rows, seq_lens = on_q(req_rows), on_q(seq_lens)
-    if req_rows.shape != (B,) or seq_lens.shape != (B,):
-        got = f"{tuple(req_rows.shape)}, {tuple(seq_lens.shape)}"
-        raise ValueError(f"req_rows, seq_lens need shape ({B},), got {got}")
-    return req_rows, seq_lens, max_len
-
-
 def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, num_splits=None,
                            sm_scale=None, out=None, pdl=False, page=1, **config):
     """out[b] = softmax(q[b] K_b^T * sm_scale) V_b with K_b, V_b = pool[req_to_token[req_rows[b],
@@ -316,9 +286,26 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     decode): programmatic dependent launch, each kernel lets the next start. Stage 1 then reads
     lengths, slots and its first K/V tile, all but the newest token, before it waits; so the kernel
     before it (which writes q and that token) must let it start only after its own wait."""
-    B, H, D = q.shape
-    Hkv = k_pool.shape[1]
-    req_rows, seq_lens, max_len = _decode_inputs(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page)
+    (B, H, D), Hkv = q.shape, k_pool.shape[1]
+    # the checks: shapes, and every length >= 1 where the lengths are on the host
+    if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
+            or k_pool.stride()[1:] != (D, 1) or v_pool.stride()[1:] != (D, 1)):
+        shapes = f"q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool {tuple(v_pool.shape)}"
+        raise ValueError(f"bad shapes: {shapes} (need n_q_heads % n_kv_heads == 0, a power-of-two "
+                         "head_dim >= 16, contiguous slots)")
+    if not torch.is_tensor(seq_lens) or seq_lens.device.type == "cpu":
+        # cheap to check and read on the host
+        seq_lens = torch.as_tensor(seq_lens)
+        if seq_lens.numel() and int(seq_lens.min()) < 1:
+            raise ValueError("every seq_len must be >= 1 (the new token is already in the pool)")
+        max_len = int(seq_lens.max()) if seq_lens.numel() else 1
+    else:
+        max_len = req_to_token.shape[1] * page  # an upper bound: reading a device tensor would sync
+    # on q's device (as_tensor: no copy where they are)
+    req_rows, seq_lens = (torch.as_tensor(x, device=q.device) for x in (req_rows, seq_lens))
+    if req_rows.shape != (B,) or seq_lens.shape != (B,):
+        got = f"{tuple(req_rows.shape)}, {tuple(seq_lens.shape)}"
+        raise ValueError(f"req_rows, seq_lens need shape ({B},), got {got}")
     num_splits = num_splits or choose_num_splits(B, Hkv, max_len, num_sms(q.device))
     f32 = INTERPRET or q.dtype == torch.float32
     tuned = SPLIT_CONFIG if num_splits > 1 else UNSPLIT_CONFIG
@@ -333,12 +320,9 @@ def token_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, 
     # one fp32 buffer: partial outputs (B, H, splits, D), then their log2-sum-exp2 (B, H, splits)
     mid = out
     if num_splits > 1:
-        # under the interpreter it starts as NaN, so tests catch a partial nobody wrote
-        n = B * H * num_splits * (D + 1)
-        if INTERPRET:
-            mid = torch.full((n,), float("nan"), device=q.device)
-        else:
-            mid = torch.empty(n, dtype=torch.float32, device=q.device)
+        mid = torch.empty(B * H * num_splits * (D + 1), dtype=torch.float32, device=q.device)
+        if INTERPRET:  # NaN under the interpreter, so tests catch a partial nobody wrote
+            mid.fill_(float("nan"))
     # fold in log2(e): exp2 is cheap
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
     _stage1[(Hkv, num_splits, B)](
@@ -434,8 +418,7 @@ _plan = {}  # the last step's host table on the device: every layer of a step re
 
 def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
     """(blocks, prefix, extend, q_start) on the device for one ragged batch: blocks lists (request,
-    first row) pairs, rows counted over (new token, head in the group). Built once per step (every
-    layer asks the same)."""
+    first row) pairs, rows counted over (new token, head in its group); once a step, all layers."""
     key = (tuple(prefix_lens), tuple(extend_lens), group, rows, device)
     if key not in _plan:
         prefix, extend = (torch.tensor(x, dtype=torch.int32) for x in key[:2])  # (B,) each
@@ -451,13 +434,11 @@ def extend_plan(prefix_lens, extend_lens, group: int, rows: int, device):
 def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_lens, extend_lens,
                            sm_scale=None, out=None, page=1, **config):
     """Prefill attention over the token pool: out[t] = softmax(q[t] K^T * scale) V over request b's
-    keys at positions <= the query's, for a ragged batch of new tokens. q (T, n_q_heads, head_dim),
-    T = sum(extend_lens), request after request; k_pool, v_pool, req_rows, page as in
-    token_decode_attention, the new tokens' K/V already stored at req_to_token[row, prefix:prefix +
-    extend]; prefix_lens, extend_lens (B,) host ints (lists or CPU tensors: they size the grid).
-    Returns (T, n_q_heads, head_dim) in q's dtype."""
-    T, H, D = q.shape
-    Hkv = k_pool.shape[1]
+    keys at positions <= the query's. q (T, n_q_heads, head_dim): a ragged batch, request after
+    request, T = sum(extend_lens); k_pool, v_pool, req_rows, page as in token_decode_attention, the
+    new tokens' K/V already at req_to_token[row, prefix:prefix + extend]; prefix_lens, extend_lens
+    (B,) host ints (they size the grid). Returns (T, n_q_heads, head_dim), q's dtype."""
+    (T, H, D), Hkv = q.shape, k_pool.shape[1]
     prefix_lens, extend_lens = ([int(n) for n in x] for x in (prefix_lens, extend_lens))
     if (v_pool.shape != k_pool.shape or k_pool.shape[2] != D or H % Hkv or D < 16 or D & (D - 1)
             or sum(extend_lens) != T or min(extend_lens, default=0) < 1 or min(prefix_lens, default=0) < 0):
@@ -467,9 +448,8 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
     tiles = EXTEND_CONFIG.get(D, EXTEND_CONFIG[64 if D < 128 else 128])
     cfg = {**(F32_CONFIG["extend"] if f32 and not INTERPRET else tiles), **config}
     blocks, prefix, extend, q_start = extend_plan(prefix_lens, extend_lens, H // Hkv, cfg["rows"], q.device)
-    if out is None:
-        # (T, n_q_heads, head_dim)
-        out = q.new_empty(q.shape)  # contiguous, whatever q's strides
+    # (T, n_q_heads, head_dim), contiguous whatever q's strides
+    out = q.new_empty(q.shape) if out is None else out
     scale = (sm_scale if sm_scale is not None else D ** -0.5) * LOG2E
     q = q if q.stride()[1:] == (D, 1) else q.contiguous()  # a token's heads side by side
     _extend[(len(blocks) // 2, Hkv)](
@@ -495,7 +475,7 @@ def token_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix_len
 #     prefill    a cached or chunked prompt's query runs another kernel (decode's, or extend with
 #                its rows in other blocks) than the same query in the whole prompt
 #
-# Deterministic mode (Engine(deterministic=True); SGLang's --enable-deterministic-inference, vLLM's
+# Deterministic mode (FastEngine(deterministic=True); SGLang's --enable-deterministic-inference, vLLM's
 # VLLM_BATCH_INVARIANT=1) makes each order a function of the row alone:
 #
 #     attention  every query, prefill or decode, through `_extend` with one key tile: its keys
@@ -612,8 +592,7 @@ def deterministic_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, pr
 def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, page=1):
     """A decode step through `_extend` (01's decode_attn in deterministic mode): one new token per
     request after seq_len - 1 cached ones, so the same bits as that query in a prefill. The kernel
-    reads its blocks from seq_lens on the device (DECODE): no plan to build; a CUDA graph holds
-    it."""
+    reads its blocks from seq_lens on the device (DECODE): no plan, so a CUDA graph holds it."""
     (B, H, D), Hkv = q.shape, k_pool.shape[1]
     cfg, dev = DETERMINISTIC_CONFIG[q.dtype], q.device
     lens, out = torch.as_tensor(seq_lens, device=dev), q.new_empty(q.shape)
@@ -630,11 +609,6 @@ def deterministic_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, se
 
 # ======== DEMO: float64 references through the same table, the check, the command line ============
 # -------- float64 references, random problems, the check ------------------------------------------
-def table_slots(table, row: int, n: int, page: int = 1) -> torch.Tensor:
-    """The slots of tokens 0..n-1 of table row `row`, LongTensor (n,): the host twin of the kernels' _slot (01's)."""
-    return L01.table_slots(table, [row], n, page)[0]
-
-
 def reference_decode_attention(q, k_pool, v_pool, req_to_token, req_rows, seq_lens, sm_scale=None, page=1):
     """Float64 ground truth for decode: one new token per request, i.e. extend over seq_len - 1 cached tokens."""
     return reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows,
@@ -649,7 +623,7 @@ def reference_extend_attention(q, k_pool, v_pool, req_to_token, req_rows, prefix
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out, t = torch.empty(T, H, D, dtype=torch.float64, device=q.device), 0
     for row, p, n in zip(torch.as_tensor(req_rows).tolist(), list(map(int, prefix_lens)), list(map(int, extend_lens))):
-        slots = table_slots(req_to_token, row, p + n, page)
+        slots = L01.table_slots(req_to_token, [row], p + n, page)[0]  # the host twin of _slot
         k = k_pool[slots].double().repeat_interleave(G, dim=1)                  # (p + n, H, D)
         v = v_pool[slots].double().repeat_interleave(G, dim=1)
         s = torch.einsum("thd,lhd->htl", q[t:t + n].double(), k) * scale       # (H, n, p + n)
@@ -663,8 +637,7 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
                  device="cpu", scattered=True, seed=0):
     """Random decode step over a pool: each request's tokens at random slots (or in one contiguous
     run). Unused slots hold NaN and unused req_to_token entries point at one, so reading past a
-    request poisons the output. Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens), all
-    on `device`."""
+    request poisons it. Returns (q, k_pool, v_pool, req_to_token, req_rows, seq_lens) on device."""
     g = torch.Generator(device).manual_seed(seed)
     kw = dict(device=device, dtype=dtype)
     B, total, Hkv, D = len(seq_lens), int(sum(seq_lens)), n_kv_heads, head_dim
@@ -689,10 +662,9 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
 
 
 def paged_problem(problem, page: int, seed: int = 0):
-    """The same problem (make_problem's, or the tests' extend problems) with each request's table
-    row copied to random pages of `page` slots: 02's block table (one page of max_len: 01's rows).
-    Unused pages hold NaN and unused entries point at one, as in make_problem. Returns the tuple
-    with pools and table replaced."""
+    """The same problem (make_problem's, or the tests' extend ones), each request's table row
+    copied to random pages of `page` slots: 02's block table (one page of max_len: 01's rows).
+    Unused pages hold NaN, unused entries point at one; the tuple with pools and table replaced."""
     q, k_pool, v_pool, r2t, rows = problem[:5]
     g = torch.Generator(k_pool.device).manual_seed(seed)
     width, dev = -(-r2t.shape[1] // page), k_pool.device
@@ -704,7 +676,7 @@ def paged_problem(problem, page: int, seed: int = 0):
     for i, r in enumerate(rows.tolist()):
         table[r] = pages[i * width:(i + 1) * width].int()
         # token j of row r moves from r2t[r, j] to here
-        slots = table_slots(table, r, r2t.shape[1], page)
+        slots = L01.table_slots(table, [r], r2t.shape[1], page)[0]
         kp[slots], vp[slots] = k_pool[r2t[r].long()], v_pool[r2t[r].long()]
     return (q, kp, vp, table, *problem[4:])
 
@@ -777,9 +749,8 @@ def main(argv=None):
     cuda = torch.cuda.is_available() and not INTERPRET
     if args.bench and not cuda:
         sys.exit("error: --bench needs a CUDA GPU (this machine runs the kernel through the Triton interpreter)")
-    device = "cuda" if cuda else "cpu"
     name = torch.cuda.get_device_name() if cuda else "CPU (TRITON_INTERPRET=1)"
-    rows = check(device)
+    rows = check("cuda" if cuda else "cpu")
     report = dict(device=name, max_rel_err=max(r["rel_err"] for r in rows), checks=rows)
     if args.bench:
         # the kernels beside flash-attn and SDPA (they are not the lesson): tests/bench_04.py
@@ -839,9 +810,8 @@ def _gemv(X, G, W, W3, RES, OUT, PEERS, K, eps, NORM: tl.constexpr, GLU: tl.cons
           RESID: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PUSH: tl.constexpr = 0,
           PDL: tl.constexpr = False):
     """OUT[rows] = W[rows] @ xn (+ RES[rows]); xn = rms_norm(X) * G if NORM else X; GLU: silu(W xn)
-    * (W3 xn). PDL (programmatic dependent launch): the first weight tile is loaded before waiting
-    for the previous kernel. PUSH (tensor parallelism): the rows go to OUT's place on each of PUSH
-    ranks instead, PEERS their addresses."""
+    * (W3 xn). PDL: the first weight tile loads before waiting for the previous kernel. PUSH
+    (tensor parallelism): the rows go to OUT on each of PUSH ranks, PEERS their addresses."""
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -875,10 +845,9 @@ def _gemv(X, G, W, W3, RES, OUT, PEERS, K, eps, NORM: tl.constexpr, GLU: tl.cons
 def _qkv_rope(X, G, WQ, WK, WV, COS, SIN, POS, ROW, R2T, s_r2t, page, Q, KP, VP, K, eps, q_rows,
               kv_rows, HALF: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
               PDL: tl.constexpr = False):
-    """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head -- the pairs
-    RoPE rotates together -- so the rotation and the KV write need no second kernel. The slot to
-    write is read here from the table (_slot): multi-step graphs advance pos on the device. PDL as
-    in _gemv."""
+    """Program p computes BLOCK_P of the row pairs (j, j + HALF) of one q, k or v head, the pairs
+    RoPE rotates together: rotation and KV write need no second kernel. The slot comes from the
+    table here (_slot): multi-step graphs advance pos on the device. PDL as in _gemv."""
     # the program's first pair; BLOCK_P divides HALF
     first = tl.program_id(0) * BLOCK_P
     head = (first // HALF) * 2 * HALF                   # its head's first row in [wq; wk; wv]
@@ -946,15 +915,12 @@ def gemv(x, w, out, norm=None, w3=None, residual=None, eps=0.0, config=(1, 1024,
     (N, K), (rows_per_program, block_k, num_warps) = w.shape, config
     # the interpreter pays per program
     rows_per_program = math.gcd(N, 128 if INTERPRET else rows_per_program)
-    _gemv[(N // rows_per_program,)](x, norm if norm is not None else x, w,
-                                    w3 if w3 is not None else w,
-                                    residual if residual is not None else out, out,
-                                    push if push is not None else out, K, eps,
-                                    NORM=norm is not None, GLU=w3 is not None,
-                                    RESID=residual is not None, BLOCK_N=rows_per_program,
-                                    BLOCK_K=math.gcd(block_k, K),
-                                    PUSH=0 if push is None else len(push), num_warps=num_warps,
-                                    **pdl_kw(pdl))
+    _gemv[(N // rows_per_program,)](
+        x, norm if norm is not None else x, w, w3 if w3 is not None else w,
+        residual if residual is not None else out, out, push if push is not None else out, K, eps,
+        NORM=norm is not None, GLU=w3 is not None, RESID=residual is not None,
+        BLOCK_N=rows_per_program, BLOCK_K=math.gcd(block_k, K),
+        PUSH=0 if push is None else len(push), num_warps=num_warps, **pdl_kw(pdl))
     return out
 
 
@@ -1028,12 +994,11 @@ def fused_decode(model, kv, tokens, positions, pdl=None):
     """One decode step of one sequence in six kernels per layer: model(tokens, positions, kv) at
     batch 1, over any backend's pool (kv.layer_pools, kv.table, kv.page). kv.batch_rows, batch_lens
     hold the step's table row and length (CudaGraphDecoder's static buffers); the slot comes from
-    the table. Returns fp32 logits (1, vocab). pdl: launch every kernel with PDL (see above); None =
-    on a GPU. Under tensor parallelism (model.tp_sum, see llama3_generate.py) wo and w2 push partial
-    sums (rank 0's with the residual) into every rank's tp.lamport, where _lamport_sum adds them up
-    (tp(part) where there is none: gloo), and each rank computes its rows tp.vocab of the logits,
-    which tp gathers."""
-    a, attn, tp = model.args, token_decode_attention, getattr(model, "tp_sum", None)
+    the table. Returns fp32 logits (1, vocab). pdl: launch every kernel with PDL (see above); None:
+    on a GPU. Under tensor parallelism (model.tp) wo and w2 push partial sums (rank 0's with the
+    residual) into every rank's tp.lamport, where _lamport_sum adds them up (tp(part) where there
+    is none: gloo); each rank computes its rows tp.vocab of the logits, which tp gathers."""
+    a, attn, tp = model.args, token_decode_attention, model.tp if model.tp.world > 1 else None
     cfg, pdl, emb = FUSED_CONFIG, tokens.is_cuda if pdl is None else pdl, model.tok_embeddings.weight
     # (dim,) the residual stream, updated in place
     h = torch.empty(a.dim, dtype=emb.dtype, device=emb.device)

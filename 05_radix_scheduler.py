@@ -43,9 +43,9 @@ Details that matter (as in SGLang): a prompt goes into the tree right after its 
 when the request finishes, so requests arriving while it decodes already hit it; a cache-aware
 policy holds back a request sharing >= 32 uncached tokens with one admitted in the same step
 (in-batch prefix caching: next step it is a hit); admission reserves every slot a request will take
-(prompt suffix + max_new - 1), so the running batch never runs out. Where lpm stays below the
-optimum: siblings admitted together each recompute a short shared piece (under the 32-token rule),
-and a small pool evicts prefixes that concurrently running requests could not all keep.
+(prompt suffix + max_new_tokens - 1), so the running batch never runs out. Where lpm stays below
+the optimum: siblings admitted together each recompute a short shared piece (under the 32-token
+rule), and a small pool evicts prefixes that concurrently running requests could not all keep.
 
 The same class schedules llama3_generate.py's engine, with three options (see Scheduler):
 reserve=False admits without reserving decode slots and, when the pool runs short, evicts and then
@@ -109,11 +109,9 @@ def _common(edge, key, i):
 
 
 class RadixCache:
-    """Token ids -> KV slots in a TokenAllocator pool (allocator=None: a plain token radix tree, for
-    bookkeeping). page: tokens per key unit (02's block_size; 1: one token). Edges, matches, inserts
-    and evictions come in whole pages, children are keyed by their first page, and a page's slots
-    are one block of 02's pool (BlockRefs), so a prefix is shared only up to its last full page:
-    SGLang's radix cache with page_size > 1."""
+    """Token ids -> KV slots in a TokenAllocator pool or 02's BlockRefs (allocator=None: a token
+    radix tree only). page: tokens per key unit (02's block_size; 1: a token): edges, matches,
+    inserts and evictions in whole pages, children keyed by their first page, a page one block."""
 
     def __init__(self, allocator=None, page=1):
         self.allocator, self.clock, self.serial, self.page = allocator, 0, 0, page
@@ -142,8 +140,7 @@ class RadixCache:
         return new
 
     def _walk(self, key):
-        """Follow key (whole pages) down the tree (splitting an edge the match ends inside, at a
-        page boundary); returns (matched values, last node)."""
+        """Follow key (whole pages) down, splitting the edge it ends in -> (values, last node)."""
         self.clock += 1
         node, values, i = self.root, [], 0
         while i < len(key) and (child := node.children.get(self._first(key, i))) is not None:
@@ -288,8 +285,8 @@ class RadixCache:
 class Req(L02.Request):
     """02's request (prompt, output, kv_len) plus what the radix scheduler tracks."""
 
-    def __init__(self, rid, prompt, max_new, target=None, after=None, stop_ids=()):
-        super().__init__(rid, prompt, max_new, stop_ids)
+    def __init__(self, rid, prompt, max_new_tokens, target=None, after=None, stop_ids=()):
+        super().__init__(rid, prompt, max_new_tokens, stop_ids)
         self.target = target    # simulation: the output to replay, token by token
         # a Req whose KV it needs first (its first sample, or the turn it follows)
         self.after = after
@@ -355,13 +352,14 @@ IN_BATCH_MIN = 32
 class Scheduler(L02.Scheduler):
     """Algorithm 1 over 03's TokenKVCache (or 02's blocks) + a RadixCache, on 02's continuous batching (its step loop:
     schedule, forward, postprocess; and preemption): this class admits and caches. The options, the paper's first:
-      reserve=True  admission reserves every slot a request will take (prompt suffix + max_new - 1), so nothing is
-                    ever preempted. False: admit while the prompts fit the pool now (free_tokens()) and the step's
-                    prefill budget; when decoding outgrows the pool, evict, then preempt (02; recompute is mostly a
+      reserve=True  admission reserves every slot a request will take (prompt suffix +
+                    max_new_tokens - 1), so nothing is ever preempted. False: admit while the
+                    prompts fit the pool now (free_tokens()) and the step's prefill budget; when
+                    decoding outgrows the pool, evict, then preempt (02; recompute is mostly a
                     cache hit, as the preempted request's computed tokens stay in the tree).
       reserve="expected"  (the engine's) look ahead, as LightLLM's router: also admit only while, at every step
                     from now, the pool holds what the running requests will hold then, each growing a token a step
-                    until its expected end (a share of its remaining max_new, learned: see fits_ahead).
+                    until its expected end (a share of its tokens_left, learned: see fits_ahead).
       mixed=True    a step runs the admitted prefills with one decode token of every running request (SGLang),
                     then a decode step: mixed steps back to back give a stream one token a step, a decode step
                     gives it k (the engine's CUDA graphs, multi-step chunks), so under a burst of prompts the
@@ -404,12 +402,14 @@ class Scheduler(L02.Scheduler):
         self.set_schedule(mixed, chunk_tokens)
         # the request whose prompt is part-way in (chunked prefill)
         self.chunked, self.prefilled = None, False
-        self.held = False  # the last admission left requests waiting for KV or rows
-        self.solo = False  # mixed: this step's prompts run without the decode tokens (held)
+        # held: the last admission left requests waiting for KV or rows; solo (mixed): this step's
+        # prompts run without the decode tokens (held)
+        self.held = self.solo = False
         self.seed, self.rng, self.n_req = seed, random.Random(seed), 0
         self.stats.update(prompt_tokens=0, cached_tokens=0, steps=0, evicted_tokens=0,
                           recomputed_tokens=0, peak_running=0)
-        # (sum of output / max_new, requests) for fits_ahead: a prior of one to max_new
+        # (sum of output / max_new_tokens, requests) for fits_ahead: a prior of one (every output
+        # runs to its max_new_tokens)
         self.seen = np.ones(2)
 
     @property
@@ -434,28 +434,26 @@ class Scheduler(L02.Scheduler):
             raise ValueError(f"chunk_tokens must be >= 1 (or None), not {chunk_tokens}")
         self.mixed, self.chunk_tokens = mixed, chunk_tokens
 
-    def add(self, prompt, max_new, target=None, after=None, stop_ids=()):
-        longest = len(prompt) + max_new - 1
-        if not prompt or max_new < 1 or longest > min(self.kv.capacity(), self.kv.max_seq_len):
-            raise ValueError(f"request of {len(prompt)} + {max_new} tokens cannot fit this pool "
-                             f"({self.kv.capacity()} slots, max_seq_len {self.kv.max_seq_len})")
-        r = Req(self.n_req, prompt, max_new, target, after, stop_ids)
+    def add(self, prompt, max_new_tokens, target=None, after=None, stop_ids=()):
+        n, cap, max_len = len(prompt), self.kv.capacity(), self.kv.max_seq_len
+        if not n or max_new_tokens < 1 or n + max_new_tokens - 1 > min(cap, max_len):
+            raise ValueError(f"request of {n} + {max_new_tokens} tokens cannot fit this "
+                             f"pool ({cap} slots, max_seq_len {max_len})")
+        r = Req(self.n_req, prompt, max_new_tokens, target, after, stop_ids)
         self.n_req += 1
         self.waiting.append(r)
         return r
 
     def free_tokens(self):
-        """KV tokens new requests may take now without preempting anyone: 03's free slots plus what
-        the tree may evict, or 02's free blocks above its watermark; None where only max_running
-        limits (01's reserved rows)."""
+        """KV tokens new requests may take now without preempting: 03's free slots plus what the
+        tree may evict, or 02's free blocks above its watermark; None: max_running limits (01)."""
         room = self.kv.room()
         return None if room is None else room + (self.tree.evictable_size() if self.tree else 0)
 
     def admit(self):
-        """Algorithm 1's admission: match the ready requests' cached prefixes, order them by policy,
-        take them while the step's prefill budget and the pool allow (reserve: every slot they will
-        take; else: their prompts, after one token for each running request); lock their prefixes,
-        open their rows."""
+        """Algorithm 1's admission: match the ready requests' cached prefixes, order by policy,
+        take them while the step's budget and the pool allow (reserve: all slots they take; else
+        their prompts, after a token per running one); lock prefixes, open rows."""
         self.swap_in()
         if self.prefilled and self.running and not (self.mixed and self.chunked and not self.held):
             # a decode step between two prefill (or mixed) steps: a stream waits one prefill step at
@@ -465,8 +463,8 @@ class Scheduler(L02.Scheduler):
         # held: the queue drains as fast as the running ones finish, and a decode token costs more in an
         # eager mixed step than in a decode step's CUDA graph (H200 step log): admit in a prefill-only step
         self.solo = self.mixed and self.held
-        room, new, prefill, spare = self.max_running - len(self.running), [], 0, None
-        self.held = bool(self.waiting) and (room <= 0 or bool(self.swapped))
+        free_rows, new, prefill, spare = self.max_running - len(self.running), [], 0, None
+        self.held = bool(self.waiting) and (free_rows <= 0 or bool(self.swapped))
         if self.chunk_tokens is None:  # tokens this step may feed
             step = self.max_prefill_tokens
         else:
@@ -475,25 +473,25 @@ class Scheduler(L02.Scheduler):
             # a prompt part-way in goes first; it holds its KV and its lock already
             r = self.chunked
             r.chunk = max(1, step) if r.missing > step else None
-            new, prefill, room = [r], r.n_new, room - 1
+            new, prefill, free_rows = [r], r.n_new, free_rows - 1
             if r.chunk is not None:  # what it leaves of its chunk for others
                 spare = r.chunk - max(1, int(step * CHUNK_KEEPS + 0.999))
-        if room <= 0 or self.swapped or not self.waiting:
+        if free_rows <= 0 or self.swapped or not self.waiting:
             return new
         if self.reserve is True:
-            budget = self.free_tokens() - sum(r.reserve for r in self.running + new)
-            if budget < min(r.max_new_tokens for r in self.waiting):
-                # every request needs >= max_new (the engine's too)
+            free = self.free_tokens() - sum(r.reserve for r in self.running + new)
+            if free < min(r.max_new_tokens for r in self.waiting):
+                # every request needs >= max_new_tokens (the engine's too)
                 self.held = True
                 return new  # nothing can be admitted: skip the matching
         else:
             # admitting what does not fit would only be held
             # back by prepare(), one failed allocation each
             # the running ones' next tokens first, and the rest of the chunked prompt
-            budget = self.free_tokens()
-            budget = None if budget is None else budget - len(self.running) - sum(r.missing for r in new)
+            free = self.free_tokens()
+            free = None if free is None else free - len(self.running) - sum(r.missing for r in new)
         first = len(new)
-        self.held = self.admit_ready(self.ordered(), new, room, step, prefill, spare, budget)
+        self.held = self.admit_ready(self.ordered(), new, free_rows, step, prefill, spare, free)
         if len(new) > first:
             taken = set(map(id, new))
             self.waiting = deque(r for r in self.waiting if id(r) not in taken)
@@ -514,18 +512,18 @@ class Scheduler(L02.Scheduler):
             ready = POLICIES[self.policy](self.tree, self.rng, ready)
         return ready
 
-    def admit_ready(self, ready, new, room, step, prefill, spare, budget):
-        """Appends to new the ready requests, in order, while the step's tokens (step: what it may
-        feed, prefill: what it feeds already, spare: what the part-way prompt leaves), rows (room)
-        and pool (budget) allow. Returns whether the rest wait for rows or KV (held)."""
-        # 03's slot, 02's block (01: no budget)
+    def admit_ready(self, ready, new, free_rows, step, prefill, spare, free):
+        """Append to new the ready requests in order while the step's tokens (step: it may feed,
+        prefill: it feeds already, spare: the part-way prompt leaves), rows (free_rows) and pool
+        (free: tokens after reserves) allow. -> held: the rest wait (rows or KV)."""
+        # 03's slot, 02's block (01: free is None)
         tree, aware, block = self.tree, self.cache_aware(), self.kv.page
         batch, first = RadixCache(), len(new)  # batch: this step's prompts (in-batch prefix cache)
         ahead = None  # the running and admitted ones' expected lengths
-        if self.reserve == "expected" and budget is not None:
+        if self.reserve == "expected" and free is not None:
             ahead = np.concatenate([self.expected(self.running), self.expected(new, ahead=1)])
         for r in ready:
-            if len(new) - first == room:
+            if len(new) - first == free_rows:
                 return True
             if tree is not None and not aware:
                 r.prefix, r.node = tree.match_prefix(r.tokens)
@@ -542,19 +540,19 @@ class Scheduler(L02.Scheduler):
                 continue  # its prefix is being computed right now: next step it is a cache hit
             # a later match only splits below it
             delta = tree.inc_lock_ref(r.node) if tree is not None else 0
-            if budget is not None:
+            if free is not None:
                 # reserve: every slot it will ever take (prefill + all decode steps but one); else
                 # its prompt's blocks whole pages
                 need = -(-(extend + (r.max_new_tokens - 1 if self.reserve is True else 0)) // block) * block
                 # with r
                 grown = None if ahead is None else np.concatenate([ahead, self.expected([r], ahead=1)])
-                if (need > budget + delta or grown is not None and not self.fits_ahead(grown)) and (
+                if (need > free + delta or grown is not None and not self.fits_ahead(grown)) and (
                         self.reserve is True or new or self.running):  # alone, it only needs to fit
                     if tree is not None:
                         # the head of the queue does not fit: stop (no overtaking, no starvation)
                         tree.dec_lock_ref(r.node)
                     return True
-                budget, ahead = budget + delta - need, grown
+                free, ahead = free + delta - need, grown
                 if self.reserve is True:
                     r.reserve = need
             if tree is not None:
@@ -575,8 +573,7 @@ class Scheduler(L02.Scheduler):
         return False
 
     def count_admission(self, r, cached: int):
-        """The hit rate counts first admissions (cached prompt tokens / prompt tokens); a
-        re-admission after a preemption counts what it computes again."""
+        """Hit rate: first admissions only; a re-admission counts what it computes again."""
         if not r.admitted:
             self.stats["prompt_tokens"] += len(r.prompt)
             self.stats["cached_tokens"] += cached
@@ -599,26 +596,25 @@ class Scheduler(L02.Scheduler):
         return int(peak) <= self.kv.room() + self.kv.used()  # the pool, but 02's watermark
 
     def expected(self, reqs, ahead=0):
-        """(e, held) per request: e is `ratio` of its remaining max_new steps (the mean output /
-        max_new of the finished requests, from 1: every output runs to max_new; a preemption counts
-        as one that ran to max_new), held its KV tokens (+ ahead: a prefill step may leave the
-        running ones be, so a new one is a step ahead; + lookahead: the slots of a chunk, up to its
-        max_new, taken before its steps run)."""
+        """(e, held) per request: e is `ratio` of its tokens_left steps (the mean output /
+        max_new_tokens of the finished requests, from 1: every output runs to max_new_tokens; a
+        preemption counts as one that ran to max_new_tokens), held its KV tokens (+ ahead: a
+        prefill step may leave the running ones be, so a new one is a step ahead; + lookahead: the
+        slots of a chunk, up to its tokens_left, taken before its steps run)."""
         ratio, rows = self.seen[0] / self.seen[1], []
         for r in reqs:
-            held = len(r.prompt) + len(r.output) + ahead + min(self.lookahead, r.room)
-            rows.append((max(1, int(ratio * r.room + 0.999)), held))
+            held = len(r.prompt) + len(r.output) + ahead + min(self.lookahead, r.tokens_left)
+            rows.append((max(1, int(ratio * r.tokens_left + 0.999)), held))
         return np.array(rows, int).reshape(-1, 2)
 
     def run_ahead(self, batch, k, ahead=0) -> int:
-        """Room for a multi-step chunk of batch (the engine's greedy decode, k steps per host sync):
-        the most steps, up to k, that the pool holds now, each request taking min(steps, tokens left
-        to its max_new) slots (its steps past the end write scratch). Cached prefixes are evicted for
-        all k steps first. 0: not one step fits (a one-step decode step preempts, 02). ahead: each
-        one's tokens already in flight (a list, or one number for all)."""
+        """Room for batch's multi-step chunk (greedy decode, k steps per host sync): the most
+        steps, up to k, the pool holds now, each taking min(steps, tokens_left) slots (past its
+        end: scratch); cached prefixes evicted for all k first. 0: not one fits (a one-step decode
+        preempts, 02). ahead: tokens in flight (a list per request, or one number)."""
         ahead = ahead if isinstance(ahead, list) else [ahead] * len(batch)
-        left = [r.room - a for r, a in zip(batch, ahead)]
-        need = lambda steps: self.slots_needed(batch, [min(steps, n) for n in left])
+        tokens_left = [r.tokens_left - a for r, a in zip(batch, ahead)]
+        need = lambda steps: self.slots_needed(batch, [min(steps, n) for n in tokens_left])
         free = self.free_slots()
         if free is None or need(k) <= free:
             return k
@@ -635,9 +631,8 @@ class Scheduler(L02.Scheduler):
         return evicted
 
     def make_room(self, n_tokens):
-        """02's prepare() ran short of n_tokens: evict least-recently-used cached prefixes first;
-        then, in a decode step (prefill-first runs them between a prompt's chunks), send the prompt
-        part-way in back to the queue."""
+        """02's prepare() ran short of n_tokens: evict LRU cached prefixes; then, in a decode step
+        (prefill-first runs them between a prompt's chunks), requeue the prompt part-way in."""
         evicted = self.evict(n_tokens - self.kv.room())
         if not evicted and self.chunked is not None and not self.prefilled:
             evicted = max(1, self.chunked.kv_len)  # (its computed tokens go into the tree)
@@ -654,9 +649,8 @@ class Scheduler(L02.Scheduler):
         super().preempt(r)
 
     def computed(self, r, n):
-        """r's KV now holds n more tokens. A step that computed some of its prompt shares what is in
-        so far, while r still prefills or decodes (the engine calls this too, once per token of a
-        multi-step chunk)."""
+        """r's KV now holds n more tokens; a step that computed some of its prompt shares what is
+        in so far (cache_prompt). The engine calls this too, per token of a multi-step chunk."""
         r.kv_len, r.reserve = r.kv_len + n, r.reserve - n
         if r is self.chunked and not r.missing:
             # its last chunk: it runs with the others from now on
@@ -669,8 +663,7 @@ class Scheduler(L02.Scheduler):
         prefill) into the tree and move r's lock down to it, so requests arriving while r decodes
         (its n > 1 siblings first) hit it. Where the tree already held some of it (a cached prompt's
         last token is computed again, for its logits), r switches to the tree's slots and its
-        duplicates go back to the pool: the lock must not cost a slot that admit() counted as
-        evictable."""
+        duplicates go back to the pool: the lock costs no slot that admit() counted evictable."""
         prompt, shared, x = r.prompt[:r.kv_len], 0, r.node
         while x is not self.tree.root:
             # r's first `shared` tokens are in the tree's slots already (its lock)
@@ -686,7 +679,7 @@ class Scheduler(L02.Scheduler):
 
     def release(self, r):
         """Drop r's KV; its computed tokens go into the tree first (for later requests, or r after a preemption)."""
-        # finished (or aborted): its share of max_new
+        # finished (or aborted): its share of max_new_tokens
         self.seen += (len(r.output) / r.max_new_tokens, 1) if r.done else 0
         if r.in_kv and self.tree is not None:
             if r.kv_len:
@@ -700,8 +693,7 @@ class Scheduler(L02.Scheduler):
             self.chunked, r.chunk = None, None
 
     def batch(self, new):
-        """This step's requests: the admitted ones (prefill-first), with every running one (mixed),
-        or, when none was admitted, the running ones."""
+        """This step's batch: the admitted (+ the running, mixed); if none, the running ones."""
         self.prefilled = bool(new)
         return self.running + new if self.mixed and new and not self.solo else new or self.running
 
@@ -727,8 +719,7 @@ class Scheduler(L02.Scheduler):
 
 def generate_cached(model, prompts, max_new_tokens=32, sched=None, pool_size=4096, policy="lpm",
                     max_running=8, stop_ids=()):
-    """Greedy generation of prompts through a Scheduler over a TokenKVCache (pass sched to keep its
-    warm cache). Returns (new tokens per prompt, sched)."""
+    """Greedy decoding through a Scheduler (pass sched to keep it warm) -> (outputs, sched)."""
     if sched is None:
         sched = Scheduler(L03.TokenKVCache.for_model(model, pool_size, max_running), policy, max_running)
 
@@ -798,33 +789,30 @@ WORKLOADS = {  # name: (builder, scaled-down default kwargs, full-size kwargs)
 
 def optimal_prefill(reqs):
     """C_min = edges of the prompts' radix tree, minus tokens some request's decode produced (its
-    output but the last token: fed back and cached), assuming different requests decode different
-    tokens (true here)."""
+    output but the last token: fed back, cached), if requests decode different tokens (they do)."""
     tree = RadixCache()
     for prompt, _, _ in reqs:
         tree.insert(prompt)
-    size, decoded = tree.evictable_size(), 0
-    for prompt, out, _ in reqs:
-        matched = len(tree.match_prefix(prompt + out[:-1], compute_last=False)[0])
-        decoded += max(0, matched - len(prompt))
-    return size - decoded
+    decoded = sum(max(0, len(tree.match_prefix(p + o[:-1], compute_last=False)[0]) - len(p))
+                  for p, o, _ in reqs)  # matching splits edges, sizes stay
+    return tree.evictable_size() - decoded
 
 
 # -------- simulations: token ids through the same Scheduler ---------------------------------------
 
 def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, seed=0, check=False,
-             page=1, max_new=None, **options):
+             page=1, max_new_tokens=None, **options):
     """Run a token-only workload through a TokenKVCache (page > 1: 02's PagedKVCache, its tree keyed
-    by pages) without KV tensors (1 layer, 1 head, head_dim 1). max_new: each request's (default:
-    its output's length; a shorter output ends with EOS, -1); options: the Scheduler's."""
-    max_new = max_new or [len(o) for _, o, _ in reqs]
-    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
+    by pages) without KV tensors (1 layer, 1 head, head_dim 1). max_new_tokens: each request's
+    (default: its output's length; a shorter output ends in EOS, -1); options: Scheduler's."""
+    max_new_tokens = max_new_tokens or [len(o) for _, o, _ in reqs]
+    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new_tokens))
     kv = L03.TokenKVCache(1, pool_size, 1, 1, max_running, longest) if page == 1 else L02.PagedKVCache(
         1, -(-pool_size // page), page, 1, 1, watermark=0, max_seqs=max_running,
         max_seq_len=longest)
     s = Scheduler(kv, policy, max_running, max_prefill_tokens, seed, **options)
     made = []
-    for (prompt, out, after), n in zip(reqs, max_new):
+    for (prompt, out, after), n in zip(reqs, max_new_tokens):
         made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(-1,)))
     threads = torch.get_num_threads()
     # tiny tensor ops: a thread pool only adds overhead (and stalls on a busy machine)
@@ -833,9 +821,8 @@ def simulate(reqs, pool_size, policy, max_running=32, max_prefill_tokens=16384, 
         s.run(check=check)
     finally:
         torch.set_num_threads(threads)
-    prompt_tokens = s.stats["prompt_tokens"]
     return dict(s.stats, hit_rate=s.hit_rate(),
-                prefill_tokens=prompt_tokens - s.stats["cached_tokens"],
+                prefill_tokens=s.stats["prompt_tokens"] - s.stats["cached_tokens"],
                 output_tokens=sum(len(r.output) for r in made),
                 computed_tokens=sum(e.tokens for e in s.events if e.kind in ("prefill", "decode")))
 
@@ -847,10 +834,9 @@ SCHEDULES = {"prefill-first": (False, False), "prefill-first, chunked": (False, 
 
 def chunking_timeline(chunk_tokens=256, long_prompt=2048, n_short=8, seed=0, behind=0):
     """A long prompt arrives while n_short requests decode. Per schedule: the tokens each step
-    computes, and how long the decoding requests wait between two of their tokens, counted in tokens
-    computed meanwhile (a step's time grows with its tokens: what a stream feels as a stall).
-    Engine-style options (reserve=False). behind: a prompt of that many tokens arrives halfway
-    through the long one's first step; its first token's wait too."""
+    computes, and the decoding requests' waits between tokens, in tokens computed meanwhile (a
+    step's time grows with its tokens). Engine options (reserve=False). behind: a prompt of that
+    many tokens comes halfway through the long one's first step; its first token's wait too."""
     rng = np.random.default_rng(seed)
     shorts = [(_toks(rng, int(rng.integers(16, 64))), _toks(rng, 48)) for _ in range(n_short)]
     long_req, arrive = (_toks(rng, long_prompt), _toks(rng, 8)), 4  # it arrives before step 4
@@ -894,11 +880,10 @@ STEP_COST = 1024
 
 
 def admission_trace(n=64, lengths=(25, 256), per_seq=128, pages=(1, 16), seed=0):
-    """bench_engine's equal-memory workload, scaled: n requests, prompt and max_new lengths uniform
-    in `lengths`, a pool of per_seq tokens a request (less than half what they take), prefill-first
-    (the engine's). Outputs run to max_new, or stop (EOS) at a length uniform in [1, max_new]. Per
-    admission and page: simulate()'s figures, and throughput: output tokens per STEP_COST of
-    simulated time."""
+    """bench_engine's equal-memory workload, scaled: n requests, prompt lengths and max_new_tokens
+    uniform in `lengths`, per_seq pool tokens a request (under half what they take), prefill-first.
+    Outputs run to max_new_tokens, or stop (EOS) uniformly in [1, max_new_tokens]. Per admission,
+    page: simulate()'s figures and output tokens per STEP_COST of simulated time."""
     rng, out = np.random.default_rng(seed), {}
     lens = rng.integers(lengths[0], lengths[1] + 1, (n, 2)).tolist()
     reqs = [(_toks(rng, p), None, None) for p, _ in lens]
@@ -909,7 +894,7 @@ def admission_trace(n=64, lengths=(25, 256), per_seq=128, pages=(1, 16), seed=0)
                 for (p, _, _), (_, m), k in zip(reqs, lens, stops)]
         for page, (name, reserve) in ((page, a) for page in pages for a in ADMISSIONS.items()):
             r = out.setdefault(early, {}).setdefault(page, {})[name] = simulate(
-                reqs, n * per_seq, "lpm", n, page=page, max_new=[m for _, m in lens],
+                reqs, n * per_seq, "lpm", n, page=page, max_new_tokens=[m for _, m in lens],
                 reserve=reserve, mixed=False)
             r["throughput"] = r["output_tokens"] * STEP_COST / (STEP_COST * r["steps"] + r["computed_tokens"])
     return dict(requests=n, lengths=lengths, per_seq=per_seq, workloads=out)
@@ -940,10 +925,8 @@ def main(argv=None):
     prefix = measure_pages(report, args)
     chunking = chunking_timeline()
     chunking["behind"] = {k: r["behind"] for k, r in chunking_timeline(behind=32)["schedules"].items()}
-    if args.full:  # bench's
-        admission = admission_trace(256, (100, 1024), 512, (1, 16, 256))
-    else:
-        admission = admission_trace()
+    # --full: bench's sizes
+    admission = admission_trace(*((256, (100, 1024), 512, (1, 16, 256)) if args.full else ()))
     all_runs = [runs for w in report.values() for runs in w["cache_sizes"].values()]
     lpm_ratios = [runs["lpm"]["of_optimal"] for runs in all_runs if "lpm" in runs]
     # top level: the first workload's (generated-shared-prefix by default)
@@ -994,9 +977,8 @@ def measure_hit_rates(args, policies) -> dict:
 
 
 def measure_pages(report, args):
-    """Pages: a prefix is shared up to its last full page. lpm's hit rate at pages of 1, 16, 256
-    tokens on the shared-prefix workload (into report); returns the prefix length it used (None
-    without that workload)."""
+    """lpm's hit rate at pages of 1, 16, 256 tokens (a prefix is shared up to its last full page)
+    on the shared-prefix workload (into report); returns its prefix length (None without it)."""
     if "generated-shared-prefix" not in report:
         return None
     w, build, small, full = report["generated-shared-prefix"], *WORKLOADS["generated-shared-prefix"]
@@ -1040,7 +1022,8 @@ def print_chunking(c):
 
 
 def print_admission(a):
-    print(f"\nAdmission: {a['requests']} requests, prompt and max_new lengths uniform in {list(a['lengths'])}, a pool "
+    print(f"\nAdmission: {a['requests']} requests, prompt lengths and max_new_tokens uniform in "
+          f"{list(a['lengths'])}, a pool "
           f"of {a['per_seq']} tokens a request; throughput: output tokens per {STEP_COST} tokens' time (a step's cost)"
           f"\n  {'outputs':<12}{'page':>5}  {'admission':<12}{'preemptions':>12}{'peak running':>13}{'recomputed':>11}"
           f"{'steps':>7}{'throughput':>11}")

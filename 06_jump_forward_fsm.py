@@ -97,14 +97,12 @@ def token_trie(tok) -> TokenTrie:
 
 
 class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), as a packed
-    bitmask (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built
-    once per (regex, tokenizer) by walking the token trie alongside the DFA, breadth-first, a chunk
-    of start states at once, keeping only the (state, node) pairs still alive. The DFA first keeps
-    only bytes that are one-byte tokens (a vocabulary may lack some), then only states that can
-    still accept: a live byte path is then a token path, so decoding never reaches a state with no
-    allowed token unless it may stop. Also holds the compressed FSM: jump(state) -> forced
-    string."""
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), a packed bitmask
+    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once
+    per (regex, tokenizer), a chunk of states at a time (see needs). The DFA first keeps only bytes
+    that are one-byte tokens (a vocabulary may lack some), then only states that can still accept:
+    a live byte path is then a token path, so decoding never reaches a state with no allowed token
+    unless it may stop. Also holds the compressed FSM: jump(state) -> forced string."""
 
     def __init__(self, pattern: str, tok, chunk: int = 256):
         t0 = time.perf_counter()
@@ -131,10 +129,9 @@ class TokenIndex:
         self.jumps, self.build_s = {}, time.perf_counter() - t0
 
     def needs(self, states) -> np.ndarray:
-        """(len(states), vocab) int16: per state, each token that keeps the DFA alive needs 1 + the
-        bytes from where it leads to the nearest accepting state (EOS: 1 where accepting); 0: not
-        allowed. The token trie is walked alongside the DFA, breadth-first, keeping only the (start,
-        DFA state, trie node) triples still alive."""
+        """(len(states), vocab) int16: per state, 1 + the bytes from where each token leads to the
+        nearest accept (EOS: 1 where accepting); 0: not allowed. The token trie is walked alongside
+        the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples alive."""
         trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
         state = np.asarray(states, np.int32)
         owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
@@ -149,26 +146,26 @@ class TokenIndex:
         need[:, self.eos] = self.dfa.accept[states]
         return need
 
-    def allowed(self, state: int, budget=math.inf) -> torch.Tensor:
-        """(vocab,) bool: the tokens allowed in `state`. With `budget` tokens left (this one
-        included) and room for a shortest completion in one-byte tokens, only the tokens after which
-        it still fits: from there on the answer ends within max_tokens (where it has no such room
-        yet, every token, as without a budget)."""
-        if not self.dist[state] <= budget < self.worst[state]:
+    def allowed(self, state: int, tokens_left=math.inf) -> torch.Tensor:
+        """(vocab,) bool: the tokens allowed in `state`. With `tokens_left` tokens left (this one
+        included) and room for a shortest completion in one-byte tokens, only those after which it
+        still fits: the answer ends within max_new_tokens (without such room yet, all)."""
+        if not self.dist[state] <= tokens_left < self.worst[state]:
             return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
         need = self.needs([state])[0]
-        return torch.from_numpy((need > 0) & (need <= budget))
+        return torch.from_numpy((need > 0) & (need <= tokens_left))
 
-    def finish(self, state: int, room=math.inf):
-        """Whether decoding ends in `state` with `room` tokens left, before asking the model (the
-        lesson's loop and the engine's Seq both ask here). "stop": EOS is the only token that
-        allowed(state, room) holds, or no room is left where the regex may end; "length": none is
-        left before it may. None: go on, and allowed(state, room) holds a token (the first of a
-        shortest completion that fits, or EOS)."""
-        # a jump-forward may fill the room exactly: allowed(state, 0) is empty, EOS included
-        if room < 1:
+    def finish(self, state: int, tokens_left=math.inf):
+        """Whether decoding ends in `state` with `tokens_left` tokens left, before asking the model
+        (the lesson's loop and the engine's Seq both ask here). "stop": EOS is the only token that
+        allowed(state, tokens_left) holds, or no token is left where the regex may end; "length":
+        none is left before it may. None: go on, and allowed(state, tokens_left) holds a token (the
+        first of a shortest completion that fits, or EOS)."""
+        # a jump-forward may use up the tokens exactly: allowed(state, 0) is empty, EOS included
+        if tokens_left < 1:
             return "stop" if self.dfa.accept[state] else "length"
-        return "stop" if self.dfa.accept[state] and not 0 < self.least[state] <= room else None
+        return ("stop" if self.dfa.accept[state] and not 0 < self.least[state] <= tokens_left
+                else None)
 
     def step(self, state: int, token: int) -> int:
         return self.dfa.walk(state, self.trie.token_bytes[token])
@@ -184,24 +181,25 @@ class TokenIndex:
             self.jumps[state] = bytes(out)
         return self.jumps[state]
 
-    def jump_forward(self, state: int, text: bytes, output: list, tok, limit=math.inf) -> tuple:
+    def jump_forward(self, state: int, text: bytes, output: list, tok,
+                     max_new_tokens=math.inf) -> tuple:
         """Jump-forward from `state`, after `output` (token ids) wrote `text`: append the forced
         string (whole characters), re-tokenize the text, keep the longest common token prefix with
         `output` (the rest's K/V is recomputed). -> (state, text, output, tokens kept), unchanged if
-        nothing is forced, or the new output would pass `limit` tokens or lose the room a shortest
+        nothing is forced, or the new output would pass max_new_tokens or lose the room a shortest
         completion had (then the model writes it itself)."""
         jump = text + self.jump(state)
         jump = jump[len(text):len(jump.decode("utf-8", "ignore").encode())]  # whole characters only
         new, end = tok.encode((text + jump).decode()) if jump else [], self.dfa.walk(state, jump)
         # room for a shortest completion (see allowed)
-        fits = lambda n, s: n + self.dist[s] <= limit
-        if not jump or len(new) > limit or fits(len(output), state) and not fits(len(new), end):
+        fits = lambda n, s: n + self.dist[s] <= max_new_tokens
+        if (not jump or len(new) > max_new_tokens
+                or fits(len(output), state) and not fits(len(new), end)):
             return state, text, output, len(output)
         return end, text + jump, new, len(os.path.commonprefix([output, new]))
 
     def compressed_edges(self) -> dict:
-        """{head state: jump string} for every maximal chain (heads: the start, or entered by a
-        choice, if forced)."""
+        """{head: jump} per maximal chain (head: forced; the start or entered by a choice)."""
         # a state may also lie inside another's chain
         heads = np.union1d(0, self.dfa.table[~self.forced])
         return {int(s): self.jump(int(s)) for s in heads if s >= 0 and self.forced[s]}
@@ -210,9 +208,8 @@ class TokenIndex:
 # ======== THE IDEA, 2: jump-forward decoding ====================================================
 
 def sample(logits, temperature: float, top_p: float, generator=None):
-    """logits (B, vocab) -> (B,) token ids. temperature 0 is greedy; top_p keeps the smallest
-    nucleus >= top_p. A mask is logits set to -inf before this: those tokens get probability 0 (the
-    model file samples with it too)."""
+    """logits (B, vocab) -> (B,) token ids; temperature 0: greedy; top_p: the smallest nucleus >=
+    top_p. Masked logits (-inf) get probability 0. The model file samples with it too."""
     if temperature <= 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -244,10 +241,10 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
             stats["jumped_bytes"] += len(jumped[1]) - len(text)
             state, text, out, kept = jumped
             ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)
-        room = max_new_tokens - (len(ids) - n0)  # tokens left: the answer closes in time
-        if index.finish(state, room):  # nothing left to choose, or no room: done, no model call
+        tokens_left = max_new_tokens - (len(ids) - n0)  # the answer closes in time
+        if index.finish(state, tokens_left):  # nothing left to choose, or no tokens: no model call
             break
-        allowed = index.allowed(state, room)
+        allowed = index.allowed(state, tokens_left)
         logits = logits_fn(ids, keep)  # (vocab,)
         stats["forward_passes"] += 1
         stats["tokens_computed"] += len(ids) - keep
@@ -266,8 +263,7 @@ def constrained_decode(index: TokenIndex, tok, prompt_ids, logits_fn, max_new_to
 
 
 class RollbackCache(L01.ContiguousKVCache):
-    """01's contiguous cache plus the one operation jump-forward needs: forget a request's last
-    tokens."""
+    """01's contiguous cache plus what jump-forward needs: forgetting a request's last tokens."""
 
     def truncate(self, seq_id, n):
         row = self.rows[seq_id]
@@ -276,17 +272,14 @@ class RollbackCache(L01.ContiguousKVCache):
 
 
 def model_logits_fn(model, max_seq_len=2048):
-    """A logits_fn for constrained_decode running the model through RollbackCache: computes
-    ids[keep:] only."""
+    """A logits_fn for constrained_decode: the model over a RollbackCache, computing ids[keep:]."""
     kv = RollbackCache.for_model(model, 1, min(max_seq_len, model.args.max_seq_len))
-    device = model.tok_embeddings.weight.device
 
     def logits_fn(ids, keep):
         if 0 in kv.rows:
             kv.truncate(0, keep)
         positions = kv.prepare([0], [len(ids) - keep])
-        last = torch.tensor([len(ids) - keep - 1], device=device)
-        return model(torch.tensor(ids[keep:], device=device), positions, kv, logits_at=last)[0]
+        return model(positions.new_tensor(ids[keep:]), positions, kv, logits_at=[-1])[0]
     return logits_fn
 
 
@@ -324,8 +317,7 @@ class _Parser:
     r"""Recursive descent: alt := cat ('|' cat)*; cat := (atom quantifier?)*. AST: ("set", ranges) |
     ("cat", [nodes]) | ("alt", [nodes]) | ("rep", node, lo, hi or None). schema=True: a JSON-schema
     pattern, read by validators with Unicode \d \w \s; our ASCII ones are subsets, but their
-    complements (\D, [^\d], ...) supersets that would let through what a validator rejects:
-    refused."""
+    complements (\D, [^\d], ...) supersets that let through what validators reject: refused."""
 
     def __init__(self, pattern: str, schema=False):
         self.p, self.i, self.schema, self.negated = pattern, 0, schema, False
@@ -365,8 +357,7 @@ class _Parser:
         return ("cat", tuple(items))  # tuples: a node is hashable, its DFA cached (_group_dfa)
 
     def quantifier(self, peek=False):
-        """-> (lo, hi or None), consumed unless peek, or None. A `{` that is no quantifier is a
-        literal."""
+        """(lo, hi or None), consumed unless peek, or None; a `{` not quantifying is literal."""
         m = re.compile(r"([*+?])|\{([0-9]*)(,?)([0-9]*)\}").match(self.p, self.i)
         if not m or m[0] == "{}":
             return None
@@ -405,8 +396,7 @@ class _Parser:
         return ("set", self.charclass() if c == "[" else self.escape(False) if c == "\\" else ((ord(c), ord(c)),))
 
     def escape(self, in_class):
-        r"""After a backslash: \d \w \s (ASCII) and complements, \n \t ..., \xhh \uhhhh \Uhhhhhhhh,
-        punctuation."""
+        r"""Escapes: \d \w \s \D \W \S (ASCII), \n \t ..., \xhh \uhhhh \Uhhhhhhhh, punctuation."""
         if self.i >= len(self.p):
             self.error("trailing backslash")
         c = self.take()
@@ -432,15 +422,14 @@ class _Parser:
         negate = self.negated = self.peek() == "^"
         self.i += negate
         ranges, start = [], self.i
+        member = lambda c: self.escape(True) if c == "\\" else ((ord(c), ord(c)),)  # one char
         while self.peek() != "]" or self.i == start:  # a leading ] is literal
             if self.i >= len(self.p):
                 self.error("unterminated character set", start - 1 - negate)
-            c = self.take()
-            lo = self.escape(True) if c == "\\" else ((ord(c), ord(c)),)
+            lo = member(self.take())
             if self.peek() == "-" and self.p[self.i + 1:self.i + 2] not in ("]", ""):
                 self.i += 1
-                c = self.take()
-                hi = self.escape(True) if c == "\\" else ((ord(c), ord(c)),)
+                hi = member(self.take())
                 if len(lo) + len(hi) != 2 or lo[0][0] != lo[0][1] or hi[0][0] != hi[0][1] or lo[0][0] > hi[0][0]:
                     self.error("bad character range")
                 lo = ((lo[0][0], hi[0][0]),)
@@ -452,10 +441,9 @@ class _Parser:
 # -------- AST -> byte NFA (Thompson) -> byte DFA (subset construction) ----------------------------
 
 def _split(lo: tuple, hi: tuple, low: int, high: int) -> list:
-    """Equal-length digit sequences lo <= hi, digits low..high -> sequences of digit ranges ((a0,
-    b0), (a1, b1), ...) matching exactly the sequences from lo to hi: fix the first digit while lo
-    and hi share it, else split off lo's block, the whole blocks between, and hi's. Decimal ranges
-    (_digits) and UTF-8's base-64 tails alike."""
+    """Equal-length digit sequences lo <= hi (digits low..high) -> digit-range sequences ((a0, b0),
+    (a1, b1), ...) matching exactly lo..hi: fix the first digit while lo and hi share it, else
+    split off lo's block, the whole blocks between, and hi's (_digits; UTF-8's base-64 tails)."""
     n = len(lo) - 1
     if lo[1:] == (low,) * n and hi[1:] == (high,) * n:  # one whole block (or a single digit)
         return [((lo[0], hi[0]),) + ((low, high),) * n]
@@ -469,8 +457,7 @@ def _split(lo: tuple, hi: tuple, low: int, high: int) -> list:
 @functools.lru_cache(maxsize=4096)
 def utf8_ranges(lo, hi):
     """Code points lo..hi -> byte-range sequences ((b0_lo, b0_hi), (b1_lo, b1_hi), ...) matching
-    exactly their UTF-8 encodings: per encoded length (surrogates skipped), _split over continuation
-    bytes 0x80..0xBF."""
+    exactly their UTF-8 encodings: per length (no surrogates), _split over continuation bytes."""
     spans = ((max(lo, a), min(hi, b)) for a, b in ((0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFF),
                                                    (0x10000, MAX_CHAR)))
     return [seq for a, b in spans if a <= b for seq in _split(*(tuple(chr(c).encode()) for c in (a, b)), 0x80, 0xBF)]
@@ -546,8 +533,7 @@ class _NFA:
 
 
 def _reach(adj, seeds) -> set:
-    """Everything reachable from seeds along adj[state] = [next states] (epsilon closures, live
-    states)."""
+    """What seeds reach along adj[state] = [next states] (epsilon closures, live states)."""
     seen, todo = set(seeds), list(seeds)
     while todo:
         for t in adj[todo.pop()]:
@@ -587,8 +573,7 @@ def _spend(n_states):
 
 def _determinize(nfa, start, accept):
     """Subset construction; each DFA state's bytes split into intervals with the same NFA targets.
-    Subsets can be exponentially many (nested repeats of overlapping alternatives): past the budget
-    the regex is refused."""
+    Subsets may blow up (nested repeats of overlapping alternatives): past the budget, refused."""
     # keep: the states that matter (fewer DFA states); closed: the closures of targets seen
     keep = lambda raw: frozenset(q for q in _reach(nfa.eps, raw) if nfa.edges[q] or q == accept)
     sets, closed = [keep([start])], {}
@@ -623,8 +608,7 @@ def _graph(table) -> tuple:
 
 
 def _to_accept(dfa) -> np.ndarray:
-    """Bytes from each state to the nearest accepting one: breadth-first from those over reversed
-    edges."""
+    """Bytes from each state to the nearest accepting one (breadth-first over reversed edges)."""
     pred, dist = _graph(dfa.table)[1], np.where(dfa.accept, 0, -1)
     todo = np.flatnonzero(dfa.accept).tolist()
     for s in todo:  # grows while read: a queue
@@ -636,8 +620,7 @@ def _to_accept(dfa) -> np.ndarray:
 
 
 def _trim(table, accept):
-    """Keep the states on some path start -> accepting (start stays 0); transitions elsewhere become
-    -1."""
+    """Keep the states on a path start -> accepting (start stays 0); other transitions go -1."""
     succ, pred = _graph(table)
     live = _reach(pred, np.flatnonzero(accept).tolist())  # can still accept
     if 0 not in live:
@@ -651,8 +634,7 @@ def _trim(table, accept):
 
 @dataclass
 class DFA:
-    """Byte-level DFA: table (n_states, 256) int32 = next state or -1 (dead); accept (n_states,);
-    start 0."""
+    """table (n_states, 256) int32: next state or -1 (dead); accept (n_states,); start 0."""
     table: np.ndarray
     accept: np.ndarray
 
@@ -667,9 +649,8 @@ class DFA:
 
 
 def _product(a: DFA, b: DFA, keep) -> DFA:
-    """The product construction: run a and b side by side, one state per pair (b's -1: dead),
-    accepting where keep(a accepts, b accepts): and-ed for A and B, a & ~b for A and not B. Both
-    need a alive, so a dead a stops."""
+    """The product construction: a and b side by side, one state per pair (b's -1: dead), accepting
+    where keep(a accepts, b accepts) (A and B: and; A and not B: a & ~b). A dead a stops."""
     pairs, ids, rows, nb = [(0, 0)], {1: 0}, [], len(b.table) + 1
     while len(rows) < len(pairs):
         _spend(len(pairs))
@@ -703,13 +684,11 @@ ANY_UTF8 = ("rep", ("set", ((0, MAX_CHAR),)), 0, None)
 
 
 class SchemaRegex(str):
-    """A regex the schema compiler wrote: the one kind whose text may use 06's own groups (?&...)
-    (?~...) (?,...)."""
+    """A regex from the schema compiler: only these may use 06's groups (?&...) (?~...) (?,...)."""
 
 
 def compile_regex(pattern: str) -> DFA:
-    """A user's regex in Python's syntax (what re.compile refuses is refused), or a SchemaRegex, ->
-    its DFA."""
+    """A SchemaRegex, or a user's regex in Python's syntax (re.compile must accept it) -> DFA."""
     if not isinstance(pattern, SchemaRegex):
         why = None if pattern else "empty (it allows only an empty answer)"
         try:
@@ -815,8 +794,7 @@ def _literal(value) -> str:
 
 
 def _digits(lo: str, hi: str) -> list:
-    """Regexes for the digit strings of one length from lo to hi: _split's ranges, a run of [0-9] as
-    [0-9]{k}."""
+    """Regexes of the digit strings lo..hi (one length): _split's ranges, [0-9] runs [0-9]{k}."""
     texts = ("".join(str(a) if a == b else f"[{a}-{b}]" for a, b in seq) for seq in _split(
         tuple(map(int, lo)), tuple(map(int, hi)), 0, 9))
     return [re.sub(r"(?:\[0-9\]){2,}", lambda m: f"[0-9]{{{m[0].count('[')}}}", text) for text in texts]
@@ -830,9 +808,8 @@ def _natural_range(lo: int, hi: int) -> list:
 
 
 def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
-    """A regex for exactly the integers lo..hi written as JSON writes them (no -0, no leading
-    zeros): the magnitudes' regexes, then "-" before those of the negatives down to `least`
-    (number_range: 0, -0.0 is 0)."""
+    """A regex of exactly the integers lo..hi as JSON writes them (no -0, no leading zeros): the
+    magnitudes' regexes, "-" before the negatives' down to `least` (number_range: 0, -0.0 is 0)."""
     parts = magnitudes(max(lo, 0), hi) if hi >= 0 else []
     if -lo >= least:
         parts.append("-(?:" + "|".join(magnitudes(max(-hi, least), -lo)) + ")")
@@ -840,8 +817,7 @@ def integer_range(lo: int, hi: int, magnitudes=_natural_range, least=1) -> str:
 
 
 def _fraction_digits(lo: str, hi: str) -> list:
-    """Regexes for the non-empty digit strings t, at most len(lo) long, with lo <= (t padded with
-    zeros) <= hi."""
+    """Regexes of the digit strings t, 1 to len(lo) long, with lo <= t padded with zeros <= hi."""
     n = len(lo)
     if lo == "0" * n and hi == "9" * n:  # any digits (none if n is 0)
         return [f"[0-9]{{1,{n}}}"] * (n > 0)
@@ -857,9 +833,8 @@ def _fraction_digits(lo: str, hi: str) -> list:
 
 
 def number_range(lo: int, hi: int) -> str:
-    """A regex for exactly the decimals -?int(.digits)? (no exponent, at most FRACTION digits after
-    the point) whose value times 10**FRACTION lies in lo..hi: split on the integer part, then bound
-    the fraction."""
+    """A regex of exactly the decimals -?int(.digits)? (no exponent, FRACTION digits at most) whose
+    value times 10**FRACTION lies in lo..hi: split on the integer part, then bound the fraction."""
     scale = 10 ** FRACTION
 
     def magnitudes(a, b):  # 0 <= a <= b
@@ -876,11 +851,10 @@ def number_range(lo: int, hi: int) -> str:
 
 
 def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
-    """The least (lower) or greatest (upper) decimal, times 10**FRACTION, that validators find
-    inside `bound`: they parse a decimal to the nearest float, so every decimal from halfway between
-    the last float inside and the first outside does (the halfway one if it rounds inward). Bounded
-    numbers lie within +-2**53, where integers are floats exactly: an integer document compares the
-    same, parsed or not."""
+    """The least (lower) or greatest (upper) decimal, times 10**FRACTION, validators find inside
+    `bound`: they parse a decimal to the nearest float, so all from halfway between the last float
+    inside and the first outside do (halfway too if it rounds inward). Bounded numbers lie within
+    +-2**53, where integers are exact floats: compared the same parsed or not."""
     f, outward = float(max(-2 ** 60, min(2 ** 60, bound))), (-math.inf if lower else math.inf)
     while (f < bound or exclusive and f == bound) if lower else (f > bound or exclusive and f == bound):
         f = math.nextafter(f, -outward)  # the last float inside
@@ -891,8 +865,7 @@ def _decimal_bound(bound, lower: bool, exclusive: bool) -> int:
 
 def _pattern(pattern: str) -> str:
     """A schema `pattern` as validators read it (re.search: a top-level branch without ^ or $ takes
-    any characters before or after), over the characters JSON writes unescaped: (?&...) intersects
-    it with those."""
+    anything before or after), intersected (?&...) with the characters JSON writes unescaped."""
     # split on | outside groups and classes (a wrong split fails to parse: refused)
     branches, depth = [[]], 0
     for t in re.findall(r"\\.?|\[\^?\]?(?:\\.|[^\]\\])*\]|[()|^$]|[^\\\[()|^$]+|.", pattern, re.S):
@@ -905,8 +878,7 @@ def _pattern(pattern: str) -> str:
 
 
 def _shape(value) -> dict:
-    """A schema of value's types and keys, in its order: beside other schemas, the layout then
-    writes value."""
+    """A schema of value's types and keys, in order: beside others, the layout writes value."""
     if isinstance(value, dict):
         return {"type": "object", "properties": {k: _shape(v) for k, v in value.items()}}
     if isinstance(value, list):
@@ -930,8 +902,7 @@ def _fail(path, msg):
 
 
 class _Empty(ValueError):
-    """A (sub)schema that no document satisfies: an anyOf branch or an optional property is dropped,
-    else refused."""
+    """Unsatisfiable (sub)schema: an anyOf branch or optional property drops, else refused."""
 
 
 class _SchemaCompiler:
@@ -1002,26 +973,22 @@ class _SchemaCompiler:
 
     def negated(self, rest, schema, path, refs):
         """The regex of rest and schema, to be complemented: it must hold every document of rest's
-        layout that the schema accepts, so an approximation where the schema takes part (parts
-        marked NEGATED) is refused."""
+        layout that the schema accepts, so approximating its parts (marked NEGATED) is refused."""
         with contextlib.suppress(_Empty):  # it accepts nothing: its complement, everything
             return self.regex(rest + [_mark({NEGATED: path}, schema)], path, refs)
 
     def closes(self, parts) -> bool:
         """Strict mode (XGrammar's strict_mode): an object or array that names members or items, and
-        says nothing of others, gets no others; inside a `not` the specification's reading (what it
-        complements must be exact)."""
+        says nothing of others, gets none; in a `not`, the specification's reading (exact)."""
         return self.strict and not any(p.get(NEGATED) for p in parts)
 
     def approximate(self, parts, why):
-        """Where the regex holds fewer documents than the parts accept: harmless, unless a `not`
-        complements it."""
+        """The regex holds fewer documents than the parts allow: harmless unless in a `not`."""
         for p in (p for p in parts if p.get(NEGATED) and len(p) > 1):
             _fail(p[NEGATED], f"cannot be complemented exactly: {why}")
 
     def flatten(self, parts, path, refs):
-        """-> (plain dict schemas, the $refs entered on the way here), each checked keyword by
-        keyword."""
+        """(plain dict schemas, the $refs entered on the way), each checked keyword by keyword."""
         out, todo = [], list(parts)
         while todo:
             s = todo.pop(0)
@@ -1074,9 +1041,8 @@ class _SchemaCompiler:
         return out[0] if len(out) == 1 else "(?:" + "|".join(out) + ")"
 
     def accepts(self, parts, value, path, refs) -> bool:
-        """Whether `value` is a document of every schema in `parts`: its json.dumps text, or the
-        same with floats as plain decimals (1e-07 as 0.0000001, how bounded numbers are written),
-        matches their regex."""
+        """Whether `value` is a document of every schema in `parts`: their regex matches its
+        json.dumps text, or _plain's (1e-07 as 0.0000001: how bounded numbers are written)."""
         try:
             dfa = _compile(self.regex([_shape(value)] + parts, path, refs))
         except _Empty:
@@ -1084,8 +1050,7 @@ class _SchemaCompiler:
         return dfa.fullmatch(json.dumps(value, ensure_ascii=False)) or dfa.fullmatch(_plain(value))
 
     def typed(self, kind, parts, path, refs) -> str:
-        """The documents of one type that every part accepts: each part's keywords for that type,
-        all of them."""
+        """The documents of one type that every part accepts: all its keywords for that type."""
         kw = {k: [p[k] for p in parts if k in p] for k in KEYWORDS[kind] if any(k in p for p in parts)}
         if kind == "string":
             return self.string(kw, parts, path)
@@ -1098,8 +1063,7 @@ class _SchemaCompiler:
         return {"boolean": "(?:true|false)", "null": "null"}[kind]
 
     def string(self, kw, parts, path) -> str:
-        """A string within every length, matching every pattern and format (on strings without
-        escapes)."""
+        """A string within all lengths, matching all patterns and formats (if without escapes)."""
         lo, hi = max(kw.get("minLength", [0])), min(kw.get("maxLength", [math.inf]))
         if lo > hi:
             raise _Empty(f"{path}: minLength {lo} is above maxLength {hi}")
@@ -1142,8 +1106,7 @@ class _SchemaCompiler:
         return number_range(lo, hi)
 
     def array(self, kw, parts, path, refs) -> str:
-        """The items every part accepts, position by position (each part's first items, then every
-        item after them), within minItems and maxItems."""
+        """Items all parts accept, by position (heads, then the rest), in minItems..maxItems."""
         lo, hi = max(kw.get("minItems", [0])), min(kw.get("maxItems", [math.inf]))
         if any(p.get("uniqueItems") for p in parts):  # no two items alike: surely, with at most one
             self.approximate(parts, "an array of unique items is written with at most one")
@@ -1159,10 +1122,8 @@ class _SchemaCompiler:
             except _Empty:
                 hi, tail = i, ""
                 continue
-            if i == n:
-                tail = f"(?:, {item}){{{max(lo - n, 0)},{'' if hi == math.inf else hi - n}}}"
-            else:
-                tail = f"(?:, {item}{tail})" + "?" * (i >= lo)
+            tail = (f"(?:, {item}){{{max(lo - n, 0)},{'' if hi == math.inf else hi - n}}}"
+                    if i == n else f"(?:, {item}{tail})" + "?" * (i >= lo))
         if lo > hi:
             raise _Empty(f"{path}: minItems {lo} is above the {hi} items it can hold")
         return rf"\[(?,{tail})\]" if lo else rf"\[(?:(?,{tail}))?\]"
@@ -1242,10 +1203,9 @@ def schema_to_regex(schema, path="$", strict=True) -> SchemaRegex:
     """A JSON schema -> a regex of exactly the documents in 06's layout that it accepts (the subset:
     this section's heading), or a ValueError naming what it cannot express, or that no document
     satisfies it; its DFA is compiled (and cached) within the same COMPILE_BUDGET_S. strict (the
-    default, XGrammar's): an object or array that names its members or items gets no others unless
-    it says so (additionalProperties, patternProperties, items past prefixItems); else a small model
-    invents members until max_tokens cuts it. strict=False: the specification's reading (absent
-    additionalProperties: any other member)."""
+    default, XGrammar's): an object or array naming its members or items gets no others unless it
+    says so (additionalProperties, patternProperties, items past prefixItems), else a small model
+    invents members until max_tokens cuts it; False: the specification's (any other member)."""
     try:
         with budget():
             t0, out = time.perf_counter(), _SchemaCompiler(schema, ANY_DEPTH, strict).regex([schema], path)
@@ -1408,10 +1368,7 @@ def main(argv=None):
                 for name, pattern, pydantic in tasks]
     except (L.UserError, ValueError) as e:
         sys.exit(f"error: {e}")
-    if args.json:
-        print(json.dumps({**runs[0], "runs": runs}))
-    else:
-        report(args.prompt, runs)
+    print(json.dumps({**runs[0], "runs": runs})) if args.json else report(args.prompt, runs)
 
 
 if __name__ == "__main__":

@@ -23,27 +23,27 @@ pointwise steps (RMSNorm, RoPE, SwiGLU) are 04's Triton kernels, chosen once
 The engine is glue: one step is nano-vllm's,
 
     batch, positions = schedule()       05's admission (radix cache, policy), 02's room, preemption
-    logits = forward(batch, positions)  the model: eager, or a CUDA graph of the decode step (GPU)
+    logits = forward(batch, positions)  the model, eagerly
     ids = next_tokens(batch, logits)    06's temperature, top-p and FSM mask (TP: rank 0's, sent)
     postprocess(batch, ids)             02's: append (Seq: 06's FSM, jump-forward), finish, requeue
 
-over a KVCache from BACKENDS, the one table from --backend to a lesson. On a GPU: bf16, decode steps
-replayed from CUDA graphs, batch 1 in six Triton kernels per layer (04), greedy batches k steps per
-host sync (the decoder queues them and returns the tokens of the k before: the engine post-processes
-those). Every Triton kernel lives in 04 and loads only on that path: without Triton (macOS, Windows)
-everything runs its PyTorch paths.
+over a KVCache from BACKENDS, the one table from --backend to a lesson.
 
 Top to bottom, the core first: the model; generate (a static batch through any backend: the
-lessons' parity tests); deterministic mode (batch-invariant matmuls and attention: an answer's bits
-whatever the batch; set_ops picks an engine's kernels); the engine (SamplingParams, BACKENDS, Seq,
-Engine, defined once: its methods in the order a step runs them, then warm-up, reset, abort and its
-figures); GPU decode (CudaGraphDecoder). A banner says where the core ends: the engine is complete
-there, and every lesson has been used. What serves it comes after: tokenizers; weights; tensor
-parallelism (--tp N: the model split over N processes); the set-up the command line and the server
-share; the server (--serve); the command line (its flags, parsed in main once torch has loaded, and
-main). Loading this file imports lessons 01, 02, 03, 05 and 06 (the engine is built from them: L01
-.. L06 below); 04, where every Triton kernel lives, loads only on the Triton path (a GPU, or CUDA
-graphs asked for). Benchmarks: tests/bench_engine.py, tests/bench_tp.py (TP 1 vs TP N on GPUs).
+lessons' parity tests); the engine (SamplingParams, BACKENDS, Seq, Engine, defined once: its
+methods in the order a step runs them, then warm-up, reset, abort and its figures). A banner says
+where the core ends: the engine is complete and eager there, and every lesson has been used. Then
+what makes it fast on a GPU, plugged in at the seams the core names (Engine's verbs; model.tp):
+deterministic mode's kernels (batch-invariant matmuls and attention: an answer's bits whatever the
+batch), CudaGraphDecoder (decode steps replayed from CUDA graphs, batch 1 in six Triton kernels per
+layer, greedy batches k steps per host sync) and FastEngine, the engine the command line and the
+server run (the core's verbs, a chunk of decode steps in flight, a prefill beside it), and tensor
+parallelism (--tp N: the model split over N processes). Then what serves it: tokenizers; weights;
+the set-up the command line and the server share; the server (--serve); the command line (its
+flags, parsed in main once torch has loaded, and main). Loading this file imports lessons 01, 02,
+03, 05 and 06 (the engine is built from them: L01 .. L06 below); 04, where every Triton kernel
+lives, loads only on the Triton path (a GPU, or CUDA graphs asked for): without Triton (macOS,
+Windows) everything runs its PyTorch paths. Benchmarks: tests/bench_engine.py, tests/bench_tp.py.
 
 References: Meta's llama-models reference model; nanoGPT (model.py) and gpt-fast (generate.py) for
 style; nano-vllm (LLMEngine.step); llama.cpp's convert_hf_to_gguf.py for the Q/K row permutation
@@ -73,7 +73,7 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Annotated, Literal
 
@@ -93,23 +93,13 @@ def lesson(name: str):
 
 
 # The lessons the engine is built from, imported once: loading this file imports 01, 02, 03, 05
-# and 06. 04, where every Triton kernel lives, loads only on the GPU path (triton_kernels(), held
-# as L04 where it is used).
+# and 06. 04, where every Triton kernel lives, loads only on the GPU path (triton_kernels(), below
+# the banner, held as L04 where it is used).
 L01 = lesson("01_kv_cache")             # the KVCache seam, contiguous rows, attention
 L02 = lesson("02_paged_cache_manager")  # the paged backend, the Scheduler's step loop, OutOfBlocks
 L03 = lesson("03_token_allocator")      # the token-pool backend
 L05 = lesson("05_radix_scheduler")      # the radix cache, its Scheduler and requests
 L06 = lesson("06_jump_forward_fsm")     # sampling, the regex FSM and jump-forward
-
-
-def triton_kernels():
-    """04, where every Triton kernel lives (the GPU fast paths: attention, prefill, batch-1 decode, argmax), or
-    None where Triton is missing (it has wheels for Linux only): one line says so, and the PyTorch paths run."""
-    try:
-        return lesson("04_triton_token_attn")
-    except ImportError as e:
-        print(f"note: {e}", file=sys.stderr)
-        return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -272,6 +262,16 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+class OneRank:
+    """The seam tensor parallelism plugs into, model.tp (--tp N: TPSum, below the banner, splits the model
+    over N ranks, Megatron-LM's way): here the whole model on one rank, which samples its own tokens."""
+    rank, world, split, ordered = 0, 1, False, False
+
+    def sampled(self, choose, n: int) -> list:
+        """Rank 0's choose() (n token ids) on every rank."""
+        return choose()
+
+
 class Transformer(nn.Module):
     """Parameter names follow Meta's checkpoints, so those load by name."""
 
@@ -287,6 +287,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args)  # (max_seq_len, head_dim/2) each
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.tp = OneRank()
 
     def use_kernels(self, L04, linear=F.linear, linear_swiglu=None):
         """Every layer's pointwise steps as 04's Triton kernels, chosen once (the engine's, on a GPU): in PyTorch
@@ -378,111 +379,6 @@ def generate(model, kv, prompts, max_new_tokens=64, temperature=0.0, top_p=1.0, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Deterministic mode (Engine(deterministic=True)): a sequence's bits whatever the batch it runs in.
-# ----------------------------------------------------------------------------------------------
-# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
-# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
-# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
-# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
-# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
-# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
-# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
-# 04's _matmul, the whole K in order, whatever its tile), every query one attention routine
-# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
-# every sum over the ranks in rank order (tp_sum.ordered), and each sample draws from its own seeded
-# random stream.
-
-TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
-PIECE = 16   # keys per attention piece, and query rows per tile
-
-
-def tiles(x, n: int):
-    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
-    pad = -x.shape[0] % n
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
-
-
-def invariant_linear(x, w):
-    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
-    if not len(x):
-        return F.linear(x, w)
-    return torch.cat([F.linear(t, w) for t in tiles(x, TILE_M)])[:len(x)]
-
-
-def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
-    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
-    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
-    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
-    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
-    G = H // Hkv
-    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
-        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
-        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
-        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
-        live = (i < p + n)[:, None, None]
-        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
-        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
-        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
-        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
-        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
-        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
-        t += n
-    return torch.cat(out)
-
-
-def attend_tiles(q, k, v, pos, n_keys: int):
-    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
-    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
-    Hkv, nt, R, D = q.shape
-    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
-    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
-    for j in range(0, n_keys, PIECE):
-        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
-                  for x in (k, v))
-        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
-        key = torch.arange(j, j + PIECE, device=q.device)
-        hidden = (key > pos[..., None]) | (key >= n_keys)  # causal; the padding
-        s = s.masked_fill(hidden, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
-        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
-        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
-        l, m = l * alpha + p.sum(-1), m_new
-    return acc / l[..., None]
-
-
-def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
-    """01's decode_attn: attend_pieces, one query per request (so the bits of that query in a
-    prefill)."""
-    lens = [int(n) for n in seq_lens]
-    return attend_pieces(q, k_pool, v_pool, table, rows, [n - 1 for n in lens], [1] * len(lens),
-                         page)
-
-
-DETERMINISTIC_OPS = model_ops(rms_norm, apply_rope, swiglu, invariant_linear)
-
-
-def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
-    """An engine's kernels. L04 (a GPU's): every backend read through 04's attention kernels, and
-    with CUDA graphs the model's pointwise steps too. deterministic: batch-invariant matmuls and one
-    attention reduction for every query, prefill or decode (04's on a GPU, attend_pieces else), and
-    under TP each sum over the ranks in rank order (model.tp_sum.ordered)."""
-    if getattr(model, "tp_sum", None) is not None:
-        model.tp_sum.ordered = deterministic
-    if deterministic and L04 is not None:
-        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
-        return model.use_kernels(L04, L04.invariant_matmul, L04.invariant_swiglu)
-    if deterministic:
-        kv.use_kernels(decode_pieces, attend_pieces)
-        return model.use_ops(DETERMINISTIC_OPS)
-    if L04 is not None:
-        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
-        if graphs:
-            return model.use_kernels(L04)
-    if model.output.ops.linear is not F.linear:  # it ran deterministic before: PyTorch's ops again
-        model.use_ops(PYTORCH_OPS)
-
-
-# ----------------------------------------------------------------------------------------------
 # The engine: continuous batching over any backend, with 05's radix cache and 06's constraints; a
 # step is schedule, forward, next_tokens, postprocess.
 # ----------------------------------------------------------------------------------------------
@@ -514,7 +410,6 @@ class SamplingParams:
 
 
 MAX_BATCH = 64  # sequences running at once (the rest wait their turn)
-BEHIND_PREFILL = 2  # decode steps queued behind a prefill that overlaps (Engine.prefill_beside)
 # a step that admits prefills alone (vLLM v0) or with every decode (SGLang)
 SCHEDULES = ("prefill-first", "mixed")
 
@@ -566,8 +461,8 @@ class Seq(L05.Req):
         stop = eos and (not p.ignore_eos or self.index is not None)
         # the regex allows nothing more, or no room is left: finished without asking the model (06 decides)
         if self.index is not None and not stop:
-            stop = self.index.finish(self.fsm, self.room) == "stop"
-        self.done = stop or self.room <= 0
+            stop = self.index.finish(self.fsm, self.tokens_left) == "stop"
+        self.done = stop or self.tokens_left <= 0
         # length: cut short (a constrained one before its regex matched)
         self.finish = "stop" if stop else "length"
         return changed
@@ -614,51 +509,44 @@ class Engine:
     """The lessons put together: 05's Scheduler (on 02's) over one of BACKENDS. A step either prefills what 05
     admits (longest cached prefix first, by default) or, when none is admitted, decodes one token of every running
     sequence -- continuous batching with vLLM's prefill-first order, which keeps every decode step a pure,
-    CUDA-graph-able batch (with a decode step between two prefill steps, so a stream waits one prefill at most).
-    schedule="mixed" runs an admitting step with one decode token of every running sequence
+    CUDA-graph-able batch. schedule="mixed" runs an admitting step with one decode token of every running sequence
     (SGLang's mixed steps); chunk_tokens cuts a long prompt into steps of at most that many tokens (chunked
-    prefill, 05). Finished sequences retire into the radix cache. 05 admits while the pool holds every running
-    sequence's expected tokens (reserve="expected"; True: all of max_new; False: the prompts that fit now). When
-    decoding outgrows the pool, 02's prepare() evicts cached prefixes, then preempts the newest running sequence
-    (recompute: its computed tokens stay in the radix cache; swap, paged backend: its blocks go to CPU memory). The
-    engine adds what a real decode loop needs: sampling, 06's constraints and jump-forward (Seq), CUDA graphs and
-    multi-step decode (CudaGraphDecoder). Every scheduling decision lands in `events` (02's Event), as it is made.
+    prefill, 05). 05 admits while the pool holds every running sequence's expected tokens (reserve="expected";
+    True: all of max_new_tokens; False: the prompts that fit now); when decoding outgrows the pool, 02's prepare()
+    evicts cached prefixes, then preempts the newest sequence (recompute, or swap its blocks to CPU memory). The
+    engine adds sampling and 06's constraints and jump-forward (Seq); finished sequences retire into the radix
+    cache; every scheduling decision lands in `events` (02's Event). max_prefill_tokens: new tokens one prefill
+    step may feed (fewer, bigger steps: less host work; a 32k-token step of the 1B shape holds ~2 GB).
 
-    max_prefill_tokens: new tokens one prefill step may feed. Bigger steps mean fewer of them, so less host work
-    and fewer launches for the same tokens (the activations of a 32k-token step of the 1B shape: about 2 GB).
+    This engine is eager: each step runs the model once, on any device. THE SEAM the GPU's speed plugs into is
+    this class's own verbs: FastEngine (below the banner) replaces `step` (chunks of decode steps queued ahead,
+    a prefill beside them), `forward` (a decode step replayed from a CUDA graph) and `ahead` (tokens in flight),
+    picks the model's kernels, and sets the two numbers below before this __init__ builds the pool and the
+    scheduler. tok: what 06 reads of a tokenizer too (stop_ids, eos_id, token_bytes)."""
 
-    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it,
-    cached or chunked (set_ops; a sample without a seed draws from a stream seeded `seed`)."""
+    # a faster engine's: table rows its CUDA graphs pad with, and decode steps a sequence may run
+    # ahead of the host (05 keeps room in the pool for them: its lookahead)
+    scratch_rows = lookahead = 0
 
     def __init__(self, model, tok, backend="token", kv_tokens=16384, max_batch=MAX_BATCH, radix=None, block_size=16,
-                 max_prefill_tokens=32768, max_seq_len=None, seed=0, cuda_graphs=None, fused=True, multi_step=16,
-                 policy="lpm", preempt="recompute", schedule="prefill-first", chunk_tokens=None,
-                 reserve="expected", deterministic=False):
+                 max_prefill_tokens=32768, max_seq_len=None, seed=0, policy="lpm", preempt="recompute",
+                 schedule="prefill-first", chunk_tokens=None, reserve="expected"):
         a, dev = model.args, model.tok_embeddings.weight.device
         if backend not in BACKENDS or schedule not in SCHEDULES:
             raise UserError(f"unknown backend {backend!r} ({', '.join(BACKENDS)}) or schedule {schedule!r} "
                             f"({', '.join(SCHEDULES)})")
         if radix and not BACKENDS[backend].shares_prefixes:  # None: on where the backend shares
             raise UserError(f"backend {backend} cannot share a cached prefix (01's rows); use token or paged")
-        self.model, self.device, self.seed, self.deterministic = model, dev, seed, deterministic
+        self.model, self.device, self.seed, self.backend = model, dev, seed, backend
         self.tok = tok                # stop_ids end a sequence; 06's index walks its vocabulary
         # tokens one sequence may hold
         self.max_len = min(a.max_seq_len, kv_tokens, max_seq_len or a.max_seq_len)
-        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
-        # CPU tests interpret the graphs' kernels
-        L04 = triton_kernels() if dev.type == "cuda" or graphs else None
-        graphs = graphs and L04 is not None
-        self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len, int(graphs),
-                                                             block_size)
-        self.backend = backend
-        # greedy decode steps per host round trip
-        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)
-        try:
+        self.kv, self.max_batch = BACKENDS[backend].for_pool(model, kv_tokens, max_batch, self.max_len,
+                                                             self.scratch_rows, block_size)
+        try:  # .waiting, .running, .tree
             self.sched = L05.Scheduler(self.kv, policy, self.max_batch, max_prefill_tokens, seed, reserve=reserve,
                                        radix=radix is not False and self.kv.shares_prefixes, mixed=schedule == "mixed",
-                                       # .waiting, .running, .tree; room for the next chunk
-                                       preempt=preempt, chunk_tokens=chunk_tokens,
-                                       lookahead=self.multi_step if graphs else 0)
+                                       preempt=preempt, chunk_tokens=chunk_tokens, lookahead=self.lookahead)
         except ValueError as e:
             raise UserError(str(e)) from None
         self.gen = torch.Generator(device=dev).manual_seed(seed)  # sampling's random stream
@@ -667,11 +555,7 @@ class Engine:
         self.indexes = {}             # regex -> 06's TokenIndex, built once per regex
         # the engine's counts; the scheduler counts the rest (stats)
         self.counts = self.new_counts()
-        fused = fused and not deterministic  # batch 1's GEMVs sum in another order than matmuls
-        self.graphs = None
-        if graphs:
-            self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step, fused, self.max_len)
-        set_ops(model, self.kv, L04 if dev.type == "cuda" else None, graphs, deterministic)
+        model.use_ops(PYTORCH_OPS)    # PyTorch's (an engine before may have given it kernels)
 
     @staticmethod
     def new_counts() -> dict:
@@ -679,7 +563,7 @@ class Engine:
                     # mixed: both kinds
                     jump_forward_tokens=0, peak_kv_used=0, peak_live_tokens=0, peak_running=0,
                     # decode: steps, KV tokens they read (the roofline's), chunks, one-step
-                    # fall-backs
+                    # fall-backs (FastEngine's)
                     decode_steps=0, decode_kv_read=0, decode_chunks=0, one_step_decodes=0)
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
@@ -698,9 +582,8 @@ class Engine:
         # later samples wait for the first's prefill, then reuse its cached prompt
         for i in range(params.n):
             seq = Seq(self.n_seqs, prompt, params, self.tok, index, after=first if self.sched.tree else None)
-            seed = self.seed if params.seed is None and self.deterministic else params.seed
-            if seed is not None:  # its own stream (the engine's is shared: drawn in batch order)
-                seq.gen = torch.Generator(device=self.device).manual_seed((seed + i) % 2**64)
+            if params.seed is not None:  # its own stream (the engine's is shared: drawn in batch order)
+                seq.gen = torch.Generator(device=self.device).manual_seed((params.seed + i) % 2**64)
             first, self.n_seqs = first or seq, self.n_seqs + 1
             self.sched.waiting.append(seq)
         return list(range(self.n_seqs - params.n, self.n_seqs))
@@ -717,81 +600,16 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill), or tokens of
-        a multi-step chunk not landed yet."""
-        return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
+        """Requests waiting, running, swapped out or part-way through their prompt (chunked prefill)."""
+        return self.sched.busy
 
     def step(self, on_token=None):
-        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did).
-        A greedy prefill may go in while a multi-step chunk is in flight (overlaps, prefill_beside)."""
-        t0, kind = time.perf_counter(), "decode"
-        if (self.sched.waiting or self.sched.chunked) and not self.overlaps():
-            t0 += self.land(on_token)  # admitting changes the batch: a chunk in flight lands first
-        new = self.sched.admit()  # 05's admission (its policy, lpm first by default)
-        landed = self.decode_ahead() if self.graphs is not None and not new else None
-        if new and self.graphs is not None and self.graphs.inflight is not None:
-            landed, seconds = self.prefill_beside(new, on_token)  # it lands the chunk in flight
-            t0 += seconds
-        # one step (else greedy decode on the GPU: k steps per host sync, queued ahead of it)
-        if landed is None:
-            batch, positions = self.schedule(new)
-            landed = [(batch, self.next_tokens(batch, self.forward(batch, positions)), 1)]
-        for batch, ids, steps in landed:
-            kind = self.postprocess(batch, ids, steps, on_token)
-        self.counts[f"{kind}_s"] += time.perf_counter() - t0
-
-    def overlaps(self) -> bool:
-        """Whether this step may admit and prefill with a multi-step chunk in flight (mini-sglang's
-        overlap): the host admits, matches prefixes and builds the prefill while the GPU runs the
-        chunk, and a running sequence's state on the host is one chunk behind, which admission
-        reads only to be cautious. Prefill-first, one rank, no prompt part-way in. A constrained
-        request never overlaps: 06's FSM steps on the host, so its next mask waits for its token."""
-        g, world = self.graphs, getattr(self.model, "tp", (0, 1))[1]
-        return g is not None and g.inflight is not None and not self.sched.mixed and not self.sched.chunked \
-            and world == 1
-
-    def prefill_beside(self, new, on_token=None):
-        """The overlap's prefill step: built while the chunk in flight runs, queued behind it, the
-        next chunk behind the prefill; then the chunk in flight lands and the prefill's tokens are
-        read, each a wait for work the GPU has done (it has the next chunk). Returns (what landed,
-        the landing's seconds: decode's). Where the prefill is not greedy, or its KV would need
-        an eviction (which could change what the chunk runs on), the chunk lands first and
-        nothing comes back (None): take one step."""
-        free = self.sched.free_slots()
-        need = self.sched.slots_needed(new, [s.n_new for s in new])
-        if not all(s.argmax for s in new) or free is not None and need > free:
-            return None, self.land(on_token)
-        batch, positions = self.schedule(new)
-        self.graphs.side_after_this()  # the next chunk's slots come from the pool after these
-        ids = self.graphs.argmax_ahead(self.forward(batch, positions))
-        # a short chunk, to cover the landing: the prefill's sequences join the chunk after it
-        seconds = self.land(on_token, queue=BEHIND_PREFILL)
-        return [(batch, self.graphs.ids(ids, batch), 1)], seconds
-
-    def decode_ahead(self, most=None):
-        """Greedy decode on the GPU (CudaGraphDecoder.decode_ahead): k steps per host sync, queued
-        ahead of it, k as many as the pool holds for every sequence (05's run_ahead, which evicts
-        cached prefixes for them), `most` at most. Returns what landed, or None: take one step."""
-        g = self.graphs
-        batch, ahead = g.going_on(self.sched.running)
-        k = min(g.most_steps(batch, ahead), most or g.multi_step)
-        if k:
-            with g.beside(g.inflight):  # an eviction frees slots (03's free syncs)
-                k = self.sched.run_ahead(batch, k, ahead)
-        landed = g.decode_ahead(batch, k, ahead)
-        self.counts["decode_chunks"] += g.inflight is not None
-        return landed
-
-    def land(self, on_token=None, queue=0) -> float:
-        """Post-process the multi-step chunk in flight, if any (queue: a chunk of that many steps
-        at most queued first, decode_ahead). Its seconds (mostly the wait for its k steps on the
-        GPU) count as decode, whichever step lands it; returns them."""
+        """One iteration, nano-vllm's: schedule, run the model, sample, post-process (each counts what it did)."""
         t0 = time.perf_counter()
-        landed = self.decode_ahead(queue) if queue else self.graphs.collect() if self.graphs is not None else ()
-        for batch, ids, steps in landed:
-            self.postprocess(batch, ids, steps, on_token)
-        self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
-        return seconds
+        batch, positions = self.schedule(self.sched.admit())  # 05's admission (lpm first by default)
+        ids = self.next_tokens(batch, self.forward(batch, positions))
+        kind = self.postprocess(batch, ids, 1, on_token)
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
 
     def schedule(self, new):
         """05's and 02's: room in the KV pool for this step (evicting, holding back or preempting when short)."""
@@ -801,38 +619,20 @@ class Engine:
             raise UserError(f"{e} (sequence ids are request ids)") from None
 
     def forward(self, batch, positions):
-        """The model over this step's tokens: a decode step replayed from a CUDA graph, or eager (logits only at
-        the rows that sample)."""
-        # samples False: a prompt's chunk
-        n_new, samples = [s.n_new for s in batch], [s.samples for s in batch]
-        if all(n == 1 for n in n_new) and all(samples) and self.graphs is not None:
-            self.counts["one_step_decodes"] += 1  # a host sync for one step (not a chunk)
-            return self.graphs.forward(batch, positions)
-        tokens = torch.tensor([t for s in batch for t in s.feed])
-        # rows that sample
-        last = (torch.tensor(n_new).cumsum(0) - 1)[torch.tensor(samples, dtype=torch.bool)]
+        """The model over this step's tokens, eagerly (logits only at the rows that sample)."""
+        tokens, n_new = torch.tensor([t for s in batch for t in s.feed]), torch.tensor([s.n_new for s in batch])
+        samples = torch.tensor([s.samples for s in batch], dtype=torch.bool)  # False: a prompt's chunk
+        last = (n_new.cumsum(0) - 1)[samples]  # the rows that sample
         tokens, last = (to_device(x, self.device) for x in (tokens, last))
         return self.model(tokens, positions, self.kv, logits_at=last)
 
     def next_tokens(self, batch, logits) -> list:
         """Each sequence's new token ids: one for a row of logits (the sequences that sample), none for a prompt's
-        chunk short of its end. Under TP, rank 0 samples and sends them to every rank (one broadcast)."""
+        chunk short of its end. Under TP, rank 0 samples and sends them to every rank (model.tp)."""
         rows = [s for s in batch if s.samples]
         # the step's host sync
-        ids = iter(self.tp_sampled(self.model, lambda: self.choose(rows, logits), len(rows)))
+        ids = iter(self.model.tp.sampled(lambda: self.choose(rows, logits), len(rows)))
         return [[next(ids)] if s.samples else [] for s in batch]
-
-    @staticmethod
-    def tp_sampled(model, choose, n: int) -> list:
-        """Rank 0's choose() (n token ids) on every rank: one broadcast of (n,) int64 (every rank knows n: the same
-        schedule). Without TP: choose()."""
-        rank, world = getattr(model, "tp", (0, 1))
-        if world == 1 or n == 0:
-            return choose()
-        ids = torch.tensor(choose() if rank == 0 else [0] * n, device=model.tok_embeddings.weight.device)  # (n,)
-        torch.distributed.broadcast(ids, 0)
-        return ids.tolist()
-
     def choose(self, batch, logits) -> list:
         """Next token ids of the rows of `batch`: argmax, or 06's mask, temperature and top-p, after OpenAI's
         penalties and logit_bias. A tiny temperature samples stably (the top token, or one of those tied). If a
@@ -845,7 +645,7 @@ class Engine:
             banned = torch.zeros_like(logits, dtype=torch.bool)
             for i, s in enumerate(batch):
                 if s.index is not None:
-                    ok = s.index.allowed(s.fsm, s.room).to(logits.device)
+                    ok = s.index.allowed(s.fsm, s.tokens_left).to(logits.device)
                     banned[i] = True
                     banned[i, :len(ok)] = ~ok
             logits = logits.masked_fill(banned, float("-inf"))
@@ -879,17 +679,14 @@ class Engine:
         fed = sum(s.n_new for s in batch)
         prefill = sum(s.n_new for s in batch if id(s) not in running)  # the rest: decode
         kind = "decode" if not prefill else "prefill" if prefill == fed else "mixed"
-        # the next chunk's tokens, written now
-        flight = self.graphs.inflight if self.graphs is not None else None
-        ahead = dict(zip(map(id, flight.batch), flight.need)) if flight else {}
+        ahead = self.ahead()
         live = sum(s.kv_len + ahead.get(id(s), 0) for s in self.sched.running if id(s) not in stepped)
         live += sum(s.kv_len + s.n_new + steps - 1 + ahead.get(id(s), 0) for s in batch)
         for key, now in (("peak_kv_used", self.kv.used()), ("peak_live_tokens", live),
                          ("peak_running", len(running | stepped))):
             self.counts[key] = max(self.counts[key], now)
         jumped, before = sum(s.jumped for s in batch), [(s.kv_len, len(s.output)) for s in batch]
-        with self.graphs.beside(flight) if flight else contextlib.nullcontext():  # 03's free syncs
-            appended = self.sched.postprocess(batch, ids, steps)
+        appended = self.sched.postprocess(batch, ids, steps)
         if kind == "decode":  # what its steps read: the weights once a step, each token's KV
             n = [len(s.output) - out for s, (_, out) in zip(batch, before)]
             self.counts["decode_steps"] += steps
@@ -901,6 +698,11 @@ class Engine:
             if new:
                 on_token(s)
         return kind
+
+    def ahead(self) -> dict:
+        """id(seq) -> its tokens queued on the device past what the host knows: none here (a step
+        lands before the next; FastEngine's chunk in flight)."""
+        return {}
 
     @property
     def finished(self) -> dict:
@@ -927,24 +729,14 @@ class Engine:
     def timings(self) -> dict:
         return {s.rid: s.timings() for s in self.sched.finished}
 
-    def warm_up(self, n_seqs: int = 1) -> float:
-        """Pay the one-time costs before serving, so that prefill and decode figures measure serving: Triton
-        kernels compile on first use and each batch-size bucket's CUDA graph is captured once (up to the bucket
-        of n_seqs). A short request runs prefill, multi-step and one-step decode, then leaves no trace: empty
-        queues, no cached prefix, fresh stats, sequence ids from 0. Returns the seconds spent."""
+    def warm_up(self, n_seqs: int = 1, prompt: int = 8, steps: int = 2) -> float:
+        """Pay the one-time costs before serving, so that prefill and decode figures measure serving (FastEngine's:
+        kernels compile on first use, CUDA graphs are captured). A request of `prompt` tokens runs `steps` steps,
+        then leaves no trace: empty queues, no cached prefix, fresh stats, sequence ids from 0. n_seqs: how many
+        will run at once (FastEngine's graphs). Returns the seconds spent."""
         assert not (self.busy or self.finished), "warm_up() comes before add()"
-        t0 = time.perf_counter()
-        if self.graphs is not None:
-            for b in self.graphs.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in self.graphs.buckets)]:
-                self.graphs.graph(b)
-        if self.device.type == "cuda" and self.graphs is not None and self.kv.decode_attn is not None:
-            self.warm_decode_rows()
-        # k-step and 1-step
-        steps = min(self.multi_step + 2 if self.graphs is not None else 2, self.max_len - 1)
-        n = 8
-        if self.deterministic and self.device.type == "cuda":  # a prefill's big tiles compile now too
-            n = 1 + max(top for top, _ in triton_kernels().MATMUL_TILES[torch.bfloat16] if top)
-        self.add(list(range(min(n, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
+        t0, steps = time.perf_counter(), min(steps, self.max_len - 1)
+        self.add(list(range(min(prompt, self.max_len - steps))), SamplingParams(max_new_tokens=steps, ignore_eos=True))
         self.run()
         self.reset()
         # what is built so far lives on: a full collection mid-serving would walk all of it, a stall
@@ -952,19 +744,8 @@ class Engine:
         gc.freeze()  # of every stream; frozen, the collector leaves it alone
         return time.perf_counter() - t0
 
-    def warm_decode_rows(self):
-        """A mixed step attends its decode rows eagerly (01's attend), however many: compile now what
-        each number of them launches (04's split counts), not in a step while serving (~1 s each)."""
-        kp, vp = self.kv.layer_pools(0)
-        (_, hkv, d), n = kp.shape, self.max_batch
-        q = kp.new_zeros(n, hkv * (self.model.args.n_heads // self.model.args.n_kv_heads), d)
-        rows = torch.full((n,), self.graphs.pad_row, dtype=torch.int32, device=self.device)
-        lens = torch.ones_like(rows)  # the pad row's one scratch token
-        for b in range(1, n + 1):
-            self.kv.decode_attn(q[:b], kp, vp, self.kv.table, rows[:b], lens[:b], page=self.kv.page)
-
     def reset(self):
-        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0); the graphs stay."""
+        """After a run: forget it (no cached prefix, fresh stats, sequence ids from 0)."""
         self.sched.reset()
         self.counts, self.n_seqs = self.new_counts(), 0
         if self.device.type == "cuda":
@@ -972,11 +753,122 @@ class Engine:
 
     def abort(self, sid: int):
         """Stop sequence sid now (a server's client went away): it finishes with reason "abort" and its KV is freed
-        (its computed tokens stay in the radix cache, unlocked). Tokens of a multi-step chunk in flight land first."""
-        self.land()
+        (its computed tokens stay in the radix cache, unlocked)."""
         seq = self.sched.abort(sid)  # 02's: off every queue, finished (its KV to 05's radix tree)
         if seq is not None:
             seq.finish = "abort"
+
+
+# ==============================================================================================
+# The core ends here: every lesson has been used, and the engine is complete. What follows makes
+# it fast on a GPU, through the seam Engine's docstring names (deterministic mode's kernels, CUDA
+# graphs, multi-step chunks decoded ahead, the overlap: FastEngine; tensor parallelism: model.tp),
+# then serves it: tokenizers, weights, the shared set-up, the OpenAI server and the command line.
+# ==============================================================================================
+
+def triton_kernels():
+    """04, where every Triton kernel lives (the GPU fast paths: attention, prefill, batch-1 decode, argmax), or
+    None where Triton is missing (it has wheels for Linux only): one line says so, and the PyTorch paths run."""
+    try:
+        return lesson("04_triton_token_attn")
+    except ImportError as e:
+        print(f"note: {e}", file=sys.stderr)
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Deterministic mode (FastEngine(deterministic=True)): a sequence's bits whatever the batch it runs in.
+# ----------------------------------------------------------------------------------------------
+# The engine's matmul note. A float sum depends on its order, and each kernel picks its order from
+# the shapes of its call, not from the row: on a CPU a row's F.linear runs a GEMV at M = 1 and other
+# GEMM kernels at 2-3 and 4+ rows (MKL, fp32); on a GPU cuBLAS picks a tile and split-K from M.
+# Attention runs other kernels for decode, prefill and mixed steps, and splits keys by the batch
+# (04, THE IDEA, 3). So an answer changes with its company (SmolLM2 in bf16: 5 of 32 greedy answers
+# the same alone and in a batch of 32 on an H200, 5 of 8 on a CPU; README). The mode makes every
+# order a function of the row: every matmul row meets one shape ((TILE_M, K) GEMMs here; on a GPU
+# 04's _matmul, the whole K in order, whatever its tile), every query one attention routine
+# over keys in fixed pieces from key 0 (attend_pieces here, 04's extend kernel on a GPU), under TP
+# every sum over the ranks in rank order (model.tp.ordered), and each sample draws from its own seeded
+# random stream.
+
+TILE_M = 16  # rows per GEMM call: each row meets a (TILE_M, K) x (K, N) product, whatever M
+PIECE = 16   # keys per attention piece, and query rows per tile
+
+
+def tiles(x, n: int):
+    """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
+    pad = -x.shape[0] % n
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
+
+
+def invariant_linear(x, w):
+    """F.linear(x, w), each row's bits whatever the other rows: (TILE_M, K) GEMMs, zero-padded."""
+    tiled = [F.linear(t, w) for t in tiles(x, TILE_M)]
+    return torch.cat(tiled)[:len(x)] if tiled else F.linear(x, w)
+
+
+def attend_pieces(q, k_pool, v_pool, table, rows, starts, n_new, page=1):
+    """01's extend_attn: q (T, H, D), request after request, n_new[b] tokens of table row rows[b]
+    after starts[b] cached ones. Causal attention over the pool, each request alone, every query
+    (whatever its chunk) reducing over keys [0, PIECE), [PIECE, 2 PIECE), ... in order."""
+    (H, D), Hkv, out, t = q.shape[1:], k_pool.shape[1], [], 0
+    G = H // Hkv
+    for r, p, n in zip(*([int(v) for v in x] for x in (rows, starts, n_new))):
+        i = torch.arange(-(-(p + n) // PIECE) * PIECE, device=q.device)
+        slots = table[r, (i // page).clamp(max=table.shape[1] - 1)].long() * page + i % page
+        # keys past the end: zeros (their table entries are stale, the pool there maybe NaN)
+        live = (i < p + n)[:, None, None]
+        k, v = (pool[slots].float().where(live, 0.0).transpose(0, 1) for pool in (k_pool, v_pool))
+        qr = q[t:t + n].float().view(n, Hkv, G, D).transpose(0, 1).reshape(Hkv, -1, D)
+        pos = torch.arange(p, p + n, device=q.device).repeat_interleave(G)  # each row's position
+        qt = tiles(qr.transpose(0, 1), PIECE).permute(2, 0, 1, 3)  # (Hkv, tiles, PIECE, D)
+        o = attend_tiles(qt, k, v, tiles(pos, PIECE), p + n).reshape(Hkv, -1, D)[:, :len(pos)]
+        out.append(o.view(Hkv, n, G, D).transpose(0, 1).reshape(n, H, D).to(q.dtype))
+        t += n
+    return torch.cat(out)
+
+
+def attend_tiles(q, k, v, pos, n_keys: int):
+    """Online softmax over PIECE-key pieces in order: q (Hkv, tiles, PIECE, D) at positions pos
+    (tiles, PIECE); k, v (Hkv, keys, D), zeros past n_keys. Products: (PIECE, D) x (D, PIECE)."""
+    Hkv, nt, R, D = q.shape
+    m = torch.full((Hkv, nt, R), float("-inf"), device=q.device)
+    l, acc, qb = torch.zeros_like(m), q.new_zeros(Hkv, nt, R, D), q.reshape(-1, R, D) * D ** -0.5
+    for j in range(0, n_keys, PIECE):
+        kj, vj = (x[:, None, j:j + PIECE].expand(Hkv, nt, PIECE, D).reshape(-1, PIECE, D)
+                  for x in (k, v))
+        s = torch.bmm(qb, kj.transpose(1, 2)).view(Hkv, nt, R, PIECE)
+        key = torch.arange(j, j + PIECE, device=q.device)
+        s = s.masked_fill((key > pos[..., None]) | (key >= n_keys), float("-inf"))  # causal; pad
+        m_new = torch.maximum(m, s.amax(-1))  # key 0 is everyone's: finite from the first piece on
+        alpha, p = torch.exp(m - m_new), torch.exp(s - m_new[..., None])
+        acc = acc * alpha[..., None] + torch.bmm(p.view(-1, R, PIECE), vj).view(Hkv, nt, R, D)
+        l, m = l * alpha + p.sum(-1), m_new
+    return acc / l[..., None]
+
+
+def decode_pieces(q, k_pool, v_pool, table, rows, seq_lens, page=1):
+    """01's decode_attn: attend_pieces, one query per request (the bits it gets in a prefill)."""
+    starts = [int(n) - 1 for n in seq_lens]
+    return attend_pieces(q, k_pool, v_pool, table, rows, starts, [1] * len(starts), page)
+
+
+def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
+    """An engine's kernels (Engine.__init__ gave the model PyTorch's). L04 (a GPU's): every backend
+    reads through 04's attention kernels, with CUDA graphs the model's pointwise steps too.
+    deterministic: batch-invariant matmuls, one attention reduction for every query, prefill or
+    decode (04's on a GPU, attend_pieces else), under TP sums in rank order (model.tp.ordered)."""
+    model.tp.ordered = deterministic
+    if deterministic and L04 is not None:
+        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
+        return model.use_kernels(L04, L04.invariant_matmul, L04.invariant_swiglu)
+    if deterministic:
+        kv.use_kernels(decode_pieces, attend_pieces)
+        return model.use_ops(model_ops(rms_norm, apply_rope, swiglu, invariant_linear))
+    if L04 is not None:
+        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        if graphs:
+            model.use_kernels(L04)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1006,34 +898,31 @@ class CudaGraphDecoder:
         # 04: fused_decode and argmax
         self.model, self.kv, self.L04, self.multi_step = model, kv, L04, multi_step
         self.max_len = max_len  # tokens a sequence may hold: a chunk's steps stay within it
-        self.buckets = [b for b in buckets if b <= max_batch] or [max_batch]
-        if self.buckets[-1] < max_batch:
-            self.buckets.append(max_batch)
+        self.buckets = [b for b in buckets if b < max_batch] + [max_batch]
         self.fused = fused and L04.fused_decode_ok(model)
         self.graphs, self.pad_row = {}, kv.pad_row()  # the table row padded batch rows use
         self.pad_page = kv.table[self.pad_row, 0].clone()  # its scratch page (on the device)
         n, dev = self.buckets[-1], model.tok_embeddings.weight.device
         self.device, self.cuda = dev, dev.type == "cuda"
-        self.tokens = torch.zeros(n, dtype=torch.long, device=dev)     # (n,) each row's last token
-        self.positions = torch.zeros_like(self.tokens)                  # (n,) its position
-        # (n,) the pool slot this step writes
-        self.slots = torch.zeros_like(self.tokens)
-        self.rows = torch.zeros_like(self.tokens)                       # (n,) its row of kv.table
+        # (n,) each row's last token, its position, the pool slot it writes, its kv.table row
+        self.tokens, self.positions, self.slots, self.rows = (
+            torch.zeros(n, dtype=torch.long, device=dev) for _ in range(4))
         self.lens = torch.zeros(n, dtype=torch.int32, device=dev)
         # (n, HK) token of position p at p % HK
         self.hist = torch.zeros(n, self.HK, dtype=torch.long, device=dev)
         # pinned: a copy to the host that does not wait for the GPU; two, for two chunks in flight
         self.hist_host = [torch.zeros(n, self.HK, dtype=torch.long, pin_memory=self.cuda) for _ in range(2)]
         self.side = torch.cuda.Stream(dev) if self.cuda else None  # see `beside`
-        self.pool = None
-        self.inflight = None  # a multi-step chunk queued on the GPU, its tokens not read yet
+        # the graphs' memory pool; a multi-step chunk queued on the GPU, its tokens not read yet
+        self.pool = self.inflight = None
 
     def _capture(self, b, k=1):
         kv, model = self.kv, self.model
-        state = [x.clone() for x in (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)]
+        bufs = (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)
+        state = [x.clone() for x in bufs]
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
-        fused, tp = b == 1 and self.fused, getattr(model, "tp_sum", None)
-        split = not fused and tp is not None and tp.split  # TP: this rank's rows of the head alone
+        fused, tp = b == 1 and self.fused, model.tp
+        split = not fused and tp.split  # TP: this rank's rows of the head alone
 
         def run():
             kv.bind_decode(self.slots[:b], self.rows[:b], self.lens[:b])
@@ -1045,22 +934,16 @@ class CudaGraphDecoder:
                 out = model(tokens, positions, kv, fp32=False, vocab=slice(*tp.vocab))
                 tp.split_argmax(self.L04, out, tokens, advance)
             else:
-                if fused:
-                    out = self.L04.fused_decode(model, kv, tokens, positions)
-                else:
-                    out = model(tokens, positions, kv, fp32=False)
+                out = (self.L04.fused_decode(model, kv, tokens, positions) if fused
+                       else model(tokens, positions, kv, fp32=False))
                 self.L04.argmax(out, tokens, advance, pdl=fused and self.cuda)
             return out
         key = b if k == 1 else (b, k)
         # also batch 1's k steps in one graph: no gap between
         if b == 1 and k == 1 and self.multi_step > 1:
             self._capture(1, self.multi_step)          # graph launches, PDL links the steps
-        if not self.cuda:
-            def replay_eagerly():  # the same k steps, run eagerly
-                for _ in range(k):
-                    out = run()
-                return out
-            self.graphs[key] = replay_eagerly
+        if not self.cuda:  # the same k steps, run eagerly
+            self.graphs[key] = lambda: [run() for _ in range(k)][-1]
         else:
             for _ in range(2):  # warm up (Triton compiles) outside the capture
                 run()
@@ -1080,7 +963,7 @@ class CudaGraphDecoder:
                 g.replay()
                 return out
             self.graphs[key] = replay
-        for x, saved in zip((self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist), state):
+        for x, saved in zip(bufs, state):
             # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
             x.copy_(saved)
 
@@ -1107,7 +990,7 @@ class CudaGraphDecoder:
         logits = self._load(batch, positions, kv.batch_rows, kv.batch_lens)()[:n]
         # a rank's rows of the head (TP): all ranks' side by side
         if logits.shape[-1] < self.model.args.vocab_size:
-            logits = self.model.tp_sum.gather(logits, 1)
+            logits = self.model.tp.gather(logits, 1)
         return logits.float()
 
     def argmax_ahead(self, logits):
@@ -1125,40 +1008,37 @@ class CudaGraphDecoder:
         return [[next(ids)] if s.samples else [] for s in batch]
 
     def going_on(self, running):
-        """The next chunk's batch and the tokens each has in flight: the chunk in flight's sequences
-        minus those that reach their max_new_tokens in it (known without reading it) or stopped
-        (EOS) in a chunk read before, then the running ones it does not hold (a prefill's, just
-        landed: they join); with none in flight, the running ones."""
+        """The next chunk's batch and each one's tokens in flight: with a chunk in flight, its
+        sequences that go on (not at max_new_tokens in it, known unread; not stopped at EOS), then
+        the running ones it lacks (a prefill's, just landed); else the running ones."""
         prev = self.inflight
         if prev is None:
             return running, [0] * len(running)
         held = set(map(id, prev.batch))
-        going = [s for s in prev.batch if not s.done and s.room > prev.k]
+        going = [s for s in prev.batch if not s.done and s.tokens_left > prev.k]
         joined = [s for s in running if id(s) not in held]
         return going + joined, [prev.k] * len(going) + [0] * len(joined)
 
     def most_steps(self, batch, ahead) -> int:
-        """Steps a chunk of batch may take: multi_step, fewer where a sequence's context ends sooner
-        or all their max_new_tokens do; 0 where one is not greedy and unconstrained. ahead: each
-        one's tokens in flight."""
+        """Steps a chunk of batch may take (ahead: each one's tokens in flight): multi_step, fewer
+        where a context ends sooner or all max_new_tokens do; 0 unless all take the argmax."""
         if not batch or not all(s.argmax for s in batch):
             return 0
-        ends = [s.room - a for s, a in zip(batch, ahead)]
+        tokens_left = [s.tokens_left - a for s, a in zip(batch, ahead)]
         context = [self.max_len - len(s.tokens) + 1 - a for s, a in zip(batch, ahead)]
-        return min([self.multi_step, max(ends)] + context)
+        return min([self.multi_step, max(tokens_left)] + context)
 
     def decode_ahead(self, batch, k: int, ahead) -> list | None:
-        """k decode steps of batch (going_on; ahead: each one's tokens in flight) for one kv.prepare
-        and one host sync (`steps`), k as the scheduler sized it. The next k steps are queued before
-        the host reads the last k, so the GPU never waits for the host: they continue the chunk in
-        flight on the device. A sequence that ends inside a chunk (EOS, max_new_tokens: vLLM's
-        multi-step does the same) wastes the steps after that, whose tokens are dropped: a chunk
-        waits for nobody's end, so chunks stay long. Its slots stop at its max_new_tokens; steps
-        past it write scratch (`scratch_tail`). Returns the chunk landed now (see `collect`), or
-        None: take one step."""
+        """k decode steps of batch (going_on; ahead: each one's tokens in flight) for one
+        kv.prepare and one host sync, k as the scheduler sized it, queued before the host reads the
+        chunk in flight: they continue it on the device, so the GPU never waits for the host. A
+        sequence that ends inside a chunk (EOS, max_new_tokens) wastes the steps after that, whose
+        tokens are dropped (vLLM's multi-step does the same): a chunk waits for nobody's end, so
+        chunks stay long; steps past its max_new_tokens write scratch (`scratch_tail`). Returns the
+        chunk landed now (see `collect`), or None: take one step."""
         prev, self.inflight = self.inflight, None
         if batch and (k >= 2 or prev and k >= 1):
-            need = [min(k, s.room - a) for s, a in zip(batch, ahead)]
+            need = [min(k, s.tokens_left - a) for s, a in zip(batch, ahead)]
             # its ~30 small kernels run beside the chunk in flight, not after it
             with self.beside(prev):
                 positions = self.kv.prepare([s.rid for s in batch], need)
@@ -1172,13 +1052,11 @@ class CudaGraphDecoder:
         return self.collect(prev)  # the host sync; the GPU is busy with the next chunk meanwhile
 
     def scratch_tail(self, k: int):
-        """The steps of the chunk just prepared that run past a sequence's end write and read the
-        padding row's scratch page: its table's pages after its last prepared token, up to k
-        tokens on, point there (nothing else reads them; the sequence ends with this chunk)."""
-        kv, where = self.kv, []
-        for row, start, n in zip(*kv.batch):
-            first, end = -(-(start + n) // kv.page), -(-(start + k) // kv.page)  # whole pages
-            where += [(row, p) for p in range(first, end)]
+        """A chunk's steps past a sequence's end use the pad row's scratch page: its table pages
+        after its last prepared token, up to k tokens on, point there (it ends with this chunk)."""
+        kv = self.kv
+        where = [(row, p) for row, start, n in zip(*kv.batch)  # whole pages
+                 for p in range(-(-(start + n) // kv.page), -(-(start + k) // kv.page))]
         if where:
             w = to_device(torch.tensor(where), self.device)
             kv.table[w[:, 0], w[:, 1]] = self.pad_page
@@ -1194,12 +1072,11 @@ class CudaGraphDecoder:
         return [([s for s, _ in live], [t for _, t in live], chunk.k)]
 
     def steps(self, batch, positions, k: int, need=None, keep=None, ahead=None):
-        """Queue k greedy decode steps of `batch`, kv.prepare'd for need[i] <= k tokens each (vLLM's
-        multi-step scheduling; the rest write scratch):
-        k replays, each reading the previous one's argmax. keep: the buffers already hold where the last `steps`
-        left off (its tokens need not have reached the host), and batch leads with its rows at indices keep, in
-        order: they are gathered to the front on the device; the rest join from the host. ahead: each one's tokens
-        in flight. Returns a chunk for `read`; nothing here waits for the GPU."""
+        """Queue k greedy decode steps of `batch`, kv.prepare'd for need[i] <= k tokens each: k
+        replays, each reading the last one's argmax (vLLM's multi-step). keep: the buffers hold
+        where the last `steps` left off (maybe unread), batch led by its rows at indices keep,
+        gathered to the front on the device; the rest join from the host. ahead: each one's tokens
+        in flight. A chunk for `read`; nothing here waits for the GPU."""
         kv, n, m = self.kv, len(batch), len(keep or ())
         if keep and keep != list(range(m)):  # some finished: close the gaps (no wait for the GPU)
             idx = to_device(torch.tensor(keep), self.device)
@@ -1226,10 +1103,7 @@ class CudaGraphDecoder:
 
     def _event(self):
         """A CUDA event recorded now on the current stream (None on a CPU)."""
-        e = torch.cuda.Event() if self.cuda else None
-        if e:
-            e.record()
-        return e
+        return torch.cuda.current_stream().record_event() if self.cuda else None
 
     @contextlib.contextmanager
     def beside(self, chunk):
@@ -1260,11 +1134,378 @@ class CudaGraphDecoder:
         return [[row[(p + j) % CudaGraphDecoder.HK] for j in range(chunk.k)] for row, p in zip(h, chunk.first)]
 
 
-# ==============================================================================================
-# The core ends here: every lesson has been used, and the engine is complete. What follows serves
-# it: tokenizers, weights, tensor parallelism, the shared set-up, the OpenAI server and the command
-# line.
-# ==============================================================================================
+
+
+BEHIND_PREFILL = 2  # decode steps queued behind a prefill that overlaps (FastEngine.prefill_beside)
+
+
+class FastEngine(Engine):
+    """The core's Engine with what makes it fast on a GPU, plugged in at its seam (Engine's docstring): 04's
+    attention kernels (with CUDA graphs the model's pointwise steps too); decode steps replayed from CUDA graphs
+    (CudaGraphDecoder; batch 1 through 04's fused kernels unless fused=False); greedy batches decoded multi_step
+    steps per host sync, the next chunk queued on the GPU before the host reads the last; and a greedy prefill
+    queued beside a chunk in flight (mini-sglang's overlap). cuda_graphs: None, on where CUDA is (on a CPU the
+    tests ask for them: their steps run eagerly, 04's kernels interpreted).
+
+    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it, cached or chunked
+    (set_ops's kernels; a sample without a seed draws from a stream seeded `seed`)."""
+
+    def __init__(self, model, tok, *args, cuda_graphs=None, fused=True, multi_step=16, deterministic=False, **kw):
+        dev = model.tok_embeddings.weight.device
+        graphs = dev.type == "cuda" if cuda_graphs is None else cuda_graphs
+        L04 = triton_kernels() if dev.type == "cuda" or graphs else None
+        graphs = graphs and L04 is not None
+        self.multi_step = min(multi_step, CudaGraphDecoder.HK // 2)  # greedy steps per host round trip
+        self.scratch_rows, self.lookahead = int(graphs), self.multi_step if graphs else 0
+        super().__init__(model, tok, *args, **kw)
+        self.deterministic, self.graphs = deterministic, None
+        if graphs:  # batch 1's GEMVs sum in another order than matmuls: not in deterministic mode
+            self.graphs = CudaGraphDecoder(model, self.kv, L04, self.max_batch, self.multi_step,
+                                           fused and not deterministic, self.max_len)
+        set_ops(model, self.kv, L04 if dev.type == "cuda" else None, graphs, deterministic)
+
+    def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
+        """Engine.add; deterministic: a sample without a seed draws from a stream seeded `seed`."""
+        params = params or SamplingParams()
+        if self.deterministic and params.seed is None:
+            params = replace(params, seed=self.seed)
+        return super().add(prompt, params, index)
+
+    @property
+    def busy(self) -> bool:
+        """Engine.busy, or tokens of a multi-step chunk not landed yet."""
+        return self.sched.busy or self.graphs is not None and self.graphs.inflight is not None
+
+    def step(self, on_token=None):
+        """The core's step, where a chunk may be in flight (CUDA graphs): a step that admits lands it
+        first, unless the prefill can go in beside it (overlaps, prefill_beside); one that admits
+        nothing decodes the next chunk ahead (decode_ahead); else, or where those decline, one step."""
+        if self.graphs is None:
+            return super().step(on_token)
+        t0, kind, landed = time.perf_counter(), "decode", None
+        if (self.sched.waiting or self.sched.chunked) and not self.overlaps():
+            t0 += self.land(on_token)  # admitting changes the batch: a chunk in flight lands first
+        new = self.sched.admit()
+        if not new:
+            landed = self.decode_ahead()
+        elif self.graphs.inflight is not None:
+            landed, seconds = self.prefill_beside(new, on_token)  # it lands the chunk in flight
+            t0 += seconds
+        if landed is None:
+            batch, positions = self.schedule(new)
+            landed = [(batch, self.next_tokens(batch, self.forward(batch, positions)), 1)]
+        for batch, ids, steps in landed:
+            kind = self.postprocess(batch, ids, steps, on_token)
+        self.counts[f"{kind}_s"] += time.perf_counter() - t0
+
+    def overlaps(self) -> bool:
+        """Whether this step may admit and prefill with a multi-step chunk in flight (mini-sglang's
+        overlap): the host admits, matches prefixes and builds the prefill while the GPU runs the
+        chunk, and a running sequence's state on the host is one chunk behind, which admission
+        reads only to be cautious. Prefill-first, one rank, no prompt part-way in. A constrained
+        request never overlaps: 06's FSM steps on the host, so its next mask waits for its token."""
+        s = self.sched
+        return self.graphs.inflight is not None and not (s.mixed or s.chunked) and self.model.tp.world == 1
+
+    def prefill_beside(self, new, on_token=None):
+        """The overlap's prefill step: built while the chunk in flight runs, queued behind it, the
+        next chunk behind the prefill; then the chunk in flight lands and the prefill's tokens are
+        read, each a wait for work the GPU has done. Returns (what landed, the landing's seconds:
+        decode's). A prefill not greedy, or whose KV needs an eviction (which could change what the
+        chunk reads), lands the chunk first and returns None: take one step."""
+        free = self.sched.free_slots()
+        need = self.sched.slots_needed(new, [s.n_new for s in new])
+        if not all(s.argmax for s in new) or free is not None and need > free:
+            return None, self.land(on_token)
+        batch, positions = self.schedule(new)
+        self.graphs.side_after_this()  # the next chunk's slots come from the pool after these
+        ids = self.graphs.argmax_ahead(self.forward(batch, positions))
+        # a short chunk, to cover the landing: the prefill's sequences join the chunk after it
+        seconds = self.land(on_token, queue=BEHIND_PREFILL)
+        return [(batch, self.graphs.ids(ids, batch), 1)], seconds
+
+    def decode_ahead(self, most=None):
+        """CudaGraphDecoder.decode_ahead of k steps, as many as the pool holds for all (05's
+        run_ahead evicts cached prefixes), `most` at most. What landed, or None: take one step."""
+        g = self.graphs
+        batch, ahead = g.going_on(self.sched.running)
+        k = min(g.most_steps(batch, ahead), most or g.multi_step)
+        if k:
+            with g.beside(g.inflight):  # an eviction frees slots (03's free syncs)
+                k = self.sched.run_ahead(batch, k, ahead)
+        landed = g.decode_ahead(batch, k, ahead)
+        self.counts["decode_chunks"] += g.inflight is not None
+        return landed
+
+    def land(self, on_token=None, queue=0) -> float:
+        """Post-process the chunk in flight, if any (queue: decode_ahead that many steps at most
+        first). Returns its seconds, mostly a wait for the GPU, counted as decode by any step."""
+        t0 = time.perf_counter()
+        landed = self.decode_ahead(queue) if queue else self.graphs.collect()
+        for batch, ids, steps in landed:
+            self.postprocess(batch, ids, steps, on_token)
+        self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
+        return seconds
+
+    def forward(self, batch, positions):
+        """A decode step replayed from a CUDA graph (one host sync, not a chunk), else the core's."""
+        if self.graphs is not None and all(s.n_new == 1 and s.samples for s in batch):
+            self.counts["one_step_decodes"] += 1
+            return self.graphs.forward(batch, positions)
+        return super().forward(batch, positions)
+
+    def ahead(self) -> dict:
+        flight = self.graphs and self.graphs.inflight
+        return dict(zip(map(id, flight.batch), flight.need)) if flight else {}
+
+    def postprocess(self, batch, ids, steps: int = 1, on_token=None) -> str:
+        """The core's, beside the chunk in flight (03's free syncs)."""
+        with self.graphs.beside(self.graphs.inflight) if self.graphs else contextlib.nullcontext():
+            return super().postprocess(batch, ids, steps, on_token)
+
+    def warm_up(self, n_seqs: int = 1) -> float:
+        """The core's, after what a GPU pays once: CUDA graphs captured (buckets up to n_seqs'),
+        Triton kernels compiled; prefill (deterministic: big tiles too), k- and 1-step decode."""
+        t0, g, prompt = time.perf_counter(), self.graphs, 8
+        if g is not None:
+            for b in g.buckets[:1 + sum(b < min(n_seqs, self.max_batch) for b in g.buckets)]:
+                g.graph(b)
+            if self.device.type == "cuda" and self.kv.decode_attn is not None:
+                self.warm_decode_rows()
+        if self.deterministic and self.device.type == "cuda":
+            prompt = 1 + max(top for top, _ in triton_kernels().MATMUL_TILES[torch.bfloat16] if top)
+        steps = self.multi_step + 2 if g is not None else 2  # k-step and 1-step
+        return time.perf_counter() - t0 + super().warm_up(n_seqs, prompt, steps)
+
+    def warm_decode_rows(self):
+        """A mixed step attends its decode rows eagerly (01's attend), however many: compile now what
+        each number of them launches (04's split counts), not in a step while serving (~1 s each)."""
+        kp, vp = self.kv.layer_pools(0)
+        (_, hkv, d), n = kp.shape, self.max_batch
+        q = kp.new_zeros(n, hkv * (self.model.args.n_heads // self.model.args.n_kv_heads), d)
+        rows = torch.full((n,), self.graphs.pad_row, dtype=torch.int32, device=self.device)
+        lens = torch.ones_like(rows)  # the pad row's one scratch token
+        for b in range(1, n + 1):
+            self.kv.decode_attn(q[:b], kp, vp, self.kv.table, rows[:b], lens[:b], page=self.kv.page)
+
+    def abort(self, sid: int):
+        """Engine.abort, after the tokens of a multi-step chunk in flight land."""
+        if self.graphs is not None:
+            self.land()
+        super().abort(sid)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
+# gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
+# ----------------------------------------------------------------------------------------------
+# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them
+# one model.
+#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in
+#     whole heads, so a rank attends with its query heads over their KV heads, and its KV backend
+#     (any, unchanged) stores only those; w1, w3: 1/N of the SwiGLU width
+#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give
+#     partial sums of the whole width; one all-reduce each adds them up (a forward hook: the model's
+#     code is the same at TP 1)
+# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and
+# whole logits on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's
+# is 1/16 of its weights): batch 1 (04's fused kernels) sums each rank's rows of the logits, zero
+# elsewhere; batches' graphs find the argmax from each rank's best per 4096 rows (04's argmax, its
+# keys gathered), and sampled steps gather the rows.
+# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs
+# (mini-sglang's design: its decisions need no broadcast), so a step only sends rank 0's sampled
+# ids: one broadcast of (n,) int64.
+# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks
+# (CudaGraphDecoder.decode_ahead) take each rank's own in-graph argmax, the same on all: an
+# all-reduce leaves the same sum on every rank.
+# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send,
+# a receive and a handshake: microseconds for decode's 8 KB on NVLink, where the bytes take
+# nanoseconds (64 sums a token). One shot (vLLM's custom all-reduce; PyTorch's symmetric memory):
+# every rank's buffer is mapped into every peer's address space, so one kernel meets the peers at a
+# barrier (flags in that memory), reads all N partial sums over NVLink and adds them in rank order:
+# the same bits on every rank. Lamport's (TensorRT-LLM's) needs no barrier: each rank pushes its
+# partial sum into its slot on every rank, where the data is its own flag (04's _lamport_sum); batch
+# 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of NCCL's or one
+# shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
+
+def tp_launch(args, argv):
+    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on
+    GPUs, gloo on CPUs. --tp N alone: run N copies as torchrun would; exit with their status."""
+    world = int(os.environ.get("WORLD_SIZE", args.tp))
+    if args.tp < 1 or args.tp not in (1, world):
+        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
+                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
+    if world == 1:
+        return 0, 1, args.device
+    if "RANK" not in os.environ:
+        import subprocess
+        with socket.socket() as s:  # a free port for the ranks to meet at
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
+        # a rank that crashed ends the others, which would wait for it
+        while any(p.poll() is None for p in procs):
+            # 2: rank 0 says why
+            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():
+                p.kill()  # (a no-op on one that has exited)
+            time.sleep(0.05)
+        codes = [p.returncode for p in procs]
+        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
+    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
+    if device.startswith("cuda"):
+        if torch.cuda.device_count() < world:
+            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
+        device = f"cuda:{local}"  # one GPU per rank
+        torch.cuda.set_device(local)
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
+
+    # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
+    def leave():
+        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
+        gc.collect()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+    atexit.register(leave)
+    return rank, world, device
+
+
+def shard_model(model, rank: int, world: int):
+    """Keep rank's 1/world of every layer (before the engine); refused if heads don't split."""
+    a = model.args
+    # n_kv_heads divides n_heads: query heads split too
+    if a.n_kv_heads % world or a.hidden_dim % world:
+        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
+                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
+
+    # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
+    def keep(lin, dim, parts):
+        w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
+        lin.weight = nn.Parameter(w, requires_grad=False)
+
+    for layer in model.layers:
+        at, ff = layer.attention, layer.feed_forward
+        keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
+        keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
+        # their partial sums, added up on every rank (uses alternate)
+        for use, lin in enumerate((at.wo, ff.w2)):
+            keep(lin, 1, [lin.weight.detach()])
+            lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp(out, use=use))
+        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
+    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim //
+    # n_heads)
+    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
+                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
+    model.tp = TPSum(model, rank, world)
+    return model
+
+
+# sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
+ONE_SHOT_BYTES = 2 << 20
+
+
+class TPSum(OneRank):
+    """model.tp(x, out=None, use=0): x summed over the ranks, into out or in place. On GPUs up to
+    ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums alternate `use`), else
+    NCCL (gloo on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for comparisons. Symmetric memory:
+    `lamport`, 2 uses of world slots, all ones when empty (peers[use]: their addresses on every
+    rank; push: batch 1's own slot there); `part`, scratch for partial sums; `logits`, this rank's
+    rows `vocab` of the head's output, zero elsewhere. `split`: batch decode computes those rows
+    alone (split_argmax; `gather` puts ranks' logits side by side)."""
+
+    def __init__(self, model, rank: int, world: int):
+        w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
+        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
+        # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
+        self.split = vocab % world == 0
+        cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
+        self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
+        if cuda:
+            from torch.distributed import _symmetric_memory as symm
+            make, self.group, self.L04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
+        self.part = make(cap, dtype=w.dtype, device=w.device)
+        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
+        if cuda:
+            self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
+            self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
+            # empty on every rank before any peer can push (the rendezvous waits for all)
+            torch.cuda.synchronize()
+            # a collective: every rank maps every peer's buffer
+            for buf in (self.part, self.logits):
+                symm.rendezvous(buf, self.group)
+            # each rank's address of it
+            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs
+            at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
+            self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
+            # n = dim: batch 1's
+            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]
+            # NCCL links up large sums' paths
+            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))
+
+    ordered = False  # deterministic mode: NCCL's and gloo's sums are added in rank order
+
+    def __call__(self, x, out=None, use=0):
+        ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
+        small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
+        if self.algo == "lamport" and small and not ours:  # rank order already, whatever the size
+            return self.L04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
+        if self.algo != "nccl" and (ours or small):
+            ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
+            if ours:  # written in symmetric memory already
+                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
+            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
+        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
+            x = out.copy_(x)
+        # every rank's x (world, 1, numel), added rank 0 first, one add at a time: each element's
+        # order whatever the size (a ring or tree all-reduce cuts the buffer into pieces by its
+        # size, and with 3 or more ranks each piece's elements may be summed in another order)
+        if self.ordered:
+            parts = self.gather(x.reshape(1, -1), None)
+            return x.copy_(functools.reduce(torch.add, parts).view_as(x))
+        torch.distributed.all_reduce(x)
+        return x
+
+    def sampled(self, choose, n: int) -> list:
+        """Rank 0's choose() (n ids, n known to all: one schedule) on every rank: one broadcast."""
+        if n == 0:
+            return choose()
+        ids = torch.tensor(choose() if self.rank == 0 else [0] * n, device=self.part.device)  # (n,)
+        torch.distributed.broadcast(ids, 0)
+        return ids.tolist()
+
+    def gather(self, x, dim=0):
+        """All ranks' x (one shape) side by side along dim, or stacked (dim None): an all-gather."""
+        # the ranks' x one after another (gloo's form)
+        out = x.new_empty(self.world * len(x), *x.shape[1:])
+        torch.distributed.all_gather_into_tensor(out, x.contiguous())
+        out = out.view(self.world, *x.shape)
+        return out if dim is None else torch.cat(out.unbind(), dim)
+
+    def split_argmax(self, L04, logits, out, advance, pdl=False):
+        """04's argmax of logits split by vocab rows (self.vocab here), all ranks' best gathered."""
+        return L04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
+                          gather=lambda keys: self.gather(keys, None))
+
+
+def tp_share(model, make):
+    """Rank 0's make() on every rank (one broadcast_object_list), its UserError raised on all."""
+    if model.tp.world == 1:
+        return make()
+    box = [None]
+    if model.tp.rank == 0:
+        try:
+            box[0] = make()
+        except UserError as e:
+            box[0] = e
+    torch.distributed.broadcast_object_list(box, 0)
+    if isinstance(box[0], UserError):
+        raise box[0]
+    return box[0]
+
+
 
 # ----------------------------------------------------------------------------------------------
 # Tokenizers: tiktoken BPE for Llama 3's files and for byte-level BPE vocabularies (GGUF,
@@ -1293,8 +1534,7 @@ class Tokenizer:
         self.ranks, self.missing = ranks, bytes(missing)
         ranks = {**ranks, **{bytes([b]): self.vocab_size + i for i, b in enumerate(missing)}}
         self.enc = tiktoken.Encoding(name=name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=special)
-        self.bos_id = special[bos] if bos else None
-        self.stop_ids = [special[s] for s in stop]
+        self.bos_id, self.stop_ids = special[bos] if bos else None, [special[s] for s in stop]
         self.eos_id = self.stop_ids[0]
 
     def encode(self, text: str, bos: bool = False, allow_special: bool = False) -> list[int]:
@@ -1366,12 +1606,9 @@ def llama3_tokenizer(path: str | None = None) -> Tokenizer:
     if path is None:
         package = importlib.util.find_spec("llama_models").submodule_search_locations[0]
         path = os.path.join(package, "llama3", "tokenizer.model")
-    ranks = {}
     # read it ourselves: tiktoken's loader copies into a cache dir
-    for line in open(path, "rb").read().splitlines():
-        if line.strip():
-            token, rank = line.split()
-            ranks[base64.b64decode(token)] = int(rank)
+    lines = [line.split() for line in open(path, "rb").read().splitlines() if line.strip()]
+    ranks = {base64.b64decode(token): int(rank) for token, rank in lines}
     names = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>", "<|reserved_special_token_1|>",
              "<|finetune_right_pad_id|>", "<|step_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>",
              "<|eot_id|>", "<|python_tag|>", "<|image|>"]
@@ -1472,9 +1709,8 @@ def _require(path: str) -> str:
 
 def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs):
     """Before the model is built: the config agrees with itself and with the tensors, or one line
-    names what is wrong. field: ModelArgs attribute -> the file's name for it; shapes: our tensor
-    name -> its shape, for every tensor the file holds; theirs(our name) -> the file's name of that
-    tensor (for the message)."""
+    names what is wrong. field: ModelArgs attribute -> the file's name; shapes: our tensor name ->
+    shape, for all the file holds; theirs(our name): the file's name."""
     def bad(msg):
         raise UserError(f"{path}: {msg}")
 
@@ -1494,16 +1730,17 @@ def check_checkpoint(path: str, a: ModelArgs, field: dict, shapes: dict, theirs)
         bad(f"{field['n_kv_heads']} = {a.n_kv_heads} does not divide {say('n_heads')} (grouped-query attention)")
     if a.head_dim % 2:
         bad(f"{say('dim', 'n_heads')} give heads of odd width {a.head_dim} (RoPE rotates pairs)")
-    q, kv, d = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim
-    want = {"tok_embeddings.weight": ((a.vocab_size, d), ("vocab_size", "dim")), "norm.weight": ((d,), ("dim",))}
+    # each tensor's shape, and the fields that make it
+    q, kv, d, h = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.dim, a.hidden_dim
+    emb, norm = ((a.vocab_size, d), ("vocab_size", "dim")), ((d,), ("dim",))
+    kvs, ff = ((kv, d), ("n_kv_heads", "n_heads", "dim")), ((h, d), ("hidden_dim", "dim"))
+    want = {"tok_embeddings.weight": emb, "norm.weight": norm}
     if not a.tie_embeddings:
-        want["output.weight"] = ((a.vocab_size, d), ("vocab_size", "dim"))
-    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": ((kv, d), ("n_kv_heads", "n_heads", "dim")),
-             "attention.wv": ((kv, d), ("n_kv_heads", "n_heads", "dim")), "attention.wo": ((d, q), ("dim",)),
-             "feed_forward.w1": ((a.hidden_dim, d), ("hidden_dim", "dim")),
-             "feed_forward.w3": ((a.hidden_dim, d), ("hidden_dim", "dim")),
-             "feed_forward.w2": ((d, a.hidden_dim), ("dim", "hidden_dim")),
-             "attention_norm": ((d,), ("dim",)), "ffn_norm": ((d,), ("dim",))}
+        want["output.weight"] = emb
+    layer = {"attention.wq": ((q, d), ("dim",)), "attention.wk": kvs, "attention.wv": kvs,
+             "attention.wo": ((d, q), ("dim",)), "feed_forward.w1": ff, "feed_forward.w3": ff,
+             "feed_forward.w2": ((d, h), ("dim", "hidden_dim")), "attention_norm": norm,
+             "ffn_norm": norm}
     found = layers_found(shapes, "layers.")
     if found != a.n_layers:
         bad(f"the file holds {found} layers of tensors, but {say('n_layers')}")
@@ -1529,9 +1766,8 @@ def check_norms(path: str, sd: dict, theirs):
 
 
 class GGUF:
-    """A GGUF file (llama.cpp's one-file format) parsed in one pass: `fields` as Python values,
-    `tensors` by name (type, GGUF's shape, bytes as gguf's dequantize reads them). gguf's own reader
-    makes a numpy view of every element, seconds for a tokenizer's 100k strings."""
+    """A GGUF file (llama.cpp's) parsed in one pass: `fields` as Python values, `tensors` by name
+    (type, GGUF's shape, bytes for gguf's dequantize). gguf's reader: a view per element, slow."""
     # value type -> struct code (8 str, 9 array)
     CODES = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
 
@@ -1540,7 +1776,7 @@ class GGUF:
         import gguf
         import numpy as np
         self.buf = np.memmap(path, dtype=np.uint8, mode="r")
-        mv, self.off = memoryview(self.buf), 0
+        mv, self.off = memoryview(self.buf), 8  # after the magic and the version
 
         def read(code):
             (v,), self.off = struct.unpack_from("<" + code, mv, self.off), self.off + struct.calcsize(code)
@@ -1565,7 +1801,6 @@ class GGUF:
 
         if bytes(mv[:4]) != b"GGUF" or struct.unpack_from("<I", mv, 4)[0] not in (2, 3):
             raise ValueError("no GGUF v2/v3 header")
-        self.off = 8
         n_tensors, n_fields = read("Q"), read("Q")
         self.fields = {string(): value(read("I")) for _ in range(n_fields)}
         infos = [(string(), [read("Q") for _ in range(read("I"))], read("I"), read("Q")) for _ in range(n_tensors)]
@@ -1581,16 +1816,15 @@ class GGUF:
 
 
 def load_gguf(path: str):
-    import gguf
+    from gguf.quants import dequantize
     try:
         reader = GGUF(path)
     except Exception as e:  # truncated or not GGUF at all
         raise UserError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
-    meta = {k: v for k, v in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta.get("general.architecture")
+    arch = reader.fields.get("general.architecture")
     if arch != "llama":
         raise UserError(f"{path}: unsupported GGUF architecture {arch!r} (this loader reads 'llama')")
-    g = lambda key, default=None: meta.get(f"llama.{key}", default)
+    g = lambda key, default=None: reader.fields.get(f"llama.{key}", default)
     tensors = reader.tensors
     args = ModelArgs(dim=g("embedding_length"), n_layers=g("block_count"), n_heads=g("attention.head_count"),
                      n_kv_heads=g("attention.head_count_kv", g("attention.head_count")),
@@ -1604,17 +1838,12 @@ def load_gguf(path: str):
                  n_kv_heads="llama.attention.head_count_kv", vocab_size="tokenizer.ggml.tokens (its length)",
                  hidden_dim="llama.feed_forward_length", norm_eps="llama.attention.layer_norm_rms_epsilon",
                  rope_theta="llama.rope.freq_base", max_seq_len="llama.context_length", rope_scaling="rope scaling")
-    check_checkpoint(path, args, field, {ours: [int(d) for d in reversed(tensors[theirs].shape)]
-                                         for ours, theirs in names.items() if theirs in tensors}, names.get)
-
-    def tensor(name):
-        t = tensors[name]
-        # numpy, shape reversed from GGUF's (cols, rows)
-        w = gguf.quants.dequantize(t.data, t.tensor_type)
-        return torch.from_numpy(w.reshape([int(d) for d in reversed(t.shape)]).copy()).float()
-
+    ts = {ours: tensors[theirs] for ours, theirs in names.items() if theirs in tensors}
+    shapes = {k: [int(d) for d in reversed(t.shape)] for k, t in ts.items()}  # GGUF's: cols, rows
+    check_checkpoint(path, args, field, shapes, names.get)
     # checked: no more, no less
-    sd = {ours: tensor(theirs) for ours, theirs in names.items() if theirs in tensors}
+    sd = {k: torch.from_numpy(dequantize(t.data, t.tensor_type).reshape(shapes[k]).copy()).float()
+          for k, t in ts.items()}
     check_norms(path, sd, names.get)
     # llama.cpp stores Q/K in Meta's pair order
     return args, permute_qk(sd, args), gguf_tokenizer(reader)
@@ -1631,15 +1860,12 @@ def load_meta(path: str):
     hidden = 0
     sane = lambda x, kind=int: isinstance(x, kind) and not isinstance(x, bool) and x > 0
     if sane(dim) and sane(mult) and (not ffn or sane(ffn, (int, float))):
-        hidden = int(2 * 4 * dim / 3)
-        if ffn:
-            hidden = int(ffn * hidden)
+        hidden = int((ffn or 1) * int(2 * 4 * dim / 3))
         hidden = mult * ((hidden + mult - 1) // mult)
-    scaling = None
     # llama-models' apply_scaling: factor 8 unless params.json says otherwise
-    if p.get("use_scaled_rope"):
-        scaling = {"factor": p.get("rope_scaling_factor", 8.0), "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 8192}
+    scaling = None if not p.get("use_scaled_rope") else dict(
+        factor=p.get("rope_scaling_factor", 8.0), low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192)
     parts = []
     for shard in shards:
         try:
@@ -1660,8 +1886,7 @@ def load_meta(path: str):
                      norm_eps=p.get("norm_eps", 1e-5), rope_theta=p.get("rope_theta", 500000.0), rope_scaling=scaling,
                      max_seq_len=p.get("max_seq_len", 131072 if scaling else 8192),
                      tie_embeddings="output.weight" not in sd)
-    field = {k: k for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm_eps", "rope_theta",
-                            "max_seq_len")}
+    field = {k: k for k in vars(args)}  # params.json's names are ours
     field.update(hidden_dim="the SwiGLU width (from dim, multiple_of and ffn_dim_multiplier)",
                  rope_scaling="rope_scaling_factor")
     check_checkpoint(os.path.join(path, "params.json"), args, field, {k: v.shape for k, v in sd.items()},
@@ -1679,27 +1904,22 @@ def load_hf(path: str):
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise UserError(f"missing file: {os.path.join(path, 'model.safetensors')}")
-    hf = {}
-    for f in files:
-        hf.update(load_file(f))
-    rs = c.get("rope_scaling") or c.get("rope_parameters")
+    hf = {k: v for f in files for k, v in load_file(f).items()}
+    rs = c.get("rope_scaling") or c.get("rope_parameters") or {}
     scaling = dict(rs) if rs and rs.get("rope_type", rs.get("type")) == "llama3" else None
-    kv_heads = c.get("num_key_value_heads")
-    args = ModelArgs(dim=c.get("hidden_size"), n_layers=c.get("num_hidden_layers"),
-                     n_heads=c.get("num_attention_heads"),
-                     n_kv_heads=c.get("num_attention_heads") if kv_heads is None else kv_heads,
-                     vocab_size=c.get("vocab_size"), hidden_dim=c.get("intermediate_size"),
-                     norm_eps=c.get("rms_norm_eps", 1e-5),
-                     rope_theta=c["rope_theta"] if "rope_theta" in c else (rs or {}).get("rope_theta", 10000.0),
-                     rope_scaling=scaling,
-                     max_seq_len=c.get("max_position_embeddings", 8192),
-                     tie_embeddings=c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf)
-    theirs = their_names(layers_found(hf, "model.layers."), 1)  # ours -> HF's
-    names = {v: k for k, v in theirs.items()}
     field = dict(dim="hidden_size", n_layers="num_hidden_layers", n_heads="num_attention_heads",
                  n_kv_heads="num_key_value_heads", vocab_size="vocab_size", hidden_dim="intermediate_size",
-                 norm_eps="rms_norm_eps", rope_theta="rope_theta", max_seq_len="max_position_embeddings",
-                 rope_scaling="rope_scaling.factor")
+                 norm_eps="rms_norm_eps", rope_theta="rope_theta",
+                 max_seq_len="max_position_embeddings")
+    default = dict(norm_eps=1e-5, rope_theta=rs.get("rope_theta", 10000.0), max_seq_len=8192)
+    tied = c.get("tie_word_embeddings", False) or "lm_head.weight" not in hf
+    args = ModelArgs(**{k: c.get(v, default.get(k)) for k, v in field.items()},
+                     rope_scaling=scaling, tie_embeddings=tied)
+    if args.n_kv_heads is None:  # missing or null: one KV head per query head
+        args.n_kv_heads = args.n_heads
+    field["rope_scaling"] = "rope_scaling.factor"
+    theirs = their_names(layers_found(hf, "model.layers."), 1)  # ours -> HF's
+    names = {v: k for k, v in theirs.items()}
     check_checkpoint(os.path.join(path, "config.json"), args, field,
                      {names[k]: v.shape for k, v in hf.items() if k in names}, theirs.get)
     sd = {names[k]: v.float() for k, v in hf.items() if k in names}
@@ -1739,220 +1959,6 @@ def load_model(path: str | None = None, device="cpu", dtype=torch.float32):
 
 
 # ----------------------------------------------------------------------------------------------
-# Tensor parallelism (--tp N, torchrun): one model over N processes, Megatron-LM's split, as
-# gpt-fast's tp.py beside its model; the model's code is the same at TP 1.
-# ----------------------------------------------------------------------------------------------
-# Each rank holds 1/N of every layer and runs the same forward; two all-reduces per layer make them
-# one model.
-#   column-parallel (a rank computes 1/N of the output features: weight rows, dim 0): wq, wk, wv in
-#     whole heads, so a rank attends with its query heads over their KV heads, and its KV backend
-#     (any, unchanged) stores only those; w1, w3: 1/N of the SwiGLU width
-#   row-parallel (a rank reads 1/N of the input features: weight columns, dim 1): wo and w2 give
-#     partial sums of the whole width; one all-reduce each adds them up (a forward hook: the model's
-#     code is the same at TP 1)
-# Embeddings and the output head stay whole on every rank: a token reads one row of the table, and
-# whole logits on rank 0 need no gather to sample. Decode reads only 1/N of the head (the 8B shape's
-# is 1/16 of its weights): batch 1 (04's fused kernels) sums each rank's rows of the logits, zero
-# elsewhere; batches' graphs find the argmax from each rank's best per 4096 rows (04's argmax, its
-# keys gathered), and sampled steps gather the rows.
-# Rank 0 tokenizes and samples. Every rank runs the same scheduler over the same inputs
-# (mini-sglang's design: its decisions need no broadcast), so a step only sends rank 0's sampled
-# ids: one broadcast of (n,) int64.
-# CUDA graphs capture the all-reduces with the step; greedy multi-step chunks
-# (CudaGraphDecoder.decode_ahead) take each rank's own in-graph argmax, the same on all: an
-# all-reduce leaves the same sum on every rank.
-# The all-reduce (TPSum). NCCL's ring passes N chunks round the ring in 2(N - 1) steps, each a send,
-# a receive and a handshake: microseconds for decode's 8 KB on NVLink, where the bytes take
-# nanoseconds (64 sums a token). One shot (vLLM's custom all-reduce; PyTorch's symmetric memory):
-# every rank's buffer is mapped into every peer's address space, so one kernel meets the peers at a
-# barrier (flags in that memory), reads all N partial sums over NVLink and adds them in rank order:
-# the same bits on every rank. Lamport's (TensorRT-LLM's) needs no barrier: each rank pushes its
-# partial sum into its slot on every rank, where the data is its own flag (04's _lamport_sum); batch
-# 1's wo and w2 kernels push as they write, batches push after cuBLAS: about half of NCCL's or one
-# shot's time for decode's sums (the README has the figures); prefill's larger sums keep NCCL.
-
-def tp_launch(args, argv):
-    """(rank, world, device) of this process. Under torchrun (RANK set): join its group, NCCL on
-    GPUs, gloo on CPUs. --tp N without it: start N copies of this command as torchrun would, wait,
-    exit with their status."""
-    world = int(os.environ.get("WORLD_SIZE", args.tp))
-    if args.tp < 1 or args.tp not in (1, world):
-        raise UserError(f"--tp must be >= 1 and agree with torchrun's {world} processes, got {args.tp}"
-                        if "WORLD_SIZE" in os.environ else f"--tp must be >= 1, got {args.tp}")
-    if world == 1:
-        return 0, 1, args.device
-    if "RANK" not in os.environ:
-        import socket
-        import subprocess
-        with socket.socket() as s:  # a free port for the ranks to meet at
-            s.bind(("127.0.0.1", 0))
-            port = str(s.getsockname()[1])
-            env = dict(os.environ, WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
-                                  env=dict(env, RANK=str(r), LOCAL_RANK=str(r))) for r in range(world)]
-        # a rank that crashed ends the others, which would wait for it
-        while any(p.poll() is None for p in procs):
-            # 2: rank 0 says why
-            for p in procs if any(p.poll() not in (None, 0, 2) for p in procs) else ():
-                p.kill()  # (a no-op on one that has exited)
-            time.sleep(0.05)
-        codes = [p.returncode for p in procs]
-        sys.exit(0 if not any(codes) else codes[0] if codes[0] > 0 else 1)  # rank 0's status, or 1
-    rank, local, device = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), args.device
-    if device.startswith("cuda"):
-        if torch.cuda.device_count() < world:
-            raise UserError(f"--tp {world} needs {world} GPUs; {torch.cuda.device_count()} found")
-        device = f"cuda:{local}"  # one GPU per rank
-        torch.cuda.set_device(local)
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world)
-
-    # NCCL's teardown waits while a CUDA graph that captured its all-reduces lives: free them first
-    def leave():
-        gc.unfreeze()  # (the warm-up froze the engine out of the collector's reach)
-        gc.collect()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        torch.distributed.destroy_process_group()
-    atexit.register(leave)
-    return rank, world, device
-
-
-def shard_model(model, rank: int, world: int):
-    """Keep rank's 1/world of every layer (before the engine); refused if heads don't split."""
-    a = model.args
-    # n_kv_heads divides n_heads: query heads split too
-    if a.n_kv_heads % world or a.hidden_dim % world:
-        raise UserError(f"--tp {world}: the model's {a.n_heads} query and {a.n_kv_heads} KV heads do not split "
-                        f"into {world} equal sets of whole heads (or its SwiGLU width {a.hidden_dim} does not)")
-
-    # this rank's 1/world of each part of lin's weight: rows (dim 0) or columns (dim 1)
-    def keep(lin, dim, parts):
-        w = torch.cat([p.chunk(world, dim)[rank] for p in parts])  # a copy: the rest is freed
-        lin.weight = nn.Parameter(w, requires_grad=False)
-
-    for layer in model.layers:
-        at, ff = layer.attention, layer.feed_forward
-        keep(at.wqkv, 0, at.qkv_weights())  # q, k and v each in whole heads
-        keep(ff.w13, 0, ff.w13.weight.detach().chunk(2))
-        # their partial sums, added up on every rank (uses alternate)
-        for use, lin in enumerate((at.wo, ff.w2)):
-            keep(lin, 1, [lin.weight.detach()])
-            lin.register_forward_hook(lambda module, inputs, out, use=use: model.tp_sum(out, use=use))
-        at.n_heads, at.n_kv_heads = a.n_heads // world, a.n_kv_heads // world
-    # a rank's shapes, as the KV backends and pool sizing read them (head_dim is no longer dim //
-    # n_heads)
-    model.args = SimpleNamespace(**{**vars(a), "n_heads": a.n_heads // world, "n_kv_heads": a.n_kv_heads // world,
-                                    "hidden_dim": a.hidden_dim // world}, head_dim=a.head_dim)
-    model.tp, model.tp_sum = (rank, world), TPSum(model, rank, world)
-    return model
-
-
-# sums up to this size go Lamport's way: decode's, up to 256 rows of the 8B shape
-ONE_SHOT_BYTES = 2 << 20
-
-
-def rank_order_sum(parts):
-    """parts (world, ...) summed rank 0 first, one add at a time: each element's order whatever
-    the size (a ring or tree all-reduce cuts the buffer into pieces by its size, and with 3 or
-    more ranks each piece's elements may be summed in another order)."""
-    acc = parts[0].clone()
-    for p in parts[1:]:
-        acc += p
-    return acc
-
-
-class TPSum:
-    """tp_sum(x, out=None, use=0): x summed over the ranks, into out or in place (x then holds the
-    sum). On GPUs up to ONE_SHOT_BYTES Lamport's way (04's lamport_all_reduce; consecutive sums
-    alternate `use`), else NCCL (gloo on CPUs); `algo` "one_shot" (PyTorch's) or "nccl" for
-    comparisons. Symmetric memory: `lamport`, 2 uses of world slots, all ones when empty
-    (peers[use]: their addresses on every rank; push: batch 1's own slot there); `part` (scratch for
-    partial sums) and `logits`, this rank's rows `vocab` of the head's output, zero elsewhere.
-    `split`: batch decode computes those rows alone (split_argmax; `gather` puts ranks' logits side
-    by side)."""
-
-    def __init__(self, model, rank: int, world: int):
-        w, vocab, self.rank, self.world = model.tok_embeddings.weight, model.args.vocab_size, rank, world
-        self.vocab = (vocab * rank // world, vocab * (rank + 1) // world)
-        # batch decode's graphs take the head's rows `vocab` alone (split_argmax)
-        self.split = vocab % world == 0
-        cuda = w.is_cuda and w.dtype in (torch.bfloat16, torch.float32)  # the kernels' dtypes
-        self.algo, make, cap = "lamport" if cuda else "nccl", torch.empty, ONE_SHOT_BYTES // w.element_size()
-        if cuda:
-            from torch.distributed import _symmetric_memory as symm
-            make, self.group, self.L04 = symm.empty, torch.distributed.group.WORLD.group_name, triton_kernels()
-        self.part = make(cap, dtype=w.dtype, device=w.device)
-        self.logits = make(vocab, dtype=torch.float32, device=w.device).zero_()
-        if cuda:
-            self.lamport = make(2, world * cap, dtype=w.dtype, device=w.device)
-            self.lamport.view(torch.int16 if w.element_size() == 2 else torch.int32).fill_(-1)
-            # empty on every rank before any peer can push (the rendezvous waits for all)
-            torch.cuda.synchronize()
-            # a collective: every rank maps every peer's buffer
-            for buf in (self.part, self.logits):
-                symm.rendezvous(buf, self.group)
-            # each rank's address of it
-            ptrs = symm.rendezvous(self.lamport, self.group).buffer_ptrs
-            at = [self.lamport[use].data_ptr() - ptrs[rank] for use in (0, 1)]
-            self.peers = [torch.tensor([p + a for p in ptrs], device=w.device) for a in at]
-            # n = dim: batch 1's
-            self.push = [p + rank * model.args.dim * w.element_size() for p in self.peers]
-            # NCCL links up large sums' paths
-            torch.distributed.all_reduce(torch.zeros(8 << 20, device=w.device))
-
-    ordered = False  # deterministic mode: NCCL's and gloo's sums become rank_order_sum
-
-    def __call__(self, x, out=None, use=0):
-        ours = x.untyped_storage().data_ptr() in (self.part.data_ptr(), self.logits.data_ptr())
-        small = x.numel() <= len(self.part) and x.dtype == self.part.dtype
-        if self.algo == "lamport" and small and not ours:  # rank order already, whatever the size
-            return self.L04.lamport_all_reduce(x, self.lamport[use], self.peers[use], self.rank, out)
-        if self.algo != "nccl" and (ours or small):
-            ops, out = torch.ops.symm_mem, torch.empty_like(x) if out is None else out
-            if ours:  # written in symmetric memory already
-                return ops.one_shot_all_reduce_out(x, "sum", self.group, out)
-            return ops.one_shot_all_reduce_copy_out(self.part[:x.numel()].view_as(x), x, "sum", self.group, out)
-        if out is not None:  # NCCL sums in place: on a copy (the buffers must not hold sums)
-            x = out.copy_(x)
-        if self.ordered:  # (world, 1, numel): every rank's x, summed in rank order
-            return x.copy_(rank_order_sum(self.gather(x.reshape(1, -1), None)).view_as(x))
-        torch.distributed.all_reduce(x)
-        return x
-
-    def gather(self, x, dim=0):
-        """All ranks' x (one shape) side by side along dim, or stacked (dim None): an all-gather."""
-        # the ranks' x one after another (gloo's form)
-        out = x.new_empty(self.world * len(x), *x.shape[1:])
-        torch.distributed.all_gather_into_tensor(out, x.contiguous())
-        out = out.view(self.world, *x.shape)
-        return out if dim is None else torch.cat(out.unbind(), dim)
-
-    def split_argmax(self, L04, logits, out, advance, pdl=False):
-        """04's argmax of logits split by vocab rows (self.vocab here), all ranks' best gathered."""
-        return L04.argmax(logits, out, advance, pdl, vocab=(self.vocab[0], self.world * logits.shape[-1]),
-                          gather=lambda keys: self.gather(keys, None))
-
-
-def tp_share(model, make):
-    """Rank 0's make() on every rank (one broadcast_object_list), its UserError raised on all."""
-    rank, world = getattr(model, "tp", (0, 1))
-    if world == 1:
-        return make()
-    box = [None]
-    if rank == 0:
-        try:
-            box[0] = make()
-        except UserError as e:
-            box[0] = e
-    torch.distributed.broadcast_object_list(box, 0)
-    if isinstance(box[0], UserError):
-        raise box[0]
-    return box[0]
-
-
-
-# ----------------------------------------------------------------------------------------------
 # Shared set-up: the device, the dtype, the KV pool and the engine the flags ask for (the command
 # line's and the server's).
 # ----------------------------------------------------------------------------------------------
@@ -1973,21 +1979,16 @@ def parse_device(name: str) -> torch.device:
 
 
 def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = None) -> int:
-    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running at
-    once (the engine queues the rest), or what --kv-tokens asks, within 80% of the memory free now;
-    refused if too little."""
+    """KV pool tokens for the command line: what the requests need with at most MAX_BATCH running
+    at once, or what --kv-tokens asks, within 80% of the memory free now; refused if too little."""
     a = model.args
     per_token = 2 * a.n_layers * a.n_kv_heads * a.head_dim * model.tok_embeddings.weight.element_size()  # K and V
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
-    else:
-        meminfo = {}
-        if os.path.exists("/proc/meminfo"):
-            meminfo = dict(line.split(":", 1) for line in open("/proc/meminfo"))
-        if "MemAvailable" in meminfo:
-            free = int(meminfo["MemAvailable"].split()[0]) * 1024
-        else:
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    else:  # Linux's MemAvailable (kB), else the pages the OS calls free
+        info = open("/proc/meminfo").read() if os.path.exists("/proc/meminfo") else ""
+        free = (int(info.split("MemAvailable:")[1].split()[0]) * 1024 if "MemAvailable:" in info
+                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     limit, want = int(0.8 * free) // per_token, asked or longest * min(n_seqs, MAX_BATCH)
     gb = lambda tokens: f"{tokens * per_token / 1e9:.2f} GB"
     if want > limit and (asked or longest > limit):
@@ -1997,9 +1998,9 @@ def kv_pool_size(model, device, longest: int, n_seqs: int, asked: int | None = N
     return min(want, limit)
 
 
-def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> Engine:
+def new_engine(args, model, tok, kv_tokens: int, max_seq_len: int | None = None) -> FastEngine:
     """The engine the flags ask for (the CLI's and the server's)."""
-    return Engine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len,
+    return FastEngine(model, tok, args.backend, kv_tokens=kv_tokens, max_seq_len=max_seq_len,
                   seed=args.seed, block_size=args.block_size, radix=False if args.no_radix else None,
                   cuda_graphs=False if args.eager else None, fused=not args.no_fused,
                   multi_step=args.multi_step, policy=args.policy, preempt=args.preempt,
@@ -2020,20 +2021,20 @@ class EngineThread(threading.Thread):
     request arriving now joins the running batch at the next step; after each step it sends the
     server, in one message, each sample's new token ids (the server decodes). A failure while
     serving ends the requests it hit (finish "error: why") and the thread serves on; if the thread
-    itself dies, the server says so (503, /health) for two seconds, then stops, and --serve exits
-    non-zero."""
+    dies, the server says so (503, /health) for two seconds, then stops; --serve exits non-zero."""
 
     def __init__(self, engine):
         super().__init__(daemon=True, name="engine")
         self.engine, self.live, self.stopping, self.out, self.failed = engine, {}, False, [], None
 
-    def serve_http(self, sock, name: str, max_tokens: int, log_level: str) -> int:
-        """Start the HTTP server's process (spawned: it holds no CUDA state) on a pipe to this one
-        and on sock (bound here: the serving line comes before uvicorn's); returns its port once it
-        listens."""
+    def serve_http(self, sock, name: str, max_new_tokens: int, log_level: str) -> int:
+        """Start the HTTP server's process (spawned: no CUDA state) on a pipe to this one and on
+        sock (bound here: the serving line comes before uvicorn's); its port once it listens."""
         import multiprocessing
         e, (self.conn, theirs) = self.engine, multiprocessing.Pipe()
-        their_args = (theirs, sock, e.tok, e.max_len, e.model.args.vocab_size, name, max_tokens, log_level)
+        front = dict(tok=e.tok, max_len=e.max_len, vocab_size=e.model.args.vocab_size, name=name,
+                     max_new_tokens=max_new_tokens)  # what the routes read
+        their_args = (theirs, sock, front, log_level)
         spawn = multiprocessing.get_context("spawn")
         self.http = spawn.Process(target=http_process, name="http", daemon=True, args=their_args)
         self.http.start()
@@ -2058,9 +2059,11 @@ class EngineThread(threading.Thread):
                         e.step(self.emit)
                 except (EOFError, OSError):  # the HTTP process is gone
                     break
-                # a step failed, not in one request's sampling: the running requests end
+                # a step failed, not in one request's sampling: the running requests end, say why
                 except Exception as exc:
-                    self.fail(f"error: the engine failed serving this request: {exc!r}")
+                    for s in list(e.sched.running):
+                        s.failed = f"error: the engine failed serving this request: {exc!r}"
+                        e.abort(s.rid)
                 self.flush()
         # the thread dies: every request ends with why, the server says so and stops
         except BaseException as exc:
@@ -2073,12 +2076,11 @@ class EngineThread(threading.Thread):
         self.receive("abort", None, None)
 
     def receive(self, kind, jid, arg):
-        e = self.engine
         # arg: prompt ids, SamplingParams, its regex's TokenIndex if new (the server builds them)
         if kind == "add":
             ids, params, index = arg
             try:
-                sids = e.add(ids, params, index)
+                sids = self.engine.add(ids, params, index)
             except Exception as exc:  # refused by the engine: the request ends with why
                 self.end([(jid, i) for i in range(params.n)], exc)
                 sids = []
@@ -2087,7 +2089,7 @@ class EngineThread(threading.Thread):
         # abort: sample arg of request jid (arg None: all its samples; jid None: every request)
         else:
             for sid in [s for s, (j, i, *_) in self.live.items() if jid in (None, j) and arg in (None, i)]:
-                e.abort(sid)
+                self.engine.abort(sid)
         self.flush()
 
     # a sample's new token ids (all, where jump-forward may re-tokenize)
@@ -2102,25 +2104,15 @@ class EngineThread(threading.Thread):
     def end(self, samples, why):  # (request id, sample index) each: ended, saying why
         self.out += [(jid, i, [], f"error: {why}", 0, ()) for jid, i in samples]
 
-    def fail(self, why: str):
-        """A step failed outside one request's sampling: every running sequence ends, saying why."""
-        for s in list(self.engine.sched.running):
-            s.failed = why
-            self.engine.abort(s.rid)
-
-    def pop_finished(self) -> list:
-        """The sequences finished since the last call, forgotten by the engine (a server runs on),
-        and all but the latest events."""
+    def flush(self):
+        """Requests finished (or aborted) since the last look: last tokens and finish reason. The
+        engine forgets them (a server runs on), and all but its latest events."""
         sched = self.engine.sched
         done, sched.finished = sched.finished, []
         for log in (sched.events, sched.decode_log):
             if len(log) > 200_000:
                 del log[:-100_000]
-        return done
-
-    def flush(self):
-        """Requests finished (or aborted) since the last look: last tokens and finish reason."""
-        for s in self.pop_finished():
+        for s in done:
             self.emit(s, s.failed or s.finish)
             del self.live[s.rid]
         self.send_out()
@@ -2141,18 +2133,16 @@ class EngineThread(threading.Thread):
         self.http.join(15)
 
 
-def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_tokens: int, log_level: str):
-    """The HTTP server's process: uvicorn and the OpenAI API (make_app), the engine's messages read
-    on a thread of its own. Ctrl-C is the engine's process's to handle: this one stops at the pipe's
-    end."""
+def http_process(conn, sock, front: dict, log_level: str):
+    """The HTTP server's process: uvicorn, the OpenAI API (make_app) and a thread reading the
+    engine's messages. Ctrl-C is for the engine's process: this one stops at the pipe's end."""
     import uvicorn
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     def send(*msg):
         with contextlib.suppress(OSError):  # the engine's process closed the pipe (stopping)
             conn.send(msg)
-    front = SimpleNamespace(tok=tok, max_len=max_len, vocab_size=vocab_size, name=name, max_tokens=max_tokens,
-                            jobs={}, indexes={}, failed=None, n=0, send=send)
+    front = SimpleNamespace(**front, jobs={}, indexes={}, failed=None, n=0, send=send)
 
     # per step, (request id, sample, new token ids, finish reason, tokens, logprobs) each; why
     def deliver(msgs):
@@ -2190,10 +2180,9 @@ def http_process(conn, sock, tok, max_len: int, vocab_size: int, name: str, max_
 
 
 class Job:
-    """One HTTP request: its SamplingParams and stop strings; per sample an incremental UTF-8
-    decoder of its output, the bytes it read, the text held back and its tokens' logprobs. Its
-    handler takes all that came since it last looked from its asyncio queue: (sample, text, finish
-    reason, tokens) each."""
+    """One HTTP request: its SamplingParams, stop strings; per sample a UTF-8 decoder of its
+    output, the bytes read, the text held back, its tokens' logprobs. Its handler takes what came
+    since it last looked from its asyncio queue: (sample, text, finish reason, tokens) each."""
 
     def __init__(self, front, params, stop):
         self.front, self.params, self.stop, n = front, params, stop, params.n
@@ -2318,22 +2307,26 @@ class Refused(Exception):
 
 def make_app(front: SimpleNamespace):
     """The OpenAI API: GET /v1/models and /health, POST /v1/completions and /v1/chat/completions,
-    streamed (server-sent events) or not. Pydantic validates each body with OpenAI's bounds (null:
-    the default); what it refuses, what REFUSED names, or what the engine cannot fit is a 400 with
-    OpenAI's error object naming the field. JSON mode, a json_schema and a forced tool choice are
-    06's grammars (vLLM's guided tool choice: the output is {"name": ..., "arguments": ...} of a
-    tool, answered as its tool call); tool_choice "auto" is refused."""
+    streamed (server-sent events) or not. Pydantic checks each body with OpenAI's bounds (null: the
+    default); what it refuses, what REFUSED names, or what the engine cannot fit is a 400 with
+    OpenAI's error object naming the field. JSON mode, a json_schema and a forced tool choice
+    (vLLM's guided tool choice) are 06's grammars."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
     app = FastAPI(title=f"llama3_generate.py: {front.name}")
     app.exception_handler(Refused)(lambda req, e: error_response(*e.args))
-    app.exception_handler(HTTPException)(http_error)
-    app.exception_handler(Exception)(server_error)
+    app.exception_handler(HTTPException)(
+        lambda req, e: error_response(str(e.detail), None, e.status_code, None, e.headers))
+    app.exception_handler(Exception)(
+        lambda req, e: error_response(f"the server failed: {e!r}", None, 500))
     app.exception_handler(RequestValidationError)(invalid_body)
 
     def models():
-        return list_models(front)
+        if front.failed:  # the engine's thread died: every route says so
+            raise Refused(front.failed, None, 503)
+        model = {"id": front.name, "object": "model", "created": 0, "owned_by": "local"}
+        return {"object": "list", "data": [model]}
     app.get("/health")(models)  # the same: 200 while the engine serves
     app.get("/v1/models")(models)
     errors = {status: {"description": "OpenAI's error object"} for status in (400, 404, 500, 503)}
@@ -2350,92 +2343,43 @@ def error_response(message, param=None, status=400, code=None, headers=None):
     return JSONResponse({"error": error}, status, headers)
 
 
-def http_error(req, e):
-    return error_response(str(e.detail), None, e.status_code, None, e.headers)
-
-
-def server_error(req, e):
-    return error_response(f"the server failed: {e!r}", None, 500)
-
-
 def invalid_body(req, e):
     """A body pydantic refused: the deepest error's field is at fault; param: its top field."""
     err = max(e.errors(), key=lambda err: len(err["loc"]))
-    where = ".".join(map(str, err["loc"][1:])) if err["type"] != "json_invalid" else ""
-    if where:
-        message = f"{where}: {err['msg']}"
-    elif err["type"] == "json_invalid":
-        message = f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
+    if err["type"] == "json_invalid":
+        where, message = "", f"Invalid JSON: {err.get('ctx', {}).get('error', '')}"
     else:
-        message = err["msg"]
+        where = ".".join(map(str, err["loc"][1:]))
+        message = f"{where}: {err['msg']}" if where else err["msg"]
     return error_response(message, where.split(".")[0] or None)
 
 
-def list_models(front):
-    if front.failed:  # the engine's thread died: every route says so
-        raise Refused(front.failed, None, 503)
-    model = {"id": front.name, "object": "model", "created": 0, "owned_by": "local"}
-    return {"object": "list", "data": [model]}
-
-
 def route(front, chat: bool, request_type):
-    """A POST route, in /openapi.json with its body (validated; 400s: invalid_body)."""
+    """A POST route, in /openapi.json with its body (validated; 400s: invalid_body): the request
+    checked and queued on the engine, then answered whole, or streamed."""
+    from fastapi.responses import StreamingResponse
+
     async def endpoint(body, request):
-        return await handle(front, body, request, chat)
+        r = await parse_request(front, body, chat)
+        r.job = Job(front, r.params, r.stop)
+        front.send("add", r.job.id, (r.ids, r.params, r.index))
+        prefix = "chatcmpl" if chat else "cmpl"
+        r.head = dict(id=f"{prefix}-{os.urandom(12).hex()}", created=int(time.time()),
+                      model=front.name, object="chat.completion" if chat else "text_completion")
+        r.texts, r.finish, r.tokens = [""] * r.params.n, [None] * r.params.n, [0] * r.params.n
+        if not body.stream:
+            return await complete(r, request)
+        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        return StreamingResponse(stream(r, include_usage), media_type="text/event-stream")
     # this file's annotations are strings: FastAPI reads these
     endpoint.__annotations__ = {"body": Chat if chat else Completion, "request": request_type}
     return endpoint
 
 
-async def handle(front, body, request, chat: bool):
-    """One POST: the request checked and queued on the engine, then answered whole, or streamed."""
-    from fastapi.responses import StreamingResponse
-    r = await parse_request(front, body, chat)
-    r.job = Job(front, r.params, r.stop)
-    front.send("add", r.job.id, (r.ids, r.params, r.index))
-    prefix = "chatcmpl" if chat else "cmpl"
-    r.head = dict(id=f"{prefix}-{os.urandom(12).hex()}", created=int(time.time()), model=front.name,
-                  object="chat.completion" if chat else "text_completion")
-    n = r.params.n
-    r.texts, r.finish, r.tokens = [""] * n, [None] * n, [0] * n
-    if not body.stream:
-        return await complete(r, request)
-    include_usage = bool((body.stream_options or {}).get("include_usage"))
-    return StreamingResponse(stream(r, include_usage), media_type="text/event-stream")
-
-
 async def parse_request(front, body, chat: bool) -> SimpleNamespace:
     """A body checked against what this server does and what fits: its prompt ids, SamplingParams,
-    stop strings and its regex's TokenIndex (where built now). Refused, saying why, where it cannot
-    run."""
-    refuse_unsupported(front, body)
-    tools = chosen_tools(body) if chat else []
-    field = "messages" if chat else "prompt"
-    ids = prompt_ids(front.tok, body, chat, tools)
-    bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
-    for where, got in ((field, ids), ("logit_bias", bias)):
-        if not all(0 <= t < front.vocab_size for t in got):
-            raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
-    n_new = new_tokens(front, body, chat, len(ids), field)
-    regex, index = await constraint(front, body, tools)
-    # top k, or None: none
-    k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
-    if k is not None and (body.stream or regex is not None):
-        why = "not with stream, nor with a constrained output (jump-forward re-tokenizes it)"
-        raise Refused(f"logprobs: {why}", "logprobs")
-    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-    temperature = 1.0 if body.temperature is None else body.temperature
-    params = SamplingParams(max_new_tokens=n_new, temperature=temperature, top_p=body.top_p or 1.0,
-                            ignore_eos=bool(body.ignore_eos), regex=regex, n=body.n or 1,
-                            seed=body.seed, frequency_penalty=body.frequency_penalty or 0.0,
-                            presence_penalty=body.presence_penalty or 0.0, logit_bias=bias,
-                            logprobs=k)
-    return SimpleNamespace(front=front, tok=front.tok, chat=chat, tools=tools, ids=ids,
-                           params=params, k=k, index=index, stop=[s for s in stop if s])
-
-
-def refuse_unsupported(front, body):
-    """Refused: a field this server does not do (REFUSED), another model's name, a failed engine."""
+    stop strings and regex's TokenIndex (if built now); refused, saying why, if it can't run."""
+    # refused: a field this server does not do (REFUSED), another model's name, a failed engine
     extra = body.model_extra or {}
     for bad in [k for k, ok in REFUSED.items() if extra.get(k) not in (ok, None)][:1]:
         raise Refused(f"{bad}: not supported by this server", bad)
@@ -2444,6 +2388,29 @@ def refuse_unsupported(front, body):
         raise Refused(why, "model", 404, "model_not_found")
     if front.failed:
         raise Refused(front.failed, None, 503)
+    tools = chosen_tools(body) if chat else []
+    field = "messages" if chat else "prompt"
+    ids = prompt_ids(front.tok, body, chat, tools)
+    bias = {int(t): b for t, b in (body.logit_bias or {}).items()}  # token id -> added to its logit
+    for where, got in ((field, ids), ("logit_bias", bias)):
+        if not all(0 <= t < front.vocab_size for t in got):
+            raise Refused(f"{where}: token ids must be in [0, {front.vocab_size})", where)
+    max_new_tokens = new_tokens(front, body, chat, len(ids), field)
+    regex, index = await constraint(front, body, tools)
+    # top k, or None: none
+    k = (body.top_logprobs or 0 if body.logprobs else None) if chat else body.logprobs
+    if k is not None and (body.stream or regex is not None):
+        why = "not with stream, nor with a constrained output (jump-forward re-tokenizes it)"
+        raise Refused(f"logprobs: {why}", "logprobs")
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+    temperature = 1.0 if body.temperature is None else body.temperature
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=body.top_p or 1.0,
+                            ignore_eos=bool(body.ignore_eos), regex=regex, n=body.n or 1,
+                            seed=body.seed, frequency_penalty=body.frequency_penalty or 0.0,
+                            presence_penalty=body.presence_penalty or 0.0, logit_bias=bias,
+                            logprobs=k)
+    return SimpleNamespace(front=front, tok=front.tok, chat=chat, tools=tools, ids=ids,
+                           params=params, k=k, index=index, stop=[s for s in stop if s])
 
 
 def chosen_tools(body) -> list:
@@ -2452,11 +2419,10 @@ def chosen_tools(body) -> list:
     if tools and pick in (None, "auto"):
         raise Refused('tool_choice: "auto" (the default with tools) is not done here: give "required", '
                       'a named function or "none"', "tool_choice")
-    named = isinstance(pick, Tool)
-    tools = [t for t in tools
-             if pick == "required" or named and t.function.name == pick.function.name]
-    if named and not tools:
-        raise Refused(f"tool_choice: no tool is named {pick.function.name!r}", "tool_choice")
+    name = pick.function.name if isinstance(pick, Tool) else None  # the one named
+    tools = [t for t in tools if pick == "required" or t.function.name == name]
+    if name is not None and not tools:
+        raise Refused(f"tool_choice: no tool is named {name!r}", "tool_choice")
     return tools
 
 
@@ -2485,14 +2451,12 @@ def new_tokens(front, body, chat: bool, n_prompt: int, field: str) -> int:
     """max_tokens (max_completion_tokens), else the server's default; refused if it won't fit."""
     asked = (body.max_completion_tokens if chat else None) or body.max_tokens
     # unasked: the server's default
-    n_new = asked or max(1, min(front.max_tokens, front.max_len - n_prompt))
-    if n_prompt + n_new <= front.max_len:
-        return n_new
-    if n_prompt >= front.max_len:
-        param = field
-    else:
-        param = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
-    raise Refused(f"prompt of {n_prompt} tokens + {n_new} new tokens exceeds the {front.max_len} "
+    max_new_tokens = asked or max(1, min(front.max_new_tokens, front.max_len - n_prompt))
+    if n_prompt + max_new_tokens <= front.max_len:
+        return max_new_tokens
+    param = (field if n_prompt >= front.max_len
+             else "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens")
+    raise Refused(f"prompt of {n_prompt} tokens + {max_new_tokens} new tokens exceeds the {front.max_len} "
                   f"tokens a sequence may hold here (the model's context, or the KV pool)", param, 400,
                   "context_length_exceeded")
 
@@ -2512,13 +2476,11 @@ def response_schema(fmt: Format, tools: list):
         return {"type": "object", "additionalProperties": True}
     if fmt.type == "json_schema":
         return (fmt.json_schema or {}).get("schema", 0)
-    return None
 
 
 async def constraint(front, body, tools: list):
-    """(the regex the output must fullmatch, or None; its TokenIndex where built now, else None):
-    06's compiler over regex, a schema of response_format or the tools. The index is built here (off
-    the event loop) and sent with the request, once per regex."""
+    """(the regex the output must fullmatch, its TokenIndex if built now; else None): 06's compiler
+    over regex, response_format's schema or tools; built once per regex, off the event loop."""
     import jsonschema
     regex, fmt, index = body.regex, body.response_format or Format(type="text"), None
     kind = "tools" if tools else "response_format" if fmt.type != "text" else "regex"
@@ -2765,15 +2727,14 @@ def cli_args(argv=None) -> argparse.Namespace:
     add("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights and activations")
     ap.error = lambda msg: sys.exit(f"error: {msg} (see --help)")  # one line, not the whole usage
     args = ap.parse_args(argv)
-    for flag, ok, want in (("--max-new-tokens", args.max_new_tokens >= 1, ">= 1"), ("--n", args.n >= 1, ">= 1"),
-                           ("--temperature", args.temperature >= 0, ">= 0"),
-                           ("--top-p", 0 < args.top_p <= 1, "in (0, 1]"),
-                           ("--multi-step", args.multi_step >= 1, ">= 1"), ("--port", 0 <= args.port < 65536, "a port"),
-                           ("--block-size", args.block_size >= 1, ">= 1"),
-                           ("--kv-tokens", args.kv_tokens is None or args.kv_tokens >= 1, ">= 1"),
-                           ("--chunk-tokens", args.chunk_tokens is None or args.chunk_tokens >= 1, ">= 1")):
-        if not ok:
-            ap.error(f"{flag} must be {want}, got {getattr(args, flag[2:].replace('-', '_'))}")
+    ok = {">= 1": lambda v: v is None or v >= 1, ">= 0": lambda v: v >= 0,  # None: unset
+          "in (0, 1]": lambda v: 0 < v <= 1, "a port": lambda v: 0 <= v < 65536}
+    for flag, want in (("--max-new-tokens", ">= 1"), ("--n", ">= 1"), ("--temperature", ">= 0"),
+                       ("--top-p", "in (0, 1]"), ("--multi-step", ">= 1"), ("--port", "a port"),
+                       ("--block-size", ">= 1"), ("--kv-tokens", ">= 1"),
+                       ("--chunk-tokens", ">= 1")):
+        if not ok[want](value := getattr(args, flag[2:].replace("-", "_"))):
+            ap.error(f"{flag} must be {want}, got {value}")
     if args.regex is not None and args.json_schema:
         ap.error("--regex and --json-schema: give one of them")
     return args
@@ -2798,11 +2759,6 @@ def progress_bar(total: int, quiet: bool):
         return None
     from tqdm import tqdm
     return tqdm(total=total, unit="seq", desc="serving", file=sys.stderr, dynamic_ncols=True, leave=False)
-
-
-def decode_rate(engine) -> str:
-    st = engine.stats
-    return f"decode {st['decode_tokens'] / max(st['decode_s'], 1e-9):,.0f} tok/s"
 
 
 def print_events(events, as_json=False):
@@ -2860,26 +2816,24 @@ def set_up(args, rank: int, world: int, device: str) -> SimpleNamespace:
     model, tok = load_model(args.model, device if world == 1 else "cpu", DTYPES[args.dtype])
     if world > 1:
         model = shard_model(model, rank, world).to(device)  # each GPU holds its shard only
-    load_s = time.perf_counter() - t0
+    load_s, n_seqs = time.perf_counter() - t0, len(args.prompt) * args.n
 
     def prompts_and_pool():  # rank 0's (its free memory sizes every rank's pool alike)
-        context = model.args.max_seq_len
-        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, context)
+        ids = encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens,
+                             model.args.max_seq_len)
         longest = max(map(len, ids)) + args.max_new_tokens
-        return ids, kv_pool_size(model, device, longest, len(ids) * args.n, args.kv_tokens)
-    ids, kv_tokens = tp_share(model, prompts_and_pool)
-    longest = max(map(len, ids)) + args.max_new_tokens
+        return ids, longest, kv_pool_size(model, device, longest, n_seqs, args.kv_tokens)
+    ids, longest, kv_tokens = tp_share(model, prompts_and_pool)
     engine = new_engine(args, model, tok, kv_tokens, longest)
     # apart from serving figures
-    warm_s = engine.warm_up(len(ids) * args.n) if device.type == "cuda" else None
+    warm_s = engine.warm_up(n_seqs) if device.type == "cuda" else None
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                             top_p=args.top_p, ignore_eos=args.ignore_eos, regex=regex, n=args.n)
     for p in ids:
         engine.add(p, params)
-    text = functools.partial(completion_text, tok, args.ignore_eos)
-    return SimpleNamespace(model=model, tok=tok, engine=engine, n_seqs=len(ids) * args.n,
-                           regex=regex, device=device, world=world, load_s=load_s, warm_s=warm_s,
-                           text=text)
+    return SimpleNamespace(model=model, tok=tok, engine=engine, n_seqs=n_seqs, regex=regex,
+                           device=device, world=world, load_s=load_s, warm_s=warm_s,
+                           text=functools.partial(completion_text, tok, args.ignore_eos))
 
 
 def cli_regex(args) -> str | None:
@@ -2928,7 +2882,8 @@ def run_engine(args, run, rank: int):
 
     def advance(e):  # the progress bar: sequences done, decode rate
         bar.update(len(e.finished) - bar.n)
-        bar.set_postfix_str(decode_rate(e), refresh=False)
+        rate = e.stats["decode_tokens"] / max(e.stats["decode_s"], 1e-9)
+        bar.set_postfix_str(f"decode {rate:,.0f} tok/s", refresh=False)
     try:
         outs = run.engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
@@ -2981,10 +2936,8 @@ def print_figures(engine, outs: dict):
     hits = st['cached_tokens'] / max(1, st['prompt_tokens'])
     mixed = f", mixed steps {phase_rate(st, 'mixed')}" if st["mixed_tokens"] else ""
     ttft = sorted(1e3 * t["ttft_s"] for t in engine.timings.values())
-    if len(ttft) == 1:
-        ttft = f"{ttft[0]:.0f} ms"
-    else:
-        ttft = f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)"
+    ttft = (f"{ttft[0]:.0f} ms" if len(ttft) == 1
+            else f"{statistics.median(ttft):.0f} / {ttft[-1]:.0f} ms (median / max)")
     peak = st['peak_kv_used'] / engine.kv.capacity()
     print(f"[prefill {phase_rate(st, 'prefill')}, decode {phase_rate(st, 'decode')}{mixed}, "
           f"first token after {ttft}, {plural(len(outs), 'sequence')}, radix hit rate {hits:.0%}, "

@@ -1,8 +1,6 @@
-"""
-bench_03.py -- 03's token allocator beside its peers: alloc(n) + free on a half-full, scattered pool against a
-Python set (one interpreter step per token) and 02's BlockManager (blocks of 16), at n = 1, 64 and 4096, on the CPU;
-on a GPU also on CUDA (a pool of 1M slots), and one decode step's alloc + free against the step itself (random
-Llama-3.2-1B shape, bf16). Printed after 03's own figures (the live-token share), measured in the same run.
+"""bench_03.py -- 03's token allocator beside its peers: alloc(n) + free on a half-full, scattered pool against a
+Python set and 02's BlockManager, at n = 1, 64 and 4096, on the CPU (on a GPU also on CUDA, and one decode step's
+alloc + free against the step itself), printed after 03's own figures.
 
     python tests/bench_03.py            # or: python 03_token_allocator.py --bench  (its flags: --json, --seed, ...)
 """
@@ -19,8 +17,7 @@ m = importlib.import_module("03_token_allocator")
 
 
 class PythonSetAllocator:
-    """The peer: free slots in a Python set, one interpreter step per token (the reference CacheManager's way, with
-    the O(1) set.pop instead of random.choice(list(...)) -- the fastest a set gets, so the ratios are conservative)."""
+    """The peer: free slots in a Python set, one interpreter step per token (set.pop: its fastest)."""
 
     def __init__(self, size: int, device="cpu"):
         self.free_slots, self.used, self.device = set(range(size)), set(), device
@@ -80,8 +77,7 @@ def time_alloc_free(a, n: int, budget_s: float = 0.2, sync=lambda: None) -> floa
 def throughput(device="cpu", size=65536, batches=(1, 64, 4096), budget_s=0.2, seed=0):
     """alloc+free calls/s and tokens/s of the token allocator and its peers, same pool size, same run."""
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    peers = {"token": m.TokenAllocator, "python_set": PythonSetAllocator, "blocks_02": BlockPeer}
-    rows = {}
+    peers, rows = {"token": m.TokenAllocator, "python_set": PythonSetAllocator, "blocks_02": BlockPeer}, {}
     for n in batches:
         rows[n] = r = {}
         for name, cls in peers.items():

@@ -1,8 +1,6 @@
-"""
-bench_04.py -- 04's kernels beside their peers on a GPU, on the same data: the decode kernel (scattered and
-contiguous slots) against flash-attn's paged decode and PyTorch SDPA (eager and CUDA-graph time, GB/s against the
-copy bandwidth), and the prefill (extend) kernel against flash-attn's flash_attn_varlen_func (TFLOP/s, and both on
-256-slot pages). flash-attn is optional (pip install flash-attn): where it fails, the row says why.
+"""bench_04.py -- 04's kernels beside their peers on a GPU, on the same data: the decode kernel against flash-attn's
+paged decode and PyTorch SDPA (eager and CUDA-graph time, GB/s), the prefill kernel against flash_attn_varlen_func
+(TFLOP/s, and on 256-slot pages). flash-attn is optional: where it fails, the row says why.
 
     python tests/bench_04.py            # or: python 04_triton_token_attn.py --bench (its check runs first)
 """
@@ -32,9 +30,8 @@ def _failed(e: Exception) -> str:
 
 
 def _timings(fns):
-    """Cycling through copies of the inputs (so they don't sit in L2): eager ms (do_bench median, L2 flushed
-    before each call, host launch cost included where it outlasts the flush), graph ms (CUDA-graph replay:
-    what a decode engine pays) and host us (CPU time to issue one call)."""
+    """Over copies of the inputs (out of L2): eager ms (do_bench median, L2 flushed), graph ms (CUDA-graph replay: a
+    decode engine's cost) and host us (CPU time to issue one call)."""
     it = itertools.count()
     fn = lambda: fns[next(it) % len(fns)]()
     eager = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
@@ -63,8 +60,7 @@ def _flash_fn(P, page=256):
 def _sdpa_fn(P):
     """PyTorch SDPA on a contiguous (batch, n_kv_heads, L, head_dim) copy."""
     q, k_pool, v_pool, r2t, rows, lens = P
-    L = int(lens[0])
-    kc, vc = (pool[r2t[rows, :L].long()].transpose(1, 2).contiguous() for pool in (k_pool, v_pool))
+    kc, vc = (pool[r2t[rows, :int(lens[0])].long()].transpose(1, 2).contiguous() for pool in (k_pool, v_pool))
     return lambda: torch.nn.functional.scaled_dot_product_attention(q[:, :, None], kc, vc, enable_gqa=True)[:, :, 0]
 
 
@@ -75,8 +71,7 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
     y = torch.empty_like(x)
     copy_gbs = 2 * x.numel() / _ms(lambda: y.copy_(x)) / 1e6  # read + write
     del x, y
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
-    results = []
+    l2, results = torch.cuda.get_device_properties(dev).L2_cache_size, []
     for B, L in shapes:
         kv_bytes = 2 * B * L * n_kv_heads * head_dim * dtype.itemsize  # K and V, each read once
         sets = [m.make_problem([L] * B, n_q_heads, n_kv_heads, head_dim, dtype, dev, seed=i)
@@ -103,10 +98,8 @@ def bench(shapes=BENCH_SHAPES, n_q_heads=32, n_kv_heads=8, head_dim=128, dtype=t
 
 
 def bench_extend(shapes=EXTEND_SHAPES, heads=((32, 8, 128), (32, 8, 64), (9, 3, 64)), dtype=torch.bfloat16, **config):
-    """The prefill kernel against flash-attn's flash_attn_varlen_func (causal, bottom-right aligned, so queries
-    see their prefix) on the same data: ours reads K/V through req_to_token from scattered slots; flash-attn gets
-    them as contiguous per-request copies, gathered outside the timed region (the easy layout). Median ms of
-    do_bench; TFLOP/s counts the visible (causal) score and output products."""
+    """The prefill kernel against flash_attn_varlen_func on the same data (ours through req_to_token from scattered
+    slots, flash-attn on contiguous copies gathered untimed): median ms, TFLOP/s of the visible products."""
     dev, results = torch.device("cuda"), []
     for H, Hkv, D in heads:
         for B, n, p in shapes:

@@ -1,8 +1,5 @@
-"""
-bench_06.py -- 06's JSON-schema compiler beside its peers, on the CPU: the schemas held in tests/data (a seeded
-draw over MaskBench's sources, each with a valid document), compiled by 06 into its token index, by xgrammar and
-by llguidance, on SmolLM2's tokenizer: how many compile, compile time (p50/p99), and the time to compute each
-token's mask along the document (p50/p99). The peers are optional (pip install xgrammar llguidance); 06 alone runs.
+"""bench_06.py -- 06's JSON-schema compiler beside xgrammar and llguidance (optional), on the CPU, on the schemas
+held in tests/data and SmolLM2's tokenizer: how many compile, compile time and each token's mask time (p50/p99).
 
     python tests/bench_06.py            # or: python 06_jump_forward_fsm.py --bench
 """
@@ -31,8 +28,7 @@ def bench(tok, path=SAMPLE) -> dict:
     try:
         import xgrammar as xgr
         info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, stop_token_ids=[tok.eos_id])
-        xc = xgr.GrammarCompiler(info, max_threads=1)
-        bits = xgr.allocate_token_bitmask(1, len(vocab))
+        xc, bits = xgr.GrammarCompiler(info, max_threads=1), xgr.allocate_token_bitmask(1, len(vocab))
         engines["xgrammar"] = (lambda s: xgr.GrammarMatcher(xc.compile_json_schema(json.dumps(s), strict_mode=False)),
                                lambda g: g.fill_next_token_bitmask(bits), lambda g, t: g.accept_token(t))
     except ImportError:

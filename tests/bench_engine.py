@@ -1,10 +1,6 @@
-"""
-bench_engine.py -- the engine's benchmarks: decode (batch 1 of a loaded model vs transformers; CPU or GPU) and,
-on a GPU, engine, serve (serve --simulate: on a CPU, 05's scheduler and a cost model), admission, serve-http,
-prefix and deterministic; `python tests/bench_engine.py --help` says what each measures. Each prints a report,
-or with --json its figures as one JSON object, through the engine's public API (Engine, SamplingParams, warm_up,
-add, step, run, stats) and transformers' generate on the same weights.
-"""
+"""bench_engine.py -- the engine's benchmarks: decode (batch 1 vs transformers; CPU or GPU) and, on a GPU, engine,
+serve (serve --simulate: on a CPU, a cost model), admission, serve-http, prefix and deterministic (`--help` says
+what each measures), each a report or (--json) one JSON object, through the engine's public API."""
 import argparse
 import gc
 import json
@@ -51,8 +47,7 @@ def copy_bandwidth(device) -> float:
 
 
 def free():
-    """Free the engines gone out of scope before the next: an engine and its graph decoder hold each other, so only
-    a collection frees its KV pool, and warm_up froze the heap (no full collection mid-serving): thaw it first."""
+    """Free the engines gone out of scope (an engine and its graph decoder hold each other; warm_up froze the heap)."""
     gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
@@ -66,9 +61,8 @@ def weight_bytes(model) -> int:
 
 
 def engine_decode_tok_s(model, tok, prompt, n: int, rounds: int = 2, **kw):
-    """Batch-1 decode through a warm engine, as the command line runs it: whole requests of n new tokens minus
-    1 new token (so prefill cancels), best of `rounds`. Returns (tok/s, prefill tok/s, the engine)."""
-    e = L.Engine(model, tok, "token", kv_tokens=len(prompt) + n + 16, max_batch=1, radix=False, **kw)
+    """Batch-1 decode through a warm engine, n minus 1 tokens, best of `rounds`: (tok/s, prefill tok/s, e)."""
+    e = L.FastEngine(model, tok, "token", kv_tokens=len(prompt) + n + 16, max_batch=1, radix=False, **kw)
     e.warm_up()
     run = lambda k: (e.add(prompt, L.SamplingParams(max_new_tokens=k, ignore_eos=True)), e.run())
     t1, tn = math.inf, math.inf
@@ -78,8 +72,7 @@ def engine_decode_tok_s(model, tok, prompt, n: int, rounds: int = 2, **kw):
 
 
 def bench(model, tok, prompt_ids, max_new_tokens: int, rounds: int = 2, log=lambda msg: None) -> dict:
-    """`decode`: the engine's batch-1 decode vs transformers' generate on the same weights (eager; on a GPU also
-    its static cache, compiled), per prompt; on a GPU each also as a share of the weight-read limit."""
+    """`decode`: the engine's batch-1 decode vs transformers' generate (on a GPU also static, compiled), per prompt."""
     dev, n = model.tok_embeddings.weight.device, max_new_tokens
     hf = to_transformers(model)
     r = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", "new_tokens": n,
@@ -129,8 +122,7 @@ def bench_report(r: dict, dtype: str) -> str:
 
 
 def run_stopping(e, stops: dict) -> dict:
-    """e.run(), where sequence sid ends after stops[sid] tokens (an EOS its max_new_tokens did not foresee): it is
-    aborted after the step that gave them (a multi-step chunk's later tokens land first)."""
+    """e.run(), where sequence sid is aborted after stops[sid] tokens (an EOS max_new_tokens did not foresee)."""
     ended = []
     on_token = lambda s: ended.append(s.rid) if len(s.output) >= stops[s.rid] else None
     while e.busy:
@@ -142,8 +134,7 @@ def run_stopping(e, stops: dict) -> dict:
 
 
 def gpu_busy(run) -> dict:
-    """The GPU's busy share of run(): the union of its kernels' intervals over their span, recorded by the profiler
-    (a pass of its own: it slows the host), and its idle gaps."""
+    """The GPU's busy share of run() (the union of its kernels' intervals, profiled in a pass of its own) and gaps."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         run()
@@ -164,9 +155,8 @@ def gpu_busy(run) -> dict:
 
 
 def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, busy=False, **kw) -> dict:
-    """One warm engine serving the workload (output lengths fixed: EOS ignored; stops: each output ends after that
-    many tokens instead); its throughput and memory use; busy: then again under the profiler (gpu_busy)."""
-    e = L.Engine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
+    """One warm engine serving the workload (EOS ignored; stops: early ends): throughput, memory; busy: profiled."""
+    e = L.FastEngine(model, tok, backend, kv_tokens=kv_tokens, max_batch=len(prompts), max_seq_len=2048, **kw)
     e.warm_up(len(prompts))  # every bucket's graph captured, the kernels compiled, before timing
     add = lambda: [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
     sids = add()
@@ -195,8 +185,7 @@ def busy_pass(e, add) -> dict:
 
 
 def roofline(row: dict, gbps: float):
-    """Decode tok/s if every decode step only read its bytes (the weights, and the KV of each token it attends
-    over) at the device's copy bandwidth, and the measured decode tok/s as a share of it."""
+    """Decode tok/s if each decode step only read its weights and KV at the copy bandwidth, and the share of it."""
     row["decode_roofline_tok_s"] = row["decode_tokens"] / (row["decode_GB"] / gbps)
     row["decode_share_of_roofline"] = row["decode_tok_s"] / row["decode_roofline_tok_s"]
 
@@ -206,8 +195,7 @@ BENCH_BACKENDS = {"token": dict(backend="token"), "paged 16": dict(backend="page
 
 
 def bench_backends(model, tok, prompts, lens, pools=(("same pool", 2048), ("equal KV memory", 512))) -> dict:
-    """Every backend on the same workload, for each (name, KV tokens per sequence) of `pools`: the same pool, and
-    equal KV memory (contiguous still reserves a 2,048-slot row, so it runs fewer rows; the others preempt)."""
+    """Every backend on the same workload, for each (name, KV tokens per sequence) of `pools`."""
     out = {}
     for pool, per_seq in pools:
         rows = {}
@@ -224,11 +212,9 @@ ADMISSIONS = L.lesson("05_radix_scheduler").ADMISSIONS  # name: Scheduler(reserv
 
 
 def bench_admissions(model, tok, prompts, lens, per_seq=512, backends=("token", "paged 16", "paged 256")) -> dict:
-    """`admission`: the equal-memory workload through each admission of 05 and each backend, outputs to max_new and
-    with early stops (each output ends after a length uniform in [1, its max_new]: EOS the scheduler cannot see)."""
+    """`admission`: the equal-memory workload through each of 05's admissions and backends, full and early stops."""
     rng = torch.Generator().manual_seed(1)
-    stops = [int(torch.randint(1, n + 1, (), generator=rng)) for _, n in lens]
-    out = {}
+    stops, out = [int(torch.randint(1, n + 1, (), generator=rng)) for _, n in lens], {}
     for workload, st in (("full length", None), ("early stops", stops)):
         for name in backends:
             rows = out.setdefault(workload, {})[name] = {}
@@ -280,9 +266,7 @@ def engine_workload(device="cuda", n_seqs=256):
 
 
 def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
-    """`engine`: nano-vllm's workload (n_seqs requests, prompt and output lengths uniform in [100, 1024], EOS
-    ignored) on a random Llama-3.2-1B shape, every backend, and batch-1 decode on 1B and 8B shapes; transformers'
-    generate on the same weights in the same run."""
+    """`engine`: nano-vllm's workload on a random 1B shape, every backend, batch-1 decode on 1B and 8B shapes."""
     r = {"device": torch.cuda.get_device_name(), "copy_GBps": copy_bandwidth(device)}
     tok, model, prompts, lens = engine_workload(device, n_seqs)
 
@@ -290,13 +274,11 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
     r["backends"] = bench_backends(model, tok, prompts, lens)
     for row in [r["serve_1b"]] + [row for rows in r["backends"].values() for row in rows.values()]:
         roofline(row, r["copy_GBps"])
-    hf = to_transformers(model)
-    batch = prompts[:hf_batch]
+    hf, batch = to_transformers(model), prompts[:hf_batch]
     width = max(map(len, batch))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch], device=device)
     pad = torch.tensor([width - len(p) for p in batch], device=device)  # (batch,) left padding
-    mask = (torch.arange(width, device=device) >= pad[:, None]).long()
-    hf_new = 256
+    mask, hf_new = (torch.arange(width, device=device) >= pad[:, None]).long(), 256
     hf_generate(hf, ids[:2, -16:], 4, mask[:2, -16:])  # warm-up
     r["transformers_1b_batch64_tok_s"] = hf_batch * hf_new / seconds(hf_generate, hf, ids, hf_new, mask)
     r["serve_speedup_vs_transformers"] = r["serve_1b"]["tok_s"] / r["transformers_1b_batch64_tok_s"]
@@ -333,10 +315,7 @@ SERVE_SCHEDULES = {name: (mixed, 6144 if chunked else None)
 
 
 def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
-    """Requests arrive at the given times (seconds from now) while the engine steps, as at a server: time to first
-    token (TTFT) and the gap between deliveries (inter-token latency as vLLM's bench_serving counts it).
-    itl_max_steps: the longest gap's steps, [tokens fed by kind, ms] each, and the time outside any step;
-    ttft_waits: where the slowest first tokens waited (ttft_waits())."""
+    """Requests arrive at the given times while the engine steps: TTFT, ITL (vLLM's), the longest gap's steps."""
     got, start, seen, steps, begun = set(), {}, {}, [], {}  # steps: (end, tokens fed by kind, seconds) each
     on_token = lambda s: got.add(s.rid)
     t0, i = time.perf_counter(), 0
@@ -384,9 +363,7 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
 
 
 def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape):
-    """`serve`'s draws from rng (serve-http's too, the same ones): (prompt, output) lengths uniform in `lengths`,
-    long_prompts of the prompts `long`; a random model of the shape; the prompts' ids. Returns (lens, longest, args,
-    model, prompts)."""
+    """`serve`'s draws from rng: (lens, longest, args, model, prompts), long_prompts of them `long`."""
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
     for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
         lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
@@ -400,13 +377,11 @@ def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape
 def bench_serve(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
                 long_prompts=8, schedules=SERVE_SCHEDULES, multi_step=4, shape="llama-3.2-1b", args=None, plot=None,
                 log=lambda msg: None) -> dict:
-    """`serve`: Poisson arrivals at each rate, lengths drawn as `engine`'s with long_prompts of them `long`
-    tokens; the schedules take turns on one warm engine, its radix cache emptied between runs. multi_step: greedy
-    decode steps per delivery; args: a shape other than LLAMA_SHAPES[shape]; plot: a PNG of the p99s."""
+    """`serve`: Poisson arrivals at each rate, the schedules taking turns on one warm engine; plot: the p99s."""
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
-    e = L.Engine(model, NOTOK, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
-                 max_seq_len=longest, multi_step=multi_step)
+    e = L.FastEngine(model, NOTOK, "token", kv_tokens=n_seqs * 1024 + longest, max_batch=min(256, n_seqs),
+                     max_seq_len=longest, multi_step=multi_step)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
          "long_prompts": sorted(p for p, _ in lens if p > lengths[1]), "schedules": schedules,
@@ -445,9 +420,7 @@ def step_seconds(batch, decoding: set) -> float:
 
 def simulate_serve(rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
                    schedules=SERVE_SCHEDULES, vocab=128256, multi_step=4, log=lambda msg: None) -> dict:
-    """`serve --simulate` (a CPU): serve's draws (the same lengths and arrivals) through 05's Scheduler with no model,
-    on step_seconds' clock (a cost model: the GPU run measures). A decode step runs multi_step steps before the
-    next admission and delivers their tokens at its end, as the engine's multi-step chunks."""
+    """`serve --simulate`: serve's draws through 05's Scheduler on step_seconds' clock (a cost model)."""
     R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
     rng = torch.Generator().manual_seed(0)  # serve_workload's draws, in its order (the model draws none)
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
@@ -504,9 +477,7 @@ def simulate_arrivals(s, prompts, lens, arrivals, multi_step) -> dict:
 
 
 def ttft_waits(first, arrivals, begun, lens, steps, top=4) -> list:
-    """Where the `top` slowest first tokens waited: [prompt tokens, TTFT, queued (arrival to its first step),
-    then, from its first step to its first token, the ms and count of each kind of step] each (ms).
-    steps: (start, end, kind) each, in the run's clock."""
+    """Where the `top` slowest first tokens waited (ms): queued, then each kind of step until the first token."""
     out = []
     for k in sorted(range(len(first)), key=lambda k: arrivals[k] - first[k])[:top]:
         row = dict(prompt=lens[k][0], ttft=(first[k] - arrivals[k]) * 1e3, queued=(begun[k] - arrivals[k]) * 1e3)
@@ -584,10 +555,8 @@ def latency(seen: list, arrivals, lens) -> dict:
 
 
 def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
-    """In a process of its own (spawned, so that client and server share no GIL): each request sent at its arrival
-    time as token ids, streamed; returns each one's delivery times (events with text) from the start and its
-    completion tokens (the usage of its last event), and the CPU seconds the client took. HTTP/1.1 by hand on asyncio's
-    streams: an HTTP library's client took more CPU than the server (on a 2-core machine, the proxy's bottleneck)."""
+    """In a process of its own: each request sent at its arrival time, streamed (HTTP/1.1 by hand: a library's client
+    took more CPU than the server): delivery times and completion tokens each, and the client's CPU seconds."""
     import asyncio
     from urllib.parse import urlsplit
     u = urlsplit(url)
@@ -616,12 +585,8 @@ def http_client(url: str, model: str, prompts, lens, arrivals) -> list:
     return asyncio.run(run()), time.process_time() - cpu
 
 
-class ProxyEngine(L.Engine):
-    """serve-http's CPU proxy of a GPU engine (--cpu-proxy): the engine's host work is real (05's scheduler, the
-    token pool's bookkeeping, greedy decode delivering multi_step tokens per sequence at a time), its model a sleep
-    with the GIL released, as while a GPU computes: step_s per decode step, prefill at prefill_tok_s, after
-    `launches` brief releases of the GIL (a GPU engine's kernel launches and copies, each of which must win the GIL
-    back). Its tokens are drawn at random from Llama 3's plain vocabulary: the server decodes and sends varied text."""
+class ProxyEngine(L.FastEngine):
+    """serve-http's CPU proxy of a GPU engine: real host work, its model a sleep without the GIL; random tokens."""
 
     def __init__(self, model, tok, step_s=0.004, prefill_tok_s=200_000, launches=32, **kw):
         super().__init__(model, tok, "token", cuda_graphs=False, **kw)
@@ -642,7 +607,7 @@ class ProxyEngine(L.Engine):
         batch, t0 = self.sched.running, time.perf_counter()
         if self.sched.waiting or self.sched.chunked or not batch:
             return super().step(on_token)  # admit, prefill (or 1-step decode when nothing is admitted)
-        k = min([self.multi_step] + [s.room for s in batch])
+        k = min([self.multi_step] + [s.tokens_left for s in batch])
         try:
             self.kv.prepare([s.rid for s in batch], [k] * len(batch))
         except L.OutOfBlocks:
@@ -658,10 +623,7 @@ PROXY = dict(device="cpu", rates=(1000,), n_seqs=256, lengths=(100, 400), long_p
 
 def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384),
                long_prompts=8, multi_step=4, shape="llama-3.2-1b", args=None, proxy=None, log=lambda msg: None) -> dict:
-    """`serve-http`: `serve`'s Poisson load (the same draws), prefill-first, on one warm engine: first in process
-    (serve_arrivals), then through the server of `llama3_generate.py --serve` on loopback (its engine thread here,
-    FastAPI and uvicorn in a process of their own, the client in a third). The HTTP layer's cost: in-process tok/s over
-    HTTP tok/s, minus 1. proxy: ProxyEngine's keywords (a CPU's stand-in for the GPU engine), else a real one."""
+    """`serve-http`: `serve`'s load in process, then through `--serve`'s server on loopback: what HTTP costs."""
     import multiprocessing
     rng = torch.Generator().manual_seed(0)  # the workload's draws, then the arrivals'
     lens, longest, args, model, prompts = serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape)
@@ -670,7 +632,7 @@ def bench_http(device="cuda", rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024
               multi_step=multi_step)
     if proxy is not None:
         torch.set_num_threads(1)  # the pool's bookkeeping is the GPU's work: on busy cores, one thread spares waits
-    e = ProxyEngine(model, tok, **proxy, **kw) if proxy is not None else L.Engine(model, tok, "token", **kw)
+    e = ProxyEngine(model, tok, **proxy, **kw) if proxy is not None else L.FastEngine(model, tok, "token", **kw)
     e.warm_up(e.max_batch)
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "shape": shape, "requests": n_seqs,
          "multi_step": e.multi_step, "rates": {}}
@@ -726,26 +688,24 @@ PREFIX_CONFIGS = {"token": dict(backend="token"), "token, no cache": dict(backen
                   "paged 256": dict(backend="paged", block_size=256)}
 
 
-def shared_document(model, tok, questions=16, doc_tokens=4090, max_new=32, configs=PREFIX_CONFIGS, rounds=2) -> dict:
-    """`questions` requests over one `doc_tokens`-token document (each: the document, then 16-64 question tokens;
-    greedy, EOS ignored), all queued at once, through a warm engine per config; the last of `rounds` runs counts
-    (the radix cache is emptied between runs). Per config: hit rate (cached / prompt tokens), prefill tokens
-    computed, prefill seconds and throughput (prompt tokens served per prefill second), and whether its tokens
-    equal those of its backend without the cache."""
+def shared_document(model, tok, questions=16, doc_tokens=4090, max_new_tokens=32, configs=PREFIX_CONFIGS,
+                    rounds=2) -> dict:
+    """`questions` requests over one `doc_tokens`-token document through a warm engine per config: hit rate, prefill
+    tokens, seconds and throughput, and whether the tokens equal its backend's without the cache."""
     rng, V = torch.Generator().manual_seed(0), model.args.vocab_size
     doc = torch.randint(0, V, (doc_tokens,), generator=rng).tolist()
     prompts = [doc + torch.randint(0, V, (int(torch.randint(16, 65, (), generator=rng)),), generator=rng).tolist()
                for _ in range(questions)]
-    longest = max(map(len, prompts)) + max_new
+    longest = max(map(len, prompts)) + max_new_tokens
     rows, outs = {}, {}
     for name, kw in configs.items():
-        e = L.Engine(model, tok, kv_tokens=questions * (longest + 256), max_batch=questions,
-                     max_seq_len=longest + 256, **kw)
+        e = L.FastEngine(model, tok, kv_tokens=questions * (longest + 256), max_batch=questions,
+                         max_seq_len=longest + 256, **kw)
         e.warm_up(questions)
         for _ in range(rounds):
             e.reset()
             for p in prompts:
-                e.add(p, L.SamplingParams(max_new_tokens=max_new, ignore_eos=True))
+                e.add(p, L.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
             elapsed = seconds(lambda: outs.__setitem__(name, list(e.run().values())))
         st = e.stats
         rows[name] = dict(hit_rate=st["cached_tokens"] / st["prompt_tokens"], cached_tokens=st["cached_tokens"],
@@ -764,8 +724,7 @@ def shared_document(model, tok, questions=16, doc_tokens=4090, max_new=32, confi
 
 
 def bench_prefix(device="cuda", **kw) -> dict:
-    """`prefix`: shared_document on SmolLM2-135M (bf16; skipped with its reason where it is not installed) and on
-    the random Llama-3.2-1B shape."""
+    """`prefix`: shared_document on SmolLM2-135M (bf16, where installed) and on the random 1B shape."""
     r = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     try:
         r["smollm2-135m"] = shared_document(L.load_model(None, device, torch.bfloat16)[0], NOTOK, **kw)
@@ -808,32 +767,28 @@ QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "Wr
              "How do bees make honey?"]
 
 
-def same_answers(model, tok, prompts, max_new=96, deterministic=False) -> dict:
-    """Greedy answers of `prompts` alone (one at a time), all in one batch, and all again once the radix cache holds
-    them: how many of the batch's and the cached run's are the same as alone (EOS ignored, max_new tokens each)."""
-    e = L.Engine(model, tok, "token", kv_tokens=len(prompts) * (max(map(len, prompts)) + max_new + 64),
-                 max_batch=len(prompts), deterministic=deterministic)
-    params = L.SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+def same_answers(model, tok, prompts, max_new_tokens=96, deterministic=False) -> dict:
+    """How many greedy answers in one batch, and again cached, are the same as each prompt's alone."""
+    e = L.FastEngine(model, tok, "token", kv_tokens=len(prompts) * (max(map(len, prompts)) + max_new_tokens + 64),
+                     max_batch=len(prompts), deterministic=deterministic)
+    params = L.SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
 
     def run(batch, reset=True):
         e.reset() if reset else None
         for p in batch:
             e.add(p, params)
         return list(e.run().values())
-    alone = [run([p])[0] for p in prompts]
-    batch = run(prompts)
+    alone, batch = [run([p])[0] for p in prompts], run(prompts)
     cached = run(prompts, reset=False)  # the batch's prompts (and answers) are in the radix cache now
     parted = [[next((i for i, (x, y) in enumerate(zip(o, a)) if x != y), None) for o, a in zip(outs, alone)]
               for outs in (batch, cached)]  # per prompt: the first token unlike alone's (None: the same)
-    return dict(prompts=len(prompts), max_new=max_new, same_in_batch=parted[0].count(None),
+    return dict(prompts=len(prompts), max_new_tokens=max_new_tokens, same_in_batch=parted[0].count(None),
                 same_cached=parted[1].count(None), parted_in_batch=parted[0], parted_cached=parted[1],
                 cached_tokens=e.stats["cached_tokens"])
 
 
 def bench_deterministic(device="cuda", n_seqs=256, smollm=True) -> dict:
-    """`deterministic`: what Engine(deterministic=True) costs, default vs deterministic in one run: the engine
-    workload (random Llama-3.2-1B shape, token backend) and batch-1 decode; with SmolLM2-135M (bf16) where it is
-    installed, how many of 32 chat answers are the same alone, in a batch of 32 and cached."""
+    """`deterministic`: FastEngine(deterministic=True) vs default: throughput, batch 1, SmolLM2's answers."""
     r = {"device": torch.cuda.get_device_name()}
     if smollm:
         try:
@@ -860,7 +815,8 @@ def deterministic_report(r: dict) -> str:
     lines = [f"device: {r['device']}"]
     for mode, a in r.get("smollm2_same_answers", {}).items():
         lines.append(f"SmolLM2 {mode}: {a}" if mode == "skipped" else
-                     f"SmolLM2-135M bf16, {a['prompts']} prompts x {a['max_new']} greedy tokens, {mode}: the same as "
+                     f"SmolLM2-135M bf16, {a['prompts']} prompts x {a['max_new_tokens']} greedy tokens, {mode}: the same "
+                     f"as "
                      f"alone in a batch {a['same_in_batch']}/{a['prompts']}, cached {a['same_cached']}/{a['prompts']}")
     d, x = r["serve_1b_default"], r["serve_1b_deterministic"]
     lines += [f"engine workload (1B shape): default {d['tok_s']:,.0f} tok/s, deterministic {x['tok_s']:,.0f} "
@@ -891,14 +847,15 @@ def cli_args(argv=None) -> argparse.Namespace:
     srv.add_argument("--simulate", action="store_true", help="on a CPU: the same load through 05's scheduler with no "
                      "model, each step timed by a cost model fitted to the H200 (step_seconds)")
     sub.add_parser("admission", help="GPU: the engine workload at equal KV memory (512 tokens a sequence), outputs to "
-                   "max_new and with early stops, through 05's three admissions on token, paged 16 and paged 256")
+                   "max_new_tokens and with early stops, through 05's three admissions on token, paged 16 and "
+                   "paged 256")
     http = sub.add_parser("serve-http", help="GPU: serve's Poisson load (prefill-first) in process and through the "
                           "HTTP server (--serve) on loopback: TTFT, ITL, TPOT and what HTTP costs")
     http.add_argument("--cpu-proxy", type=float, metavar="MS", help="on a CPU: 256 requests at once of 100-400 tokens "
                       "through ProxyEngine, its model a sleep of MS ms per decode step (the GPU's host/device split)")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
                    "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
-    sub.add_parser("deterministic", help="GPU: Engine(deterministic=True) vs default: the engine workload and batch-1 "
+    sub.add_parser("deterministic", help="GPU: FastEngine(deterministic=True) vs default: the engine workload and batch-1 "
                    "decode (1B shape); SmolLM2's answers alone, in a batch and cached")
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="the figures as one JSON object")
@@ -917,8 +874,8 @@ def main(argv=None):
         print(json.dumps(r) if args.json else serve_report(r))
         return
     proxy = getattr(args, "cpu_proxy", None) is not None
-    if args.command in ("engine", "serve", "serve-http", "prefix", "admission", "deterministic") and not torch.cuda.is_available() \
-            and not proxy:
+    gpu_only = ("engine", "serve", "serve-http", "prefix", "admission", "deterministic")
+    if args.command in gpu_only and not torch.cuda.is_available() and not proxy:
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
     if args.command == "engine":
         r = bench_engine()

@@ -1,10 +1,8 @@
-"""
-bench_nanovllm.py -- this engine beside nano-vllm (github.com/GeeeekExplorer/nano-vllm) on one CUDA GPU in one
-process: nano-vllm's bench.py workload (256 requests, lengths uniform in [100, 1024], EOS ignored, output tokens /
-wall time) on random Llama-3.2-1B-shaped weights (a random Qwen3 checkpoint of that shape for nano-vllm, which runs
-Qwen3 only), the same draw for both, each timed warm. `pip install git+https://github.com/GeeeekExplorer/nano-vllm`
-(it needs flash-attn), then: python tests/bench_nanovllm.py [--nanovllm DIR] [--json]
-"""
+"""bench_nanovllm.py -- this engine beside nano-vllm (github.com/GeeeekExplorer/nano-vllm) on one CUDA GPU: its
+bench.py workload (256 requests, lengths in [100, 1024], EOS ignored) on random Llama-3.2-1B-shaped weights (for
+nano-vllm, which runs Qwen3 only, a Qwen3 checkpoint of that shape), the same draw for both, each timed warm.
+`pip install git+https://github.com/GeeeekExplorer/nano-vllm` (it needs flash-attn), then:
+python tests/bench_nanovllm.py [--nanovllm DIR] [--json]"""
 import argparse
 import atexit
 import json
@@ -21,8 +19,7 @@ import bench_engine as B  # noqa: E402
 
 
 def qwen3_checkpoint(args, out):
-    """A random bf16 Qwen3 checkpoint of ModelArgs' shape, named as nano-vllm's loader expects, and a word-level
-    tokenizer of the same vocabulary (prompts are token ids: it only has to load and decode)."""
+    """A random bf16 Qwen3 checkpoint of ModelArgs' shape as nano-vllm loads it, and a word-level tokenizer."""
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast, Qwen3Config
@@ -63,8 +60,7 @@ def run_nanovllm(path, prompts, lens) -> dict:
     llm = LLM(path, max_model_len=4096)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for _, n in lens]
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
-    r = {}
-    g = torch.Generator().manual_seed(1)
+    r, g = {}, torch.Generator().manual_seed(1)
     for run, ids in (("first (compiles)", [torch.randint(0, 10000, (len(p),), generator=g).tolist() for p in prompts]),
                      ("warm", prompts)):
         torch.cuda.synchronize()
@@ -95,8 +91,7 @@ def main(argv=None):
         sys.exit(f"error: nano-vllm is not installed ({e}): see this file's docstring")
     shape, (prompts, lens) = B.LLAMA_SHAPES["llama-3.2-1b"], B.draw(a.seqs)
     r = {"device": torch.cuda.get_device_name(), "seqs": a.seqs, "output_tokens": sum(n for _, n in lens)}
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
-    model = B.random_model(shape, "cuda")
+    tok, model = type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), B.random_model(shape, "cuda")
     for name in ("token", "paged 16"):  # ours first: nano-vllm sizes its KV pool from the memory left free
         r[name] = B.serve_timed(model, tok, prompts, lens, kv_tokens=a.seqs * 2048, **B.BENCH_BACKENDS[name])
     del model

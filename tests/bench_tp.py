@@ -1,5 +1,4 @@
-"""
-bench_tp.py -- tensor parallelism on GPUs: TP 1 against TP N (shard_model) on the random Llama 3 shapes.
+"""bench_tp.py -- tensor parallelism on GPUs: TP 1 against TP N (shard_model) on the random Llama 3 shapes.
 
     python tests/bench_tp.py --tp 2 [--json] [--breakdown]
 
@@ -42,7 +41,7 @@ def model_on_ranks(shape, device, dtype):
 
 
 class NoSum(L.TPSum):
-    """model.tp_sum with the adding left out: wrong tokens, the time without all-reduces."""
+    """model.tp with the adding left out: wrong tokens, the time without all-reduces."""
 
     def __init__(self, tp):
         self.__dict__.update(vars(tp))
@@ -73,10 +72,9 @@ M04 = L.lesson("04_triton_token_attn")
 
 
 def decode_variants(model, tok, prompt, n, world) -> dict:
-    """--breakdown: batch-1 decode of each variant, (tok/s, GPU ms per step): fused kernels with the configs before
-    issue 57's sweep, and TP N's all-reduce as NCCL, PyTorch's one shot, Lamport's or left out."""
-    tp, out, new = getattr(model, "tp_sum", None), {}, M04.FUSED_CONFIG
-    pytorch = dict(algo="one_shot")  # fused_decode's partial sums through tp_sum's one shot
+    """--breakdown: each variant's batch-1 (tok/s, GPU ms a step): old configs, each all-reduce, none."""
+    tp, out, new = model.tp if model.tp.world > 1 else None, {}, M04.FUSED_CONFIG
+    pytorch = dict(algo="one_shot")  # fused_decode's partial sums through model.tp's one shot
     variants = {"old configs (before)": dict(config=OLD_CONFIG), "new configs (after)": {}} if world == 1 else {
         "old configs, PyTorch's one shot (before)": dict(pytorch, config=OLD_CONFIG),
         "NCCL": dict(algo="nccl"), "PyTorch's one shot": pytorch, "Lamport's (after)": {},
@@ -85,7 +83,7 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
     for name, v in variants.items():
         if tp is not None:
             vars(tp).update(keep, **{k: x for k, x in v.items() if k in keep})
-            model.tp_sum = v.get("sum", lambda t: t)(tp)
+            model.tp = v.get("sum", lambda t: t)(tp)
         M04.FUSED_CONFIG = v.get("config", new)
         tok_s, _, e = B.engine_decode_tok_s(model, tok, prompt, n)
         out[name] = (tok_s, step_ms(e))
@@ -94,7 +92,7 @@ def decode_variants(model, tok, prompt, n, world) -> dict:
         del e
         B.free()
     if tp is not None:
-        model.tp_sum = tp
+        model.tp = tp
         vars(tp).update(keep)
     M04.FUSED_CONFIG = new
     return out
@@ -104,8 +102,7 @@ ALGOS = {"nccl": "NCCL", "one_shot": "one shot", "lamport": "Lamport's"}
 
 
 def all_reduce_bench(tp, device) -> dict:
-    """--breakdown: bf16 all-reduces of 8 KB .. 2 MB by NCCL, PyTorch's one shot and Lamport's (tp_sum's algos): us
-    each (64 in a row in a CUDA graph, uses alternating), the error against fp64, whether the sums are NCCL's bits."""
+    """--breakdown: bf16 all-reduces of 8 KB .. 2 MB by each algo: us, error vs fp64, NCCL's bits or not."""
     r, world, algo = {}, torch.distributed.get_world_size(), tp.algo
     for kb in (8, 64, 512, 1024, 2048):
         x = torch.randn(kb * 512, generator=torch.Generator(device).manual_seed(torch.distributed.get_rank()),
@@ -142,14 +139,13 @@ def all_reduce_bench(tp, device) -> dict:
 def rank_main(args):
     """One rank (or TP 1's single process): the three measurements; rank 0 prints them as JSON."""
     rank, world, device = L.tp_launch(SimpleNamespace(tp=int(os.environ.get("WORLD_SIZE", 1)), device=args.device), [])
-    cuda = device.startswith("cuda")
-    tok = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    cuda, tok = device.startswith("cuda"), type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
     one_b, eight_b = shapes(args.small).values()
     rng = torch.Generator().manual_seed(0)
     r = {"tp": world, "device": torch.cuda.get_device_name() if cuda else "cpu"}
 
     model = model_on_ranks(one_b, device, torch.float32)
-    e = L.Engine(model, tok, "token", kv_tokens=8 * 160)
+    e = L.FastEngine(model, tok, "token", kv_tokens=8 * 160)
     for _ in range(8):
         e.add(torch.randint(0, one_b.vocab_size, (128,), generator=rng).tolist(), L.SamplingParams(max_new_tokens=32))
     r["parity_tokens"] = list(e.run().values())
@@ -161,7 +157,7 @@ def rank_main(args):
     if args.breakdown and cuda:
         r["breakdown"] = decode_variants(model, tok, prompt, n, world)
         if world > 1:
-            r["all_reduce"] = all_reduce_bench(model.tp_sum, device)
+            r["all_reduce"] = all_reduce_bench(model.tp, device)
     r["batch1_8b_decode_tok_s"] = B.engine_decode_tok_s(model, tok, prompt, n)[0]  # fused: 04's batch-1 kernels
     r["weight_GB_per_rank"] = B.weight_bytes(model) / 1e9
     del model
@@ -173,9 +169,9 @@ def rank_main(args):
     prompts = [torch.randint(0, one_b.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     r["serve_1b"] = B.serve_timed(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if args.breakdown and cuda and world > 1:
-        for model.tp_sum.algo in ("one_shot", "nccl"):
+        for model.tp.algo in ("one_shot", "nccl"):
             B.free()
-            r[f"serve_1b_{model.tp_sum.algo}"] = B.serve_timed(model, tok, prompts, lens, "token", n_seqs * 2 * top)
+            r[f"serve_1b_{model.tp.algo}"] = B.serve_timed(model, tok, prompts, lens, "token", n_seqs * 2 * top)
     if rank == 0:
         print(json.dumps(r), flush=True)
 
@@ -188,8 +184,7 @@ def launch(world: int, argv) -> dict:
     procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--rank", *argv], text=True,
                               env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
                               stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL) for r in range(world)]
-    out = procs[0].communicate()[0]
-    codes = [p.wait() for p in procs]
+    out, codes = procs[0].communicate()[0], [p.wait() for p in procs]
     if any(codes):
         sys.exit(f"error: TP {world} failed (exit codes {codes})")
     return json.loads(out.splitlines()[-1])

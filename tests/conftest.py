@@ -13,7 +13,6 @@ if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; se
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)
 
 
-
 def pytest_addoption(parser):
     g = parser.getgroup("workshop", "grade your own copy of a lesson (python tests/workshop.py start 03)")
     g.addoption("--workspace", action="store_true", help="the lessons of the test files run come from workspace/")
@@ -36,6 +35,15 @@ def pytest_collection_modifyitems(config, items):
             for item in items:
                 if marker in item.keywords:
                     item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def one_thread():
+    """Small batches on a 2-core machine shared with other jobs: one thread avoids oversubscribed thread pools."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+from collections import Counter
 
 import numpy as np
 import torch
@@ -20,8 +21,7 @@ L01 = importlib.import_module("01_kv_cache")
 
 
 def ctrl_c_reaches():
-    """Popen's preexec_fn for a child that Ctrl-C must reach, as from a terminal: a background job's children
-    (nohup pytest &) start with SIGINT ignored, and then Python never raises KeyboardInterrupt."""
+    """Popen's preexec_fn: SIGINT as from a terminal (a background job's children start with it ignored)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
@@ -35,8 +35,7 @@ def refuses(exc, fn, *args, what: str):
 
 
 def tiny_model(seed=0, dtype=torch.float32, device="cpu", **kw):
-    """A random 2-layer Llama (GQA 4:2; kw: other ModelArgs), weights (std 0.3) big enough for rounding to
-    show: several programs per kernel, small enough for the Triton interpreter."""
+    """A random 2-layer Llama (GQA 4:2; kw: other ModelArgs), weights of std 0.3: rounding shows."""
     torch.manual_seed(seed)
     args = L.ModelArgs(**{**dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=128,
                                  max_seq_len=128, rope_theta=10000.0), **kw})
@@ -47,20 +46,27 @@ def tiny_model(seed=0, dtype=torch.float32, device="cpu", **kw):
     return model.to(dtype)
 
 
+def kv_less(page, tokens, rows=4, max_seq_len=None):
+    """A pool of `tokens` slots holding no K/V: 03's token pool (page 1) or 02's blocks of `page` tokens."""
+    if page == 1:
+        return importlib.import_module("03_token_allocator").TokenKVCache(1, tokens, 1, 1, rows, max_seq_len or tokens)
+    return importlib.import_module("02_paged_cache_manager").PagedKVCache(
+        1, tokens // page, page, 1, 1, watermark=0, max_seqs=rows, max_seq_len=max_seq_len)
+
+
 def kv_left(e) -> int:
-    """KV slots an idle engine still holds, once its radix cache lets go: only the graphs' padding row (token: a
-    slot; paged: a block; contiguous: a row kept apart from the pool it counts)."""
+    """KV slots an idle engine holds once its radix cache lets go: only the graphs' padding row's may remain."""
     if e.sched.tree:
         e.sched.tree.evict(e.kv.capacity())
         e.kv.allocator.check()
-    return e.kv.used() - (e.graphs is not None) * {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]
+    pad = {"token": 1, "paged": e.kv.page, "contiguous": 0}[e.backend]  # the graphs' padding row
+    return e.kv.used() - (getattr(e, "graphs", None) is not None) * pad
 
 
-def serve(model, tok, prompts, max_new, **kw):
-    """Each prompt's tokens (max_new[i] at most) from a fresh engine (kw: its options; a row a prompt of 128
-    tokens unless they say), which must end holding no slot. -> (outputs, engine)."""
-    e = L.Engine(model, tok, **{"max_batch": len(prompts), "max_seq_len": 128, **kw})
-    for p, n in zip(prompts, max_new):
+def serve(model, tok, prompts, max_new_tokens, **kw):
+    """Each prompt's tokens from a fresh engine (kw: its options), which must end holding no slot. -> (outs, e)."""
+    e = L.FastEngine(model, tok, **{"max_batch": len(prompts), "max_seq_len": 128, **kw})
+    for p, n in zip(prompts, max_new_tokens):
         e.add(p, L.SamplingParams(max_new_tokens=n))
     outs = list(e.run().values())
     assert kv_left(e) == 0, f"the engine still holds {kv_left(e)} KV slots after every request finished"
@@ -68,8 +74,7 @@ def serve(model, tok, prompts, max_new, **kw):
 
 
 def dense_reference(q, k, v, first):
-    """float64 causal attention written out: query i sits at position first + i and sees keys 0..first + i; query
-    head h reads kv head h // (H / Hkv). q (n, H, D), k, v (L, Hkv, D)."""
+    """float64 causal GQA attention: query i at position first + i sees keys 0..first + i."""
     n, H, D = q.shape
     k, v = (x.double().repeat_interleave(H // k.shape[1], dim=1) for x in (k, v))
     s = torch.einsum("nhd,lhd->hnl", q.double(), k) / D ** 0.5
@@ -78,10 +83,8 @@ def dense_reference(q, k, v, first):
 
 
 def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4, D=8):
-    """Drive a KVCache backend (01's rows, 02's blocks, 03's slots; room for max_seqs requests of max_len tokens)
-    through random batches of prefills, chunks and decode steps, requests freed and new ones taking their room,
-    next to a Python model holding every request's K/V as lists. Checks positions, lengths, that every live token
-    has a slot of its own that the table maps it to (the one picture), and every output against float64."""
+    """Drive a KVCache backend (room for max_seqs requests of max_len tokens) through random prefills, chunks, decodes
+    and frees beside a Python model of every request's K/V: positions, lengths, slots and outputs (float64) checked."""
     g, rng = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
     Hkv = kv.layer_pools(0)[0].shape[1]
     for pool in kv.layer_pools(0):
@@ -103,8 +106,7 @@ def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4,
             continue
         decode = rng.random() < 0.5 and all(model[s][0] for s in seqs)
         n_new = [1 if decode else int(rng.integers(1, max_len - len(model[s][0]) + 1)) for s in seqs]
-        starts = [len(model[s][0]) for s in seqs]
-        pos = kv.prepare(seqs, n_new)
+        starts, pos = [len(model[s][0]) for s in seqs], kv.prepare(seqs, n_new)
         call = f"step {step}: prepare({seqs}, {n_new}) with lengths {starts}"
         want = [p for s0, n in zip(starts, n_new) for p in range(s0, s0 + n)]
         assert pos.tolist() == want, f"{call} returned positions {pos.tolist()}; want {want}"
@@ -121,10 +123,8 @@ def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4,
                 assert got == [slot[s, p] for p in range(n)], (
                     f"{call}: the table maps request {s}'s {n} tokens to slots {got}; prepare wrote them to "
                     f"{[slot[s, p] for p in range(n)]} (tok_slots)")
-        T = sum(n_new)
-        q, k, v = (torch.randn(T, h, D, generator=g) for h in (H, Hkv, Hkv))
-        out = kv.attend(0, q, k, v)
-        t = 0
+        q, k, v = (torch.randn(sum(n_new), h, D, generator=g) for h in (H, Hkv, Hkv))
+        out, t = kv.attend(0, q, k, v), 0
         for s, s0, n in zip(seqs, starts, n_new):
             model[s][0].extend(k[t:t + n]), model[s][1].extend(v[t:t + n])
             ref = dense_reference(q[t:t + n], torch.stack(model[s][0]), torch.stack(model[s][1]), s0)
@@ -152,8 +152,7 @@ def needle_model(dtype=torch.float32, device="cpu", seed=0, n_kv_heads=2):
 
 
 class Engines:
-    """One engine per backend, reset between runs (no cached prefix left; its CUDA graphs stay), its
-    schedule and chunking set per run."""
+    """One engine per backend, reset between runs (its CUDA graphs stay), its schedule set per run."""
 
     def __init__(self, model, **kw):
         self.model, self.kw, self.engines = model, kw, {}
@@ -161,8 +160,8 @@ class Engines:
     def get(self, backend="token", block_size=16, chunk_tokens=None, schedule="prefill-first", rows=16):
         key = (backend, block_size, rows)
         if key not in self.engines:
-            self.engines[key] = L.Engine(self.model, NOTOK, backend=backend, block_size=block_size,
-                                         kv_tokens=4096, max_batch=rows, **self.kw)
+            self.engines[key] = L.FastEngine(self.model, NOTOK, backend=backend, block_size=block_size,
+                                             kv_tokens=4096, max_batch=rows, **self.kw)
         e = self.engines[key]
         e.reset()
         e.sched.set_schedule(schedule == "mixed", chunk_tokens)
@@ -170,8 +169,7 @@ class Engines:
 
 
 def needle_run(e, prompts, at: int, params, warm=()):
-    """Serve `prompts` together (`warm` first, alone, into the radix cache); returns the needle's
-    (prompts[at]) tokens and logprobs."""
+    """Serve `prompts` together (`warm` first, into the radix cache): the needle's tokens and logprobs."""
     for w in warm:
         e.add(w, L.SamplingParams(max_new_tokens=2))
         e.run()
@@ -185,8 +183,7 @@ def needle_run(e, prompts, at: int, params, warm=()):
 
 
 def trial_options(rng):
-    """One trial's company and engine: batch size, cache, chunking, schedule, backend, rows (3: the
-    company is admitted as others finish, on a GPU beside multi-step chunks in flight)."""
+    """One trial's company and engine: batch size, cache, chunking, schedule, backend, rows."""
     backend = rng.choice(["token", "paged", "contiguous"])
     return dict(n=rng.randint(2, 10), cached=backend != "contiguous" and rng.random() < 0.5,
                 kw=dict(backend=backend, block_size=rng.choice([4, 16]),
@@ -199,15 +196,12 @@ def needle_trials(model, deterministic: bool, trials: int, seed=0, params=None) 
     rng, vocab = random.Random(seed), model.args.vocab_size
     random.seed(seed)
     words = lambda n: [rng.randrange(vocab) for _ in range(n)]
-    needle = words(rng.randint(20, 60))
-    params = params or L.SamplingParams(max_new_tokens=NEW, logprobs=1)
+    needle, params = words(rng.randint(20, 60)), params or L.SamplingParams(max_new_tokens=NEW, logprobs=1)
     engines = Engines(model, deterministic=deterministic)
-    alone = needle_run(engines.get(), [needle], 0, params)
-    moved = []
+    alone, moved = needle_run(engines.get(), [needle], 0, params), []
     for t in range(trials):
         o = trial_options(rng)
-        others = [words(rng.randint(1, 90)) for _ in range(o["n"] - 1)]
-        at = rng.randrange(o["n"])
+        others, at = [words(rng.randint(1, 90)) for _ in range(o["n"] - 1)], rng.randrange(o["n"])
         prompts = others[:at] + [needle] + others[at:]
         # a cached prefix: a prompt sharing the needle's first tokens runs before
         warm = [needle[:rng.randint(8, len(needle))] + words(3)] if o["cached"] else []
@@ -310,20 +304,14 @@ def to_meta_order(w, heads):
 
 
 def stop_early(hf, tok):
-    """Random weights rarely say <|eot_id|>, so every sequence would run to --max-new-tokens together. Give the
-    end-of-turn token a common token's output row (1% larger): then some completions end early with EOS and the
-    others run on -- the schedule in which a multi-step chunk lands after its batch changed."""
+    """Make <|eot_id|> a common token's row (x1.01): some completions end early, the others run on."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # (a CPU shared by parallel test workers can crawl)
     hf.to(dev)
     eot, head = tok.special["<|eot_id|>"], hf.get_output_embeddings().weight
-    ids = [tok.chat(p) for p in PROMPTS]
-    ids = [torch.tensor([x], device=dev) for x in ids]
+    ids = [torch.tensor([tok.chat(p)], device=dev) for p in PROMPTS]
     greedy = lambda: [hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, do_sample=False,
                                   eos_token_id=tok.stop_ids, pad_token_id=0)[0, x.shape[1]:].tolist() for x in ids]
-    counts = {}
-    for out in greedy():
-        for t in set(out[2:-2]):
-            counts[t] = counts.get(t, 0) + 1
+    counts = Counter(t for out in greedy() for t in set(out[2:-2]))
     original = head[eot].clone()
     with torch.no_grad():
         for t in sorted(counts, key=counts.get, reverse=True)[:8]:
@@ -338,8 +326,7 @@ def stop_early(hf, tok):
 def write_checkpoints(root, shape, seed):
     """One random Llama in each format, all from the same weights and vocabulary. Returns {format: path}, hf model."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    s = SHAPES[shape]
-    tok = train_tokenizer()
+    s, tok = SHAPES[shape], train_tokenizer()
     vocab = tok.get_vocab_size()
     cfg = LlamaConfig(hidden_size=s["dim"], intermediate_size=s["hidden_dim"], num_hidden_layers=2,
                       num_attention_heads=s["n_heads"], num_key_value_heads=s["n_kv_heads"], vocab_size=vocab,
@@ -391,22 +378,17 @@ def write_checkpoints(root, shape, seed):
           "attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
     for name, t in ours.items():
         parts = name.split(".")
-        if parts[0] == "layers":
-            key = f"blk.{parts[1]}.{gg['.'.join(parts[2:-1])]}.weight"
-        else:
-            key = f"{gg[parts[0]]}.weight"
-        w.add_tensor(key, t.float().numpy())
+        key = f"blk.{parts[1]}.{gg['.'.join(parts[2:-1])]}" if parts[0] == "layers" else gg[parts[0]]
+        w.add_tensor(key + ".weight", t.float().numpy())
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     return paths, hf
 
 
 def cli(*argv, device, capsys=None):
-    """Run the command line: `python llama3_generate.py ...` as its own process, or, given capsys, its main(argv) in
-    this one. Returns (completions from --json: one dict per line, stderr, stdout)."""
+    """The command line as a process, or (capsys) main(argv) here: (--json's completions, stderr, stdout)."""
     if capsys is not None:
         L.main(["--device", device, *argv])  # an error exits (SystemExit): the test fails with its message
-        cap = capsys.readouterr()
-        out, err = cap.out, cap.err
+        out, err = capsys.readouterr()
     else:
         cmd = [sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--device", device, *argv]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
@@ -417,9 +399,7 @@ def cli(*argv, device, capsys=None):
 
 
 class Reference:
-    """transformers' greedy generate on the same weights, prompt by prompt (batch 1, no padding), cut after the
-    first stop token; prompt ids from our tokenizer (the one the CLI uses) of that checkpoint. hf: transformers'
-    model on `device`, memo: its answers so far, both shared by the formats of one shape (same weights)."""
+    """transformers' greedy generate on the same weights, prompt by prompt, cut after the first stop token."""
 
     def __init__(self, path, hf, device, memo):
         self.model, self.tok = L.load_model(path)  # CPU: tokenizer and the prompt encoding the CLI applies
@@ -442,9 +422,8 @@ class Reference:
         return out
 
     def near_argmax(self, prompts, outs, dtype, tol=0.25):
-        """bf16: each token ours chose is within tol (in logit std units) of transformers' best, in that dtype
-        (two random layers give logits of std ~1.3, where bf16 rounding alone moves them by ~0.05, and a near-tie
-        by up to 0.16 seen on an H100; a wrong token sits a whole std or more below)."""
+        """bf16: each token ours chose is within tol logit stds of transformers' best (rounding moves logits ~0.05 std,
+        a near-tie up to 0.16; a wrong token sits a whole std or more below)."""
         hf = copy.deepcopy(self.hf).to(dtype)  # a copy: rounding the shared model would change later fp32 answers
         for ids, out in zip(self.ids(prompts), outs):
             x = torch.tensor([ids + out], device=self.device)
@@ -456,5 +435,4 @@ class Reference:
 
 def tokens(outs):
     """--json completions -> token ids per (prompt, sample), in prompt order."""
-    outs = sorted(outs, key=lambda o: (o["prompt_index"], o["sample"]))
-    return [o["token_ids"] for o in outs]
+    return [o["token_ids"] for o in sorted(outs, key=lambda o: (o["prompt_index"], o["sample"]))]

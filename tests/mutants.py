@@ -228,30 +228,32 @@ MUTANTS = [
            "            self.jumps[state] = bytes(out)", "            self.jumps[state] = bytes(out[:-1])"),
     Mutant("06", "TokenIndex.jump_forward", "jump-forward keeps a partial UTF-8 character",
            "jump = jump[len(text):len(jump.decode(\"utf-8\", \"ignore\").encode())]", "jump = jump[len(text):]"),
-    Mutant("06", "TokenIndex.jump_forward", "jump-forward ignores the token limit",
-           "if not jump or len(new) > limit or fits(", "if not jump or fits("),
+    Mutant("06", "TokenIndex.jump_forward", "jump-forward ignores max_new_tokens",
+           "if (not jump or len(new) > max_new_tokens or fits(", "if (not jump or fits("),
     Mutant("06", "constrained_decode", "constrained decoding samples from the unmasked logits",
            "t = int(sample(logits.masked_fill(~ok, float(\"-inf\"))[None], temperature, 1.0, gen)[0])",
            "t = int(sample(logits[None], temperature, 1.0, gen)[0])"),
     Mutant("06", "constrained_decode",
            "after a jump the KV keeps the old tokens (keep not cut back to the common prefix)",
            "ids, keep = list(prompt_ids) + out, min(keep, n0 + kept)", "ids = list(prompt_ids) + out"),
-    Mutant("06", "constrained_decode", "decoding stops only when no room is left (asks the model where only EOS is "
-           "allowed)", "if index.finish(state, room):  # nothing left", "if room < 1:  # nothing left"),
+    Mutant("06", "constrained_decode", "decoding stops only when no token is left (asks the model "
+           "where only EOS is allowed)", "if index.finish(state, tokens_left):  # nothing left",
+           "if tokens_left < 1:  # nothing left"),
     Mutant("06", "constrained_decode", "decoding stops at max_new_tokens - 1 (one token short)",
-           "room = max_new_tokens - (len(ids) - n0)  # tokens left", "room = max_new_tokens - (len(ids) - n0) - 1  #"),
-    # ---- 07, the engine (llama3_generate.py): Engine.step ----
-    Mutant("engine", "Engine.step", "a landed chunk's seconds count twice (as decode, and again as this step's kind)",
+           "tokens_left = max_new_tokens - (len(ids) - n0)  # the answer",
+           "tokens_left = max_new_tokens - (len(ids) - n0) - 1  # the answer"),
+    # ---- 07, the engine (llama3_generate.py): FastEngine.step ----
+    Mutant("engine", "FastEngine.step", "a landed chunk's seconds count twice (as decode, and again as this step's kind)",
            "t0 += self.land(on_token)", "self.land(on_token)"),
-    Mutant("engine", "Engine.step", "every step's seconds count as decode, prefill's too", "self.counts[f\"{kind}_s\"] "
+    Mutant("engine", "FastEngine.step", "every step's seconds count as decode, prefill's too", "self.counts[f\"{kind}_s\"] "
            "+= time.perf_counter() - t0", 'self.counts["decode_s"] += time.perf_counter() - t0'),
-    Mutant("engine", "Engine.step", "the admitted requests are not scheduled (only those already running step)",
+    Mutant("engine", "FastEngine.step", "the admitted requests are not scheduled (only those already running step)",
            "batch, positions = self.schedule(new)", "batch, positions = self.schedule([])"),
-    Mutant("engine", "Engine.step", "the step never decodes ahead (one decode step at a time, where k could run)",
-           "landed = self.decode_ahead() if self.graphs is not None and not new else None", "landed = None"),
-    Mutant("engine", "Engine.step", "a step with prompts waiting admits them before it lands the chunk in flight",
+    Mutant("engine", "FastEngine.step", "the step never decodes ahead (one decode step at a time, where k could run)",
+           "landed = self.decode_ahead()", "landed = None"),
+    Mutant("engine", "FastEngine.step", "a step with prompts waiting admits them before it lands the chunk in flight",
            "if (self.sched.waiting or self.sched.chunked) and not self.overlaps():", "if False:"),
-    Mutant("engine", "Engine.step", "a landed chunk of k steps is post-processed as one step",
+    Mutant("engine", "FastEngine.step", "a landed chunk of k steps is post-processed as one step",
            "kind = self.postprocess(batch, ids, steps, on_token)", "kind = self.postprocess(batch, ids, 1, on_token)"),
 ]
 

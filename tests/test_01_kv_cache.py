@@ -7,7 +7,9 @@ import os
 import numpy as np
 import pytest
 import torch
-from helpers import backend_against_brute_force, refuses
+from helpers import ROOT, backend_against_brute_force, refuses
+
+import llama3_generate as L
 
 m = importlib.import_module("01_kv_cache")
 N_NEW = 16
@@ -15,11 +17,9 @@ N_NEW = 16
 
 @pytest.fixture(scope="module")
 def three_ways(smollm):
-    """Greedy tokens and logits of the three ways; both caches poisoned with NaN, so reading a slot that was never
-    written (past the live prefix) would turn the logits into NaN."""
+    """Greedy tokens and logits of the three ways; caches poisoned with NaN (a stale read shows)."""
     model, tok = smollm
-    prompt = tok.chat("Name three colours.")
-    static = m.StaticKVCache(model, 128)
+    prompt, static = tok.chat("Name three colours."), m.StaticKVCache(model, 128)
     static.k.fill_(float("nan")), static.v.fill_(float("nan"))
     contig = m.ContiguousKVCache.for_model(model, max_batch=2, max_seq_len=128)
     contig.k_cache.fill_(float("nan")), contig.v_cache.fill_(float("nan"))
@@ -29,7 +29,6 @@ def three_ways(smollm):
 
 def test_no_cache_matches_one_teacher_forced_pass(three_ways):
     """(a) against an independent reference: one forward over prompt + generated tokens gives every step's logits."""
-    import llama3_generate as L
     model, prompt, runs = three_ways
     tokens, logits = runs["a"]
     assert len(tokens) == N_NEW and logits.shape == (N_NEW, model.args.vocab_size)
@@ -49,7 +48,6 @@ def test_cached_generation_equals_no_cache(three_ways, way):
 
 
 def test_overlong_prompt_is_refused_and_cache_stays_usable(three_ways):
-    import llama3_generate as L
     model, prompt, runs = three_ways
     kv = m.ContiguousKVCache.for_model(model, max_batch=2, max_seq_len=len(prompt) + 4)
     kv.k_cache.normal_(), kv.v_cache.normal_()
@@ -75,8 +73,7 @@ def test_overlong_prompt_is_refused_and_cache_stays_usable(three_ways):
 def test_reservation_schemes():
     rng = np.random.default_rng(1)
     prompt, output = rng.integers(1, 300, 500), rng.integers(1, 300, 500)
-    need = prompt + output
-    pow2 = m.reservation("pow2", prompt, output, 4096)
+    need, pow2 = prompt + output, m.reservation("pow2", prompt, output, 4096)
     assert all(p == min(q for q in (2 ** i for i in range(13)) if q >= n) for p, n in zip(pow2, need))
     assert (pow2 >= need).all() and (pow2 < 2 * need).all()
     assert (m.reservation("oracle", prompt, output, 4096) == need).all()
@@ -106,8 +103,7 @@ def test_accounting_adds_up_to_the_pool_on_random_traces(seed):
                                        sigma=float(rng.uniform(0.3, 1.5)))
     pool = int(rng.integers(max_seq_len, 6 * max_seq_len))
     for scheme in m.SCHEMES:
-        reserve = m.reservation(scheme, prompt, output, max_seq_len)
-        n_snap = 0
+        reserve, n_snap = m.reservation(scheme, prompt, output, max_seq_len), 0
         for running, n_waiting in m.simulate(prompt, output, reserve, pool):
             counts = m.breakdown(running, prompt, output, pool)
             assert sum(counts.values()) == pool and min(counts.values()) >= 0
@@ -152,15 +148,11 @@ def test_memory_report_and_cli_errors(tmp_path):
 
 
 def test_lessons_never_import_the_model_in_their_core():
-    """Imports run one way, 01 -> 06 -> llama3_generate.py: a numbered file imports the model only inside a
-    module-level function (its demos), never at module level or in the classes a backend is made of."""
+    """Imports run one way: a numbered file imports the model only inside a module-level function (its demos)."""
     import ast
     import glob
-    import os
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for path in sorted(glob.glob(os.path.join(root, "0*.py"))):
-        tree = ast.parse(open(path).read())
-        bad = []
+    for path in sorted(glob.glob(os.path.join(ROOT, "0*.py"))):
+        tree, bad = ast.parse(open(path).read()), []
 
         def visit(node, where):
             for child in ast.iter_child_nodes(node):
@@ -177,9 +169,7 @@ def test_lessons_never_import_the_model_in_their_core():
 
 
 def test_backends_run_without_the_model_module():
-    """Each backend (01 contiguous, 02 paged, 03 token pool + 04's kernels, 05's scheduler simulation) prefills and
-    decodes random K/V, and 06 decodes under a regex (sampling included), with llama3_generate never imported:
-    what a lesson needs lives in the lessons."""
+    """Every backend, 05's simulation and 06's decode run with llama3_generate never imported."""
     import subprocess
     import sys
     code = """
@@ -203,16 +193,14 @@ m6 = importlib.import_module("06_jump_forward_fsm")
 class Tok:  # bytes as tokens
     special, eos_id = {"<eos>": 0}, 0
     vocab = [b"<eos>"] + [bytes([b]) for b in range(256)]
-    vocab_size = len(vocab)
-    token_bytes = vocab.__getitem__
+    vocab_size, token_bytes = len(vocab), vocab.__getitem__
 r = m6.constrained_decode(m6.TokenIndex("(ab|cd){1,3}", Tok()), Tok(), [1, 2], lambda ids, keep: torch.randn(257),
                           20, jump_forward=False, temperature=1.0)
 assert r["finished"] and __import__("re").fullmatch("(ab|cd){1,3}", r["text"]), r
 assert "llama3_generate" not in sys.modules, "a backend imported the model module"
 """
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    p = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=600,
-                       env=dict(os.environ, PYTHONPATH=root))
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, PYTHONPATH=ROOT))
     assert p.returncode == 0, p.stderr[-2000:]
 
 

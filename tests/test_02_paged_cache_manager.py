@@ -3,33 +3,20 @@
 import copy
 import importlib
 import json
-import math
 import random
 
 import numpy as np
 import pytest
 import torch
-from helpers import backend_against_brute_force, refuses
+from helpers import backend_against_brute_force, dense_reference, refuses
 
 P = importlib.import_module("02_paged_cache_manager")
 kv01 = importlib.import_module("01_kv_cache")
 
 
-def reference_attention(q, k, v):
-    """float64 causal attention of the last n of L positions, GQA by repeating kv heads. q (n,H,D), k/v (L,Hkv,D)."""
-    n, H, D = q.shape
-    L, Hkv = k.shape[:2]
-    k, v = (x.double().repeat_interleave(H // Hkv, dim=1) for x in (k, v))
-    scores = torch.einsum("nhd,lhd->hnl", q.double(), k) / math.sqrt(D)
-    visible = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]  # (n, L)
-    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
-    return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
-
-
 def random_paged_batch(seq_lens, q_lens, block_size, H, Hkv, D, dtype=torch.float32, device="cpu", seed=0):
     """Random K/V scattered over a randomly permuted pool (other slots poisoned), and the contiguous copies."""
-    g = torch.Generator().manual_seed(seed)
-    need = [P.cdiv(L, block_size) for L in seq_lens]
+    g, need = torch.Generator().manual_seed(seed), [P.cdiv(L, block_size) for L in seq_lens]
     num_blocks = sum(need) + 3
     perm = torch.randperm(num_blocks, generator=g)
     k_cache = torch.full((num_blocks, block_size, Hkv, D), 1e4)  # poison: any slot read by mistake ruins the output
@@ -41,8 +28,8 @@ def random_paged_batch(seq_lens, q_lens, block_size, H, Hkv, D, dtype=torch.floa
         off += need[i]
         table[i, :need[i]] = blocks
         k, v = torch.randn(L, Hkv, D, generator=g), torch.randn(L, Hkv, D, generator=g)
-        k_cache.view(-1, Hkv, D)[(blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:L]] = k
-        v_cache.view(-1, Hkv, D)[(blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:L]] = v
+        slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:L]
+        k_cache.view(-1, Hkv, D)[slots], v_cache.view(-1, Hkv, D)[slots] = k, v
         ks.append(k)
         vs.append(v)
     q = torch.randn(sum(q_lens), H, D, generator=g)
@@ -58,10 +45,10 @@ def test_paged_attention_matches_float64_reference(block_size, mixed):
     q_lens = [1, 5, 3, 17, 1, 2] if mixed else [1] * len(seq_lens)
     q, k_cache, v_cache, table, lens, ks, vs = random_paged_batch(seq_lens, q_lens, block_size, H=6, Hkv=2, D=8,
                                                                   seed=block_size + mixed)
-    out = P.paged_attention(q, k_cache, v_cache, table, lens, q_lens, path="torch")
-    t = 0
+    out, t = P.paged_attention(q, k_cache, v_cache, table, lens, q_lens, path="torch"), 0
     for n, k, v in zip(q_lens, ks, vs):
-        torch.testing.assert_close(out[t:t + n].double(), reference_attention(q[t:t + n], k, v), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[t:t + n].double(), dense_reference(q[t:t + n], k, v, len(k) - n), atol=1e-5,
+                                   rtol=1e-5)
         t += n
 
 
@@ -96,8 +83,7 @@ def test_greedy_decode_equals_contiguous_cache(smollm):
 
 def test_fork_copy_on_write_matches_unshared_runs(smollm):
     model, tok = smollm
-    prompt = tok.chat("Tell me a story.")
-    B = 8
+    prompt, B = tok.chat("Tell me a story."), 8
     assert len(prompt) % B, "the prompt must end inside a block so that the samples share a partly filled block"
     kv = P.PagedKVCache.for_model(model, 64, B)
     model(torch.tensor(prompt), kv.prepare([0], [len(prompt)]), kv)
@@ -122,8 +108,7 @@ def test_fork_copy_on_write_matches_unshared_runs(smollm):
     assert all(m.ref_count[m.block_tables[0][i]] == 3 for i in range(n_full))  # the prompt's full blocks stay shared
     assert len({m.block_tables[s][n_full] for s in conts}) == 3  # the partly filled one was copied on write
     for s in conts:  # unshared run of prompt + this sample's tokens through 01's cache
-        ref_kv = kv01.ContiguousKVCache.for_model(model, 1, 64)
-        seq = prompt + conts[s]
+        ref_kv, seq = kv01.ContiguousKVCache.for_model(model, 1, 64), prompt + conts[s]
         ref = model(torch.tensor(seq), ref_kv.prepare([0], [len(seq)]), ref_kv)
         for n, row in logits[s]:
             torch.testing.assert_close(row, ref[n - 1], atol=2e-3, rtol=1e-3)
@@ -242,20 +227,18 @@ def test_clear_errors():
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_scheduler_preempts_and_keeps_every_request_kv(preempt):
-    """A trace through a pool that holds only a few requests: every K slot is tagged 10000 * request + position, and
-    after every step each running request must read back exactly its own tags (through swaps and recomputes)."""
+    """A trace through a pool that holds only a few requests: after every step each running request reads back
+    exactly its own K tags (10000 * request + position), through swaps and recomputes."""
     p, o = kv01.synthetic_trace("alpaca", 40, seed=3)
     kv = P.PagedKVCache(1, P.cdiv(int((p + o).max()), 4) + 8, 4, 1, 1)  # the longest request fits alone
     sched = P.Scheduler(kv, 64, preempt)
     sched.waiting.extend(P.Request(i, [0] * int(pi), int(oi)) for i, (pi, oi) in enumerate(zip(p, o)))
 
     def forward(batch, tokens, positions):
-        n_new = [r.n_new for r in batch]
-        seq = torch.tensor([r.rid for r, n in zip(batch, n_new) for _ in range(n)])
+        seq = torch.tensor([r.rid for r, n in zip(batch, [r.n_new for r in batch]) for _ in range(n)])
         kv.k_cache[0].flatten(0, 1)[kv.tok_slots] = (10000 * seq + positions).float()[:, None, None]
         for r in sched.running:
-            n = kv.manager.num_tokens[r.rid]
-            got = kv.gather(r.rid, 0)[0].flatten().tolist()
+            n, got = kv.manager.num_tokens[r.rid], kv.gather(r.rid, 0)[0].flatten().tolist()
             want = (10000 * r.rid + torch.arange(n)).tolist()
             assert got == want, (f"({preempt}) request {r.rid} reads back K tagged {got[:8]}...; want its own "
                                  f"positions, {want[:8]}...")
@@ -283,8 +266,7 @@ def test_batch_estimate_counts_copy_on_write_once_per_shared_block():
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_random_traces_finish_in_a_pool_the_largest_request_fits(preempt):
-    """Brute force over random traces and watermarks: a pool exactly as large as the largest request needs alone.
-    A request preempted while it decodes into the watermark must come back when it runs alone (issue 22.2)."""
+    """Issue 22.2: random traces and watermarks finish in a pool the largest request fits alone."""
     rng = random.Random()
     for _ in range(40):
         n, B = rng.randint(1, 6), rng.choice([1, 2, 4])
@@ -294,8 +276,7 @@ def test_random_traces_finish_in_a_pool_the_largest_request_fits(preempt):
         if preempt == "recompute":
             sched = P.simulate(p, o, blocks, B, max_running=rng.randint(1, 4), watermark=watermark)
         else:
-            kv = P.PagedKVCache(1, blocks, B, 1, 1, watermark=watermark)
-            sched = P.Scheduler(kv, rng.randint(1, 4), "swap")
+            sched = P.Scheduler(P.PagedKVCache(1, blocks, B, 1, 1, watermark=watermark), rng.randint(1, 4), "swap")
             sched.waiting.extend(P.Request(i, [0] * pi, oi) for i, (pi, oi) in enumerate(zip(p, o)))
             sched.run(lambda batch, tokens, positions: [0] * len(batch))
         assert [len(r.output) for r in sorted(sched.finished, key=lambda r: r.rid)] == o, (p, o, B, watermark)
@@ -316,8 +297,7 @@ def test_simulation_statistics_are_consistent(B):
 
 @pytest.mark.parametrize("beam", [False, True], ids=["parallel", "beam"])
 def test_sharing_saved_equals_distinct_history_count(beam):
-    """Independent model: with copy-on-write, two sequences share block j exactly when their token histories agree up
-    to the end of block j (each appended token is new, so agreement means a common ancestor held that full block)."""
+    """sharing_saved: sequences share block j exactly when their histories agree to its end (an independent model)."""
     p, o = kv01.synthetic_trace("alpaca", 12, seed=7)
     B, width, rng, held, unshared, uid = 4, 3, np.random.default_rng(0), 0, 0, 0
     for pi, oi in zip(p.tolist(), o.tolist()):
@@ -333,13 +313,9 @@ def test_sharing_saved_equals_distinct_history_count(beam):
     assert P.sharing_saved(p, o, width, beam, block_size=B, seed=0) == pytest.approx(1 - held / unshared, rel=1e-12)
 
 
-def test_json_report():
-    import contextlib
-    import io
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        P.main(["--json", "--no-model", "--requests", "100", "--budget", "8192"])
-    res = json.loads(buf.getvalue())
+def test_json_report(capsys):
+    P.main(["--json", "--no-model", "--requests", "100", "--budget", "8192"])
+    res = json.loads(capsys.readouterr().out)
     live = res["live_fraction"]
     assert set(live) == {"1", "16", "256"} and all(0 < x <= 1 for x in live.values())
     assert min(live.values()) > res["live_fraction_max_len"] and res["batch"]["16"] > res["batch_max_len"]
@@ -359,8 +335,8 @@ def test_flash_path_equals_torch_path(D):
         assert P.flash_ok(kc)
         flash = P.paged_attention(q, kc, vc, table, lens, q_lens, path="flash").float()
         ref = P.paged_attention(q, kc, vc, table, lens, q_lens, path="torch").float()
-        exact = torch.cat([reference_attention(q[t - n:t].cpu(), k.bfloat16(), v.bfloat16()).float() for n, t, k, v
-                           in zip(q_lens, np.cumsum(q_lens), ks, vs)]).cuda()
+        exact = torch.cat([dense_reference(q[t - n:t].cpu(), k.bfloat16(), v.bfloat16(), len(k) - n).float()
+                           for n, t, k, v in zip(q_lens, np.cumsum(q_lens), ks, vs)]).cuda()
         print(f"\nD={D} q_lens={q_lens}: |flash - torch| max {(flash - ref).abs().max():.2e}, "
               f"|flash - fp64| max {(flash - exact).abs().max():.2e}, |torch - fp64| max {(ref - exact).abs().max():.2e}")
         torch.testing.assert_close(flash, ref, atol=2e-2, rtol=2e-2)
@@ -374,11 +350,9 @@ def test_random_weight_model_decodes_through_flash_path():
     torch.manual_seed(0)
     args = L.ModelArgs(dim=512, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=1000, hidden_dim=1024, max_seq_len=2048)
     model = L.Transformer(args).to("cuda", torch.bfloat16).eval()
-    prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (300, 5, 600)]
-    logits = {}
+    prompts, logits = [torch.randint(0, 1000, (n,)).tolist() for n in (300, 5, 600)], {}
     for path in ("flash", "torch"):
-        kv = P.PagedKVCache.for_model(model, 16, 256, path=path)
-        lens = [len(p) for p in prompts]
+        kv, lens = P.PagedKVCache.for_model(model, 16, 256, path=path), [len(p) for p in prompts]
         rows = [model(torch.tensor(sum(prompts, []), device="cuda"), kv.prepare([0, 1, 2], lens), kv,
                       logits_at=torch.tensor(lens, device="cuda").cumsum(0) - 1)]
         for step in range(4):  # teacher-forced decode: same inputs on both paths
@@ -390,9 +364,7 @@ def test_random_weight_model_decodes_through_flash_path():
 
 
 def random_table_workload(kv, steps, rng):
-    """Drive a PagedKVCache through random steps -- new sequences, growth (1 token, or k at once as multi-step
-    decoding asks), fork + copy-on-write, finishes, swap out and in, refused batches -- yielding after each
-    successful prepare. Before every step the unused entries of every table row are poisoned (-1)."""
+    """Random steps of a PagedKVCache (grow, fork, free, swap), yielding after each prepare; unused entries -1."""
     live, swapped, next_id = [], [], 0
     for _ in range(steps):
         kv.table[kv.free_rows] = -1  # poison what no row uses; what a row uses must survive from earlier writes
@@ -432,12 +404,9 @@ def random_table_workload(kv, steps, rng):
 
 
 def test_device_tables_follow_the_manager():
-    """What CUDA graphs read -- the device block table, the step's rows, lengths and slots -- equals what the
-    BlockManager says after every step of a random workload, with unused table entries poisoned before each step
-    (so an entry the incremental write skipped shows up)."""
+    """The device table, rows, lengths and slots CUDA graphs read equal the BlockManager's after every random step."""
     rng = random.Random(int(torch.randint(0, 10**6, ())))
-    kv = P.PagedKVCache(1, 40, 4, 1, 2, max_seqs=12, max_seq_len=64)
-    steps = 0
+    kv, steps = P.PagedKVCache(1, 40, 4, 1, 2, max_seqs=12, max_seq_len=64), 0
     for batch, n_new, positions in random_table_workload(kv, 800, rng):
         m, B = kv.manager, kv.block_size
         for s in m.block_tables:
@@ -457,9 +426,7 @@ def test_device_tables_follow_the_manager():
 
 @pytest.mark.triton
 def test_kernels_read_the_device_tables():
-    """04's decode and prefill kernels (interpreted here) read a PagedKVCache's device table during a random
-    workload and agree with float64 attention over the BlockManager's own tables. Unused table entries point at
-    a block of NaN (the graphs' padding block), so a kernel that reads past a sequence's blocks fails."""
+    """04's kernels read a PagedKVCache's device table as float64 attention over the BlockManager's (NaN past it)."""
     m04 = importlib.import_module("04_triton_token_attn")
     rng = random.Random(int(torch.randint(0, 10**6, ())))
     kv = P.PagedKVCache(1, 48, 4, 2, 16, max_seqs=12, max_seq_len=64)
@@ -490,11 +457,8 @@ def test_kernels_read_the_device_tables():
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])
 def test_preemption_order_against_the_policy(preempt):
-    """vLLM's policy, checked on every step of random traces through a small pool: first come first served (every
-    running request arrived before every waiting one, the queue stays in arrival order); the victim of a preemption
-    is the newest running request (the last admitted, or swapped back in); a recomputed one goes back to the head of
-    the queue (and one admitted that did not fit: few block-table rows), a swapped one comes back before any new
-    admission, swapped-out requests in the order they left."""
+    """vLLM's policy on every step of random traces: first come first served; the newest running request is the
+    victim; a recomputed one goes back to the queue's head, swapped ones come back first, in the order they left."""
     rng = random.Random(preempt)
     for trial in range(12):
         n, B = rng.randint(4, 9), rng.choice([1, 2, 4])
@@ -532,14 +496,12 @@ def test_preemption_order_against_the_policy(preempt):
 
 @pytest.mark.parametrize("B", [1, 3, 4])
 def test_admission_takes_exactly_what_fits_above_the_watermark(B):
-    """The first step admits, first come first served, the longest run of requests whose prompts' blocks (rounded up)
-    leave at least the watermark free; the first request only has to fit. Brute force over random prompts."""
+    """The first step admits the longest first-come run whose blocks leave the watermark free (brute force)."""
     rng = random.Random(B)
     for _ in range(60):
         blocks, wm = rng.randint(4, 30), rng.choice([0.0, 0.1, 0.2, 0.34])
         p = [rng.randint(1, rng.choice([3 * B + 2, blocks * B])) for _ in range(rng.randint(1, 8))]  # or one alone
-        m = P.BlockManager(blocks, B, wm)
-        sched = P.Scheduler(m, rng.randint(1, 8))
+        sched = P.Scheduler(P.BlockManager(blocks, B, wm), rng.randint(1, 8))
         sched.waiting.extend(P.Request(i, [0] * pi, 3) for i, pi in enumerate(p))
         want, taken = [], 0
         for i, pi in enumerate(p):
@@ -552,8 +514,7 @@ def test_admission_takes_exactly_what_fits_above_the_watermark(B):
 
 
 def test_copy_on_write_only_for_a_shared_partial_block():
-    """fork, then append: a full shared last block is not copied (the new tokens start a new block), a partial
-    one is copied once, by the first writer; the last holder writes in place."""
+    """Copy-on-write copies a shared partial last block once per writer but the last; a full one never."""
     m = P.BlockManager(10, 4, 0.0)
     m.append("a", 8)  # two full blocks
     m.fork("a", "b")
@@ -572,8 +533,7 @@ def test_copy_on_write_only_for_a_shared_partial_block():
 
 @pytest.mark.parametrize("block_size,seed", [(1, 0), (4, 1), (5, 2)])
 def test_paged_cache_batches_against_a_brute_force_model(block_size, seed):
-    """01's brute-force drive through the paged backend: a pool exactly as large as three requests of 12 tokens, so
-    every block counts; each token's slot is table[row, pos // block] * block + pos % block."""
+    """01's brute-force drive through the paged backend, in a pool of exactly three 12-token requests."""
     kv = P.PagedKVCache(1, 3 * P.cdiv(12, block_size), block_size, 2, 8, watermark=0.0, max_seqs=3, max_seq_len=12)
     backend_against_brute_force(kv, seed)
     assert kv.manager.num_free == kv.manager.num_blocks and kv.manager.check() and sorted(kv.free_rows) == [0, 1, 2]

@@ -5,7 +5,7 @@ import random
 
 import pytest
 import torch
-from helpers import backend_against_brute_force, refuses, tiny_model
+from helpers import backend_against_brute_force, dense_reference, random_model, refuses, tiny_model
 
 m = importlib.import_module("03_token_allocator")
 
@@ -66,8 +66,7 @@ def test_alloc_takes_the_lowest_free_slots():
     for size, held in ((8, [1, 2, 5]), (5, []), (4, [0, 1, 2, 3]), (6, [0, 5])):
         for n in range(size + 2):
             a, bf = pool(size, held)
-            picture = show(bf)
-            got = a.alloc(n)
+            picture, got = show(bf), a.alloc(n)
             want = bf.alloc(n)
             if want is None:
                 assert got is None, f"alloc({n}) on the pool {picture} returned {got.tolist()}; want None: " \
@@ -87,8 +86,7 @@ def test_alloc_contiguous_takes_the_first_run():
         for n in range(1, size + 2):
             a, bf = pool(size, held)
             picture, run = show(bf), bf.first_run(n)
-            got = a.alloc_contiguous(n)
-            want = bf.alloc(n, contiguous=True)
+            got, want = a.alloc_contiguous(n), bf.alloc(n, contiguous=True)
             if want is None:
                 assert got is None, f"alloc_contiguous({n}) on the pool {picture} returned {got.tolist()}; " \
                     f"want None: only {size - len(held)} slots are free"
@@ -121,8 +119,7 @@ def test_free_drops_one_reference_per_slot_listed():
 
 
 def test_random_ops_agree_with_brute_force():
-    rng = random.Random(1234)
-    size = 97
+    rng, size = random.Random(1234), 97
     a, bf = m.TokenAllocator(size), BruteForce(size)
     held = []  # slot lists we own one reference to
     for step in range(1500):
@@ -175,10 +172,8 @@ def test_alloc_contiguous_returns_a_run_whenever_one_exists(density):
             a.free(a.alloc(size)[torch.ones(size, dtype=torch.bool).index_fill_(0, taken, False)])  # keep `taken`
         bf.ref = [int(i in set(taken.tolist())) for i in range(size)]
         same_state(a, bf)
-        n = int(torch.randint(1, size + 1, (1,), generator=g))
-        picture = show(bf)
-        got = a.alloc_contiguous(n)
-        run = bf.first_run(n)
+        n, picture = int(torch.randint(1, size + 1, (1,), generator=g)), show(bf)
+        got, run = a.alloc_contiguous(n), bf.first_run(n)
         call = f"alloc_contiguous({n}) on the pool {picture}"
         if n > size - len(taken):
             assert got is None, f"{call} returned {got.tolist()}; want None: only {size - len(taken)} are free"
@@ -192,8 +187,7 @@ def test_alloc_contiguous_returns_a_run_whenever_one_exists(density):
 
 def test_exhaustion_is_a_clean_refusal():
     a = m.TokenAllocator(10)
-    x = a.alloc(7)
-    before = a.mem_state.clone()
+    x, before = a.alloc(7), a.mem_state.clone()
     assert a.alloc(4) is None and a.alloc_contiguous(4) is None
     assert torch.equal(a.mem_state, before) and a.available() == 3
     assert a.alloc(3) is not None and a.available() == 0
@@ -245,23 +239,18 @@ def test_decode_attn_matches_float64_reference():
     g = torch.Generator().manual_seed(7)
     size, H, Hkv, D, B = 300, 6, 2, 16, 4
     kp, vp = torch.randn(size, Hkv, D, generator=g), torch.randn(size, Hkv, D, generator=g)
-    q = torch.randn(B, H, D, generator=g)
-    lens = torch.tensor([1, 17, 5, 60], dtype=torch.int32)
+    q, lens = torch.randn(B, H, D, generator=g), torch.tensor([1, 17, 5, 60], dtype=torch.int32)
     r2t = torch.randint(0, size, (6, 64), generator=g, dtype=torch.int32)  # stale junk past each length too
-    rows = torch.tensor([4, 0, 5, 2], dtype=torch.int32)
-    out = torch.full((B, H, D), float("nan"))
+    rows, out = torch.tensor([4, 0, 5, 2], dtype=torch.int32), torch.full((B, H, D), float("nan"))
     out[:] = m.L01.attend_table(q, kp, vp, r2t, rows, lens)
-    for b in range(B):
-        idx = r2t[rows[b], :lens[b]].long()
-        k, v = kp[idx].double().repeat_interleave(H // Hkv, 1), vp[idx].double().repeat_interleave(H // Hkv, 1)
-        p = torch.softmax(torch.einsum("hd,lhd->hl", q[b].double(), k) / D ** 0.5, -1)
-        assert torch.allclose(out[b].double(), torch.einsum("hl,lhd->hd", p, v), atol=1e-5)
+    for b in range(B):  # one query seeing all of its request's keys
+        i = r2t[rows[b], :lens[b]].long()
+        assert torch.allclose(out[b].double(), dense_reference(q[b][None], kp[i], vp[i], len(i) - 1)[0], atol=1e-5)
 
 
 def test_add_prefix_shares_slots_and_matches_recompute():
     import llama3_generate as L
-    model = tiny_model(0, vocab_size=97, hidden_dim=96, max_seq_len=64)
-    a_tok = torch.randint(0, 97, (20,))
+    model, a_tok = tiny_model(0, vocab_size=97, hidden_dim=96, max_seq_len=64), torch.randint(0, 97, (20,))
     b_tok = torch.cat([a_tok[:12], torch.randint(0, 97, (5,))])  # shares A's first 12 tokens
     kv = m.TokenKVCache.for_model(model, 64, max_requests=4, max_seq_len=32)
     kv.allocator.alloc(3)  # so slots are not simply 0..n-1
@@ -271,8 +260,7 @@ def test_add_prefix_shares_slots_and_matches_recompute():
     pos = kv.prepare(["B"], [5])
     assert pos.tolist() == list(range(12, 17))
     got = model(b_tok[12:], pos, kv)
-    want = model(b_tok, torch.arange(17), L.NoCache())[12:]
-    assert torch.allclose(got, want, atol=1e-4)
+    assert torch.allclose(got, model(b_tok, torch.arange(17), L.NoCache())[12:], atol=1e-4)
     assert kv.slots("B")[:12].tolist() == kv.slots("A")[:12].tolist()
     kv.free("A")
     assert kv.allocator.available() == 64 - 3 - 17  # B still holds the shared 12 + its own 5
@@ -282,22 +270,16 @@ def test_add_prefix_shares_slots_and_matches_recompute():
 
 
 @pytest.mark.slow
-def test_greedy_decode_matches_contiguous_cache(smollm):
+def test_greedy_decode_matches_contiguous_cache(smollm, one_thread):
     import llama3_generate as L
     model, tok = smollm
     kv01 = importlib.import_module("01_kv_cache")
     prompts = [tok.chat("What is the capital of France?"), tok.chat("Say hello.")]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small ops: one thread is faster and steadier on a shared 2-core box
-    try:
-        want = L.generate(model, kv01.ContiguousKVCache.for_model(model, 2, 128), prompts, 16)
-        kv = m.TokenKVCache.for_model(model, 400, max_requests=4, max_seq_len=128)
-        hole = kv.allocator.alloc(300)
-        kv.allocator.free(hole[torch.randperm(300)[:200]])  # scattered free slots: requests cannot be contiguous
-        got = L.generate(model, kv, prompts, 16)
-    finally:
-        torch.set_num_threads(threads)
-    assert got == want
+    want = L.generate(model, kv01.ContiguousKVCache.for_model(model, 2, 128), prompts, 16)
+    kv = m.TokenKVCache.for_model(model, 400, max_requests=4, max_seq_len=128)
+    hole = kv.allocator.alloc(300)
+    kv.allocator.free(hole[torch.randperm(300)[:200]])  # scattered free slots: requests cannot be contiguous
+    assert L.generate(model, kv, prompts, 16) == want
     assert kv.allocator.available() == 300 and not kv.rows  # everything generate() took came back
     kv.allocator.check()
 
@@ -343,10 +325,8 @@ def test_cuda_allocator_matches_cpu():
 @pytest.mark.gpu
 def test_cuda_decode_matches_contiguous_cache():
     import llama3_generate as L
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = L.Transformer(L.ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=256,
-                                          max_seq_len=128)).eval()
+    model = random_model(L.ModelArgs(dim=128, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, hidden_dim=256,
+                                     max_seq_len=128), "cuda", torch.float32)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (5, 17, 9)]
     want = L.generate(model, importlib.import_module("01_kv_cache").ContiguousKVCache.for_model(model, 3, 64), prompts, 12)
     kv = m.TokenKVCache.for_model(model, 200, max_requests=3, max_seq_len=64)
@@ -356,8 +336,7 @@ def test_cuda_decode_matches_contiguous_cache():
 
 @pytest.mark.parametrize("seed", range(3))
 def test_token_cache_batches_against_a_brute_force_model(seed):
-    """01's brute-force drive through the token pool: exactly 3 x 12 slots and 3 request rows, so every slot and
-    row counts (a leaked one is missed at once); each token's slot is req_to_token[row, pos]."""
+    """01's brute-force drive through the token pool: exactly 3 x 12 slots and 3 rows, so a leak shows at once."""
     kv = m.TokenKVCache(1, 36, 2, 8, max_requests=3, max_seq_len=12)
     backend_against_brute_force(kv, seed, steps=60)
     assert kv.allocator.available() == 36 and sorted(kv.req_pool.free_rows) == [0, 1, 2] and kv.lens == {}
@@ -365,8 +344,7 @@ def test_token_cache_batches_against_a_brute_force_model(seed):
 
 
 def test_share_prefix_moves_one_reference_per_slot():
-    """share_prefix against a refcount model: B's tokens start..start + n point at A's slots, which gain a
-    reference each, while B's own copies lose theirs (free again at once); freeing A then B empties the pool."""
+    """share_prefix moves one reference per slot from B's own slots to A's (a refcount model)."""
     for start, n in ((0, 6), (2, 5), (4, 6)):
         kv = m.TokenKVCache(1, 40, 1, 2, max_requests=3, max_seq_len=16)
         kv.allocator.alloc(3)  # slots are not simply 0..n-1

@@ -1,12 +1,11 @@
-"""04's flash-decoding kernel vs a float64 gather + softmax reference.
-
-On CPU the kernel runs through the Triton interpreter (the module sets TRITON_INTERPRET=1 without CUDA), so
-shapes stay small; @pytest.mark.gpu tests run the compiled kernel on larger ones."""
+"""04's kernels vs float64 references: on a CPU through the Triton interpreter (small shapes), compiled on a GPU
+(@pytest.mark.gpu, larger ones)."""
 import importlib
 import json
 
 import pytest
 import torch
+from helpers import random_model
 
 try:
     m = importlib.import_module("04_triton_token_attn")
@@ -55,16 +54,13 @@ def test_empty_splits_and_custom_scale():
 
 @pytest.mark.parametrize("splits", [1, 2, 5])
 def test_pdl_variant(splits):
-    """pdl=True: stage 1 loads its first tile before the wait without the newest token, then patches that token
-    in (the interpreter has no launch control, so this checks the arithmetic): one or several tiles per split."""
+    """pdl=True (the first tile loaded before the wait, the newest token patched in): the same arithmetic."""
     P = m.make_problem(LENS, 6, 2, 64, torch.float32, seed=int(torch.randint(0, 10**6, ())))
     run_and_check(P, torch.float32, num_splits=splits, pdl=True)
 
 
 def test_q_may_be_a_view_of_the_projection():
-    """q as the model passes it: the query heads of a (T, H + Hkv, D) tensor whose k heads follow
-    (one RoPE for both), so its rows are (H + Hkv) * D apart. Decode and prefill read it in place:
-    the same outputs as from a contiguous copy, and the same as float64."""
+    """Decode and prefill read q in place as a view of the projection's output."""
     q, k, v, r2t, rows, lens = m.make_problem([3, 70], 6, 2, 64, torch.float32, seed=int(torch.randint(0, 10**6, ())))
     wide = torch.randn(len(lens), 6 + 2, 64)
     wide[:, :6] = q
@@ -74,8 +70,7 @@ def test_q_may_be_a_view_of_the_projection():
     assert torch.equal(got, m.token_decode_attention(q, k, v, r2t, rows, lens))
     assert m.rel_err(got, m.reference_decode_attention(q, k, v, r2t, rows, lens)) <= m.TOLERANCE[torch.float32]
     prefix, extend = [0, 60], [3, 10]
-    P = extend_problem(prefix, extend, 6, 2, 64, torch.float32, seed=3)
-    wide = torch.randn(sum(extend), 8, 64)
+    P, wide = extend_problem(prefix, extend, 6, 2, 64, torch.float32, seed=3), torch.randn(sum(extend), 8, 64)
     wide[:, :6] = P[0]
     got = m.token_extend_attention(wide[:, :6], *P[1:])
     assert torch.equal(got, m.token_extend_attention(*P))
@@ -85,8 +80,7 @@ def test_q_may_be_a_view_of_the_projection():
 def test_reference_is_softmax_attention():
     """The reference itself, against a hand-written loop for one request and one head."""
     q, k, v, r2t, rows, lens = m.make_problem([5, 3], 4, 2, 16, torch.float64, seed=2)
-    ref = m.reference_decode_attention(q, k, v, r2t, rows, lens)
-    slots = r2t[rows[1], :3].long()
+    ref, slots = m.reference_decode_attention(q, k, v, r2t, rows, lens), r2t[rows[1], :3].long()
     s = torch.stack([q[1, 3] @ k[i, 1] for i in slots]) / 4.0  # query head 3 reads kv head 3 // 2 = 1
     torch.testing.assert_close(ref[1, 3], (s.softmax(0)[:, None] * v[slots, 1]).sum(0))
 
@@ -138,15 +132,13 @@ def test_gpu_matches_reference(dtype, H, Hkv, D):
 
 @pytest.mark.gpu
 def test_gpu_large_batch_bf16():
-    P = m.make_problem([2048] * 64 + [1, 17], 32, 8, 128, torch.bfloat16, "cuda", seed=3)
-    run_and_check(P, torch.bfloat16)
+    run_and_check(m.make_problem([2048] * 64 + [1, 17], 32, 8, 128, torch.bfloat16, "cuda", seed=3), torch.bfloat16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 256, 4100])
 def test_gpu_pages(page):
-    """Compiled, bf16: 02's block tables (16, 256) and a contiguous row as one page (4,100 slots), decode at
-    several split counts and a ragged extend, against float64."""
+    """Compiled, bf16: 02's block tables and a 4,100-slot row as one page, decode and extend."""
     P = m.paged_problem(m.make_problem(LENS + [4097], 32, 8, 128, torch.bfloat16, "cuda", seed=page), page, page)
     for splits in (None, 1, 7):
         run_and_check(P, torch.bfloat16, page=page, num_splits=splits)
@@ -158,8 +150,7 @@ def test_gpu_pages(page):
 
 
 def extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=True, seed=0, device="cpu"):
-    """A ragged prefill batch over a pool: request b has prefix[b] cached tokens and extend[b] new ones, all
-    already in the pool at random slots (others NaN, so a wrong read poisons the output); q for the new ones."""
+    """A ragged prefill batch: request b has prefix[b] cached tokens and extend[b] new ones (NaN elsewhere)."""
     P = m.make_problem([p + n for p, n in zip(prefix, extend)], H, Hkv, D, dtype, device, scattered, seed)
     q = torch.randn(sum(extend), H, D, generator=torch.Generator().manual_seed(seed + 1)).to(device, dtype)
     return (q, *P[1:5], prefix, extend)
@@ -190,8 +181,7 @@ def test_extend_matches_reference(dtype, H, Hkv, D, prefix, extend):
 
 
 def test_extend_random_ragged_batches():
-    """Fresh random batches: random head layouts, prefixes and extends (1-token ones included), scattered slots,
-    tile sizes from 16 rows (a block holds a token's heads only in part when the group is 3) to the GPU's."""
+    """Random head layouts, prefixes, extends and tile sizes: the extend kernel equals float64."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
     rand = lambda lo, hi: int(torch.randint(lo, hi, (), generator=g))
     for _ in range(6):
@@ -207,8 +197,7 @@ def test_extend_random_ragged_batches():
 
 @pytest.mark.parametrize("page", [4, 16, 23, 64])
 def test_pages_decode_and_extend(page):
-    """page > 1: the same kernels read 02's block tables (pages of 4, 16, 64 slots) and 01's contiguous rows (one
-    page of max_len, here 23, not a power of two), at random pages; unused pages and table entries poisoned."""
+    """page > 1: the kernels read 02's block tables and 01's rows (23: no power of two)."""
     seed = int(torch.randint(0, 10**6, ()))
     P = m.paged_problem(m.make_problem([1, 5, 23, 70], 6, 2, 64, torch.float32, seed=seed), page, seed)
     run_and_check(P, torch.float32, page=page, num_splits=[None, 1, 3][seed % 3])
@@ -220,13 +209,10 @@ def test_pages_decode_and_extend(page):
 
 
 def test_token_backend_prefill_through_the_kernel():
-    """03's TokenKVCache with extend_attn = the Triton kernel gives the model's own (gather + SDPA) prefill,
-    also after a cached prefix (add_prefix, as after a radix hit)."""
-    L = importlib.import_module("llama3_generate")
-    T = importlib.import_module("03_token_allocator")
-    torch.manual_seed(int(torch.randint(0, 10**6, ())))
-    model = L.Transformer(L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=128,
-                                      max_seq_len=256)).eval()
+    """03's TokenKVCache with the extend kernel gives the model's own prefill."""
+    L, T = importlib.import_module("llama3_generate"), importlib.import_module("03_token_allocator")
+    model = random_model(L.ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, hidden_dim=128,
+                                     max_seq_len=256), "cpu", torch.float32, seed=int(torch.randint(0, 10**6, ())))
     logits = []
     for kernel in (False, True):
         kv = T.TokenKVCache.for_model(model, 256, 4, 128)
@@ -235,8 +221,7 @@ def test_token_backend_prefill_through_the_kernel():
         prompts = [torch.randint(0, 64, (n,)) for n in (5, 40, 17)]
         out = model(torch.cat(prompts), kv.prepare([0, 1, 2], [5, 40, 17]), kv, logits_at=torch.tensor([4, 44, 61]))
         kv.add_prefix(3, kv.slots(1)[:30])  # a new request reusing 30 cached tokens, extended by 12
-        more = torch.randint(0, 64, (12,))
-        out2 = model(more, kv.prepare([3], [12]), kv)
+        out2 = model(torch.randint(0, 64, (12,)), kv.prepare([3], [12]), kv)
         logits.append((out, out2))
     for a, b in zip(*logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -246,8 +231,7 @@ def test_token_backend_prefill_through_the_kernel():
 @pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (9, 3, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
-    """Compiled on the GPU at realistic sizes: float64 reference, and flash_attn_varlen_func (causal, bottom-right:
-    the prefix visible) on contiguous copies where flash-attn is installed (fp16/bf16)."""
+    """Compiled, at realistic sizes: float64, and flash-attn where installed."""
     prefix, extend = [0, 700, 3, 1500], [300, 1, 257, 64]
     P = extend_problem(prefix, extend, H, Hkv, D, dtype, seed=int(torch.randint(0, 10**6, ())))
     P = tuple(x.cuda() if torch.is_tensor(x) else x for x in P)
@@ -261,8 +245,7 @@ def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
     except ImportError:
         pytest.skip("flash-attn not installed: compared with the float64 reference only")
     q, kp, vp, r2t, rows = P[:5]
-    k = torch.cat([kp[r2t[r, :p + n].long()] for r, p, n in zip(rows.tolist(), prefix, extend)])
-    v = torch.cat([vp[r2t[r, :p + n].long()] for r, p, n in zip(rows.tolist(), prefix, extend)])
+    k, v = (torch.cat([x[r2t[r, :p + n].long()] for r, p, n in zip(rows.tolist(), prefix, extend)]) for x in (kp, vp))
     cu = lambda lens: torch.tensor([0] + lens, device="cuda").cumsum(0).int()
     ref = flash_attn_varlen_func(q, k, v, cu(extend), cu([p + n for p, n in zip(prefix, extend)]), max(extend),
                                  max(p + n for p, n in zip(prefix, extend)), causal=True)
@@ -271,9 +254,7 @@ def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])  # interpreter:
 def test_pointwise_kernels_equal_the_models_functions(dtype):                       # bf16 arithmetic is garbage
-    """rms_norm, apply_rope and swiglu as one kernel each (what the engine puts in the model on a GPU) against the
-    model's PyTorch functions in float64, on inputs laid out as the model makes them (views into one GEMM's
-    output), with SmolLM2's sizes that are not powers of two; every element compared."""
+    """rms_norm, apply_rope and swiglu kernels equal the model's functions in float64, on the model's views."""
     import llama3_generate as L
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
@@ -281,14 +262,11 @@ def test_pointwise_kernels_equal_the_models_functions(dtype):                   
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     for T, H, D, dim, hidden in ((5, 9, 64, 576, 1536), (3, 8, 128, 1024, 2816), (1, 3, 64, 96, 40)):
         x, w = rand(T, dim), rand(dim)
-        want = L.rms_norm(x.double(), w.double(), 1e-5)
-        torch.testing.assert_close(m.rms_norm(x, w, 1e-5).double(), want, **tol)
+        torch.testing.assert_close(m.rms_norm(x, w, 1e-5).double(), L.rms_norm(x.double(), w.double(), 1e-5), **tol)
         qkv = rand(T, (H + 2) * D)  # q and k as views of one projection's output, as the model splits them
-        q = qkv[:, :H * D].view(T, H, D)
-        pos = torch.randint(0, 4096, (T,), generator=g)
+        q, pos = qkv[:, :H * D].view(T, H, D), torch.randint(0, 4096, (T,), generator=g)
         cos, sin = (t[pos].to(dev) for t in L.rope_tables(L.ModelArgs(dim=H * D, n_heads=H, max_seq_len=4096)))
         want = L.apply_rope(q.double(), cos.double(), sin.double())
         torch.testing.assert_close(m.apply_rope(q, cos, sin).double(), want, **tol)
         gate, up = rand(T, 2 * hidden).chunk(2, -1)
-        want = L.swiglu(gate.double(), up.double())
-        torch.testing.assert_close(m.swiglu(gate, up).double(), want, **tol)
+        torch.testing.assert_close(m.swiglu(gate, up).double(), L.swiglu(gate.double(), up.double()), **tol)

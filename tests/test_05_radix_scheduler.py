@@ -1,13 +1,14 @@
 """05: radix tree against a brute-force prefix dictionary, eviction/locking invariants, the scheduler's DFS claim,
 and the real model producing the same tokens with and without the prefix cache."""
 import importlib
+import itertools
 import json
 import random
 
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import kv_less, tiny_model
 
 R = importlib.import_module("05_radix_scheduler")
 T = importlib.import_module("03_token_allocator")
@@ -15,8 +16,7 @@ P02 = importlib.import_module("02_paged_cache_manager")
 
 
 class Brute:
-    """Every cached prefix of whole pages (tuple) -> the slots of its last page (P = 1: of its last token). A radix
-    tree is a compressed version of this."""
+    """Every cached prefix of whole pages (tuple) -> the slots of its last page: a radix tree, uncompressed."""
 
     def __init__(self, page=1):
         self.slot, self.page = {}, page
@@ -51,13 +51,6 @@ def live_slots(alloc, page=1):
     return {b * page + i for b in torch.nonzero(alloc.mem_state).flatten().tolist() for i in range(page)}
 
 
-def pool(page, tokens, rows=4):
-    """A KV-less backend for the tree: 03's token pool (page 1) or 02's blocks of `page` tokens."""
-    if page == 1:
-        return T.TokenKVCache(1, tokens, 1, 1, rows, tokens)
-    return P02.PagedKVCache(1, tokens // page, page, 1, 1, watermark=0, max_seqs=rows)
-
-
 def random_seq(rng, vocab, lo=1, hi=24):
     return [rng.randrange(vocab) for _ in range(rng.randint(lo, hi))]
 
@@ -78,7 +71,7 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
     brute-force dictionary, evicts exactly the slots it says, and refcounts + free count add up (check)."""
     rng = random.Random(seed * 7 + page)
     vocab = rng.choice([2, 3, 5])  # tiny vocabularies: lots of shared prefixes and mid-edge splits
-    kv = pool(page, 600)
+    kv = kv_less(page, 600)
     alloc = kv.allocator
     tree, brute, seqs, locks, longest = R.RadixCache(alloc, page), Brute(page), [], [], 0
     for op in range(500):
@@ -100,8 +93,7 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
             longest = max(longest, len(want))
             assert len(want) <= len(seq) - compute_last, "the brute force left no token to compute"
             if rng.random() < 0.3 and want:  # lock it, like a running request
-                before = tree.protected_size()
-                delta = tree.inc_lock_ref(node)
+                before, delta = tree.protected_size(), tree.inc_lock_ref(node)
                 assert tree.protected_size() - before == -delta, (
                     f"inc_lock_ref returned {delta} (evictable tokens it changed); protected_size grew by "
                     f"{tree.protected_size() - before}")
@@ -112,8 +104,7 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
         elif rng.random() < 0.5:  # (half the time: the tree grows deep enough to match several pages)
             n = rng.randint(1, 80)
             before, evictable = live_slots(alloc, page), tree.evictable_size()
-            freed = tree.evict(n)
-            after = live_slots(alloc, page)
+            freed, after = tree.evict(n), live_slots(alloc, page)
             assert after <= before and len(before - after) == freed, (
                 f"op {op}: evict({n}) said it freed {freed} tokens; {len(before - after)} slots came back")
             assert freed >= min(n, evictable) and (freed >= n or tree.evictable_size() == 0), (
@@ -141,7 +132,7 @@ def test_match_insert_evict_lock_vs_brute_force(seed, page):
 
 
 def test_split_lru_order_and_pretty_print():
-    kv = pool(1, 64)
+    kv = kv_less(1, 64)
     alloc = kv.allocator
     tree = R.RadixCache(alloc)
     insert_new(tree, kv, [1, 2, 3, 4, 5])
@@ -180,27 +171,21 @@ def test_scheduler_integrity_every_step(policy):
 
 @pytest.mark.parametrize("policy", list(R.POLICIES))
 def test_whole_cached_prompt_fits_a_pool_it_fits_alone(policy):
-    """A prompt the tree holds whole recomputes its last token; the lock that follows must not strand a slot. The
-    second request needs exactly the 2-slot pool alone (issue 22: it raised PoolExhausted)."""
+    """Issue 22: a prompt the tree holds whole recomputes its last token in a pool it fits alone, stranding no slot."""
     R.simulate([([1], [100], None), ([1], [110, 111], None)], 2, policy, check=True)
 
 
 @pytest.mark.parametrize("policy", list(R.POLICIES))
 def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
-    """Brute force over random workloads: prompts drawn from few tokens (so they share prefixes, repeat whole, and
-    nest), random outputs, chains of follow-ups, a pool exactly as large as the largest request needs alone.
-    Everything must finish, with the tree and refcounts consistent after every step."""
-    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    """Random workloads (shared prefixes, repeats, follow-ups) finish in a pool the largest request fits alone."""
+    rng = np.random.default_rng()
     for _ in range(30):
         reqs = []
         for i in range(int(rng.integers(1, 8))):
             prompt = rng.integers(0, 3, int(rng.integers(1, 6))).tolist()
-            if reqs and rng.random() < 0.3:  # a follow-up: an earlier request's prompt + output + more
-                j = int(rng.integers(len(reqs)))
-                prompt = reqs[j][0] + reqs[j][1] + prompt
-                reqs.append((prompt, rng.integers(0, 3, int(rng.integers(1, 5))).tolist(), j))
-            else:
-                reqs.append((prompt, rng.integers(0, 3, int(rng.integers(1, 5))).tolist(), None))
+            j = int(rng.integers(len(reqs))) if reqs and rng.random() < 0.3 else None  # a follow-up of request j
+            prompt = prompt if j is None else reqs[j][0] + reqs[j][1] + prompt  # its prompt + output + more
+            reqs.append((prompt, rng.integers(0, 3, int(rng.integers(1, 5))).tolist(), j))
         pool = max(len(p) + len(o) - 1 for p, o, _ in reqs)
         res = R.simulate(reqs, pool, policy, max_running=int(rng.integers(1, 5)), check=True)
         assert res["prompt_tokens"] == sum(len(p) for p, _, _ in reqs), reqs
@@ -208,34 +193,23 @@ def test_random_workloads_finish_in_a_pool_the_largest_fits(policy):
 
 def prefixes(tokens, h=0):
     """An id of each prefix of the tokens following a prefix of id h (a chained hash: linear time)."""
-    out = []
-    for t in tokens:
-        h = hash((h, t))
-        out.append(h)
-    return out
+    return list(itertools.accumulate(tokens, lambda h, t: hash((h, t)), initial=h))[1:]
 
 
 STOP = -1  # the stop id of early-stopping outputs (workload tokens are >= 0)
 
 
-def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=None, arrive=None, **options):
-    """Schedule reqs [(prompt, output, after)] over a KV-less TokenKVCache, keeping a brute-force picture of the
-    pool: slot -> the token prefix whose KV was written there. After every step, each running request's slots and
-    every tree node's slots must hold exactly the prefixes of their tokens (sharing, eviction, preemption, n > 1
-    siblings and follow-ups all included), and the refcounts must match the tree + the running requests. page > 1:
-    02's PagedKVCache of `pool` blocks, the tree keyed by pages (its blocks shared by reference). max_new: each
-    request's (default: its output's length; an output shorter ends with STOP, an early stop). arrive: the step
-    each request arrives at (ascending; default: all at once). Chunked: no step feeds more than its budget, and a
-    prompt part-way in is in every step, with at least half the step's budget (or all it still lacks)."""
-    max_new = max_new or [len(o) for _, o, _ in reqs]
-    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new))
-    kv = T.TokenKVCache(1, pool, 1, 1, max_running, longest) if page == 1 else \
-        P02.PagedKVCache(1, pool, page, 1, 1, watermark=0, max_seqs=max_running, max_seq_len=longest)
+def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new_tokens=None, arrive=None, **options):
+    """Schedule reqs [(prompt, output, after)] over a KV-less pool, checking after every step each slot's KV (a
+    brute-force picture), refcounts and chunk budgets. max_new_tokens: default each output's length; arrive: steps."""
+    max_new_tokens = max_new_tokens or [len(o) for _, o, _ in reqs]
+    longest = max(len(p) + n - 1 for (p, _, _), n in zip(reqs, max_new_tokens))
+    kv = kv_less(page, pool * page, max_running, longest)
     s = R.Scheduler(kv, policy, max_running, seed=int(np.random.default_rng().integers(1 << 30)), **options)
     made, arrive, s.beside = [], arrive or [0] * len(reqs), 0
 
     def arrivals():
-        for (prompt, out, after), n in list(zip(reqs, max_new))[len(made):]:
+        for (prompt, out, after), n in list(zip(reqs, max_new_tokens))[len(made):]:
             if arrive[len(made)] > s.stats["steps"]:
                 break
             made.append(s.add(prompt, n, target=out, after=None if after is None else made[after], stop_ids=(STOP,)))
@@ -300,8 +274,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
             least = min(r.kv_len, len(r.prompt)) // page * page  # pages: its full pages only
             assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):
-            got = [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()]
-            assert got == prefix_ids(r, r.kv_len), r.rid
+            assert [written[x] for x in kv.slots(r.rid)[:r.kv_len].tolist()] == prefix_ids(r, r.kv_len), r.rid
         stack = [(s.tree.root, 0)]
         while stack:
             node, h = stack.pop()
@@ -319,8 +292,7 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new=Non
 
 
 def random_workload(rng, n_max=8, vocab=3, prompt_max=6):
-    """Prompts from few tokens (they share prefixes, repeat whole and nest), n > 1 siblings of an earlier prompt
-    (after = the first sample: they wait for its prefill), follow-ups (an earlier prompt + its output + more)."""
+    """Prompts of few tokens (shared prefixes, repeats, nesting), n > 1 siblings and follow-ups."""
     reqs = []
     for _ in range(int(rng.integers(1, n_max))):
         out = rng.integers(0, vocab, int(rng.integers(1, 6))).tolist()
@@ -339,11 +311,7 @@ def random_workload(rng, n_max=8, vocab=3, prompt_max=6):
                                                    (True, True, True), (False, False, True), (False, True, True)],
                          ids=["paper", "engine", "preempt-mixed", "paper-chunked", "engine-chunked", "mixed-chunked"])
 def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
-    """The paper's scheduler (reserve up front) and the engine's (prefill-first, admit optimistically, evict then
-    preempt through 02's Scheduler) on random workloads in pools from the largest request alone up: every request
-    finishes with its own tokens, through radix hits, n > 1 siblings and preemptions (the engine's cases); chunked:
-    prompts cut at a random per-step budget of 1-6 tokens, held back or preempted part-way, their KV and tree paths
-    growing chunk by chunk."""
+    """The paper's scheduler and the engine's keep every slot right on random workloads, chunked or not."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     totals = dict(preemptions=0, cached_tokens=0, cut=0, cut_preempted=0)
     for _ in range(200 if chunked else 40):
@@ -374,12 +342,8 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
 def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
-    """Random arrivals into chunked steps (budgets of 2-12 tokens, prompts up to 24): every request finishes with
-    its own tokens and every slot right (the brute-force check), no step feeds more than its budget, the prompt
-    part-way in gets at least half of every step's budget (prefill-first: every other step, a decode step between),
-    and prompts that arrive behind it do go in beside its chunks."""
-    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
-    beside = 0
+    """Random arrivals into chunked steps: every slot right, and prompts behind a chunked one go in beside it."""
+    rng, beside = np.random.default_rng(int(np.random.default_rng().integers(1 << 30))), 0
     for _ in range(80):
         reqs = random_workload(rng, prompt_max=24)
         longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
@@ -396,9 +360,7 @@ def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
 @pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, True)],
                          ids=["paper", "engine", "mixed-chunked"])
 def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
-    """The same brute-force check over 02's blocks with the tree keyed by pages: every request finishes with its
-    own tokens, each running request's and each tree page's slots hold their prefixes' KV, and refcounts + free
-    blocks add up after every step, through shared pages, evictions, n > 1 siblings and preemptions."""
+    """The same brute-force check over 02's blocks, the tree keyed by pages: every slot right; hits are whole pages."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     cached = pages = 0
     for _ in range(60):
@@ -414,34 +376,30 @@ def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
 
 
 def admission_workload(rng, n, hi, early):
-    """n requests, prompt and max_new lengths uniform in [hi // 8, hi] (the engine benchmark's shape), prompts
-    opening with one of two shared heads (radix hits); early: each output stops (STOP) at a random length."""
+    """n requests of the engine benchmark's shape opening with one of two shared heads; early: random stops."""
     heads = [rng.integers(0, 50, hi // 2).tolist() for _ in range(2)]
-    reqs, max_new = [], []
+    reqs, max_new_tokens = [], []
     for _ in range(n):
         p, m = rng.integers(hi // 8, hi + 1, 2).tolist()
         prompt = (heads[int(rng.integers(2))][:int(rng.integers(0, p))] + rng.integers(0, 50, p).tolist())[:p]
         out = rng.integers(0, 50, int(rng.integers(1, m + 1)) if early else m).tolist()
         reqs.append((prompt, out + [STOP] if len(out) < m else out, None))
-        max_new.append(m)
-    return reqs, max_new
+        max_new_tokens.append(m)
+    return reqs, max_new_tokens
 
 
 @pytest.mark.parametrize("page,hi,n,share", [(1, 40, 48, 0.4), (16, 96, 32, 0.4), (256, 320, 32, 0.25)])
 def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, hi, n, share):
-    """Look-ahead admission (reserve="expected") against fits-now (reserve=False), the engine's prefill-first
-    steps, on random long workloads in a pool of `share` of what every request takes (bench_engine's equal memory
-    is 0.46): every request finishes with its own tokens and every slot right after every step (the brute-force
-    check above), nothing admitted is held back for lack of room, and where every output runs to max_new
-    look-ahead preempts at most twice, and no more than fits-now."""
+    """Look-ahead admission keeps every slot right, holds nothing back, and preempts at most twice, <= fits-now."""
     seed = int(np.random.default_rng().integers(1 << 30))
     rng, preempted = np.random.default_rng(seed), {}
     for early in (False, True):
-        reqs, max_new = admission_workload(rng, n, hi, early)
-        pool = -(-max(int(share * sum(len(p) + m for (p, _, _), m in zip(reqs, max_new))), 2 * hi) // page)
+        reqs, max_new_tokens = admission_workload(rng, n, hi, early)
+        pool = -(-max(int(share * sum(len(p) + m for (p, _, _), m in zip(reqs, max_new_tokens))),
+                      2 * hi) // page)
         for reserve in (False, "expected"):
-            s = run_checking_every_slot(reqs, pool, "lpm", n, page=page, max_new=max_new, reserve=reserve,
-                                        mixed=False)
+            s = run_checking_every_slot(reqs, pool, "lpm", n, page=page, reserve=reserve,
+                                        mixed=False, max_new_tokens=max_new_tokens)
             preempted[early, reserve] = s.stats["preemptions"]
             assert not any(e.kind == "hold_back" for e in s.events)
             assert s.seen[0] / s.seen[1] == 1 if not early else s.seen[0] / s.seen[1] < 1  # fits_ahead's ratio
@@ -451,9 +409,7 @@ def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, h
 
 @pytest.mark.parametrize("page", [1, 3, 16])
 def test_fits_ahead_vs_a_step_by_step_model(page):
-    """fits_ahead's running sum against the plain model it folds: step s from now, request j holds its tokens + s
-    (+ 1: a new one), in whole pages, while s < its expected steps; admit while the largest step total fits the pool
-    (random running and new requests, output-to-max_new ratios, pools at, just under and over the peak)."""
+    """fits_ahead's running sum equals the step-by-step model it folds (each request's pages at each future step)."""
     rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     for _ in range(150):
         n_run, n_new = int(rng.integers(0, 12)), int(rng.integers(1, 4))
@@ -466,7 +422,7 @@ def test_fits_ahead_vs_a_step_by_step_model(page):
         held = [len(r.tokens) + (k >= n_run) for k, r in enumerate(reqs)]
         peak = max(sum(-(-(h + s) // page) * page for h, e in zip(held, ends) if s < e) for s in range(max(ends)))
         for blocks in {peak // page - 1, peak // page, peak // page + 1} - {0}:
-            s = R.Scheduler(pool(page, blocks * page), reserve="expected")
+            s = R.Scheduler(kv_less(page, blocks * page), reserve="expected")
             s.running, s.seen = reqs[:n_run], s.seen if seen is None else seen
             rows = np.concatenate([s.expected(s.running), s.expected(reqs[n_run:], ahead=1)])
             assert s.fits_ahead(rows) == (peak <= blocks * page)
@@ -480,8 +436,7 @@ def test_lpm_never_worse_than_fcfs_and_reaches_the_bound():
     for pool in (longest, 2 * longest, 4 * longest, 8 * longest, 40 * longest):
         for running in (1, 4):
             lpm = R.simulate(reqs, pool, "lpm", max_running=running)["prefill_tokens"]
-            fcfs = R.simulate(reqs, pool, "fcfs", max_running=running)["prefill_tokens"]
-            assert lpm <= fcfs, (pool, running)
+            assert lpm <= R.simulate(reqs, pool, "fcfs", max_running=running)["prefill_tokens"], (pool, running)
     # the DFS claim: one request at a time, a cache that holds the longest path -> every edge computed once
     assert R.simulate(reqs, longest, "lpm", max_running=1)["prefill_tokens"] == c_min
     assert R.simulate(reqs, 40 * longest, "lpm", max_running=8)["prefill_tokens"] == c_min
@@ -508,8 +463,7 @@ def test_bad_input():
 
 
 def test_cli_json(capsys):
-    out = R.main(["--workload", "tree-of-thought", "--json"])
-    printed = json.loads(capsys.readouterr().out)
+    out, printed = R.main(["--workload", "tree-of-thought", "--json"]), json.loads(capsys.readouterr().out)
     w = printed["workloads"]["tree-of-thought"]
     assert set(w["hit_rate"]) == set(R.POLICIES) and 0 < w["optimal_hit_rate"] < 1
     assert all(0 <= h <= w["optimal_hit_rate"] + 1e-12 for h in w["hit_rate"].values())
@@ -525,9 +479,7 @@ def test_cli_json(capsys):
 
 
 def test_a_mixed_step_is_followed_by_a_decode_step_but_a_long_prompts_chunks_run_back_to_back():
-    """mixed: after a step that admits, a decode step (the engine decodes k tokens a stream there, not one), so a
-    burst of short prompts runs P d P d; a long prompt's chunks run back to back (each gives every stream a token).
-    Prefill-first: a decode step between any two prefill steps. Fresh random prompts each run."""
+    """mixed: a burst of short prompts runs P d P d, a long prompt's chunks back to back; prefill-first: p d p d."""
     rng = np.random.default_rng()
     for mixed in (True, False):
         s = R.Scheduler(T.TokenKVCache(1, 4096, 1, 1, 16, 1024), "fcfs", 16, reserve=False, mixed=mixed,
@@ -552,8 +504,7 @@ def test_a_mixed_step_is_followed_by_a_decode_step_but_a_long_prompts_chunks_run
 
 
 def test_a_mixed_step_that_admits_while_requests_wait_for_rows_feeds_prompts_only():
-    """mixed, held (every row taken, requests waiting): a step that admits is prefill-only (`solo`), the running
-    ones' tokens left to the decode steps (CUDA graphs on the engine); not held, it carries their decode tokens."""
+    """mixed: a step that admits while every row is taken (held) is prefill-only; not held, it carries decodes."""
     rng = np.random.default_rng()
     s = R.Scheduler(T.TokenKVCache(1, 4096, 1, 1, 16, 1024), "fcfs", 4, reserve=False, mixed=True, chunk_tokens=64)
     for i in range(8):  # 4 rows, 8 requests: the rest wait for a row
@@ -570,15 +521,6 @@ def test_a_mixed_step_that_admits_while_requests_wait_for_rows_feeds_prompts_onl
     assert seen[True] >= 2, f"admitting steps while held: {seen}"
 
 
-@pytest.fixture
-def one_thread():
-    """Small batches on a 2-core machine shared with other jobs: one thread avoids oversubscribed thread pools."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.mark.slow
 def test_real_model_same_tokens_with_and_without_cache(smollm, one_thread):
     import llama3_generate as L
@@ -591,9 +533,7 @@ def test_real_model_same_tokens_with_and_without_cache(smollm, one_thread):
     prompts.append(list(prompts[0]))  # an exact repeat: its whole prompt but the last token comes from the cache
     n_new = 12
 
-    def reference(ps):
-        return L.generate(model, C.ContiguousKVCache.for_model(model, len(ps), 256), ps, n_new)
-
+    reference = lambda ps: L.generate(model, C.ContiguousKVCache.for_model(model, len(ps), 256), ps, n_new)
     # a pool too small for everything at once: requests wait, prefixes are shared and evicted
     got, sched = R.generate_cached(model, prompts, n_new, pool_size=3 * len(prompts[0]) + 2 * n_new, max_running=3)
     assert got == reference(prompts)
@@ -621,9 +561,7 @@ def leaf_paths(tree):
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
 def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
-    """A random model through the scheduler, unchunked and then chunked at a tiny and a medium budget: the same
-    tokens, the same cached sequences in the tree, and their K, V equal (one chunk boundary falls inside the shared
-    prefix that lpm serves from the cache, and the repeats' prompts come from it whole)."""
+    """Chunked at a tiny and a medium budget, a random model gives unchunked tokens, tree and K, V."""
     rng = random.Random()
     model = tiny_model(rng.randrange(1 << 30), vocab_size=97, hidden_dim=96, max_seq_len=512)
     shared = [rng.randrange(97) for _ in range(40)]
@@ -650,13 +588,9 @@ def test_chunked_prefill_gives_the_same_tokens_kv_and_tree(mixed, one_thread):
 
 @pytest.mark.parametrize("page", [1, 4, 16])
 def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
-    """A random fp32 model through the scheduler over 03's slots (page 1) or 02's blocks of `page` tokens, with a
-    pool small enough to evict and preempt: the same greedy tokens as without the cache (and as 01's contiguous
-    cache), hits of whole pages only, and every cached page holds the K, V that a fresh prefill of its path,
-    alone in a new pool, computes."""
+    """Cached pages (03's slots or 02's blocks) hold the K, V of a fresh prefill of their path; tokens as uncached."""
     import llama3_generate as L
-    C = importlib.import_module("01_kv_cache")
-    rng = random.Random()
+    C, rng = importlib.import_module("01_kv_cache"), random.Random()
     model = tiny_model(rng.randrange(1 << 30), vocab_size=97, hidden_dim=96, max_seq_len=512)
     shared = [rng.randrange(97) for _ in range(rng.randint(40, 70))]
     prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 30))] for _ in range(6)]
@@ -666,8 +600,7 @@ def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
         tokens = 192  # the longest request and a little more: the rest wait, prefixes are evicted
         kv = T.TokenKVCache.for_model(model, tokens, 4) if page == 1 else \
             P02.PagedKVCache.for_model(model, tokens // page, page, watermark=0, max_seqs=4)
-        sched = R.Scheduler(kv, "lpm", 3, radix=radix, reserve=False)
-        return R.generate_cached(model, prompts, 8, sched=sched)
+        return R.generate_cached(model, prompts, 8, sched=R.Scheduler(kv, "lpm", 3, radix=radix, reserve=False))
     want = L.generate(model, C.ContiguousKVCache.for_model(model, len(prompts), 256), prompts, 8)
     (got, s), (plain, s0) = run(True), run(False)
     assert got == plain == want
@@ -687,8 +620,7 @@ def test_cached_pages_hold_a_fresh_prefills_kv(page, one_thread):
 
 def random_waiting(seed, page=1):
     """A radix tree over random prompts of a 2-token vocabulary and requests matched against it (prefix, node)."""
-    rng = random.Random(seed)
-    kv = pool(page, 4000, rows=40)
+    rng, kv = random.Random(seed), kv_less(page, 4000, rows=40)
     sched = R.Scheduler(kv, "lpm", max_running=40)
     for _ in range(rng.randint(2, 10)):
         insert_new(sched.tree, kv, random_seq(rng, 2, 1, 10))
@@ -723,17 +655,14 @@ def ancestors(node):
 
 
 def test_dfs_weight_visits_the_heaviest_subtree_first():
-    """dfs-weight, checked as its definition on random trees: a request's place is its matched node; sibling
-    subtrees come out whole (no interleaving), the one with more waiting requests first; a node's own requests
-    come after those of every node below it."""
+    """dfs-weight: sibling subtrees whole, the one with more waiting first; a node's requests after its subtree's."""
     for seed in range(30):
         sched, reqs = random_waiting(seed)
         order = R.POLICIES["dfs-weight"](sched.tree, None, list(reqs))
         assert sorted(r.rid for r in order) == [r.rid for r in reqs]
         below = lambda node: [i for i, r in enumerate(order) if node in ancestors(r.node)]  # its subtree's places
         for node in sched.tree._nodes():
-            kids = sorted(node.children.values(), key=lambda c: c.serial)
-            spans = [below(c) for c in kids]
+            spans = [below(c) for c in sorted(node.children.values(), key=lambda c: c.serial)]
             for s in spans:
                 assert not s or s == list(range(s[0], s[-1] + 1)), "a subtree's requests are not contiguous"
             busy = [(s[0], -len(s)) for s in spans if s]
@@ -744,32 +673,27 @@ def test_dfs_weight_visits_the_heaviest_subtree_first():
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
 def test_chunked_prefill_cuts_at_exactly_the_budget(mixed):
-    """Chunked prefill against its definition: a prompt of L tokens alone, steps of C tokens, is fed in chunks of C
-    and a last one of the rest (L % C, or none), one per step, and samples its first token in the step of its last
-    chunk; a prompt of exactly C runs whole in one step; two prompts that together fit C go in one step."""
+    """A prompt of L tokens, C a step, goes in chunks of C and a last of L % C, sampling in the last."""
     for C in (1, 3, 4, 7):
         for L in range(1, 3 * C + 2):
-            sched = R.Scheduler(pool(1, 64), "fcfs", chunk_tokens=C, mixed=mixed)
-            r = sched.add(list(range(1, L + 1)), 2, target=[0, 0])
-            first = None
+            sched = R.Scheduler(kv_less(1, 64), "fcfs", chunk_tokens=C, mixed=mixed)
+            r, first = sched.add(list(range(1, L + 1)), 2, target=[0, 0]), None
             while sched.busy:
                 sched.step()
                 first = first if first is not None or not r.output else sched.stats["steps"]
             fed = [e.tokens for e in sched.events if e.kind == "prefill"]
             assert fed == [C] * (L // C) + ([L % C] if L % C else []), (C, L, fed)
             assert first == len(fed)  # steps counted from 1: the token comes with the last chunk
-        sched = R.Scheduler(pool(1, 64), "fcfs", chunk_tokens=C + 1, mixed=mixed)
+        sched = R.Scheduler(kv_less(1, 64), "fcfs", chunk_tokens=C + 1, mixed=mixed)
         a, b = sched.add([1] * C, 1, target=[0]), sched.add([2], 1, target=[0])
         sched.step()
         assert a.output == b.output == [0] and sched.chunked is None
 
 
 def test_in_batch_sharing_waits_one_step_from_exactly_in_batch_min():
-    """Two prompts arriving together that share k uncached tokens: below IN_BATCH_MIN both prefill now (computing
-    the k tokens twice is cheaper than a step's wait); from exactly IN_BATCH_MIN on the second waits one step and
-    is then a cache hit of all k."""
+    """Two prompts sharing k new tokens: below IN_BATCH_MIN both prefill now; from it the second waits, a hit of k."""
     for k in (1, R.IN_BATCH_MIN - 1, R.IN_BATCH_MIN, R.IN_BATCH_MIN + 1):
-        sched = R.Scheduler(pool(1, 400, rows=8), "lpm")
+        sched = R.Scheduler(kv_less(1, 400, rows=8), "lpm")
         a, b = (sched.add([7] * k + [t, 9], 1, target=[0]) for t in (1, 2))
         sched.run()
         admits = [(e.step, e.rid, e.tokens) for e in sched.events if e.kind == "admit"]
@@ -781,14 +705,10 @@ def test_in_batch_sharing_waits_one_step_from_exactly_in_batch_min():
 
 def small_tree(page, prompts):
     """A tree over 03's token pool (page 1) or 02's blocks with the prompts inserted, and Brute beside it."""
-    kv = pool(page, 64)
+    kv = kv_less(page, 64)
     tree, brute = R.RadixCache(kv.allocator, page), Brute(page)
     for seq in prompts:
-        kv.prepare(["new"], [len(seq)])
-        slots = kv.slots("new")
-        brute.insert(seq, slots.tolist())
-        tree.insert(seq, slots)
-        kv.free("new")
+        brute.insert(seq, insert_new(tree, kv, seq)[1].tolist())
     return kv, tree, brute
 
 
@@ -825,17 +745,13 @@ def test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages(page):
 def test_insert_adds_what_is_new_and_says_what_was_cached(page):
     """insert, one prompt after another: the tree then matches what Brute matches, insert returns the tokens
     cached already (whole pages), the new leaf's slots take the tree's reference, and the sizes add up."""
-    kv = pool(page, 64)
+    kv = kv_less(page, 64)
     tree, brute = R.RadixCache(kv.allocator, page), Brute(page)
     held = []
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 7, 7], [1, 2, 3, 4, 5], [5], [8, 8, 8]):
-        kv.prepare(["new"], [len(seq)])
-        slots = kv.slots("new")
-        want = brute.insert(seq, slots.tolist())
-        n = tree.insert(seq, slots)
-        call = f"insert({seq}) with pages of {page} after {held}"
+        n, slots = insert_new(tree, kv, seq)
+        want, call = brute.insert(seq, slots.tolist()), f"insert({seq}) with pages of {page} after {held}"
         assert n == want, f"{call} returned {n}; {want} of its tokens were cached already"
-        kv.free("new")
         held.append(seq)
         for s in held:
             got, want_s = tree.match_prefix(s, False)[0].tolist(), brute.match(s, False)

@@ -8,6 +8,7 @@ import math
 import os
 import random
 import re
+import time
 import uuid
 from collections import Counter
 from fractions import Fraction
@@ -46,8 +47,7 @@ def distances(dfa):
     preds = {}
     for d, s in set(zip(dfa.table[src, byte].tolist(), src.tolist())):
         preds.setdefault(d, []).append(s)
-    dist = np.where(dfa.accept, 0, 10**9)
-    frontier = list(np.flatnonzero(dfa.accept))
+    dist, frontier = np.where(dfa.accept, 0, 10**9), list(np.flatnonzero(dfa.accept))
     while frontier:
         nxt = []
         for d in frontier:
@@ -75,9 +75,14 @@ def sample_dfa(dfa, rng, dist, max_bytes=2000):
     return None
 
 
+def samples(dfa, rng, n, max_bytes=2000):
+    """The accepted ones of n random walks of the DFA (sample_dfa)."""
+    dist = distances(dfa)
+    return [s for s in (sample_dfa(dfa, rng, dist, max_bytes) for _ in range(n)) if s is not None]
+
+
 def closed(schema):
-    """additionalProperties false wherever a schema names properties: a random walk over the bytes then writes the
-    optional ones too (among free keys it would almost never spell one out), and random logits end."""
+    """additionalProperties false wherever a schema names properties: random walks then write the optional ones too."""
     if isinstance(schema, (dict, list)):
         out = {k: closed(v) for k, v in schema.items()} if isinstance(schema, dict) else list(map(closed, schema))
         return {**out, "additionalProperties": False} if "properties" in out else out
@@ -92,14 +97,12 @@ def random_string(pattern, rng):
 
 @pytest.mark.parametrize("pattern", REGEXES)
 def test_dfa_equals_python_re(pattern):
-    rng = random.Random(hash(pattern) % 1000)
-    dfa = m.compile_regex(pattern)
+    rng, dfa = random.Random(hash(pattern) % 1000), m.compile_regex(pattern)
     dist, strings = distances(dfa), [random_string(pattern, rng) for _ in range(300)]
     for _ in range(60):
         s = sample_dfa(dfa, rng, dist)
         if s is not None:
-            i = rng.randrange(len(s) + 1)
-            edit = random_string(pattern, rng)[:1]
+            i, edit = rng.randrange(len(s) + 1), random_string(pattern, rng)[:1]
             strings += [s, s[:i] + edit + s[i:], s[:i] + s[i + 1:], s[:i] + edit + s[i + 1:]]  # and near misses
     truth = [re.fullmatch(pattern, s, re.ASCII) is not None for s in strings]
     assert [dfa.fullmatch(s) for s in strings] == truth
@@ -124,10 +127,9 @@ def test_schema_regex_produces_valid_json():
     rng = random.Random()
     for schema in (SMALL_SCHEMA, m.demo_model().model_json_schema()):
         dfa = m.compile_regex(exact(schema))
-        dist = distances(dfa)
-        samples = [s for s in (sample_dfa(dfa, rng, dist) for _ in range(60)) if s is not None]
-        assert len(samples) > 30
-        for s in samples:
+        docs = samples(dfa, rng, 60)
+        assert len(docs) > 30
+        for s in docs:
             assert validator(schema).is_valid(json.loads(s)), s
         for doc in ({"name": "x", "zzz": 1}, {"name": "x", "zzz": {"a": 1}}, {"name": 1}, {"age": 1.5}):  # ANY_DEPTH
             assert dfa.fullmatch(json.dumps(doc, ensure_ascii=False)) == validator(schema).is_valid(doc), doc
@@ -165,8 +167,7 @@ def test_invalid_schema_names_the_problem(schema, problem):
     ("dependencies", {"a": ["b"]}), ("prefixItems", [{"type": "integer"}]), ("patternProperties", {"^a": {}}),
     ("if", {"properties": {"a": {"const": 1}}}), ("dependentRequired", {"b": ["a"]}), ("multipleOf", 0.5)])
 def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, value):
-    """Issue 22.4: an ignored keyword lets invalid output pass for valid; implemented (sampled documents valid,
-    valid drawn ones accepted: jsonschema), or refused by name."""
+    """Issue 22.4: a keyword that changes validity is implemented (jsonschema agrees) or refused by name."""
     kind = {"multipleOf": "number", "uniqueItems": "array", "prefixItems": "array", "contains": "array"}
     schema = {"type": kind.get(keyword, "object"), keyword: value}
     if schema["type"] == "array":
@@ -215,15 +216,13 @@ def test_integer_ranges_are_exact():
         for x in probes:
             assert dfa.fullmatch(json.dumps(x)) == (lo <= x <= hi), (bounds, x)
         assert not dfa.fullmatch("-0") and not dfa.fullmatch("01") and not dfa.fullmatch("1.0")
-    assert not m.compile_regex(exact(
-        {"type": "object", "properties": {"legs": {"type": "integer", "minimum": 100, "maximum": 120}}})).fullmatch(
-        '{"legs": 8}')
+    legs = {"type": "object", "properties": {"legs": {"type": "integer", "minimum": 100, "maximum": 120}}}
+    assert not m.compile_regex(exact(legs)).fullmatch('{"legs": 8}')
 
 
 def test_string_lengths_count_characters_not_escapes():
     """A surrogate pair is one character, a newline is one, é is one: lengths as json.loads and len() count them."""
-    rng = random.Random()
-    chars = ["a", "é", "日", "😀", "\n", '"', "\\", "\x01", "\u2028", "\U0010FFFF"]
+    rng, chars = random.Random(), ["a", "é", "日", "😀", "\n", '"', "\\", "\x01", "\u2028", "\U0010FFFF"]
     for lo, hi in ((2, 2), (0, 3), (1, 5)):
         dfa = m.compile_regex(exact({"type": "string", "minLength": lo, "maxLength": hi}))
         for _ in range(300):
@@ -236,8 +235,7 @@ def test_string_lengths_count_characters_not_escapes():
 
 
 def test_pattern_and_formats_match_python():
-    rng = random.Random()
-    pattern = "^[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?$"
+    rng, pattern = random.Random(), "^[A-Z][a-z]{1,5}( [A-Z][a-z]{1,5})?$"
     dfa = m.compile_regex(exact({"type": "string", "pattern": pattern}))
     import ipaddress
     uuid_re = re.compile(r"[0-9a-fA-F]{8}(-[0-9a-fA-F]{4}){3}-[0-9a-fA-F]{12}")
@@ -248,7 +246,7 @@ def test_pattern_and_formats_match_python():
         assert dfa.fullmatch(json.dumps(word)) == bool(re.fullmatch(pattern[1:-1], word)), word
         u = "".join(rng.choice("0123456789abcdefABCDEFg-") for _ in range(36))
         if rng.random() < 0.5:
-            u = str(__import__("uuid").uuid4())
+            u = str(uuid.uuid4())
         assert uuid_dfa.fullmatch(json.dumps(u)) == bool(uuid_re.fullmatch(u)), u
         ip = ".".join(rng.choice(["0", "9", "10", "99", "100", "199", "200", "249", "250", "255", "256", "300", "01",
                                   str(rng.randrange(300))]) for _ in range(rng.choice([3, 4, 4, 4, 5])))
@@ -261,7 +259,6 @@ def test_pattern_and_formats_match_python():
 
 def test_hostile_regex_is_refused_within_seconds():
     """Issue 22.5: (?:.é|😀+){100} took 31 s and built 122,600 states; the state budget refuses it quickly."""
-    import time
     for pattern in ("(?:.é|😀+){100}", "(?:[^a]|.é|😀+){200}", "(?:.é|😀+){1000}"):
         t0 = time.perf_counter()
         with pytest.raises(ValueError, match="too complex"):
@@ -270,11 +267,9 @@ def test_hostile_regex_is_refused_within_seconds():
 
 
 def test_compressed_edges_are_the_forced_chains():
-    class Tok:  # a byte-level toy tokenizer: every byte a token, and "日本", "ab" as merges
-        special, eos_id = {"<eos>": 0}, 0
-        vocab = [b"<eos>"] + [bytes([b]) for b in range(256)] + ["日本".encode(), b"ab"]
-        vocab_size = len(vocab)
-        token_bytes = vocab.__getitem__
+    class Tok(ByteTok):  # every byte a token, and "日本", "ab" as merges
+        vocab = ByteTok.vocab + ["日本".encode(), b"ab"]
+        vocab_size, token_bytes = len(vocab), vocab.__getitem__
     index = m.TokenIndex(r"日本(x|yz)w", Tok())
     edges = index.compressed_edges()
     assert sorted(edges.values()) == sorted(["日本".encode(), b"w", b"zw"])  # w: also zw's tail (one state)
@@ -285,8 +280,7 @@ def test_compressed_edges_are_the_forced_chains():
 
 
 def random_logits_fn(vocab, seed, favour=()):
-    gen = torch.Generator().manual_seed(seed)
-    bonus = torch.zeros(vocab)
+    gen, bonus = torch.Generator().manual_seed(seed), torch.zeros(vocab)
     bonus[list(favour)] = 4.0  # make partial-UTF-8 tokens likely wherever they are allowed
     return lambda ids, keep: torch.randn(vocab, generator=gen) * 3 + bonus
 
@@ -315,24 +309,18 @@ def test_fuzz_random_logits_always_match(smollm, pattern):
 
 
 def _is_utf8(b):
-    try:
-        b.decode()
-        return True
-    except UnicodeDecodeError:
-        return False
+    return b.decode("utf-8", "ignore").encode() == b  # no byte dropped: valid UTF-8
 
 
 def test_index_against_partial_matching(smollm):
     """Token t is allowed after prefix p iff p + t can still become a full match (regex's partial=True)."""
     _, tok = smollm
-    rng = random.Random(2)
-    vocab = m.token_trie(tok).token_bytes
+    rng, vocab = random.Random(2), m.token_trie(tok).token_bytes
     texts = {i: b.decode() for i, b in enumerate(vocab) if b and _is_utf8(b)}
     for pattern in (r'"名前": "[^"]{1,6}", "n": [0-9]{1,3}', m.CHARACTER_REGEX, JSON_REGEX):
         index, state, prefix = m.TokenIndex(pattern, tok), 0, b""
         for step in range(12):
-            allowed = index.allowed(state)
-            text = prefix.decode()
+            allowed, text = index.allowed(state), prefix.decode()
             ids = rng.sample(sorted(texts), 1500) + rng.sample(allowed.nonzero()[:, 0].tolist(), min(300, int(allowed.sum())))
             for t in ids:
                 if t in texts:
@@ -440,8 +428,7 @@ def random_bounds(rng):
 
 
 def random_schema(rng, depth, defs):
-    """A random schema mixing keywords: siblings of enum/const/anyOf, type lists, keywords of other types
-    (which constrain nothing), allOf, $ref into $defs (sometimes recursive), nested objects and arrays."""
+    """A random schema mixing keywords: siblings, type lists, allOf, anyOf, $ref into $defs, nesting."""
     kinds = ["string", "integer", "number", "boolean", "null", "enum", "const", "anyOf", "allOf", "types"]
     kinds += ["object"] * 4 + ["array"] * 2 + ["ref", "tree"] if depth > 0 else []
     kind = rng.choice(kinds)
@@ -495,6 +482,12 @@ def random_schema(rng, depth, defs):
     return s
 
 
+def random_schema_with_defs(rng):
+    defs = {}
+    schema = random_schema(rng, 3, defs)
+    return {**schema, "$defs": defs} if defs else schema
+
+
 def resolve(root, ref):
     node = root
     for key in ref[2:].split("/") if ref != "#" else []:
@@ -508,8 +501,7 @@ def layout_number(x):
 
 
 def random_doc(s, rng, root, depth=0, refs=()):
-    """A document in 06's layout, drawn near what the schema asks for (the validator decides whether it is valid).
-    Past the compiler's bound on recursion (a $ref entered MAX_REF_DEPTH times on the way) it writes null."""
+    """A document in 06's layout, drawn near what the schema asks for (null past MAX_REF_DEPTH $refs)."""
     if s is True or s == {} or depth > 12:
         return rng.choice(["null", "1", '"a"', "[]"])
     if s is False:
@@ -572,8 +564,7 @@ def validator(schema):
 
 
 def check_schema(schema, rng, n_sampled, n_drawn, counts):
-    """Compile; every document sampled from the DFA must be valid (jsonschema), every valid document drawn in
-    06's layout must match. A schema refused as empty must have no valid drawn document either."""
+    """Every DFA sample valid, every valid drawn document matched; refused as empty: none valid."""
     v = validator(schema)
     try:
         dfa = m.compile_regex(exact(schema))
@@ -586,13 +577,10 @@ def check_schema(schema, rng, n_sampled, n_drawn, counts):
                 assert not v.is_valid(json.loads(doc)), (schema, doc, str(e))
         return None
     counts["compiled"] += 1
-    dist = distances(dfa)
-    for _ in range(n_sampled):
-        doc = sample_dfa(dfa, rng, dist)
-        if doc is not None:
-            counts["sampled"] += 1
-            errors = [e.message for e in v.iter_errors(json.loads(doc))]
-            assert not errors, (schema, doc, errors)
+    for doc in samples(dfa, rng, n_sampled):
+        counts["sampled"] += 1
+        errors = [e.message for e in v.iter_errors(json.loads(doc))]
+        assert not errors, (schema, doc, errors)
     for _ in range(n_drawn):
         doc = random_doc(schema, rng, schema)
         if v.is_valid(json.loads(doc)):
@@ -602,23 +590,18 @@ def check_schema(schema, rng, n_sampled, n_drawn, counts):
 
 
 def test_random_schemas_sound_and_complete():
-    """Issue 33: random schemas that combine keywords; zero invalid documents among those sampled from the DFA
-    (random walks over its byte table), and every validator-accepted document drawn in 06's layout matches."""
+    """Issue 33: on random schemas no DFA sample is invalid and every valid document drawn in 06's layout matches."""
     seed = random.randrange(10**9)
     rng, counts = random.Random(seed), Counter()
     for _ in range(N_RANDOM_SCHEMAS):
-        defs = {}
-        schema = random_schema(rng, 3, defs)
-        schema = {**schema, "$defs": defs} if defs else schema
-        check_schema(schema, rng, 30, 30, counts)
+        check_schema(random_schema_with_defs(rng), rng, 30, 30, counts)
     print(f"seed {seed}: {dict(counts)}")
     assert counts["compiled"] > 0.6 * N_RANDOM_SCHEMAS and counts["sampled"] > 20 * counts["compiled"], counts
     assert counts["drawn valid"] > 5 * counts["compiled"], counts  # the completeness side is exercised too
 
 
 def test_keywords_hold_together_issue_33():
-    """Issue 33's failing cases: enum and const were compiled alone, their siblings dropped; an anyOf branch
-    must carry its siblings too; a schema nothing satisfies is refused, by name."""
+    """Issue 33's cases: enum, const and anyOf branches keep their siblings; a schema nothing satisfies is refused."""
     dfa = m.compile_regex(exact({"type": "integer", "enum": [1, "a"]}))
     assert dfa.fullmatch("1") and not dfa.fullmatch('"a"')
     dfa = m.compile_regex(exact({"type": "string", "minLength": 2, "enum": ["a", "abc"]}))
@@ -637,8 +620,7 @@ def test_keywords_hold_together_issue_33():
 
 
 def test_number_bounds_are_exact_for_validators():
-    """Float bounds: a decimal is in range iff the validator (which parses it to the nearest float) says so,
-    at the bounds themselves, a last digit off, and halfway between floats."""
+    """Float bounds: a decimal is in range iff the validator says so, at the bounds, a digit off and halfway between."""
     rng, checked = random.Random(), 0
     for _ in range(150):
         lo = rng.choice([rng.uniform(-2, 2), rng.randint(-5, 5), 0.3, -0.3, 2 ** 52 + 0.5, 1e15 + 0.5, 0.1, 1e-300,
@@ -666,8 +648,7 @@ def test_number_bounds_are_exact_for_validators():
 
 
 def pydantic_models():
-    """Ordinary Pydantic models: nested ($defs/$ref), recursive, Optional + default, Literal, Enum, bounded int
-    and float, string and list lengths, fields left out of `required`, extra="forbid"."""
+    """Ordinary Pydantic models: nested, recursive, Optional, Literal, Enum, bounds, lengths, extra='forbid'."""
     from enum import Enum
     from typing import Literal, Optional
 
@@ -705,9 +686,7 @@ def pydantic_models():
 
 @pytest.mark.parametrize("index", range(4))
 def test_pydantic_schemas_sampled_documents_validate(index):
-    """Each model's own model_validate_json accepts every document sampled from the compiled DFA; optional
-    properties are both written and left out (sampled on past 300 documents, up to 3,000, until each has been:
-    some appear in ~2% of them); documents jsonschema accepts in 06's layout match."""
+    """Each model's model_validate_json accepts every DFA sample; optional properties written and left out."""
     model = pydantic_models()[index]
     schema = model.model_json_schema()
     dfas = [m.compile_regex(exact(s)) for s in (schema, closed(schema))]
@@ -765,14 +744,12 @@ def test_pydantic_schemas_refused_by_name():
         assert not dfa.fullmatch('{"at": "2023-02-29T12:00:00Z"}') and not dfa.fullmatch('{"code": "ABCDE"}')
     home = m.compile_regex(exact(Home.model_json_schema()))  # oneOf (discriminator: an annotation)
     assert home.fullmatch('{"pet": {"kind": "dog"}}') and not home.fullmatch('{"pet": {"kind": "cow"}}')
-    for model, problem in ((Chain, "recursive $ref '#/$defs/Chain' is unrolled 3 deep"),):
-        with pytest.raises(ValueError, match=re.escape(problem)):
-            exact(model.model_json_schema())
+    with pytest.raises(ValueError, match=re.escape("recursive $ref '#/$defs/Chain' is unrolled 3 deep")):
+        exact(Chain.model_json_schema())
 
 
 def replay_forward_passes(index, tok, prompt_ids, text) -> int:
-    """Forward passes jump-forward spends writing `text` when each choice is the longest token continuing it (no
-    model): what the FSM costs for one document."""
+    """Forward passes jump-forward spends writing `text`, each choice the longest token continuing it."""
     token_of, want = {b: i for i, b in enumerate(index.trie.token_bytes) if b}, text.encode()
 
     def logits_fn(ids, keep):  # (vocab,): 1 for the longest token that continues the text, else for EOS
@@ -785,9 +762,7 @@ def replay_forward_passes(index, tok, prompt_ids, text) -> int:
 
 
 def test_real_model_pydantic_end_to_end(smollm, capsys):
-    """A Pydantic model with a nested one, constrained on the real model both ways: both answers pass the model's
-    own model_validate_json. What its optional property costs (the notebook's experiment): a document written with
-    every property required, replayed: a choice as given (the model picks `, ` or `}`), a jump when required."""
+    """A nested Pydantic model on the real model validates both ways; an optional property costs one forward pass."""
     from typing import Literal, Optional
 
     from pydantic import BaseModel, ConfigDict, Field
@@ -854,13 +829,11 @@ def test_formats_equal_jsonschema_format_checker(fmt):
 
 
 def test_uri_formats_sound_against_jsonschema():
-    """uri and uri-reference (a subset of RFC 3986: no user info, no IP literal): every string sampled from the DFA
-    conforms; random strings the DFA accepts conform; common references are accepted."""
+    """uri and uri-reference: DFA samples and accepted random strings conform; common references are accepted."""
     rng, check = random.Random(), jsonschema.Draft202012Validator.FORMAT_CHECKER
     for fmt in ("uri", "uri-reference"):
         dfa = m.compile_regex(exact({"type": "string", "format": fmt}))
-        dist = distances(dfa)
-        for doc in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(300))):
+        for doc in samples(dfa, rng, 300, 200):
             assert check.conforms(json.loads(doc), fmt), (fmt, doc)
         for _ in range(3000):
             v = "".join(rng.choice("a1:/?#%F@.-[]é ") for _ in range(rng.randrange(10)))
@@ -887,8 +860,8 @@ def test_not_and_one_of_against_jsonschema():
     schemas = [{"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 3}},
                 "oneOf": [{"required": ["a"]}, {"required": ["b"]}]},
                {"type": "string", "maxLength": 3, "not": {"enum": ["a", "b"]}},
-               {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 20}, {"type": "integer", "minimum": 10,
-                                                                               "maximum": 30}]},
+               {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 20},
+                          {"type": "integer", "minimum": 10, "maximum": 30}]},
                {"type": "array", "items": {"type": "boolean"}, "maxItems": 2, "not": {"items": {"const": True}}},
                {"type": "object", "properties": {"k": {"enum": ["x", "y"]}}, "required": ["k"],
                 "not": {"properties": {"k": {"const": "x"}}}}]
@@ -906,7 +879,6 @@ def test_no_type_is_every_type_its_keywords_allow():
 
 def test_every_compile_or_refusal_within_the_budget(monkeypatch):
     """A schema whose automaton grows past the budget is refused by name, in about COMPILE_BUDGET_S seconds."""
-    import time
     monkeypatch.setattr(m, "COMPILE_BUDGET_S", 1.0)
     wide = {"type": "object", "properties": {f"p{i}": {} for i in range(600)}}  # ~10 s of work on a fast CPU
     t0 = time.perf_counter()
@@ -917,8 +889,7 @@ def test_every_compile_or_refusal_within_the_budget(monkeypatch):
 
 
 def layout_states(dfa, value, s=0, steps=None):
-    """The DFA's states after writing value in 06's layout from state s, any key order (searched with the DFA;
-    OverflowError past 100,000 steps)."""
+    """The DFA's states after writing value in 06's layout from s, any key order (OverflowError: capped)."""
     steps = steps if steps is not None else [0]
     steps[0] += 1
     if s < 0 or steps[0] > 100_000:
@@ -948,10 +919,8 @@ def layout_states(dfa, value, s=0, steps=None):
 
 
 def test_held_schemas_sound_and_complete():
-    """Issue 46: schemas people write (a seeded random part of tests/data/06_schemas.json.gz, drawn from MaskBench):
-    no invalid instance nor DFA sample accepted (jsonschema, its format checker, the schema's draft); valid
-    instances accepted in 06's layout. SCHEMAS_06=all: the whole sample (the README's figures), in the exact mode;
-    STRICT_06=1: in the strict mode (the default: valid instances with members a schema does not name: not written)."""
+    """Issue 46: held schemas (MaskBench): nothing invalid accepted, valid instances accepted in 06's layout.
+    SCHEMAS_06=all: the whole sample (the README's figures); STRICT_06=1: in the strict mode."""
     import gzip
     from jsonschema.validators import validator_for
     items = json.load(gzip.open(__file__.rsplit("/", 1)[0] + "/data/06_schemas.json.gz"))
@@ -966,8 +935,7 @@ def test_held_schemas_sound_and_complete():
             counts["refused"] += 1
             continue
         counts["compiled"] += 1
-        dist = distances(dfa)
-        for doc in filter(None, (sample_dfa(dfa, rng, dist) for _ in range(10))):
+        for doc in samples(dfa, rng, 10):
             assert v.is_valid(json.loads(doc)), (item["name"], doc)
         for doc, valid in [(d, False) for d in item["invalid"]] + [(d, True) for d in item["valid"]]:
             if v.is_valid(doc) != valid:
@@ -987,8 +955,7 @@ def test_held_schemas_sound_and_complete():
 # -------- issue 56: strict schemas by default, a user's regex is Python's, formats every checker accepts ---------
 
 def test_strict_writes_only_named_members_and_items_exact_writes_the_specification(monkeypatch):
-    """strict (the default, XGrammar's strict_mode): an object or array that names its members or items gets no
-    others unless it says so; a free object stays free; inside a `not`, the specification. strict=False: exact."""
+    """strict (default): only named members and items unless the schema allows more; strict=False: the specification."""
     base = {"type": "object", "properties": {"a": {"type": "integer"}, "t": {"prefixItems": [{"type": "boolean"}]},
                                              "free": {"type": "object"}}, "required": ["a"]}
     docs = ['{"a": 1}', '{"a": 1, "z": 2}', '{"a": 1, "t": [true]}', '{"a": 1, "t": [true, 3]}',
@@ -1014,15 +981,12 @@ def test_strict_is_sound_and_within_exact_on_random_schemas(monkeypatch):
     monkeypatch.setattr(m, "ANY_TEXT", 0)
     rng, n = random.Random(), 0
     for _ in range(30):
-        defs = {}
-        schema = random_schema(rng, 3, defs)
-        schema = {**schema, "$defs": defs} if defs else schema
+        schema = random_schema_with_defs(rng)
         try:
             strict, spec = (m.compile_regex(m.schema_to_regex(schema, strict=s)) for s in (True, False))
         except ValueError:
             continue
-        dist = distances(strict)
-        for doc in filter(None, (sample_dfa(strict, rng, dist, 300) for _ in range(15))):
+        for doc in samples(strict, rng, 15, 300):
             assert validator(schema).is_valid(json.loads(doc)) and spec.fullmatch(doc), (schema, doc)
             n += 1
     assert n > 200, n
@@ -1050,22 +1014,18 @@ def test_user_regex_is_pythons_one_line_refusal(pattern):
 
 @pytest.mark.parametrize("fmt", sorted(m.FORMATS))
 def test_every_format_sampled_passes_jsonschema_format_checkers(fmt):
-    """Documents sampled from each format's DFA pass jsonschema's checkers of drafts 7 and 2020-12 (where they check
-    it), and time and date-time are written with T and Z upper case (RFC 3339 allows lower case; not every checker)."""
+    """Each format's DFA samples pass jsonschema's draft 7 and 2020-12 checkers; T and Z upper case."""
     rng, dfa = random.Random(), m.compile_regex(m.schema_to_regex({"type": "string", "format": fmt}))
-    dist = distances(dfa)
-    samples = [json.loads(d) for d in filter(None, (sample_dfa(dfa, rng, dist, 200) for _ in range(80)))]
-    assert len(samples) > 50
-    for v in samples:
+    values = [json.loads(d) for d in samples(dfa, rng, 80, 200)]
+    assert len(values) > 50
+    for v in values:
         for cls in (jsonschema.Draft7Validator, jsonschema.Draft202012Validator):
             assert cls.FORMAT_CHECKER.conforms(v, fmt), (fmt, v, cls.__name__)
         assert fmt not in ("time", "date-time") or v == v.upper(), v
 
 
 def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
-    """TokenIndex.jump_forward (06's demo and the engine call it) against a reference: the bytes with one way out
-    (none where the regex may end), cut to whole characters, the text re-tokenized, the common prefix counted one
-    token at a time; the output before it is any tokenization of a byte prefix (the model's split, mid-character)."""
+    """TokenIndex.jump_forward against a byte-by-byte reference: forced bytes, whole characters, re-tokenized, kept."""
     _, tok = smollm
     rng, token_of = random.Random(), {b: i for i, b in enumerate(m.token_trie(tok).token_bytes) if b}
     jumped = 0
@@ -1090,23 +1050,22 @@ def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
                 assert got == (state, text, output, len(output))
                 continue
             new = tok.encode((text + forced).decode())
-            kept = 0
-            while kept < min(len(new), len(output)) and new[kept] == output[kept]:
-                kept += 1
+            kept = next((i for i, (a, b) in enumerate(zip(new, output)) if a != b), min(len(new), len(output)))
             assert got == (index.dfa.walk(state, bytes(forced)), text + forced, new, kept), (text, forced)
             end = index.dfa.walk(state, bytes(forced))
-            for limit in (len(new) - 1, len(new) + dist[end] - 1, len(output) + dist[state], len(new) + dist[end]):
-                kept_room = len(output) + dist[state] > limit or len(new) + dist[end] <= limit  # no room lost
-                want = text + forced if len(new) <= limit and kept_room else text
-                assert index.jump_forward(state, text, output, tok, limit)[1] == want, (text, forced, limit)
+            for max_new_tokens in (len(new) - 1, len(new) + dist[end] - 1,
+                                   len(output) + dist[state], len(new) + dist[end]):
+                kept_room = (len(output) + dist[state] > max_new_tokens
+                             or len(new) + dist[end] <= max_new_tokens)  # no room lost
+                want = text + forced if len(new) <= max_new_tokens and kept_room else text
+                assert index.jump_forward(state, text, output, tok, max_new_tokens)[1] == want, (
+                    text, forced, max_new_tokens)
             jumped += 1
     assert jumped > 40, jumped
 
 
 def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smollm):
-    """TokenIndex.needs against walking each token's bytes through the DFA (distances: the reference's BFS); with
-    random logits and max_new_tokens a little above the shortest document (in one-byte tokens), every answer still
-    ends accepted, within max_new_tokens, with jump-forward and without; below that, a budget changes no mask."""
+    """TokenIndex.needs equals per-token DFA walks; with little room every answer still closes within max_new_tokens."""
     _, tok = smollm
     rng, vocab = random.Random(), m.token_trie(tok).token_bytes
     for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA))):
@@ -1114,8 +1073,7 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
         dist = distances(index.dfa)
         assert (index.dist == dist).all()
         for s in rng.sample(range(len(index.dfa.table)), 3):
-            ends = [index.dfa.walk(s, b) if b else -1 for b in vocab]
-            want = [dist[e] + 1 if e >= 0 else 0 for e in ends]
+            want = [dist[e] + 1 if e >= 0 else 0 for e in [index.dfa.walk(s, b) if b else -1 for b in vocab]]
             want[tok.eos_id] = int(index.dfa.accept[s])
             assert index.needs([s])[0].tolist() == want
             assert index.allowed(s, dist[s] - 1).tolist() == index.allowed(s).tolist() == [w > 0 for w in want]
@@ -1130,13 +1088,10 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
 
 
 def test_jump_forward_keeps_the_room_a_shortest_completion_had():
-    """A tokenizer whose re-tokenization is longer than the model's split (one token per byte; the model wrote "ab"
-    merged): a jump that would leave no room for the shortest completion is not taken, one that would is."""
-    class Tok:
-        special, eos_id = {"<eos>": 0}, 0
-        vocab = [b"<eos>"] + [bytes([b]) for b in range(256)] + [b"ab"]
+    """A jump that would leave no room for the shortest completion (re-tokenized longer) is not taken; others are."""
+    class Tok(ByteTok):
+        vocab = ByteTok.vocab + [b"ab"]
         vocab_size, token_bytes = len(vocab), vocab.__getitem__
-        encode = staticmethod(lambda text: [1 + b for b in text.encode()])
     index = m.TokenIndex("ababab(?:c|d)zz", Tok())
     state, output = index.dfa.walk(0, b"abab"), [257, 257]  # 2 tokens; then "ab" forced, 3 bytes at the least
     assert index.jump(state) == b"ab" and index.dist[state] == 5
@@ -1149,8 +1104,7 @@ class ByteTok:
     """Every byte a token (ids 1..256), EOS 0: what an index over bytes alone allows, for brute-force models."""
     special, eos_id = {"<eos>": 0}, 0
     vocab = [b"<eos>"] + [bytes([b]) for b in range(256)]
-    vocab_size = len(vocab)
-    token_bytes = vocab.__getitem__
+    vocab_size, token_bytes = len(vocab), vocab.__getitem__
 
     @staticmethod
     def encode(text):
@@ -1162,8 +1116,7 @@ ASCII_PATTERNS = [r"(ab|cd){1,3}e?", r"abc(de|fg)hij", r'\{"name": "[a-z]{1,3}",
 
 
 def brute_jump(pattern, text):
-    """The forced string after text, by trying every next character with partial matching: append the one character
-    that can follow while exactly one can and text is not already a full match."""
+    """The forced string after text: the one character that can follow, while only one can and text is no match."""
     out = ""
     while regex.fullmatch(pattern, text + out) is None:
         nxt = [c for c in map(chr, range(128)) if regex.fullmatch(pattern, text + out + c, partial=True)]
@@ -1175,9 +1128,7 @@ def brute_jump(pattern, text):
 
 @pytest.mark.parametrize("pattern", ASCII_PATTERNS)
 def test_jump_is_the_forced_string_against_partial_matching(pattern):
-    """jump(state) after random texts equals the brute-force forced string; the allowed tokens are exactly the bytes
-    that keep a partial match, EOS exactly where the text is a full match; constrained_decode with jump-forward
-    (no jump either) yields a full match."""
+    """jump(state) after random texts is the brute-force forced string; allowed tokens keep a partial match exactly."""
     index, rng = m.TokenIndex(pattern, ByteTok()), random.Random(pattern)
     for _ in range(15):
         text, state = "", 0
@@ -1202,8 +1153,7 @@ def test_jump_is_the_forced_string_against_partial_matching(pattern):
 
 
 def test_constrained_decode_stops_at_max_new_tokens_and_eos():
-    """max_new_tokens tokens exactly (not one more) when the model never picks EOS; EOS ends it at once when it
-    is the only choice (no forward pass for it)."""
+    """max_new_tokens tokens exactly when the model never picks EOS; EOS ends it at once when it is the only choice."""
     index = m.TokenIndex(r"a*", ByteTok())
     favour_a = lambda ids, keep: torch.arange(257.0) * 0 + torch.nn.functional.one_hot(torch.tensor(1 + 97), 257) * 9
     for n in (1, 2, 5):
@@ -1218,8 +1168,7 @@ def test_constrained_decode_stops_at_max_new_tokens_and_eos():
 
 
 class MergeTok(ByteTok):
-    """ByteTok plus merged tokens, encoding longest first: a re-tokenization may be shorter than the model's split
-    ("a" "b" -> "ab") or longer ("a" "bcd" -> "ab" "c" "d"). EOS is the engine's stop token."""
+    """ByteTok plus merged tokens, longest first: a re-tokenization may be shorter or longer than the split."""
     vocab = ByteTok.vocab + [b"ab", b"bcd", b"xy", b"yz", b"xyz", b"ba"]
     vocab_size, token_bytes, stop_ids = len(vocab), vocab.__getitem__, [0]
 
@@ -1252,38 +1201,35 @@ def random_regex(rng, depth=0):
 
 
 def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_issue_62(monkeypatch):
-    """Issue 62: constrained_decode and the engine (a tiny random Llama) on random regexes with forced runs, random
-    logits, jump-forward on and off, temperatures 0 and 1, budgets from 1 to past the shortest answer (where a
-    jump-forward may fill the budget exactly): no exception, no failed sample; an answer that stops fullmatches
-    (Python's re), one cut short is a prefix of a match (the regex module's partial matching) and had no room for
-    a shortest answer, with ignore_eos too; none passes its budget; where the decision says go on, the mask
-    allows a token."""
+    """Issue 62: on random regexes and budgets, answers that stop match, cut ones are prefixes with no room to end."""
     import llama3_generate as L
     from helpers import tiny_model
     rng, tok = random.Random(), MergeTok()
-    cases = []  # (pattern, index, budget, temperature, jump-forward)
+    cases = []  # (pattern, index, max_new_tokens, temperature, jump-forward)
     for pattern in {random_regex(rng) for _ in range(12)}:
         index = m.TokenIndex(pattern, tok)
         for s in rng.sample(range(len(index.dfa.table)), min(8, len(index.dfa.table))):
-            for room in (0, 1, 2, int(index.dist[s]), int(index.worst[s]), 99):
-                ok, end = index.allowed(s, room), index.finish(s, room)
-                only_eos = room < 1 and index.dfa.accept[s] or ok[0] and ok.sum() == 1
-                assert (end is not None or ok.any()) and (end == "stop") == bool(only_eos), (pattern, s, room)
-        for budget in [*range(1, min(int(index.dist[0]), 12) + 5), 40]:
-            cases += [(pattern, index, budget, temp, jump) for temp in (0.0, 1.0) for jump in (False, True)]
+            for tokens_left in (0, 1, 2, int(index.dist[s]), int(index.worst[s]), 99):
+                ok, end = index.allowed(s, tokens_left), index.finish(s, tokens_left)
+                only_eos = tokens_left < 1 and index.dfa.accept[s] or ok[0] and ok.sum() == 1
+                assert (end is not None or ok.any()) and (end == "stop") == bool(only_eos), (
+                    pattern, s, tokens_left)
+        for max_new_tokens in [*range(1, min(int(index.dist[0]), 12) + 5), 40]:
+            cases += [(pattern, index, max_new_tokens, temp, jump)
+                      for temp in (0.0, 1.0) for jump in (False, True)]
 
     def check(case, ids, text, stopped):
-        pattern, index, budget, _, _ = case
-        assert len(ids) <= budget, case
+        pattern, index, max_new_tokens, _, _ = case
+        assert len(ids) <= max_new_tokens, case
         assert re.fullmatch(pattern, text) if stopped else regex.fullmatch(pattern, text, partial=True), (case, text)
-        assert stopped or budget < index.dist[0], (case, text)
+        assert stopped or max_new_tokens < index.dist[0], (case, text)
     for seed, case in enumerate(cases):
-        pattern, index, budget, temp, jump = case
-        r = m.constrained_decode(index, tok, [5], random_logits_fn(tok.vocab_size, seed), budget, jump, temp, seed)
+        pattern, index, max_new_tokens, temp, jump = case
+        r = m.constrained_decode(index, tok, [5], random_logits_fn(tok.vocab_size, seed),
+                                 max_new_tokens, jump, temp, seed)
         check(case, r["ids"], r["text"], r["finished"])
         assert tok.decode(r["ids"]) == r["text"]
-    engine = L.Engine(tiny_model(vocab_size=tok.vocab_size), tok, kv_tokens=4096, max_seq_len=64, cuda_graphs=False)
-    seqs = {}
+    engine, seqs = L.Engine(tiny_model(vocab_size=tok.vocab_size), tok, kv_tokens=4096, max_seq_len=64), {}
     for jump in (False, True):
         if not jump:  # the engine always jumps forward: off, its Seq finds nothing to jump over
             monkeypatch.setattr(L.Seq, "jump_forward", lambda self: None)
@@ -1304,8 +1250,7 @@ def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_is
 
 
 def test_sample_nucleus_at_an_exact_tie_is_the_smallest():
-    """Probabilities 1/2, 1/4, 1/8, 1/8 (exact in float32): the first two reach top_p 0.75 exactly, so the nucleus
-    is those two (the smallest set, as HF and vLLM keep), never the third; at top_p 0.5 (or ~0) the first alone."""
+    """At an exact tie with top_p the nucleus is the smallest set (as HF and vLLM keep), never one more token."""
     logits = torch.tensor([math.log(4), math.log(2), 0.0, 0.0])
     for top_p, keep in ((0.75, {0, 1}), (0.5, {0}), (0.76, {0, 1, 2}), (1e-300, {0})):  # 1e-300: 0 in float32
         draws = m.sample(logits.expand(4000, -1), 1.0, top_p, torch.Generator().manual_seed(0))
@@ -1314,17 +1259,14 @@ def test_sample_nucleus_at_an_exact_tie_is_the_smallest():
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.5, 1.0), (2.0, 0.8), (1.0, 0.5), (0.7, 0.3)])
 def test_sample_draws_the_nucleus_distribution(temperature, top_p):
-    """sample() against its definition, in float64: softmax(logits / temperature), cut to the smallest set of most
-    likely tokens whose mass reaches top_p (the token that crosses top_p is kept), renormalised. 40,000 draws:
-    every kept token's frequency within 5 sigma, no token outside the nucleus ever drawn; same seed, same draws."""
+    """sample() draws the renormalised nucleus of softmax(logits / temperature) (40,000 draws, 5 sigma); seeded."""
     g = torch.Generator().manual_seed(int(temperature * 10 + top_p * 100))
     logits = torch.randn(8, generator=g, dtype=torch.float64) * 1.5
     logits[3] = float("-inf")  # a masked token: never drawn
     p = torch.softmax(logits / temperature, -1)
     order = p.argsort(descending=True)
     before = p[order].cumsum(0) - p[order]  # mass of the more likely tokens
-    keep = order[(before < top_p) & (p[order] > 0)]
-    want = torch.zeros_like(p)
+    keep, want = order[(before < top_p) & (p[order] > 0)], torch.zeros_like(p)
     want[keep] = p[keep] / p[keep].sum()
     B = 40000
     draws = m.sample(logits.float().expand(B, -1), temperature, top_p, torch.Generator().manual_seed(1))
@@ -1340,17 +1282,11 @@ def test_sample_draws_the_nucleus_distribution(temperature, top_p):
 class AbTok(ByteTok):
     """ByteTok with one merge, "ab" (id 257): writing "b" after "a" re-tokenizes the pair into one token."""
     vocab = ByteTok.vocab + [b"ab"]
-    vocab_size = len(vocab)
-    token_bytes = vocab.__getitem__
+    vocab_size, token_bytes = len(vocab), vocab.__getitem__
 
     @staticmethod
-    def encode(text):
-        out, raw, i = [], text.encode(), 0
-        while i < len(raw):
-            merged = raw[i:i + 2] == b"ab"
-            out.append(257 if merged else 1 + raw[i])
-            i += 2 if merged else 1
-        return out
+    def encode(text):  # "ab" merged wherever it stands, left to right
+        return [257 if b == b"ab" else 1 + b[0] for b in re.findall(rb"ab|.", text.encode(), re.S)]
 
 
 def test_jump_follows_the_forced_bytes_and_stops_at_a_choice():
@@ -1380,8 +1316,9 @@ def test_jump_forward_appends_the_forced_text_in_whole_characters():
     assert got == want, f"jump_forward after 'abc' on ab(c|d)xyz returned {got}; want {want} (2 tokens kept)"
     output = tok.encode("abc")
     got = index.jump_forward(state, b"abc", output, tok, 4)
-    assert got == (state, b"abc", output, 2), (f"jump_forward after 'abc' on ab(c|d)xyz with limit 4 returned {got};"
-                                               " the jump would make 5 tokens, past the limit: want no jump")
+    assert got == (state, b"abc", output, 2), (
+        f"jump_forward after 'abc' on ab(c|d)xyz with max_new_tokens 4 returned {got}; the jump "
+        "would make 5 tokens, past max_new_tokens: want no jump")
     index = m.TokenIndex("(日|旦)", tok)
     got = index.jump_forward(0, b"", [], tok)
     assert got == (0, b"", [], 0), (f"jump_forward at the start of (日|旦) returned {got}; the forced bytes "
@@ -1389,12 +1326,10 @@ def test_jump_forward_appends_the_forced_text_in_whole_characters():
 
 
 def test_constrained_decode_keeps_only_the_kv_a_jump_left_unchanged():
-    """constrained_decode on a(b|c)d(e|f) with a model that likes "b", then "e": "a" is forced, the model writes
-    "b", then the jump writes "d", which re-tokenizes "a", "b" into "ab" (one token): logits_fn's keep must not
+    """constrained_decode on a(b|c)d(e|f): the jump re-tokenizes "a", "b" into "ab", so logits_fn's keep must not
     cover the changed tokens; the output matches the regex."""
     tok, calls = AbTok(), []
-    index = m.TokenIndex("a(b|c)d(e|f)", tok)
-    prefer = torch.zeros(tok.vocab_size)
+    index, prefer = m.TokenIndex("a(b|c)d(e|f)", tok), torch.zeros(tok.vocab_size)
     prefer[1 + ord("b")], prefer[1 + ord("e")] = 9.0, 8.0
 
     def logits_fn(ids, keep):

@@ -1,14 +1,7 @@
-"""The command line as a user runs it: `python llama3_generate.py ...` as a subprocess, on checkpoints written here
-in all three formats (GGUF through the `gguf` writer, a Hugging Face safetensors directory, a Meta directory) from
-the same random weights, in two Llama shapes: SmolLM2's attention (9 query / 3 KV heads, head dim 64, tied
-embeddings) and a GQA-4 one with head dim 128. Greedy fp32 tokens must equal transformers' greedy `generate` on
-the same weights; bf16 tokens must be transformers' argmax up to bf16 noise.
-
-On CUDA (`pytest -m gpu`) every backend, dtype and engine path runs: multi-step and one-step decode, fused and
-unfused batch-1 decode, CUDA graphs and eager, preemption, radix hits, --n, --regex, --json-schema, streaming.
-There the runs call the CLI's `main(argv)` in this process (Triton kernels and CUDA init paid once per test run,
-not once per command), and one runs it as a process of its own. On a CPU a few cases run the same
-way (each format, two prompts), each as its own process."""
+"""The command line as a user runs it, on checkpoints written here in all three formats (GGUF, Hugging Face, Meta)
+from the same random weights, in two Llama shapes (SmolLM2's attention; GQA-4 with head dim 128): greedy fp32 tokens
+equal transformers' `generate` on the same weights, bf16 ones its argmax up to bf16 noise. On a CPU each format runs
+as a process of its own; on CUDA (`pytest -m gpu`) every backend, dtype and engine path runs, through main(argv)."""
 import copy
 import json
 import os
@@ -20,17 +13,13 @@ import pytest
 import torch
 
 import llama3_generate as L
-from helpers import (FORMATS, MAX_NEW, PROMPTS, SHAPES, Reference, cli, ctrl_c_reaches, tokens,
-                     write_checkpoints)
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import FORMATS, MAX_NEW, PROMPTS, ROOT, SHAPES, Reference, cli, ctrl_c_reaches, tokens, write_checkpoints
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """{shape: ({format: path}, transformers model)}, written once per test module, fresh weights each session."""
-    root = tmp_path_factory.mktemp("ckpt")
-    seed = int(torch.randint(0, 10**6, ()))
+    root, seed = tmp_path_factory.mktemp("ckpt"), int(torch.randint(0, 10**6, ()))
     return {shape: write_checkpoints(str(root), shape, seed + i) for i, shape in enumerate(SHAPES)}
 
 
@@ -50,11 +39,12 @@ def refs(checkpoints):
     return get
 
 
-def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags, capsys=None):
+def check_greedy(checkpoints, refs, shape, fmt, device, prompts, *flags, capsys=None, n=1):
+    """The CLI's --json tokens equal transformers' greedy ones (n samples a prompt, all greedy)."""
     ref = refs(shape, fmt, device)
     outs, err, _ = cli("--model", checkpoints[shape][0][fmt], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
                        *prompts, device=device, capsys=capsys)
-    assert tokens(outs) == ref.greedy(prompts), (shape, fmt, flags)
+    assert tokens(outs) == [r for r in ref.greedy(prompts) for _ in range(n)], (shape, fmt, flags)
     return outs, err
 
 
@@ -83,8 +73,7 @@ def test_gpu_token_backend_every_format(checkpoints, refs, shape, fmt, capsys):
 @pytest.mark.parametrize("flags", [("paged",), ("paged", "--block-size", "256"), ("contiguous",)],
                          ids=["paged16", "paged256", "contiguous"])
 def test_gpu_other_backends(checkpoints, refs, shape, flags, capsys):
-    """Paged (04's kernel with 16- and 256-slot pages: fp32 leaves flash-attn out) and contiguous (a row as one
-    page), through the same CUDA graphs and multi-step decoding as the token backend."""
+    """Paged (16- and 256-slot pages) and contiguous, through the token backend's graphs and multi-step."""
     check_greedy(checkpoints, refs, shape, "hf", "cuda", PROMPTS, "--backend", *flags, capsys=capsys)
 
 
@@ -103,20 +92,15 @@ def test_gpu_other_backends(checkpoints, refs, shape, flags, capsys):
     (PROMPTS[:1] * 3, ("--n", "2", "--backend", "contiguous")),
 ])
 def test_gpu_engine_paths(checkpoints, refs, prompts, flags, capsys):
-    ref = refs("smol", "gguf", "cuda")
-    outs, _, _ = cli("--model", checkpoints["smol"][0]["gguf"], "--json", "--max-new-tokens", str(MAX_NEW), *flags,
-                     *prompts, device="cuda", capsys=capsys)
     n = int(flags[1]) if flags[:1] == ("--n",) else 1
-    expect = [r for r in ref.greedy(prompts) for _ in range(n)]
-    assert tokens(outs) == expect, flags
+    check_greedy(checkpoints, refs, "smol", "gguf", "cuda", prompts, *flags, capsys=capsys, n=n)
 
 
 @gpu
 def test_gpu_streaming_prints_the_completion(checkpoints, refs, capsys):
     """A single completion streams to stdout; with --quiet it is all the CLI prints."""
     ref = refs("gqa4", "meta", "cuda")
-    out = ref.greedy(PROMPTS[4:5])[0]
-    want = ref.tok.decode([t for t in out if t not in ref.tok.stop_ids]) + "\n"
+    want = ref.tok.decode([t for t in ref.greedy(PROMPTS[4:5])[0] if t not in ref.tok.stop_ids]) + "\n"
     argv = ("--model", checkpoints["gqa4"][0]["meta"], "--max-new-tokens", str(MAX_NEW))
     _, err, stdout = cli(*argv, PROMPTS[4], device="cuda", capsys=capsys)
     assert stdout == want and "warm-up" in err and "decode" in err
@@ -126,9 +110,7 @@ def test_gpu_streaming_prints_the_completion(checkpoints, refs, capsys):
 
 @gpu
 def test_gpu_cli_process_is_quiet_and_seeded(checkpoints, capsys):
-    """`python llama3_generate.py` as a process of its own (the GPU suite's one: each pays for starting Python, torch,
-    Triton and CUDA): with --quiet it prints the completions (several: one JSON string per line) and nothing
-    else on either stream, a warning at start-up included; seeded bf16 sampling draws what this process drew."""
+    """As a process of its own: --quiet prints the completions and nothing else; seeded bf16 sampling draws as here."""
     argv = ("--model", checkpoints["smol"][0]["hf"], "--quiet", "--dtype", "bfloat16", "--temperature", "1.0", "--n",
             "3", "--seed", "7", "--max-new-tokens", "16", *PROMPTS[:2])
     _, _, here = cli(*argv, device="cuda", capsys=capsys)
@@ -141,11 +123,8 @@ def test_gpu_cli_process_is_quiet_and_seeded(checkpoints, capsys):
                                    ("paged", "--block-size", "256", "--preempt", "swap")],
                          ids=["token", "paged16", "paged16-swap", "paged256-swap"])
 def test_gpu_small_pool_preempts(checkpoints, refs, flags, capsys):
-    """A pool holding about two sequences: requests wait for room or are preempted (recompute, or swap: blocks to
-    CPU memory and back into other blocks, the graphs' table rows rewritten), the pool fills, and the tokens do
-    not change."""
-    ref = refs("gqa4", "hf", "cuda")
-    longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
+    """A pool of about two sequences: requests wait or are preempted (recompute, or swap); the tokens do not change."""
+    longest = max(map(len, refs("gqa4", "hf", "cuda").ids(PROMPTS))) + MAX_NEW
     _, err = check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", *flags,
                           "--kv-tokens", str(2 * longest + 16), capsys=capsys)
     assert int(re.search(r"peak KV use (\d+)%", err).group(1)) >= 80, err
@@ -154,11 +133,8 @@ def test_gpu_small_pool_preempts(checkpoints, refs, flags, capsys):
 @gpu
 @pytest.mark.parametrize("backend", ["token", "paged", "contiguous"])
 def test_gpu_chunked_and_mixed_steps(checkpoints, refs, backend, capsys):
-    """Issue 34: chunked prefill (prefill-first and mixed steps, on 04's extend kernel over each backend's table)
-    gives transformers' tokens; the chat template the prompts share is a radix hit that chunks cut (token backend),
-    and a pool of about two sequences makes mixed steps hold back or preempt prompts part-way in."""
-    ref = refs("gqa4", "hf", "cuda")
-    longest = max(map(len, ref.ids(PROMPTS))) + MAX_NEW
+    """Issue 34: chunked prefill and mixed steps (cutting a radix hit, in a tight pool) give transformers' tokens."""
+    longest = max(map(len, refs("gqa4", "hf", "cuda").ids(PROMPTS))) + MAX_NEW
     for flags in (("--chunk-tokens", "5"), ("--schedule", "mixed", "--chunk-tokens", "7"),
                   ("--schedule", "mixed", "--chunk-tokens", "6", "--kv-tokens", str(2 * longest + 16))):
         check_greedy(checkpoints, refs, "gqa4", "hf", "cuda", PROMPTS, "--backend", backend, *flags, capsys=capsys)
@@ -187,8 +163,7 @@ def test_gpu_bf16_backends(checkpoints, refs, backend, flags, capsys):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_constrained_and_sampled(checkpoints, tmp_path, dtype, capsys):
     """One-step decode paths: a regex, a JSON schema (jump-forward), temperature sampling with --n; seeded."""
-    model = checkpoints["smol"][0]["hf"]
-    pattern = r"(yes|no), [a-z]{2,8}\."
+    model, pattern = checkpoints["smol"][0]["hf"], r"(yes|no), [a-z]{2,8}\."
     outs, _, _ = cli("--model", model, "--json", "--dtype", dtype, "--regex", pattern, "--n", "2", "--temperature",
                      "0.9", "--max-new-tokens", "32", *PROMPTS[:3], device="cuda", capsys=capsys)
     assert len(outs) == 6
@@ -258,42 +233,31 @@ def mutate_dir(path, fmt, key, value):
 # (field, bad value, what the one line must name) per format; the written checkpoints are the "smol" shape:
 # width 576, 9 query / 3 KV heads, 2 layers, SwiGLU 1536, tied embeddings
 MUTATIONS = {
-    "gguf": [(k, v, k) for k, v in [("llama.block_count", 0), ("llama.block_count", 1), ("llama.block_count", 3),
-                                    ("llama.embedding_length", 0), ("llama.embedding_length", 512),
-                                    ("llama.attention.head_count", 0), ("llama.attention.head_count", 7),
-                                    ("llama.attention.head_count", 18), ("llama.attention.head_count_kv", 0),
-                                    ("llama.attention.head_count_kv", 2), ("llama.attention.head_count_kv", 9),
-                                    ("llama.feed_forward_length", 0), ("llama.feed_forward_length", 1000),
-                                    ("llama.context_length", 0), ("llama.attention.layer_norm_rms_epsilon", 0.0),
-                                    ("llama.attention.layer_norm_rms_epsilon", float("nan")),
-                                    ("llama.rope.freq_base", -1.0), ("llama.rope.freq_base", float("inf"))]]
-    + [("tensor:blk.1.attn_v.weight", "blk.1.attn_w.weight", "blk.1.attn_v.weight"),
-       ("tensor:blk.1.ffn_norm.weight", "nan", "blk.1.ffn_norm.weight")],
-    "meta": [(k, v, k) for k, v in [("dim", 0), ("dim", 512), ("dim", None), ("n_layers", 0), ("n_layers", 1),
-                                    ("n_layers", 3), ("n_layers", "2"), ("n_heads", 0), ("n_heads", 7),
-                                    ("n_heads", 18), ("n_kv_heads", 0), ("n_kv_heads", 2), ("n_kv_heads", 9),
-                                    ("multiple_of", 0), ("multiple_of", 1024), ("norm_eps", 0), ("norm_eps", -1e-5),
-                                    ("rope_theta", 0), ("max_seq_len", 0), ("vocab_size", 100)]]
-    + [("tensor:layers.1.attention.wv.weight", "drop", "layers.1.attention.wv.weight"),
-       ("tensor:layers.0.attention_norm.weight", "nan", "layers.0.attention_norm.weight")],
-    "hf": [(k, v, k) for k, v in [("hidden_size", 0), ("hidden_size", 512), ("num_hidden_layers", 0),
-                                  ("num_hidden_layers", 1), ("num_hidden_layers", 3), ("num_attention_heads", None),
-                                  ("num_attention_heads", 7), ("num_attention_heads", 18),
-                                  ("num_key_value_heads", 0), ("num_key_value_heads", 2),
-                                  ("num_key_value_heads", 9), ("intermediate_size", 0), ("intermediate_size", 1000),
-                                  ("vocab_size", 100), ("vocab_size", 1000), ("rms_norm_eps", 0),
-                                  ("rope_theta", 0), ("max_position_embeddings", 0)]]
-    + [("tensor:model.layers.0.mlp.down_proj.weight", "drop", "model.layers.0.mlp.down_proj.weight"),
-       ("tensor:model.norm.weight", "nan", "model.norm.weight")],
+    "gguf": [(k, v, k) for k, vs in [
+        ("llama.block_count", (0, 1, 3)), ("llama.embedding_length", (0, 512)),
+        ("llama.attention.head_count", (0, 7, 18)), ("llama.attention.head_count_kv", (0, 2, 9)),
+        ("llama.feed_forward_length", (0, 1000)), ("llama.context_length", (0,)),
+        ("llama.attention.layer_norm_rms_epsilon", (0.0, float("nan"))), ("llama.rope.freq_base", (-1.0, float("inf")))]
+        for v in vs] + [("tensor:blk.1.attn_v.weight", "blk.1.attn_w.weight", "blk.1.attn_v.weight"),
+                        ("tensor:blk.1.ffn_norm.weight", "nan", "blk.1.ffn_norm.weight")],
+    "meta": [(k, v, k) for k, vs in [
+        ("dim", (0, 512, None)), ("n_layers", (0, 1, 3, "2")), ("n_heads", (0, 7, 18)), ("n_kv_heads", (0, 2, 9)),
+        ("multiple_of", (0, 1024)), ("norm_eps", (0, -1e-5)), ("rope_theta", (0,)), ("max_seq_len", (0,)),
+        ("vocab_size", (100,))] for v in vs] + [
+        ("tensor:layers.1.attention.wv.weight", "drop", "layers.1.attention.wv.weight"),
+        ("tensor:layers.0.attention_norm.weight", "nan", "layers.0.attention_norm.weight")],
+    "hf": [(k, v, k) for k, vs in [
+        ("hidden_size", (0, 512)), ("num_hidden_layers", (0, 1, 3)), ("num_attention_heads", (None, 7, 18)),
+        ("num_key_value_heads", (0, 2, 9)), ("intermediate_size", (0, 1000)), ("vocab_size", (100, 1000)),
+        ("rms_norm_eps", (0,)), ("rope_theta", (0,)), ("max_position_embeddings", (0,))] for v in vs] + [
+        ("tensor:model.layers.0.mlp.down_proj.weight", "drop", "model.layers.0.mlp.down_proj.weight"),
+        ("tensor:model.norm.weight", "nan", "model.norm.weight")],
 }
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_checkpoint_that_disagrees_with_itself_is_one_line(checkpoints, tmp_path, fmt):
-    """Each field of a written checkpoint set, one at a time, to a value that does not fit the rest (zero, a
-    width the heads do not divide, more or fewer layers than the tensors hold, a missing field or tensor, a NaN
-    norm): loading refuses it with one line naming that field or tensor, never another exception. The untouched
-    copy loads; one mutated copy runs through the CLI: exit status 1, one line on stderr."""
+    """A checkpoint field set to a value that does not fit the rest is refused in one line naming it, by the CLI too."""
     import shutil
     src = checkpoints["smol"][0][fmt]
     for i, (key, value, named) in enumerate(MUTATIONS[fmt]):
@@ -308,14 +272,13 @@ def test_a_checkpoint_that_disagrees_with_itself_is_one_line(checkpoints, tmp_pa
         assert named in msg and "\n" not in msg, (key, value, msg)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--model", path, "Hi"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and named in p.stderr, \
-        p.stderr
+    assert p.returncode == 1 and p.stderr.count("\n") == 1 and p.stderr.startswith("error: ") and named in p.stderr, (
+        p.stderr)
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT cannot be sent to a process on Windows")
 def test_ctrl_c_is_one_line_and_status_130():
-    """Ctrl-C while the CLI streams a completion: one line on stderr, exit status 130 (the shell's for SIGINT), no
-    traceback. SmolLM2 on a CPU takes a minute or more for 1,000 tokens: the signal comes long before the end."""
+    """Ctrl-C while the CLI streams a completion: one line on stderr, exit status 130, no traceback."""
     import signal
     p = subprocess.Popen([sys.executable, os.path.join(ROOT, "llama3_generate.py"), "--ignore-eos",
                           "--max-new-tokens", "1000", "Hi"],

@@ -1,9 +1,6 @@
-"""Issue 64: deterministic (batch-invariant) mode. The needle test (vLLM's and SGLang's): a prompt
-runs alone, then at a random position in batches of random sizes with random other prompts, with and
-without a cached prefix, chunked and not, mixed steps and not, on every backend; in deterministic
-mode its tokens and logprobs are the same bits every time. The same trials with the mode off must
-find a difference (the negative test: proof that they can fail). The mode's pieces are checked
-against float64 too (consistent garbage would pass the needle test)."""
+"""Issue 64: deterministic (batch-invariant) mode. The needle test (vLLM's and SGLang's): a prompt alone, then in
+random company (cached prefixes, chunks, mixed steps, every backend) gives the same bits in the mode, and not without
+it (the negative test); the mode's pieces are checked against float64 too (consistent garbage would pass)."""
 import random
 
 import pytest
@@ -15,21 +12,18 @@ from helpers import NEW, NOTOK, needle_model, needle_trials
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_needle_is_bit_identical_in_any_company(dtype):
-    model = needle_model(dtype)
-    assert needle_trials(model, True, trials=12, seed=int(torch.randint(0, 10**6, ()))) == []
+    assert needle_trials(needle_model(dtype), True, trials=12, seed=int(torch.randint(0, 10**6, ()))) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_needle_moves_with_the_mode_off(dtype):
-    """The negative test: without the mode the same trials find the needle's logprobs moved, so the
-    test above can fail."""
+    """The negative test: without the mode the same trials find the needle's logprobs moved."""
     assert needle_trials(needle_model(dtype), False, trials=12, seed=1)
 
 
 @pytest.mark.parametrize("seed", [7, None])
 def test_sampling_is_the_same_in_any_company(seed):
-    """temperature > 0: each request draws from its own seeded stream (without a seed: seeded with
-    the engine's), so the same seed gives the same text."""
+    """temperature > 0: each request draws from its own seeded stream, so the same seed gives the same text."""
     params = L.SamplingParams(max_new_tokens=NEW, temperature=1.0, seed=seed, logprobs=1)
     assert needle_trials(needle_model(), True, trials=6, seed=2, params=params) == []
 
@@ -37,8 +31,7 @@ def test_sampling_is_the_same_in_any_company(seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("logprobs", [None, 1])  # None: greedy, the multi-step CUDA-graph path
 def test_needle_on_a_gpu(logprobs):
-    """On a GPU: 04's kernels, CUDA graphs, multi-step decode. The negative test compares logprobs
-    (on a random model greedy tokens rarely flip; their logprobs always move)."""
+    """On a GPU: 04's kernels, CUDA graphs, multi-step decode (the negative test compares logprobs)."""
     params = L.SamplingParams(max_new_tokens=NEW, logprobs=logprobs)
     model = needle_model(torch.bfloat16, "cuda")
     assert needle_trials(model, True, trials=16, seed=3, params=params) == []
@@ -52,19 +45,17 @@ def test_deterministic_logits_are_the_models():
     model, prompt = needle_model(), torch.randint(0, 256, (40,))
     logits = {}
     for mode in (False, True):
-        e = L.Engine(model, NOTOK, kv_tokens=256, max_batch=2, deterministic=mode)
+        e = L.FastEngine(model, NOTOK, kv_tokens=256, max_batch=2, deterministic=mode)
         logits[mode] = model(prompt, e.kv.prepare([0], [len(prompt)]), e.kv)
     assert (logits[True] - logits[False]).abs().max() <= 1e-4 * logits[False].abs().max()
 
 
 def invariant_rows(linear, dtype, device, K=96, N=80, ms=(1, 2, 3, 5, 17, 33, 70)):
-    """The needle row's bits from `linear` at a random place among M random rows, for each M (one
-    value if the rows are invariant); each product checked against float64."""
+    """The needle row's bits from `linear` among M random rows, for each M (one value: invariant); vs float64."""
     w, needle = (torch.randn(*shape, device=device).to(dtype) for shape in ((N, K), (K,)))
     got = set()
     for M in ms:
-        x = torch.randn(M, K, device=device).to(dtype)
-        i = random.randrange(M)
+        x, i = torch.randn(M, K, device=device).to(dtype), random.randrange(M)
         x[i] = needle
         y, ref = linear(x, w), x.double() @ w.double().t()
         assert (y.double() - ref).abs().max() <= 2e-2 * ref.abs().max(), M
@@ -90,8 +81,7 @@ def attention_problem(device, dtype, Hkv=2, G=3, D=32, slots=300):
 
 
 def one_reduction(extend, decode, device, dtype):
-    """A query's output, the same bits whether its prompt ran whole, as a chunk after a cached
-    prefix, or it is a decode step's; the whole prompt's checked against float64."""
+    """A query's output is the same bits whole, as a chunk after a cached prefix, or as a decode step's."""
     q, kp, vp, table, n = attention_problem(device, dtype)
     whole = extend(q, kp, vp, table, [0], [0], [n])
     k, v = (p[table[0].long()].double() for p in (kp, vp))
@@ -109,25 +99,21 @@ def test_attend_pieces_is_one_reduction():
 
 @pytest.mark.triton
 def test_attention_kernel_is_one_reduction():
-    L04 = L.lesson("04_triton_token_attn")
-    cuda = torch.cuda.is_available()
+    L04, cuda = L.lesson("04_triton_token_attn"), torch.cuda.is_available()
     one_reduction(L04.deterministic_extend_attention, L04.deterministic_decode_attention,
                   "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
 
 
 @pytest.mark.triton
 def test_invariant_matmul_kernel():
-    cuda = torch.cuda.is_available()
-    matmul = L.lesson("04_triton_token_attn").invariant_matmul
+    cuda, matmul = torch.cuda.is_available(), L.lesson("04_triton_token_attn").invariant_matmul
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
-    rows = invariant_rows(matmul, dtype, device, ms=(1, 3, 70, 300))
-    assert len(rows) == 1
+    assert len(invariant_rows(matmul, dtype, device, ms=(1, 3, 70, 300))) == 1
 
 
 @pytest.mark.triton
 def test_invariant_swiglu_is_the_models_swiglu_in_one_kernel():
-    """The fused gate-and-up product: the same bits as the unfused matmul then 04's swiglu, each row
-    whatever M, and float64's answer up to rounding."""
+    """The fused gate-and-up product: the bits of the matmul then 04's swiglu, whatever M; float64's answer."""
     L04, cuda = L.lesson("04_triton_token_attn"), torch.cuda.is_available()
     dtype, device = (torch.bfloat16, "cuda") if cuda else (torch.float32, "cpu")
     w13 = torch.randn(2 * 48, 64, device=device).to(dtype)
@@ -146,8 +132,7 @@ SHAPES = {"Llama-3.2-1B": dict(dim=2048, hidden=8192, qkv=3072, vocab=128256),
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES)
 def test_invariant_matmul_tiles_keep_the_bits_on_a_gpu(shape):
-    """The tile follows M (matmul_tiles), the bits do not: a needle row among M random rows, M = 1 to
-    1,024, on every product of the model (qkv, wo, w13 fused with SwiGLU, w2, the head)."""
+    """The tile follows M (matmul_tiles), the bits of a needle row do not, on every product of the model."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     L04, s = L.lesson("04_triton_token_attn"), SHAPES[shape]
@@ -156,8 +141,7 @@ def test_invariant_matmul_tiles_keep_the_bits_on_a_gpu(shape):
                       (s["dim"], s["hidden"], False), (s["vocab"], s["dim"], False)):
         w, needle, got = torch.randn(N, K, device="cuda").bfloat16() * 0.05, torch.randn(K, device="cuda"), set()
         for M in (1, 16, 64, 256, 1024):
-            x = torch.randn(M, K, device="cuda").bfloat16()
-            i = random.randrange(M)
+            x, i = torch.randn(M, K, device="cuda").bfloat16(), random.randrange(M)
             x[i] = needle
             got.add(L04.invariant_matmul(x, w, glu=glu)[i].float().cpu().numpy().tobytes())
             tiles.add(L04.matmul_tiles(M, N // (1 + glu), x.dtype, L04.num_sms(x.device)))

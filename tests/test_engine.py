@@ -1,5 +1,6 @@
 """The engine: continuous batching through every backend, radix prefix reuse, constraints, n > 1, preemption."""
 import gc
+import json
 import random
 import re
 
@@ -14,7 +15,7 @@ PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "Wha
 
 def run(smollm, prompts, params=None, **kw):
     model, tok = smollm
-    engine = L.Engine(model, tok, **kw)
+    engine = L.FastEngine(model, tok, **kw)
     for p in prompts:
         engine.add(tok.chat(p) if isinstance(p, str) else p, params or L.SamplingParams(max_new_tokens=12))
     return engine.run(), engine
@@ -26,11 +27,7 @@ def hf_greedy(hf, prompts, n, stop_ids):
     x = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     out = hf.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False, eos_token_id=stop_ids, pad_token_id=0)
-    rows = []
-    for row in out[:, width:].tolist():
-        cut = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-        rows.append(row[:cut])
-    return rows
+    return [r[:next((i + 1 for i, t in enumerate(r) if t in stop_ids), len(r))] for r in out[:, width:].tolist()]
 
 
 def test_backends_agree_with_each_other_and_transformers(smollm, hf_smollm):
@@ -65,9 +62,7 @@ def test_constrained_requests_fullmatch(smollm):
 
 
 def test_postprocess_requeues_from_the_token_append_says_changed():
-    """02's postprocess acts on what a request's append reports (the engine's Seq: a jump-forward re-tokenized
-    tokens already in its KV, from token `changed` on): the KV before that token stays (05's tree caches exactly
-    it, not the stale token after it), the request is requeued, and readmitted it computes only what changed."""
+    """02's postprocess keeps the KV before the token an append says changed, requeues, and recomputes only the rest."""
     R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
 
     class Jumping(R.Req):  # at its 3rd token, output[1:] changes (output[1] is in its KV): as a jump-forward
@@ -88,8 +83,7 @@ def test_postprocess_requeues_from_the_token_append_says_changed():
 
 @pytest.mark.parametrize("backend,preempt", [("token", "recompute"), ("paged", "recompute"), ("paged", "swap")])
 def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preempt, monkeypatch):
-    """The engine schedules through the lessons' classes: 05's Scheduler.admit admits, 02's Scheduler.preempt
-    preempts (recompute, or swap on the paged backend). Outputs equal a pool that holds everything."""
+    """A tiny pool admits through 05's Scheduler.admit, preempts through 02's, and writes a big pool's tokens."""
     model, tok = smollm
     P, R = L.lesson("02_paged_cache_manager"), L.lesson("05_radix_scheduler")
     calls = {}
@@ -129,15 +123,11 @@ def test_request_too_large_is_refused(smollm):
 @pytest.mark.triton
 @pytest.mark.parametrize("pdl", [False, True])
 def test_fused_decode_matches_the_model(pdl, monkeypatch):
-    """fused_decode (six kernels per layer, interpreted on a CPU) == model(...) through the token backend: the
-    same logits and the same K/V written to the new slot (pools poisoned with NaN elsewhere). pdl: the GPU's
-    kernel variants (first weight tile loaded before the wait; the interpreter has no launch control). 16-wide
-    tiles, so every GEMV loops over several."""
+    """fused_decode (interpreted; pdl: the GPU's variants) gives model(...)'s logits and K/V on the token backend."""
     m04 = L.lesson("04_triton_token_attn")
     monkeypatch.setattr(m04, "FUSED_CONFIG", {k: (rows, 16, warps) for k, (rows, _, warps) in m04.FUSED_CONFIG.items()})
     model = tiny_model(seed=int(torch.randint(0, 1000, ())))
-    m03 = L.lesson("03_token_allocator")
-    kvs = [m03.TokenKVCache.for_model(model, 64, 2, 64) for _ in range(2)]
+    kvs = [L.lesson("03_token_allocator").TokenKVCache.for_model(model, 64, 2, 64) for _ in range(2)]
     prompt = torch.randint(0, 256, (int(torch.randint(2, 20, ())),))
     for kv in kvs:
         kv.k_pool.fill_(float("nan")), kv.v_pool.fill_(float("nan"))
@@ -154,8 +144,7 @@ def test_fused_decode_matches_the_model(pdl, monkeypatch):
 
 @pytest.mark.triton
 def test_argmax_kernel_matches_torch():
-    """_argmax (two launches, packed keys) == torch.argmax, ties to the lowest index, negative logits included,
-    fp32 and bf16; also with the logits split between 2 ranks (TP's head), each rank's keys gathered."""
+    """_argmax == torch.argmax (ties to the lowest index, fp32 and bf16), also with the logits split over 2 ranks."""
     m04 = L.lesson("04_triton_token_attn")
     for B, V in ((1, 300), (3, 2 * int(torch.randint(2049, 10000, ()))), (2, 7)):  # (even: halves)
         x = torch.randn(B, V) * 5 - 30 * torch.rand(B, 1)
@@ -179,16 +168,14 @@ SHARING = [dict(backend="token"), dict(backend="paged", block_size=4), dict(back
 
 @pytest.mark.parametrize("kw", SHARING, ids=["token", "paged-4", "paged-16"])
 def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
-    """The engine with and without 05's radix cache, on the token pool and on blocks (the tree keyed by pages):
-    equal greedy tokens (fp32), hits of whole pages on a shared document (the admit events --events prints), and
-    nothing leaks once the cache lets go. A pool of about two requests: prefixes are evicted, sequences wait."""
+    """With, without 05's radix cache (token pool, blocks): equal greedy tokens, whole-page hits, evictions, no leak."""
     model, rng = tiny_model(), torch.Generator().manual_seed(random.randrange(1 << 30))  # fresh inputs each run
     doc = torch.randint(0, 256, (int(torch.randint(40, 70, (), generator=rng)),), generator=rng).tolist()
     prompts = [doc + torch.randint(0, 256, (n,), generator=rng).tolist() for n in (3, 9, 17, 1, 30)]
     prompts += [list(prompts[1]), torch.randint(0, 256, (50,), generator=rng).tolist()]
 
     def run(radix):
-        e = L.Engine(model, NOTOK, kv_tokens=144, max_batch=3, max_seq_len=112, radix=radix, cuda_graphs=False, **kw)
+        e = L.Engine(model, NOTOK, kv_tokens=144, max_batch=3, max_seq_len=112, radix=radix, **kw)
         for p in prompts:
             e.add(p, L.SamplingParams(max_new_tokens=int(torch.randint(4, 12, (), generator=rng))))
         return list(e.run().values()), e
@@ -198,8 +185,7 @@ def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
     cached, e1 = run(None)  # None: on where the backend shares
     assert e0.sched.tree is None and e0.stats["cached_tokens"] == 0, "radix=False still cached tokens"
     assert cached == plain, f"with the radix cache the engine wrote {cached}; without it {plain}"
-    page = e1.kv.page
-    hits = [ev.tokens for ev in e1.sched.events if ev.kind == "admit"]
+    page, hits = e1.kv.page, [ev.tokens for ev in e1.sched.events if ev.kind == "admit"]
     assert all(h % page == 0 for h in hits), f"admitted with cached prefixes {hits}: not whole {page}-token pages"
     assert max(hits) >= len(doc) // page * page - page, f"the shared document was never found cached: {hits}"
     assert e1.stats["cached_tokens"] >= 3 * (len(doc) // page * page - page), "few prompts reused the document"
@@ -210,20 +196,17 @@ def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
 
 def test_contiguous_backend_refuses_a_radix_cache():
     """01's rows cannot share a prefix: asked for one, the engine says so in one line; by default it has none."""
-    model, tok = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    model = tiny_model()
     with pytest.raises(L.UserError, match="cannot share a cached prefix") as err:
-        L.Engine(model, tok, "contiguous", kv_tokens=256, max_seq_len=64, radix=True, cuda_graphs=False)
+        L.Engine(model, NOTOK, "contiguous", kv_tokens=256, max_seq_len=64, radix=True)
     assert "\n" not in str(err.value)
-    assert L.Engine(model, tok, "contiguous", kv_tokens=256, max_seq_len=64, cuda_graphs=False).sched.tree is None
+    assert L.Engine(model, NOTOK, "contiguous", kv_tokens=256, max_seq_len=64).sched.tree is None
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
-    """Greedy steps k at a time (CudaGraphDecoder.steps, run eagerly on a CPU; the next k queued before the last k
-    are read, also when the batch shrinks) write the same tokens as one step at a time, stop at the same EOS (the
-    rest of that k is wasted, its slots freed), and leak no KV slot, on every backend (one graph decoder reads
-    each through its table). Batch 1 also runs fused_decode."""
+    """Greedy steps k at a time write one-step tokens, stop at the same EOS, leak no slot; batch 1 runs fused_decode."""
     model = tiny_model()
     resumed, steps = [], L.CudaGraphDecoder.steps
     monkeypatch.setattr(L.CudaGraphDecoder, "steps",
@@ -231,9 +214,9 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (3, 9, 17)]
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
-    def run(prompts, max_new, **opts):
-        e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, **kw, **opts)
-        for p, n in zip(prompts, max_new):
+    def run(prompts, max_new_tokens, **opts):
+        e = L.FastEngine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, **kw, **opts)
+        for p, n in zip(prompts, max_new_tokens):
             e.add(p, L.SamplingParams(max_new_tokens=n))
         outs = list(e.run().values())
         assert e.graphs is None or e.graphs.inflight is None, "the run ended with a chunk still in flight"
@@ -259,16 +242,14 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatch):
-    """A chunk runs all multi_step steps though a sequence reaches its max_new_tokens inside it (the tokens after
-    that dropped, as after an EOS), but never past a sequence's context: the one that fills max_seq_len to its last
-    slot ends on shorter chunks. Same tokens as one step at a time, no slot leaked."""
-    model, tok, ks = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})(), []
+    """A chunk runs past a sequence's max_new_tokens (tokens dropped) but not past its context: one-step tokens."""
+    model, tok, ks = tiny_model(), NOTOK, []
     steps = L.CudaGraphDecoder.steps
     monkeypatch.setattr(L.CudaGraphDecoder, "steps",
                         lambda self, batch, pos, k, **kw: (ks.append(k), steps(self, batch, pos, k, **kw))[1])
-    prompts, max_new = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
+    prompts, max_new_tokens = [torch.randint(0, 256, (n,)).tolist() for n in (3, 50)], (3, 14)  # 50 + 14: all 64 slots
 
-    run = lambda **opts: serve(model, tok, prompts, max_new, max_batch=4, max_seq_len=64, kv_tokens=256,
+    run = lambda **opts: serve(model, tok, prompts, max_new_tokens, max_batch=4, max_seq_len=64, kv_tokens=256,
                                fused=False, **kw, **opts)[0]
     one = run(cuda_graphs=False)
     assert run(cuda_graphs=True, multi_step=4) == one and list(map(len, one)) == [3, 14]
@@ -278,35 +259,27 @@ def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatc
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_multi_step_random_workloads_match_one_step(kw):
-    """Random batches through the multi-step path (graphs run eagerly on a CPU): sequences stop at an EOS met
-    mid-chunk and at random lengths, so chunks in flight land after their batch changed -- and the run must end
-    when the last chunk is read (the GPU crash of two prompts: an empty step prepared after the last one
-    finished). Same tokens as one step at a time, no slot leaked."""
-    model = tiny_model()
-    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
-    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    """Random batches stopping mid-chunk (chunks land after their batch changed) write one-step-at-a-time tokens."""
+    model, rand = tiny_model(), randoms()
     tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
 
-    run = lambda prompts, max_new, **opts: serve(model, tok, prompts, max_new, max_batch=4, max_seq_len=64,
-                                                 kv_tokens=512, fused=False, **kw, **opts)[0]
+    run = lambda prompts, max_new_tokens, **opts: serve(model, tok, prompts, max_new_tokens, max_batch=4,
+                                                         max_seq_len=64, kv_tokens=512, fused=False, **kw, **opts)[0]
     for _ in range(25):
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(1, 5))]
-        max_new = rand(1, 30, len(prompts))
+        max_new_tokens = rand(1, 30, len(prompts))
         tok.stop_ids = []
-        free = run(prompts, max_new, cuda_graphs=False)
-        longest = max(range(len(free)), key=lambda i: len(free[i]))
-        tok.stop_ids = [free[longest][rand(0, len(free[longest]))]]  # an EOS somewhere in the longest output
-        one = run(prompts, max_new, cuda_graphs=False)
-        assert run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6)) == one, (prompts, max_new, tok.stop_ids)
+        longest = max(run(prompts, max_new_tokens, cuda_graphs=False), key=len)
+        tok.stop_ids = [longest[rand(0, len(longest))]]  # an EOS somewhere in the longest output
+        one = run(prompts, max_new_tokens, cuda_graphs=False)
+        got = run(prompts, max_new_tokens, cuda_graphs=True, multi_step=rand(2, 6))
+        assert got == one, (prompts, max_new_tokens, tok.stop_ids)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
-    """The overlap (Engine.overlaps): more prompts than rows, so requests are admitted while a multi-step chunk is
-    in flight; their prefill runs behind it, their first tokens are read from the device after it lands, and they
-    join the next chunk from the host while the others go on from the device. Random prompts, lengths and an EOS:
-    the same tokens as one step at a time, no slot leaked, and both paths taken."""
+    """Prompts admitted while a multi-step chunk is in flight prefill behind it and join the next: one-step tokens."""
     model, seen = tiny_model(), {"beside": 0, "joined": 0}
     ahead, steps = L.CudaGraphDecoder.argmax_ahead, L.CudaGraphDecoder.steps
 
@@ -316,40 +289,36 @@ def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
     monkeypatch.setattr(L.CudaGraphDecoder, "steps", joined)
     monkeypatch.setattr(L.CudaGraphDecoder, "argmax_ahead", lambda self, x: (
         seen.__setitem__("beside", seen["beside"] + 1), ahead(self, x))[1])
-    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
-    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
-    run = lambda prompts, max_new, **opts: serve(model, tok, prompts, max_new, max_batch=3, max_seq_len=64,
-                                                 kv_tokens=512, fused=False, max_prefill_tokens=12, **kw,
-                                                 **opts)[0]
+    rand, tok = randoms(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    run = lambda prompts, max_new_tokens, **opts: serve(model, tok, prompts, max_new_tokens, max_batch=3,
+                                                         max_seq_len=64, kv_tokens=512, fused=False,
+                                                         max_prefill_tokens=12, **kw, **opts)[0]
     for schedule in ["prefill-first"] * 3 + ["mixed"]:  # mixed steps decode every running one: they land first
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(5, 9))]
-        max_new = rand(1, 30, len(prompts))
+        max_new_tokens = rand(1, 30, len(prompts))
         tok.stop_ids = []
-        free = run(prompts, max_new, cuda_graphs=False)
-        longest = max(range(len(free)), key=lambda i: len(free[i]))
-        tok.stop_ids = [free[longest][rand(0, len(free[longest]))]]
-        one = run(prompts, max_new, cuda_graphs=False)
-        got = run(prompts, max_new, cuda_graphs=True, multi_step=rand(2, 6), schedule=schedule)
-        assert got == one, (schedule, prompts, max_new, tok.stop_ids)
+        longest = max(run(prompts, max_new_tokens, cuda_graphs=False), key=len)
+        tok.stop_ids = [longest[rand(0, len(longest))]]
+        one = run(prompts, max_new_tokens, cuda_graphs=False)
+        got = run(prompts, max_new_tokens, cuda_graphs=True, multi_step=rand(2, 6), schedule=schedule)
+        assert got == one, (schedule, prompts, max_new_tokens, tok.stop_ids)
     assert seen["beside"] and seen["joined"], f"the overlap's paths ran {seen} times"
 
 
 @pytest.mark.triton
 def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch):
-    """A multi-step chunk's seconds (the wait for its k steps) count as decode, also where the next prefill
-    step's admission lands it (prefill-first: a decode step between two prefill steps). On a fake clock, a
-    prefill takes 1000 s, a one-step decode or reading a chunk 1 s: prefill_s and decode_s are those sums."""
-    model, tok = tiny_model(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    """A multi-step chunk's seconds count as decode, also where a prefill step's admission lands it: on a fake clock
+    (a prefill 1000 s, a decode or a chunk's read 1 s) prefill_s and decode_s are those sums."""
+    model, tok = tiny_model(), NOTOK
     clock, took, trace = [0.0], {"prefill": 0.0, "decode": 0.0}, []
-    forward, read, step = L.Engine.forward, L.CudaGraphDecoder.read, L.Engine.step
+    forward, read, step = L.FastEngine.forward, L.CudaGraphDecoder.read, L.FastEngine.step
 
     def spend(kind, seconds, what=None):
         clock[0], took[kind] = clock[0] + seconds, took[kind] + seconds
         trace[-1].append(what or kind)
     monkeypatch.setattr(L.time, "perf_counter", lambda: clock[0])
-    monkeypatch.setattr(L.Engine, "step", lambda self, *a: (trace.append([]), step(self, *a))[1])
-    monkeypatch.setattr(L.Engine, "forward", lambda self, batch, *a: (
+    monkeypatch.setattr(L.FastEngine, "step", lambda self, *a: (trace.append([]), step(self, *a))[1])
+    monkeypatch.setattr(L.FastEngine, "forward", lambda self, batch, *a: (
         spend(*(("decode", 1.0) if batch[0] in self.sched.running else ("prefill", 1000.0))),
         forward(self, batch, *a))[1])
     monkeypatch.setattr(L.CudaGraphDecoder, "read", staticmethod(lambda c: (spend("decode", 1.0, "ahead"), read(c))[1]))
@@ -357,8 +326,8 @@ def test_multi_step_chunks_count_as_decode_whichever_step_lands_them(monkeypatch
     # a prompt's 8 tokens, then 3): a step that continues a prompt lands the chunk before it admits
     for chunk in (None, 5):
         clock[0], trace[:], took["prefill"], took["decode"] = 0.0, [], 0.0, 0.0
-        e = L.Engine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
-                     fused=False, multi_step=4, chunk_tokens=chunk)
+        e = L.FastEngine(model, tok, kv_tokens=256, max_batch=4, max_seq_len=64, max_prefill_tokens=8, cuda_graphs=True,
+                         fused=False, multi_step=4, chunk_tokens=chunk)
         for n in (12, 9, 14):
             e.add(torch.randint(0, 256, (8,)).tolist(), L.SamplingParams(max_new_tokens=n))
         e.run()
@@ -379,21 +348,15 @@ SCHEDULING = [dict(schedule="mixed"), dict(chunk_tokens=5), dict(schedule="mixed
 @pytest.mark.parametrize("graphs", [False, pytest.param(True, marks=pytest.mark.triton)], ids=["eager", "graphs"])
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_chunked_and_mixed_steps_write_the_same_tokens(kw, graphs):
-    """Greedy fp32, tiny random model: mixed steps and chunked prefill (prefill-first and mixed, budgets down to one
-    token) write the same tokens as whole prompts prefilled alone, on every backend (graphs: decode-only steps
-    through the multi-step path, run eagerly on a CPU). Prompts share a prefix that the radix cache serves (token
-    backend), so chunk boundaries fall inside cached prefixes; the pool is small enough that mixed steps hold back
-    or preempt prompts part-way in. The events account for every run (check_events), and nothing leaks."""
-    model = tiny_model()
-    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
-    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    """Mixed steps and chunked prefill write whole prompts' tokens on every backend; events account for it; no leak."""
+    model, rand = tiny_model(), randoms()
     cut = 0  # prompts held back or preempted part-way in
 
-    def run(prompts, max_new, pool, late=0, **opts):  # late: the last prompt arrives after two steps
-        e = L.Engine(model, NOTOK, kv_tokens=pool, max_batch=4, max_seq_len=64, cuda_graphs=graphs,
-                     multi_step=3, fused=False, **kw, **opts)
+    def run(prompts, max_new_tokens, pool, late=0, **opts):  # late: the last prompt arrives after two steps
+        e = L.FastEngine(model, NOTOK, kv_tokens=pool, max_batch=4, max_seq_len=64, cuda_graphs=graphs,
+                         multi_step=3, fused=False, **kw, **opts)
         sids = []
-        for i, (p, n) in enumerate(zip(prompts, max_new)):
+        for i, (p, n) in enumerate(zip(prompts, max_new_tokens)):
             for _ in range(2 * (late and i == len(prompts) - 1)):
                 e.step()
             sids += e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -411,30 +374,26 @@ def test_chunked_and_mixed_steps_write_the_same_tokens(kw, graphs):
     for _ in range(6):
         shared = rand(0, 256, rand(8, 20))
         prompts = [shared + rand(0, 256, rand(1, 12)) for _ in range(rand(2, 5))] + [rand(0, 256, rand(20, 40))]
-        max_new = rand(2, 16, len(prompts))
-        pool = max(len(p) + n for p, n in zip(prompts, max_new)) + rand(0, 24)
-        want = run(prompts, max_new, 256)
+        max_new_tokens = rand(2, 16, len(prompts))
+        pool = max(len(p) + n for p, n in zip(prompts, max_new_tokens)) + rand(0, 24)
+        want = run(prompts, max_new_tokens, 256)
         for opts in SCHEDULING:
-            assert run(prompts, max_new, pool, **opts) == want, (opts, prompts, max_new, pool)
+            assert run(prompts, max_new_tokens, pool, **opts) == want, (opts, prompts, max_new_tokens, pool)
     # a 40-token prompt arrives while two sequences decode, into 60 slots: admitted, it fits, but the two grow by a
     # token per mixed step (its chunks: 4 - 2 tokens) until it no longer does: held back, or preempted, part-way in
-    prompts, max_new = [rand(0, 256, 4), rand(0, 256, 4), rand(0, 256, 40)], [40, 40, 4]
-    want, cut = run(prompts, max_new, 256, late=1), 0
-    assert run(prompts, max_new, 60, late=1, schedule="mixed", chunk_tokens=4, reserve=False) == want
+    prompts, max_new_tokens = [rand(0, 256, 4), rand(0, 256, 4), rand(0, 256, 40)], [40, 40, 4]
+    want, cut = run(prompts, max_new_tokens, 256, late=1), 0
+    assert run(prompts, max_new_tokens, 60, late=1, schedule="mixed", chunk_tokens=4, reserve=False) == want
     assert cut > 0 or kw["backend"] == "contiguous"  # (its rows are reserved whole: one sequence at a time here)
 
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_warm_up_leaves_no_trace(graphs):
-    """Engine.warm_up (the CLI's, before serving on a GPU) captures the buckets it is asked for, then the engine
-    serves as a fresh one: same tokens, sequence ids from 0, fresh stats, no slot held but the graphs' pad slot.
-    It freezes the heap built so far, so the collector never walks it mid-serving (a full collection stalled every
-    stream on the GPU)."""
-    model = tiny_model()
-    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (4, 11, 7)]
+    """After warm_up (captures, a frozen heap) the engine serves as a fresh one: same tokens, ids, stats, slots."""
+    model, prompts = tiny_model(), [torch.randint(0, 256, (n,)).tolist() for n in (4, 11, 7)]
     outs = []
     for warm in (False, True):
-        e = L.Engine(model, NOTOK, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
+        e = L.FastEngine(model, NOTOK, "token", kv_tokens=256, max_batch=4, cuda_graphs=graphs, multi_step=3)
         if warm:
             gc.unfreeze()
             fresh = {**dict.fromkeys(e.sched.stats, 0), **e.new_counts()}
@@ -458,12 +417,11 @@ def llama_1b():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,max_batch", [("token", 4), ("token", 1), ("paged", 4), ("contiguous", 4)])
 def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
-    """Random Llama-3.2-1B shape in bf16 (token backend: CUDA graphs, 04's kernel, multi-step; at batch 1
-    fused_decode): every greedy token is transformers' argmax up to bf16 noise, and the prefill logits agree."""
+    """A random Llama-3.2-1B shape in bf16: every greedy token is transformers' argmax up to bf16 noise."""
     model, hf = llama_1b
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 128000, (n,), generator=g).tolist() for n in (5, 77, 300)]
-    engine = L.Engine(model, NOTOK, backend, kv_tokens=4096, max_batch=max_batch, max_seq_len=512, block_size=256)
+    engine = L.FastEngine(model, NOTOK, backend, kv_tokens=4096, max_batch=max_batch, max_seq_len=512, block_size=256)
     for p in prompts:
         engine.add(p, L.SamplingParams(max_new_tokens=8, ignore_eos=True))
     outs = engine.run()
@@ -484,15 +442,13 @@ def test_gpu_bf16_decode_matches_transformers(llama_1b, backend, max_batch):
 
 @pytest.mark.gpu
 def test_gpu_serving_compiles_nothing_after_warm_up(llama_1b, monkeypatch):
-    """A compile mid-serving stalls every stream (issue 34). After warm_up, steps of 1 token and of as many tokens
-    as the 1B shape has KV heads, heads, head dims or model width (8, 32, 64, 2,048), chunks of a lone prompt
-    (steps that sample no row) and mixed steps compile no Triton kernel (a new specialization of any of 04's)."""
+    """Issue 34 (a compile mid-serving stalls every stream): after warm_up no step shape compiles a Triton kernel."""
     import triton.runtime.jit as jit
     compiles, compile_ = [], jit.JITFunction._do_compile
     monkeypatch.setattr(jit.JITFunction, "_do_compile", lambda self, *a, **k: compiles.append(self.fn.__name__)
                         or compile_(self, *a, **k))
     model, _ = llama_1b
-    e = L.Engine(model, NOTOK, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
+    e = L.FastEngine(model, NOTOK, "token", kv_tokens=8192, max_batch=8, max_seq_len=2100)
     e.warm_up(8)
     assert compiles, "the warm-up compiles (or loads from Triton's cache) every kernel a run needs"
     compiles.clear()
@@ -537,23 +493,17 @@ def test_cli_constrained_samples(smollm, tmp_path, capsys):
     pattern = r"(yes|no), because [a-z ]{5,40}\."
     L.main(["--quiet", "--regex", pattern, "--n", "2", "--temperature", "0.8", "--max-new-tokens", "24",
             "Is the sky blue?"])
-    import json
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # --quiet, several: JSON strings
     assert len(lines) == 2 and all(re.fullmatch(pattern, line) for line in lines), lines
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"answer": {"type": "boolean"}}, "required": ["answer"]}')
     L.main(["--quiet", "--json-schema", str(schema), "--backend", "paged", "--max-new-tokens", "16", "Is water wet?"])
-    import json
     assert isinstance(json.loads(capsys.readouterr().out)["answer"], bool)
 
 
 def test_cli_json_schema_from_pydantic(smollm, tmp_path, capsys):
-    """Issue 33: --json-schema takes what Pydantic's model_json_schema() writes for 06's demo model (a nested model
-    through $defs/$ref, an Enum, a Literal, int and float bounds, Optional and list fields with defaults) and
-    answers, on the real weights, a document the model's own model_validate_json accepts."""
-    import json
-    character = L.lesson("06_jump_forward_fsm").demo_model()
-    schema = tmp_path / "character.json"
+    """Issue 33: --json-schema of 06's Pydantic demo model answers a document its model_validate_json accepts."""
+    character, schema = L.lesson("06_jump_forward_fsm").demo_model(), tmp_path / "character.json"
     schema.write_text(json.dumps(character.model_json_schema()))
     L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "96", "Describe Hermione Granger."])
     out = json.loads(capsys.readouterr().out)
@@ -573,17 +523,14 @@ def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
 
 
 def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
-    """--json: one object per completion; a constrained completion cut by --max-new-tokens before its schema
-    matched says so (finish_reason "length" and a warning), one that finished says "stop" and parses."""
-    import json
+    """--json: one object per completion; one cut by --max-new-tokens says "length" and warns, a finished one parses."""
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", '
                       '"items": {"type": "string"}}}, "required": ["name", "tags"]}')
     L.main(["--json", "--json-schema", str(schema), "--max-new-tokens", "6", "--n", "2", "Describe a person."])
     cap = capsys.readouterr()
     outs = [json.loads(line) for line in cap.out.splitlines()]
-    assert [(o["prompt_index"], o["sample"], o["finish_reason"]) for o in outs] == [(0, 0, "length"),
-                                                                                    (0, 1, "length")]
+    assert [(o["prompt_index"], o["sample"], o["finish_reason"]) for o in outs] == [(0, 0, "length"), (0, 1, "length")]
     assert cap.err.count("cut by --max-new-tokens") == 2
     L.main(["--json", "--regex", "(yes|no)", "--max-new-tokens", "8", "Is the sky blue?", "Is fire cold?"])
     cap = capsys.readouterr()
@@ -593,8 +540,7 @@ def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
 
 
 def test_cli_paged_pool_holds_what_it_admits(smollm, capsys):
-    """Issue 22.3: the CLI sizes the pool to the request exactly; the paged backend rounded it down to whole blocks
-    and a completion running to --max-new-tokens (prompt + new not a multiple of 16) ran out of KV memory."""
+    """Issue 22.3: the CLI's paged pool holds a request running to --max-new-tokens (once rounded down to blocks)."""
     model, tok = smollm
     prompt = "Write a long story about a dragon."
     n = next(n for n in range(20, 40) if (len(tok.chat(prompt)) + n) % 16)
@@ -603,8 +549,7 @@ def test_cli_paged_pool_holds_what_it_admits(smollm, capsys):
 
 
 def test_projections_load_stacked():
-    """stack_on_load: a checkpoint's separate q, k, v (and gate, up) projections load as one stacked weight each
-    (one GEMM where there were three), and the model's logits are transformers' over the separate weights."""
+    """Separate q, k, v (gate, up) projections load stacked; the logits are transformers' on the separate weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
     a = tiny_model().args
     sd = {k: torch.randn(v.shape) * 0.3 for k, v in meta_state_dict(L.Transformer(a)).items()}  # Meta's names
@@ -623,17 +568,14 @@ def test_projections_load_stacked():
 
 
 def test_policy_orders_admission_and_changes_no_output():
-    """--policy: 05's policies order the engine's queue. One sequence runs at a time, so sequences finish in
-    admission order: fcfs keeps arrival order; lpm, once a prompt is cached, takes the others that share its
-    head first (ties stay first come first served); random some other order. Tokens are the same under all."""
-    R = L.lesson("05_radix_scheduler")
+    """--policy: 05's policies order the engine's queue (fcfs, lpm, random) and change no token."""
+    R, tok = L.lesson("05_radix_scheduler"), NOTOK
     model = tiny_model(seed=int(torch.randint(0, 10**6, ())))
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
     heads = [torch.randint(0, 256, (40,)).tolist() for _ in range(3)]
     prompts = [heads[i % 3] + torch.randint(0, 256, (5,)).tolist() for i in range(9)]  # groups 0 1 2 0 1 2 ...
     order, outs = {}, {}
     for policy in R.POLICIES:
-        e = L.Engine(model, tok, "token", kv_tokens=1024, max_batch=1, cuda_graphs=False, policy=policy)
+        e = L.Engine(model, tok, "token", kv_tokens=1024, max_batch=1, policy=policy)
         for p in prompts:
             e.add(p, L.SamplingParams(max_new_tokens=3))
         outs[policy] = e.run()
@@ -648,13 +590,15 @@ def test_policy_orders_admission_and_changes_no_output():
     assert L.cli_args([]).policy == "lpm"
 
 
+def randoms():
+    """rand(lo, hi, n=None): n (or one) random ints in [lo, hi), from a generator seeded afresh each test."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
+    return lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+
+
 def check_events(events, finished, stats, capacity=None):
-    """A brute-force account of a run from its scheduling events alone (02's Event(step, kind, rid, tokens)):
-    every request walks waiting -> admit -> prefill+ -> decode* -> finish (prefill+: a prompt in chunks, one step
-    after another), with preempt / requeue / hold_back back to
-    waiting and swap_out -> swap_in; the KV each holds, rebuilt from the events, is what each event says it drops
-    and, at its finish, its prompt and output but the last token. finished: rid -> (prompt length, output length).
-    The totals equal the scheduler's own counters; capacity: no step holds more KV than the pool (paged)."""
+    """A brute-force account of a run from its events alone (each request waiting -> admit -> prefill+ -> decode* ->
+    finish, or back): the KV each holds and drops, totals as counted; capacity: never more KV than the pool."""
     state, kv, cached, steps = {}, {}, 0, [e.step for e in events]
     moves = {"admit": ("waiting",), "hold_back": ("admitted",), "prefill": ("admitted",), "decode": ("running",),
              "preempt": ("running",), "requeue": ("running",), "swap_out": ("running",), "swap_in": ("swapped",),
@@ -707,18 +651,14 @@ def check_events(events, finished, stats, capacity=None):
 @pytest.mark.parametrize("backend,preempt,graphs", [("token", "recompute", False), ("token", "recompute", True),
                                                     ("paged", "recompute", False), ("paged", "swap", False)])
 def test_events_account_for_a_run_under_memory_pressure(backend, preempt, graphs):
-    """Random requests through a pool too small for them (tiny random model; graphs: multi-step chunks, run eagerly
-    on a CPU): the engine's events (Engine.events) agree with a brute-force account of the run (check_events),
-    and something was preempted."""
-    model = tiny_model()
-    g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
-    rand = lambda lo, hi, n=None: torch.randint(lo, hi, (n,) if n else (), generator=g).tolist()
+    """A pool too small for random requests: the events agree with a brute-force account (check_events); it preempts."""
+    model, rand = tiny_model(), randoms()
     prompts = [rand(0, 256, rand(4, 30)) for _ in range(8)]
-    max_new = rand(8, 40, len(prompts))
-    longest = max(len(p) + n for p, n in zip(prompts, max_new))
-    e = L.Engine(model, NOTOK, backend, kv_tokens=longest + 40, max_batch=6, block_size=4, preempt=preempt,
-                 cuda_graphs=graphs, multi_step=4, fused=False, reserve=False)  # admit what fits now: it preempts
-    sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, max_new)]
+    max_new_tokens = rand(8, 40, len(prompts))
+    longest = max(len(p) + n for p, n in zip(prompts, max_new_tokens))
+    e = L.FastEngine(model, NOTOK, backend, kv_tokens=longest + 40, max_batch=6, block_size=4, preempt=preempt,
+                     cuda_graphs=graphs, multi_step=4, fused=False, reserve=False)  # admit what fits now: it preempts
+    sids = [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, n in zip(prompts, max_new_tokens)]
     outs = e.run()
     finished = {sid: (len(p), len(outs[sid])) for sid, p in zip(sids, prompts)}
     check_events(e.events, finished, e.stats, e.kv.capacity() if backend == "paged" else None)
@@ -735,11 +675,9 @@ def test_lesson_schedulers_log_the_same_events():
     sched = P.simulate(prompt, output.tolist(), num_blocks=400, block_size=16)
     finished = {r.rid: (len(r.prompt), len(r.output)) for r in sched.finished}
     assert check_events(sched.events, finished, sched.stats, 400 * 16)["preempt"] > 0
-    import numpy as np
-    reqs = R.chat_workload(np.random.default_rng(int(torch.randint(0, 10**6, ()))))
+    reqs = R.chat_workload(__import__("numpy").random.default_rng(int(torch.randint(0, 10**6, ()))))
     longest = max(len(p) + len(o) for p, o, _ in reqs)
-    kv = R.L03.TokenKVCache(1, 3 * longest, 1, 1, 8, longest)
-    s = R.Scheduler(kv, "lpm", 8, reserve=False)
+    s = R.Scheduler(R.L03.TokenKVCache(1, 3 * longest, 1, 1, 8, longest), "lpm", 8, reserve=False)
     made = [s.add(p, len(o), target=o) for p, o, _ in reqs]
     s.run()
     check_events(s.events, {r.rid: (len(r.prompt), len(r.output)) for r in made}, s.stats)
@@ -747,9 +685,7 @@ def test_lesson_schedulers_log_the_same_events():
 
 
 def test_cli_progress_on_a_terminal_only(smollm, capsys, monkeypatch):
-    """Several prompts: a progress bar (sequences done / total, decode rate) on stderr when it is a terminal, none
-    when it is not or under --quiet; the stats line counts in the singular where it is one; --events prints one
-    line per scheduling event, as many as the engine logged."""
+    """A progress bar on a terminal only, not under --quiet; the stats line's singular; --events' lines."""
     import sys
     argv = ["--max-new-tokens", "3", "Hi", "Name a color."]
     L.main(argv)
@@ -770,7 +706,6 @@ def test_cli_progress_on_a_terminal_only(smollm, capsys, monkeypatch):
     L.main(["--n", "2", "--max-new-tokens", "2", "--json", "Hi"])
     cap = capsys.readouterr()
     assert "warning: --n 2 at --temperature 0 (greedy) gives 2 identical samples" in cap.err
-    import json
     outs = [json.loads(line) for line in cap.out.splitlines()]
     assert [(o["prompt_index"], o["prompt"], o["sample"]) for o in outs] == [(0, "Hi", 0), (0, "Hi", 1)]
 
@@ -786,10 +721,7 @@ def test_help_says_each_default_once(capsys):
 
 
 def test_cli_chunked_and_mixed_steps_answer_alike_with_timings(smollm, capsys):
-    """Real weights, fp32 greedy: --schedule mixed and --chunk-tokens (chunks cut the chat template, which the
-    second prompt finds cached, and the prompts themselves) answer the same tokens as the default schedule; --json
-    reports each completion's time to first token and tokens per second; a bad budget is one line."""
-    import json
+    """--schedule mixed --chunk-tokens 7 answers the default's tokens, with TTFT and tok/s; a bad budget is one line."""
     prompts = ["What is the capital of France?", "Name three primary colors and say why they are primary."]
     got = []
     for flags in ([], ["--schedule", "mixed", "--chunk-tokens", "7"]):
@@ -804,12 +736,9 @@ def test_cli_chunked_and_mixed_steps_answer_alike_with_timings(smollm, capsys):
 
 
 def test_bench_serve_machinery_on_a_cpu(tmp_path):
-    """`python tests/bench_engine.py serve`'s loop on a tiny random model: Poisson arrivals, every request served
-    whole, the three schedules (chunks of 16 tokens cut the long prompts) writing the same tokens, the percentiles in
-    order, the plot written. (Its figures are the GPU's to measure: no timing is asserted here.)"""
+    """`bench_engine.py serve` on a tiny model: all served, the schedules' tokens equal, percentiles ordered, a plot."""
     import bench_engine as B  # tests/bench_engine.py (pytest puts tests/ on sys.path)
-    args = tiny_model(max_seq_len=256).args
-    plot = tmp_path / "serve.png"
+    args, plot = tiny_model(max_seq_len=256).args, tmp_path / "serve.png"
     schedules = {name: (mixed, chunk and 16) for name, (mixed, chunk) in B.SERVE_SCHEDULES.items()}
     r = B.bench_serve("cpu", rates=(50,), n_seqs=10, lengths=(4, 24), long=(60, 120), long_prompts=2,
                       schedules=schedules, args=args, shape="tiny", plot=str(plot))
@@ -826,8 +755,7 @@ def test_bench_serve_machinery_on_a_cpu(tmp_path):
 
 
 def waits(x, outside=0.0):
-    """serve's ttft_waits: the slowest first tokens, slowest first, each TTFT = queued + the steps from its first
-    step to its first token, give or take the time outside steps (a share `outside` of the TTFT)."""
+    """serve's ttft_waits, slowest first: each TTFT = queued + its steps, give or take `outside` of it."""
     w = x["ttft_waits"]
     assert w and abs(w[0]["ttft"] - x["ttft_max_ms"]) < 1e-6 and all(a["ttft"] >= b["ttft"] for a, b in zip(w, w[1:]))
     for a in w:
@@ -836,8 +764,7 @@ def waits(x, outside=0.0):
 
 
 def test_serve_simulated_on_a_cpu_says_where_first_tokens_wait():
-    """`serve --simulate`: serve's draws through 05's scheduler on the cost model's clock, every schedule; each
-    of the slowest first tokens' TTFT is exactly its queue plus its steps (no time outside steps)."""
+    """`serve --simulate`: every schedule's slowest first tokens' TTFT is exactly their queue plus their steps."""
     import bench_engine as B
     r = B.simulate_serve(rates=(50,), n_seqs=24, lengths=(4, 24), long=(60, 120), long_prompts=2)
     assert list(r["rates"][50]) == list(B.SERVE_SCHEDULES) and len(r["long_prompts"]) == 2
@@ -848,8 +775,7 @@ def test_serve_simulated_on_a_cpu_says_where_first_tokens_wait():
 
 
 def test_cli_regex_is_pythons_alone_and_schemas_strict_unless_exact(tmp_path, capsys, monkeypatch):
-    """Issue 56: a regex Python's re refuses (06's own groups too), an empty one, a regex beside a schema: each one
-    line and exit status 1 before the model loads; --json-schema is strict unless --json-schema-exact."""
+    """Issue 56: bad regex arguments are one line before the model loads; --json-schema is strict unless -exact."""
     monkeypatch.setattr(L, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "boolean"}')
@@ -868,9 +794,7 @@ def test_cli_regex_is_pythons_alone_and_schemas_strict_unless_exact(tmp_path, ca
 
 
 def test_cli_constrained_answer_closes_within_max_new_tokens(smollm, tmp_path, capsys):
-    """Issue 56: an unbounded array the model would fill past --max-new-tokens closes in time (the engine's mask
-    keeps room for the shortest end once it fits): finish_reason "stop", and the document parses."""
-    import json
+    """Issue 56: an unbounded array closes within --max-new-tokens: finish_reason "stop", and the document parses."""
     schema = tmp_path / "s.json"
     schema.write_text('{"type": "object", "properties": {"fruits": {"type": "array", "items": {"type": "string"}}}, '
                       '"required": ["fruits"]}')
@@ -882,11 +806,8 @@ def test_cli_constrained_answer_closes_within_max_new_tokens(smollm, tmp_path, c
 
 @pytest.mark.parametrize("backend", ["token", "paged"])
 def test_finish_reasons_counts_and_stop_ids_against_generate(backend):
-    """The engine's decode loop against generate()'s static one (01's contiguous cache), greedy on a random model:
-    the same tokens, cut right after the first stop id ("stop") or at exactly max_new_tokens ("length");
-    ignore_eos runs through the stop ids to max_new_tokens."""
-    model = tiny_model(seed=11)
-    C = L.lesson("01_kv_cache")
+    """The engine's tokens and finish reasons equal generate()'s, with stop ids, max_new_tokens and ignore_eos."""
+    model, C = tiny_model(seed=11), L.lesson("01_kv_cache")
     prompts = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (3, 9, 17)]
     free = L.generate(model, C.ContiguousKVCache.for_model(model, 3, 64), prompts, 12)
     stop = [free[0][4], free[1][0]]  # prompt 0 stops at its 5th token (or before), prompt 1 at its first
@@ -894,28 +815,24 @@ def test_finish_reasons_counts_and_stop_ids_against_generate(backend):
         want = L.generate(model, C.ContiguousKVCache.for_model(model, 3, 64), prompts, n_new, stop_ids=stop)
         for ignore in (False, True):
             tok = type("Tok", (), {"stop_ids": stop, "eos_id": stop[0]})()
-            e = L.Engine(model, tok, backend, kv_tokens=256, max_batch=2, cuda_graphs=False)
+            e = L.Engine(model, tok, backend, kv_tokens=256, max_batch=2)
             for p in prompts:
                 e.add(p, L.SamplingParams(max_new_tokens=n_new, ignore_eos=ignore))
             got = e.run()
             for sid, out in got.items():
-                ref = [o[:n_new] for o in free][sid] if ignore else want[sid]
-                assert out == ref, (n_new, ignore, sid)
+                assert out == ([o[:n_new] for o in free][sid] if ignore else want[sid]), (n_new, ignore, sid)
                 assert e.finish_reasons[sid] == ("stop" if out[-1] in stop and not ignore else "length")
 
 
 def test_n_samples_each_draw_from_seed_plus_i():
-    """n samples with a seed: sample i draws from its own generator seeded seed + i, so it equals a request of one
-    sample seeded seed + i, whatever runs beside it; the n samples differ, and share the prompt's KV."""
-    model = tiny_model(seed=12)
-    prompt = list(range(5, 15))
+    """Sample i of n draws as a lone request seeded seed + i, whatever runs beside it; samples share the prompt's KV."""
+    model, prompt = tiny_model(seed=12), list(range(5, 15))
 
     def run_one(n, seed, also=()):
-        e = L.Engine(model, NOTOK, "token", kv_tokens=512, max_batch=4, cuda_graphs=False)
+        e = L.Engine(model, NOTOK, "token", kv_tokens=512, max_batch=4)
         for p in also:
             e.add(p, L.SamplingParams(max_new_tokens=6, temperature=1.0))
-        ids = e.add(prompt, L.SamplingParams(max_new_tokens=6, temperature=1.0, n=n, seed=seed))
-        out = e.run()
+        ids, out = e.add(prompt, L.SamplingParams(max_new_tokens=6, temperature=1.0, n=n, seed=seed)), e.run()
         return [out[i] for i in ids], e.stats["cached_tokens"]
     many, cached = run_one(3, 40, also=[[1, 2, 3]])
     assert many == [run_one(1, 40 + i)[0][0] for i in range(3)] and len({tuple(o) for o in many}) == 3

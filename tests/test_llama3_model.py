@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import llama3_generate as L
+from helpers import ROOT, to_meta_order
 
 CHAT = "What is the capital of France?"
 TEXTS = ["Hello world", "naïve café — 東京 🤗🎉 emoji", "def f(x):\r\n    return x ** 2  # ok\r\n", "  two  spaces\t\ttabs\n\n\n",
@@ -22,10 +23,7 @@ def contiguous(model, batch, length):
 
 
 def ban(ids):
-    def process(rows, logits):
-        logits[:, ids] = -float("inf")
-        return logits
-    return process
+    return lambda rows, logits: logits.index_fill_(1, torch.tensor(ids), -float("inf"))
 
 
 def test_greedy_equals_transformers(smollm, hf_smollm):
@@ -85,8 +83,7 @@ def test_smollm_tokenizer_equals_transformers(smollm, hf_smollm):
     for s in TEXTS + ["\x04control\x06 bytes", "rare plane \U00040000 char", " \x04abc x\x06\x06y"]:
         assert tok.encode(s, allow_special=True) == htok.encode(s, add_special_tokens=False), repr(s)
         assert tok.decode(htok.encode(s, add_special_tokens=False)) == htok.decode(htok.encode(s, add_special_tokens=False))
-    msgs = [{"role": "user", "content": CHAT}]
-    ref = htok.apply_chat_template(msgs, add_generation_prompt=True)
+    ref = htok.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True)
     assert tok.chat(CHAT) == list(getattr(ref, "input_ids", ref))
 
 
@@ -109,8 +106,7 @@ def assert_same_logits(ours, hf, vocab_size):
     x = torch.randint(0, vocab_size, (300,))  # long enough that the llama3 rope scaling matters
     with torch.no_grad():
         ref = hf(x[None]).logits[0]
-    got = ours(x, torch.arange(len(x)), L.NoCache())
-    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+    assert (ours(x, torch.arange(len(x)), L.NoCache()) - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
 @pytest.mark.parametrize("tie", [False, True])
@@ -137,16 +133,11 @@ def test_hf_checkpoint_loads(tmp_path, tie):
 @pytest.mark.parametrize("shards", [1, 2])
 def test_meta_checkpoint_loads(tmp_path, shards):
     hf = tiny_hf_model(128256, tie=False)
-    cfg = hf.config
-    sd = hf.state_dict()
-
-    def to_meta(w, heads):  # HF's convert script permutes Meta -> HF; this is its inverse, written independently
-        return w.view(heads, 2, w.shape[0] // heads // 2, w.shape[1]).transpose(1, 2).reshape(w.shape)
-
+    cfg, sd = hf.config, hf.state_dict()
     meta = {ours: sd[theirs] for theirs, ours in L.hf_names(cfg.num_hidden_layers).items()}
-    for i in range(cfg.num_hidden_layers):
-        meta[f"layers.{i}.attention.wq.weight"] = to_meta(meta[f"layers.{i}.attention.wq.weight"], 4)
-        meta[f"layers.{i}.attention.wk.weight"] = to_meta(meta[f"layers.{i}.attention.wk.weight"], 2)
+    for i in range(cfg.num_hidden_layers):  # the inverse of HF's Meta -> HF permutation, written independently
+        meta[f"layers.{i}.attention.wq.weight"] = to_meta_order(meta[f"layers.{i}.attention.wq.weight"], 4)
+        meta[f"layers.{i}.attention.wk.weight"] = to_meta_order(meta[f"layers.{i}.attention.wk.weight"], 2)
     for s in range(shards):  # model-parallel shards: column-parallel split on dim 0, row-parallel (wo, w2) on dim 1
         part = {k: v if "norm" in k else v.chunk(shards, 1 if k.endswith(("wo.weight", "w2.weight")) else 0)[s].clone()
                 for k, v in meta.items()}
@@ -207,26 +198,22 @@ def test_sampling_is_seeded_and_top_p_restricts():
     a = L.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(3))
     assert torch.equal(a, L.sample(logits, 1.0, 0.9, torch.Generator().manual_seed(3)))
     for _ in range(50):  # top_p: every sample lies in the smallest set of tokens whose mass reaches p
-        t = L.sample(logits, 1.0, 0.5, None)
-        p = logits.softmax(-1)
+        t, p = L.sample(logits, 1.0, 0.5, None), logits.softmax(-1)
         for row in range(4):
             order = p[row].argsort(descending=True)
-            keep = order[: int((p[row][order].cumsum(0) < 0.5).sum()) + 1]
-            assert t[row] in keep
+            assert t[row] in order[: int((p[row][order].cumsum(0) < 0.5).sum()) + 1]
     assert torch.equal(L.sample(logits, 0, 1.0), logits.argmax(-1))
 
 
 def cli_subprocess(*argv, env=None):
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, os.path.join(root, "llama3_generate.py"), *argv], capture_output=True,
-                          text=True, env=env, cwd=root, timeout=600)
+    return subprocess.run([sys.executable, os.path.join(ROOT, "llama3_generate.py"), *argv], capture_output=True,
+                          text=True, env=env, cwd=ROOT, timeout=600)
 
 
 def test_help_and_bad_numbers():
-    """--help: every flag says what it does, with its default. A bad number: one line naming the flag, non-zero
-    exit, no traceback, before the model loads (--model names no file: its error never comes)."""
+    """--help says each flag's default; a bad number is one line naming the flag, before the model loads."""
     p = cli_subprocess("--help")
     assert p.returncode == 0, p.stderr
     flags = set(re.findall(r"^  (--[a-z-]+)", p.stdout, re.M))
@@ -270,18 +257,16 @@ READING_PATH = ("01_kv_cache.py", "02_paged_cache_manager.py", "03_token_allocat
 @pytest.mark.parametrize("name", READING_PATH)
 def test_code_files_read_in_lines_of_120_characters(name):
     """The seven files of the README's reading path: no line over 120 characters."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name)
-    long = [i + 1 for i, line in enumerate(open(path, encoding="utf-8").read().splitlines()) if len(line) > 120]
+    long = [i + 1 for i, line in enumerate(open(os.path.join(ROOT, name), encoding="utf-8").read().splitlines())
+            if len(line) > 120]
     assert not long, f"{name}: lines over 120 characters: {long}"
 
 
 def test_every_file_compiles_without_warnings():
-    """No source file makes Python warn as it compiles (an invalid escape like '\\d' in a docstring is a
-    SyntaxWarning on Python 3.12+, printed to stderr: it broke the CLI's quiet output there)."""
+    """No source file makes Python warn as it compiles (an invalid escape broke the CLI's quiet output on 3.12)."""
     import glob
     import warnings
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    for path in sorted(glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "tests", "*.py"))):
+    for path in sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "tests", "*.py"))):
         with open(path, encoding="utf-8") as f, warnings.catch_warnings():
             warnings.simplefilter("error")
             compile(f.read(), path, "exec")

@@ -1,8 +1,6 @@
-"""Every workshop notebook runs top to bottom (cwd = repo root, so `importlib.import_module("0X_...")` works), and
-ships with its outputs so a reader browsing the repository sees the figures before running anything. Its questions
-(a **Predict:** or **Try:** cell, an `answer = None` cell, a check) are answered here from KEY, an answer key kept
-apart from the notebooks: right answers on the lessons must be told "right", wrong ones on a workshop copy of every
-lesson (WORKSHOP=1) "not yet" with the reason."""
+"""Every workshop notebook runs top to bottom and ships with its outputs. Its questions are answered here from KEY,
+an answer key kept apart from the notebooks: right answers on the lessons are told "right", wrong ones on a workshop
+copy of every lesson (WORKSHOP=1) "not yet", each with the reason."""
 import glob
 import importlib.util
 import os
@@ -21,42 +19,19 @@ IDS = [os.path.basename(p) for p in NOTEBOOKS]
 
 # Each notebook's questions, in order: (a right answer, a tempting wrong one), as an attendee would write them.
 KEY = {
-    "01_kv_cache.ipynb": [
-        ('lambda r, p: r * 16 + p', 'lambda r, p: p * 16 + r'),
-        ('[154, 40]', '[148, 40]'),
-        ('16', '32'),
-    ],
-    "02_paged_cache_manager.ipynb": [
-        ('[2, 3]', '[0, 3]'),
-        ('[4, 5]', '[0, 1, 4, 5]'),
-        ('lambda n: (n + 15) // 16', 'lambda n: n // 16 + 1'),
-    ],
-    "03_token_allocator.ipynb": [
-        ('[2, 5, 6]', '[5, 6, 8]'),
-        ("'c'", "'a'"),
-        ('[9, 10, 11, 12]', '[1, 4, 5, 6]'),
-    ],
-    "04_triton_token_attn.ipynb": [
-        ("'b'", "'a'"),
-        ('0.75', '1 / 3'),
-        ('[64, 1, 8]', '[66, 1, 8]'),
-    ],
-    "05_radix_scheduler.ipynb": [
-        ('6', '8'),
-        ('2', '3'),
-        ('[1, 3, 0, 4, 2]', '[3, 1, 0, 4, 2]'),
-        ('lambda n, P: n // P * P', 'lambda n, P: -(-n // P) * P'),
-    ],
-    "06_jump_forward_fsm.ipynb": [
-        ("r'Answer: (yes|no)'", "r'Answer: yes|no'"),
-        ("""['{"ok": ', 'rue, "n": ']""", """['{"ok": ', 'true, "n": ']"""),
-        ("'b'", "'a'"),
-    ],
-    "07_end_to_end.ipynb": [
-        ("'token'", "'paged'"),
-        ("'b'", "'a'"),
-        ('lambda table, P, r, i: table[r][i // P] * P + i % P', 'lambda table, P, r, i: table[r][i // P]'),
-    ],
+    "01_kv_cache.ipynb": [('lambda r, p: r * 16 + p', 'lambda r, p: p * 16 + r'), ('[154, 40]', '[148, 40]'),
+                          ('16', '32')],
+    "02_paged_cache_manager.ipynb": [('[2, 3]', '[0, 3]'), ('[4, 5]', '[0, 1, 4, 5]'),
+                                     ('lambda n: (n + 15) // 16', 'lambda n: n // 16 + 1')],
+    "03_token_allocator.ipynb": [('[2, 5, 6]', '[5, 6, 8]'), ("'c'", "'a'"), ('[9, 10, 11, 12]', '[1, 4, 5, 6]')],
+    "04_triton_token_attn.ipynb": [("'b'", "'a'"), ('0.75', '1 / 3'), ('[64, 1, 8]', '[66, 1, 8]')],
+    "05_radix_scheduler.ipynb": [('6', '8'), ('2', '3'), ('[1, 3, 0, 4, 2]', '[3, 1, 0, 4, 2]'),
+                                 ('lambda n, P: n // P * P', 'lambda n, P: -(-n // P) * P')],
+    "06_jump_forward_fsm.ipynb": [("r'Answer: (yes|no)'", "r'Answer: yes|no'"),
+                                  ("""['{"ok": ', 'rue, "n": ']""", """['{"ok": ', 'true, "n": ']"""), ("'b'", "'a'")],
+    "07_end_to_end.ipynb": [("'token'", "'paged'"), ("'b'", "'a'"),
+                            ('lambda table, P, r, i: table[r][i // P] * P + i % P',
+                             'lambda table, P, r, i: table[r][i // P]')],
 }
 
 
@@ -68,8 +43,7 @@ def cannot_run(path):
 
 
 def questions(nb) -> list:
-    """The index of each question's cell: markdown that starts **Predict:** or **Try:**, then `answer = None`,
-    then a check that calls ask."""
+    """Each question's cell index: **Predict:** or **Try:**, then `answer = None`, then a check calling ask."""
     at = [i for i, c in enumerate(nb.cells) if c.cell_type == "markdown"
           and re.match(r"\*\*(Predict|Try):\*\*", c.source)]
     for i in at:
@@ -84,8 +58,7 @@ def said(cell) -> str:
 
 
 def execute(path, which, workspace=None):
-    """The notebook run with the key's `which` answers (0 right, 1 wrong): on the lessons, or (workspace: a
-    folder) as WORKSHOP=1 runs it, on the copies of the lessons there, up to its last check."""
+    """The notebook run with the key's `which` answers (0 right, 1 wrong), on the lessons or (workspace) a copy."""
     nb = nbformat.read(path, as_version=4)
     at = questions(nb)
     for i, answers in zip(at, KEY[os.path.basename(path)]):
@@ -100,8 +73,7 @@ def execute(path, which, workspace=None):
 
 @pytest.fixture(scope="module")
 def running(request, tmp_path_factory):
-    """The selected notebooks, two at a time, the longest (07) first: each kernel computes on one thread
-    (OMP_NUM_THREADS, set by conftest), so one after another left a core of two idle. {(path, mode): Future}."""
+    """The selected notebooks, two at a time (one thread each), the longest (07) first. {(path, mode): Future}."""
     ws = tmp_path_factory.mktemp("workspace")
     for f in glob.glob(os.path.join(ROOT, "0*.py")) + [os.path.join(ROOT, "llama3_generate.py")]:
         shutil.copy(f, ws)
@@ -113,34 +85,34 @@ def running(request, tmp_path_factory):
                for p, (mode, which, folder) in sorted(chosen, key=lambda c: "07_" not in c[0])}
 
 
+def checks_say(path, running, mode, said, never):
+    """Every check of the notebook's run in `mode` says `said` with why, never `never`; the first cell's output."""
+    if cannot_run(path):
+        pytest.skip(cannot_run(path))
+    checks, first = running[path, mode].result()  # a cell's error, if one failed
+    for question, out in checks:
+        assert re.search(rf"^{said} .+ Why: \S+( \S+){{4,}}", out, re.M) and never not in out, (
+            f"{question}\nthe check said: {out}")
+    return first
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs(path, running):
     """On the lessons, every right answer in the key is told "right", with why."""
-    if cannot_run(path):
-        pytest.skip(cannot_run(path))
-    checks, _ = running[path, "lessons"].result()  # a cell's error, if one failed
-    for question, out in checks:
-        assert re.search(r"^right: .+ Why: \S+( \S+){4,}", out, re.M) and "not yet" not in out, \
-            f"{question}\nthe check said: {out}"
+    checks_say(path, running, "lessons", "right:", "not yet")
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_your_copy(path, running):
-    """WORKSHOP=1 with every lesson copied into a workspace: the notebook imports the copy, and every wrong
-    answer in the key is told "not yet", with what it is and why; never a pass."""
-    if cannot_run(path):
-        pytest.skip(cannot_run(path))
-    checks, first = running[path, "copy"].result()
+    """WORKSHOP=1 on copies of the lessons: the notebook imports the copy, and every wrong answer is told "not yet"."""
+    first = checks_say(path, running, "copy", "not yet:", "right:")
     assert "your copy in" in first, first
-    for question, out in checks:
-        assert re.search(r"^not yet: .+ Why: \S+( \S+){4,}", out, re.M) and "right:" not in out, \
-            f"{question}\nthe check said: {out}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_is_committed_executed_and_small(path):
-    """Refresh with `jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`. It asks at least
-    three questions, unanswered: each check says so and reveals nothing."""
+    """Refresh with `jupyter nbconvert --to notebook --execute --inplace notebooks/*.ipynb`. Small, with at least
+    three questions left unanswered that reveal nothing."""
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3"

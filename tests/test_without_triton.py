@@ -37,8 +37,7 @@ def test_lesson_04_says_it_needs_triton_in_one_line():
 
 @pytest.mark.slow
 def test_cli_serves_every_backend_without_triton(smollm):
-    """The CLI on each backend, as on a Mac: the same greedy tokens as the engine in this process (with Triton on
-    Linux: the PyTorch paths run on a CPU either way), one JSON object per prompt, nothing on stderr."""
+    """The CLI on each backend as on a Mac: the engine's greedy tokens here, one JSON object per prompt."""
     import llama3_generate as L
     prompts = ["Hi", "What is 2 + 2?"]
     model, tok = smollm

@@ -29,7 +29,7 @@ def test_every_exercise_is_graded():
     assert r.stdout.count(": fails\n") == want and want >= 60, r.stdout[-3000:]
     assert r.stdout.count("alternative: passes") >= len(W.exercises("02") + W.exercises("03") + W.exercises("05"))
     assert not [line for line in r.stdout.splitlines() if " fails: " in line and "GPU" in line]  # a CPU's words
-    assert "07 Engine.step fails: no step decoded ahead, on this CPU too" in r.stdout
+    assert "07 FastEngine.step fails: no step decoded ahead, on this CPU too" in r.stdout
 
 
 def test_a_failure_shows_the_input_its_test_line_describes():
@@ -41,9 +41,7 @@ def test_a_failure_shows_the_input_its_test_line_describes():
 
 
 def test_a_mutant_is_found_in_its_function_whatever_the_reflow():
-    """Each mutant applies exactly once to its lesson as it stands; the lesson reflowed (a line broken elsewhere
-    inside parentheses, continuations indented anew) keeps it at the same place with the same bug, whitespace
-    aside; a snippet changed in substance, or looked for in another function, is stale."""
+    """Each mutant applies once to its lesson, reflowed or not; changed in substance or in another function: stale."""
     import mutants
     from code_mutants import CODE_MUTANTS
     read = lambda mu: open(os.path.join(W.ROOT, mutants.FILES[mu.stage]), encoding="utf-8").read()
@@ -107,9 +105,7 @@ def graders(tmp_path, *pytest_args):
 
 
 def test_pytest_and_progress_give_one_grade_that_names_the_exercise(tmp_path):
-    """03 with alloc written wrong (the highest free slots first), its siblings not written: pytest grades alloc
-    alone (-x does not stop at them: they are to do), and both graders say the same sentence; then alloc is
-    written right, another way than the lesson's, and both say it passes."""
+    """pytest --workspace and progress grade 03's alloc alone, wrong and then right, in the same sentence."""
     W.start("03", folder=str(tmp_path))
     path = tmp_path / "03_token_allocator.py"
     write(path, "TokenAllocator.alloc", ["free = torch.nonzero(self.mem_state == 0)[:, 0]",
@@ -121,16 +117,14 @@ def test_pytest_and_progress_give_one_grade_that_names_the_exercise(tmp_path):
     assert prog["passed"] == 0 and prog["total"] == len(W.EXERCISES)
     assert prog["exercises"]["03 TokenAllocator.free"]["status"] == "to do"
     assert prog["exercises"]["05 RadixCache.insert"]["status"] == "not started"
-    alt = W.alternatives("03")
-    write(path, "TokenAllocator.alloc", W.body(alt, "TokenAllocator.alloc").splitlines())
+    write(path, "TokenAllocator.alloc", W.body(W.alternatives("03"), "TokenAllocator.alloc").splitlines())
     out, rc, prog = graders(tmp_path, "--exercise", "alloc")
     assert rc == 0 and "1 passed" in out and "  passes   03 TokenAllocator.alloc\n" in out, out
     assert prog["passed"] == 1 and prog["exercises"]["03 TokenAllocator.alloc"]["status"] == "passes"
 
 
 def test_a_wrong_answer_fails_fast_and_safely():
-    """A loop that never ends fails on the time limit; a list that grows without bound on the memory limit, however
-    little it leaves (the report is still made)."""
+    """A loop that never ends fails on the time limit, a list that grows without bound on the memory limit."""
     ex = dataclasses.replace(W.find("03", "alloc"), seconds=8)
     g = W.grade_body(ex, "        while True:\n            pass\n")
     assert g.status == "fails" and "ran for more than 8 s" in g.why and g.seconds < 30, g
@@ -156,9 +150,7 @@ def test_each_lesson_notebook_ends_with_its_exercises_and_runs_your_copy_under_w
 
 
 def test_a_failure_points_at_your_copy_and_at_the_lesson_each_by_its_own_lines(tmp_path):
-    """03's free written to break the pool, then call the lesson's check: the failure's `at:` names the line of
-    the copy (whose other exercises are stubs, so its lines are not the lesson's) and the lesson's line of the
-    check that failed, each in its own file; no line of the copy is given the lesson's name."""
+    """A failure's `at:` names the copy's line and the lesson's line of the check that failed, each in its own file."""
     W.start("03", folder=str(tmp_path))
     path = tmp_path / "03_token_allocator.py"
     write(path, "TokenAllocator.free", ["self.mem_state[idx.long()] -= 1", "self.check()"])
@@ -173,8 +165,7 @@ def test_a_failure_points_at_your_copy_and_at_the_lesson_each_by_its_own_lines(t
 
 
 def test_an_exercise_misnamed_is_refused_and_the_readme_selects_one(tmp_path):
-    """--exercise alloc-contiguous (a typo) exits non-zero naming the stage's exercises; the README's selection
-    (its grading line's comment) collects exactly one exercise."""
+    """--exercise with a typo exits naming the stage's exercises; the README's selection collects exactly one."""
     W.start("03", folder=str(tmp_path))
     readme = open(os.path.join(W.ROOT, "README.md"), encoding="utf-8").read()
     one = re.search(r"^python -m pytest tests/test_03_\S+ --workspace .*\((?:one of them: )?(--exercise \w+)\)$",
@@ -197,9 +188,7 @@ def test_output_cut_short_by_a_pipe_ends_quietly(tmp_path):
 
 
 def test_hints_come_in_levels_that_teach():
-    """Every exercise's hint 1 is the idea as a question or a picture, with none of its solution's code (no name
-    of it with _, no call, no =); hint 2 works a small example by hand (numbers) without the solution's lines;
-    `hint` prints level 1 alone, `--level 2` the example and then points at `solution`."""
+    """Hint 1 has none of the solution's code, hint 2 a worked example without its lines; `hint` prints them in turn."""
     for e in W.EXERCISES:
         sol = W.body(W.reference(e.stage), e.name)
         code = {t for t in re.findall(r"\w+(?=\()|\w*_\w*", sol) if len(t) > 2} | {"lambda", "self"}

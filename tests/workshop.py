@@ -12,7 +12,7 @@ grades them; then read the lesson (03_token_allocator.py) as the reference and r
 How a grade is made (the same for pytest and progress): each exercise written is graded alone, on the lesson with
 only that body replaced by the attendee's (the lesson's code stands in for its siblings, written or not), by the
 tests listed for it, in a child process with a time and a memory limit. A failure names the exercise on its first
-line and says what was expected and what happened. Stage 07 is the engine: llama3_generate.py's Engine.step.
+line and says what was expected and what happened. Stage 07 is the engine: llama3_generate.py's FastEngine.step.
 04's kernels run through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only. tiny-llm (skyzh) and
 CMU 11-868's grade.py do the same: a stub, a hint, a grade per exercise."""
 from __future__ import annotations
@@ -220,9 +220,8 @@ EXERCISES = [
                      "+ 0.25 * [0, 1]) / 1.25 = [0.8, 0.2], the same as (8 * [1, 0] + 2 * [0, 1]) / 10.\nA split "
                      "with no keys has log-denominator minus infinity: weight 0."),
     Exercise("05", "RadixCache.match_prefix",
-             "the longest cached prefix of tokens, in whole pages, and its slots. Watch: with compute_last one "
-             "token is always left to compute (its logits give the next token); a page is matched whole or not at "
-             "all",
+             "the longest cached prefix of tokens, in whole pages, and its slots. Watch: with compute_last one token "
+             "is always left to compute (its logits give the next token); a page is matched whole or not at all",
              "The tree stores token sequences in pages. Given a prompt, how far down the tree can you walk? Why must "
              "the match end on a whole page, and one token short of the prompt when its last token's logits are "
              "needed?",
@@ -236,9 +235,8 @@ EXERCISES = [
     Exercise("05", "RadixCache.insert",
              "walk the cached prefix; what is left (whole pages) becomes a new leaf; return how many tokens were "
              "cached already. Watch: the leaf's slots take a reference; the tree counts them evictable",
-             "Part of a new prompt may be in the tree already. Which part becomes a new leaf, which node does it "
-             "hang from, and who must now hold a reference to its slots so that the pool does not hand them out "
-             "again?",
+             "Part of a new prompt may be in the tree already. Which part becomes a new leaf, which node does it hang "
+             "from, and who must now hold a reference to its slots so that the pool does not hand them out again?",
              "the tree holds exactly the prompts inserted, shares their common prefixes, and counts refs right",
              ("test_insert_adds_what_is_new_and_says_what_was_cached",
               "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]"),
@@ -261,9 +259,8 @@ EXERCISES = [
                      "stays while it is held."),
     Exercise("05", 'POLICIES["lpm"]',
              "the waiting requests, longest cached prefix first. Watch: ties keep their arrival order",
-             "Requests that share a long cached prefix reuse the most KV when they go first. What order of the "
-             "waiting queue does that suggest, and what should decide between two requests with equally long cached "
-             "prefixes?",
+             "Requests that share a long cached prefix reuse the most KV when they go first. What order of the waiting "
+             "queue does that suggest, and what should decide between two requests with equally long cached prefixes?",
              "longest-prefix-first admission caches at least as many prompt tokens as first come first served, and "
              "reaches the best possible order on a workload built for it",
              ("test_lpm_puts_the_longest_cached_prefix_first",
@@ -282,9 +279,8 @@ EXERCISES = [
                      "then a choice ('a' or 'b'): stop.\nAfter 'aaa': 'a' or 'b' may come: 0 bytes.\nRegex "
                      "ab(c|d)xyz after 'abc': 'xyz', 3 bytes, then the text may end: stop."),
     Exercise("06", "TokenIndex.jump_forward",
-             "append the forced text without sampling, re-tokenized the way the tokenizer would write it. Watch: "
-             "whole UTF-8 characters only; never pass the limit or leave less room than a shortest completion "
-             "needs",
+             "append the forced text without sampling, re-tokenized the way the tokenizer would write it. Watch: whole "
+             "UTF-8 characters only; never pass max_new_tokens or leave less room than a shortest completion needs",
              "The forced bytes are known, but the model speaks in tokens: how do you turn the text plus the forced "
              "bytes back into the tokens the tokenizer would have written, which of the tokens generated so far "
              "survive, and when should you skip it?",
@@ -295,8 +291,8 @@ EXERCISES = [
              example="Generated so far, say, tokens [90, 1200] for '{\"na'; the automaton forces 'me\": '. "
                      "Re-tokenized, '{\"name\": ' is, say, [90, 609, 794]: the common prefix with [90, 1200] is 1 "
                      "token, so the K/V of 1 token is kept and the rest computed.\nForced bytes that end inside a "
-                     "UTF-8 character wait for the rest of it; new tokens that would pass the limit, or leave less "
-                     "room than the shortest completion needs: skip it."),
+                     "UTF-8 character wait for the rest of it; new tokens that would pass max_new_tokens, or leave "
+                     "less room than the shortest completion needs: skip it."),
     Exercise("06", "constrained_decode",
              "decode where only the tokens the regex allows can be sampled: mask, sample, step the automaton, jump"
              " forward over forced text. Watch: stop where the automaton says it must finish, or at max_new_tokens",
@@ -311,7 +307,7 @@ EXERCISES = [
                      "model draws a. After a only b may come: with jump-forward, b is appended without the "
                      "model.\nAfter ab: a, c, e or the end; the model draws e. Nothing may follow e: stop before "
                      "asking the model again. Output 'abe': 3 tokens, 2 model calls."),
-    Exercise("07", "Engine.step",
+    Exercise("07", "FastEngine.step",
              "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
              "kind of step took. Watch: the engine may run several greedy decode steps at once (decode_ahead; on "
              "a CPU too): deliver their tokens (land) before admitting a prompt, unless the step may overlap them "
@@ -329,9 +325,8 @@ EXERCISES = [
               "test_prefills_beside_a_chunk_in_flight_match_one_step[token]"),
              example="Running: A and B; waiting: C, a 12-token prompt; 4 generating turns of A and B were run ahead, "
                      "not yet delivered.\nThis step: deliver those 4 tokens to each of A and B (that time counts as "
-                     "decode), then take C in; the batch is C's 12 prompt tokens (prefill-first), and this step's "
-                     "time counts as prefill.\nNext step nobody waits: A, B and C generate, maybe 4 turns at once "
-                     "again."),
+                     "decode), then take C in; the batch is C's 12 prompt tokens (prefill-first), and this step's time "
+                     "counts as prefill.\nNext step nobody waits: A, B and C generate, maybe 4 turns at once again."),
 ]
 
 
@@ -354,10 +349,8 @@ def _parse(source: str):
 
 
 def span(source: str, name: str, whole=False):
-    """(start, end, indent): the characters source[start:end] an exercise's attendee writes, a function's body
-    after its docstring (whole lines, indent its column), or a lambda's expression in a dict, `POLICIES["lpm"]`
-    (indent None). whole: all of it, a definition's lines or a dict entry's key to its value (indent None): where
-    tests/mutants.py looks for a mutant's snippet."""
+    """(start, end, indent): what an exercise's attendee writes, source[start:end]: a function's body after its
+    docstring, or a lambda's expression in a dict (indent None); whole: from the definition or the dict key."""
     tree, lines = _parse(source), source.splitlines(keepends=True)
     at = lambda line, col: sum(map(len, lines[:line - 1])) + (len(lines[line - 1].encode()[:col].decode()) if col
                                                                else 0)  # ast's columns count UTF-8 bytes
@@ -426,9 +419,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def use(stages, folder=None, say=True):
-    """Import these stages' lessons from `folder` (where there; default $WORKSHOP_DIR, else workspace/), every
-    other lesson from the repository. Call it before anything imports a lesson. Returns the finder
-    (sys.meta_path.remove it to undo)."""
+    """Import these stages' lessons from `folder` (default: $WORKSHOP_DIR, else workspace/); returns the finder."""
     folder = folder or os.environ.get("WORKSHOP_DIR") or WORKSPACE
     finder = _Finder(folder, [LESSONS[s] for s in stages])
     sys.meta_path.insert(0, finder)
@@ -461,8 +452,7 @@ class Grade:
 
 def _words(test_id: str) -> str:
     """test_alloc_returns_the_lowest[0.5] -> "alloc returns the lowest [0.5]"."""
-    name = test_id.split("::")[-1]
-    base, _, param = name.partition("[")
+    base, _, param = test_id.split("::")[-1].partition("[")
     return base.removeprefix("test_").replace("_", " ") + (f" [{param}" if param else "")
 
 
@@ -475,8 +465,7 @@ class _Collect:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        """A test that ran out of memory: what it grew, and the reserve, freed before pytest builds its report
-        (at the limit, the stack's next page cannot be mapped: the child died of signal 11 in pytest's code)."""
+        """Out of memory: what the test grew, and the reserve, freed before pytest builds its report."""
         try:
             return (yield)
         except MemoryError as e:
@@ -498,8 +487,7 @@ class _Collect:
 
 
 def _run_tests(stage, source, tests, folder) -> dict:
-    """In this process: tests (names in the stage's test file) on source as the stage's lesson. pytest is run
-    anew, the lessons and test files imported afresh; the engine (its model loaded) kept unless stage 07."""
+    """In this process: tests of the stage's file on source as its lesson, lessons and tests imported afresh."""
     import contextlib
     os.chdir(ROOT)
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest
@@ -527,9 +515,7 @@ def _run_tests(stage, source, tests, folder) -> dict:
 
 
 def _isolated(fn, seconds, memory=MEMORY) -> dict:
-    """fn() in a forked child with `seconds` and `memory` bytes (beyond what this process holds) to spend: a loop
-    that never ends or a list that grows without bound fails its grade, and the machine stays up. Without fork
-    (Windows), in this process, unlimited."""
+    """fn() in a forked child with `seconds` and `memory` bytes to spend (without fork: here, unlimited)."""
     import pickle
     if not hasattr(os, "fork"):
         return fn()
@@ -592,13 +578,11 @@ def _where(ex, failure, source, lesson_path, shift):
     file, line, func, _ = mine[-1]
     if first <= line <= last:
         return "yours", line + shift
-    called = any(first <= n <= last for _, n, _, _ in mine)
-    return "lesson", (func, called)
+    return "lesson", (func, any(first <= n <= last for _, n, _, _ in mine))
 
 
 def _at(ex, frames, source, lesson_path, shift, copy) -> str:
-    """The last frames of a failure, each where a reader finds it: a line of the exercise in the attendee's copy
-    (copy: its path), a line of the lesson's own code in the lesson (numbered as the lesson is), a test's line."""
+    """The last frames of a failure, each where a reader finds it: the attendee's copy, the lesson, or a test."""
     first, last = _lines(source, ex.name)
     ref_first, ref_last = _lines(reference(ex.stage), ex.name)
     out = []
@@ -618,8 +602,7 @@ def explain(ex, failure, source, lesson_path, shift=0, copy=None) -> tuple:
     """(the first line, the detail) of a failure: the exercise at fault and, in words, what went wrong."""
     kind, at = _where(ex, failure, source, lesson_path, shift)
     t, msg = failure["type"], failure["msg"].split("\n")[0]
-    test = _words(failure["test"])
-    frames = failure["frames"]
+    test, frames = _words(failure["test"]), failure["frames"]
     if t in ("AssertionError", "Failed") and kind == "test":
         what = msg or f"a check failed: `{frames[-1][3]}`"
     elif kind == "yours":
@@ -636,12 +619,9 @@ def explain(ex, failure, source, lesson_path, shift=0, copy=None) -> tuple:
 
 
 def grade_body(ex, text, shift=0, memory=MEMORY, copy=None) -> Grade:
-    """Grade one exercise: text (what the attendee wrote of it, as it stands in the copy) put into the lesson,
-    the lesson's code standing in for every other exercise, and its tests run in a child with limits. shift:
-    the lines the copy has above it more than the lesson; copy: the copy's path, as a failure names it."""
+    """Grade one exercise, text put into the lesson, in a child. shift: extra lines above it in the copy."""
     preload(ex.stage)
-    source = splice(reference(ex.stage), {ex.name: text})
-    folder = tempfile.mkdtemp(prefix="workshop-")
+    source, folder = splice(reference(ex.stage), {ex.name: text}), tempfile.mkdtemp(prefix="workshop-")
     t0 = time.monotonic()
     try:
         got = _isolated(lambda: _run_tests(ex.stage, source, ex.tests, folder), ex.seconds, memory)
@@ -672,8 +652,7 @@ def grade_copy(ex, source, copy=None) -> Grade:
 
 @functools.lru_cache(None)
 def preload(stage):
-    """Import torch and the engine once in this process, before the children fork, and load the model when the
-    stage's graded tests use it."""
+    """Import the engine once, before the children fork, and load the model if the stage's graded tests use it."""
     sys.path.insert(0, ROOT)
     import llama3_generate  # noqa: F401 -- torch and the lessons, imported once for every child
     if stage == "07":
@@ -737,9 +716,7 @@ def stages_of(args) -> list:
 
 
 class Grader:
-    """pytest plugin (conftest registers it under --workspace): the tests of a stage started in the workspace are
-    replaced by one item per exercise (its name: TokenAllocator.alloc), graded by grade_copy as progress grades it;
-    the tests that grade no exercise check the lesson beyond them and run only without --workspace."""
+    """pytest plugin (--workspace): a started stage's tests become one item per exercise, graded as progress does."""
 
     def __init__(self, config):
         self.folder = os.path.abspath(config.getoption("workspace_dir") or WORKSPACE)
@@ -859,8 +836,7 @@ def progress(folder=WORKSPACE, as_json=False):
 
 
 def hint(stage, name, level=1):
-    """Hints in levels: 1 the idea as a question or a picture; 2 a small example worked by hand; then the
-    solution."""
+    """Hints in levels: 1 the idea as a question or a picture; 2 a small example worked by hand; then the solution."""
     e = find(stage, name)
     then = f"hint {stage} {e.short} --level 2" if level == 1 else f"solution {stage} {e.short}"
     text = (e.hint if level == 1 else e.example).replace("\n", "\n  ")
@@ -869,8 +845,7 @@ def hint(stage, name, level=1):
 
 
 def alternatives(stage) -> str | None:
-    """tests/data/alternatives/<lesson>.py: each exercise of the stage written again from the attendee's copy
-    alone (other names, loops for tensor ops, other wording): a second right answer the grader must pass."""
+    """tests/data/alternatives/<lesson>.py: each exercise written again, another right answer that must pass."""
     path = os.path.join(ALTERNATIVES, LESSONS[stage] + ".py")
     if not os.path.exists(path):
         return None
@@ -890,13 +865,9 @@ def verifiable() -> list:
 
 
 def verify(stages=None, say=print) -> list:
-    """CI's proof that the grader grades: for each stage, the lesson's own body of every exercise passes; every
-    attendee's bug in tests/mutants.py lies in an exercise and fails that exercise's grade, blamed on it on the
-    first line, in words (not a bare comparison of numbers); each alternative right answer passes. Returns the
-    problems (none: all is well)."""
+    """CI's proof that the grader grades (lessons, mutants, alternatives); returns the problems (none: all well)."""
     import mutants
-    stages = stages or verifiable()
-    problems = []
+    stages, problems = stages or verifiable(), []
     for s in stages:
         ref, alt = reference(s), alternatives(s)
         cases = [(e, "the lesson's", ref[slice(*span(ref, e.name)[:2])], "passes") for e in exercises(s)]
@@ -930,10 +901,8 @@ def bare(why: str) -> bool:
 
 
 def undescribed(why: str, detail: str) -> list:
-    """What a failure's message shows of its input (a pool "of N blocks", a "tree [..] -> {..}") that its `test:`
-    line does not describe: the reader would look for one input and be shown another."""
-    test = detail.split("\n")[0]
-    shown = [f"{n} blocks" for n in re.findall(r"of (\d+) blocks", why)]
+    """What a failure's message shows of its input ("of N blocks", a tree) that its `test:` line does not."""
+    test, shown = detail.split("\n")[0], [f"{n} blocks" for n in re.findall(r"of (\d+) blocks", why)]
     return [x for x in shown + re.findall(r"tree (\[[\d ]*\] -> \{[^}]*\})", why) if x not in test]
 
 
@@ -949,12 +918,9 @@ def _written(source, e, indent):
 # -------- the notebooks' questions ------------------------------------------------------------------------
 
 def ask(answer, truth, why, shows="", given=None, close=0.0, wrong=None) -> bool:
-    """A notebook question's check (a **Predict:** or **Try:** cell, then `answer = None`, then this): the
-    attendee's answer against the truth computed in this run. Unanswered (None): it reveals nothing. Right: says
-    so and why. Wrong: "not yet", what it is and why; wrong maps a tempting answer to what it misses (a
-    dict, a list written as a tuple; or a list of pairs).
-    shows: the truth in words (default its repr); given(answer): the value a written line gives (a Try);
-    close: the relative tolerance for a number. Returns whether the answer was right."""
+    """A notebook question's check: the attendee's answer against the truth computed in this run. None: reveals
+    nothing; right: says so and why; wrong: "not yet", what it is and why (wrong: a tempting answer -> what it misses).
+    shows: the truth in words; given(answer): a Try's value; close: a number's tolerance. Returns whether right."""
     if answer is None:
         print("your answer first: write it in the cell above (answer = ...), run that cell, then this one")
         return False
@@ -1066,8 +1032,7 @@ def main(argv=None):
     if a.cmd == "notebooks":
         return write_notebooks()
     if a.cmd == "verify":
-        t0 = time.monotonic()
-        problems = verify(a.stages)
+        t0, problems = time.monotonic(), verify(a.stages)
         print("\n\n".join(problems) or f"every exercise is graded ({time.monotonic() - t0:.0f} s)")
         return int(bool(problems))
     for e in EXERCISES:
