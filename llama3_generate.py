@@ -2883,7 +2883,8 @@ def run_engine(args, run, rank: int):
     def advance(e):  # the progress bar: sequences done, decode rate
         bar.update(len(e.finished) - bar.n)
         rate = e.stats["decode_tokens"] / max(e.stats["decode_s"], 1e-9)
-        bar.set_postfix_str(f"decode {rate:,.0f} tok/s", refresh=False)
+        # refreshed at the end at least: tqdm skips updates within its 0.1 s, and leave=False clears
+        bar.set_postfix_str(f"decode {rate:,.0f} tok/s", refresh=bar.n == bar.total)
     try:
         outs = run.engine.run(stream if single else None, advance if bar else None)
     except UserError as e:
