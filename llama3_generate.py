@@ -878,17 +878,12 @@ def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
 
 class CudaGraphDecoder:
     """Decode steps replayed from CUDA graphs, one per batch-size bucket: no Python and no launch gaps per layer.
-
-    Any backend (01's KVCache): row r's token i is in slot table[r, i // page] * page + i % page of
-    kv.layer_pools(layer), and attend() reads through kv.table (04's kernel, or its PyTorch twin). A step's inputs
-    live in static buffers the graph was captured on (kv.bind_decode): last tokens, positions, table rows and
-    lengths; the slots to write are computed from the table on the device. Padded rows use kv.pad_row(), whose
-    pages are scratch, and attend over one token. Batch 1 runs 04's `fused_decode`. Every graph ends by writing
-    its argmax into the token buffer, logging it in `hist` and advancing positions and lengths, so `steps` can
-    replay it k times in a row with nothing from the host between (greedy multi-step decoding; batch 1 also
-    holds its k steps as one graph), and the next k steps can be queued before the host has read these
-    (decode_ahead). The per-step host work is the backend's prepare(): new slots or blocks, and lengths. On a
-    CPU (tests) the same buffers and steps run eagerly."""
+    Any backend (01's KVCache): token i of row r is in slot table[r, i // page] * page + i % page, read through
+    kv.table. A step's inputs live in the static buffers the graph was captured on (kv.bind_decode): last tokens,
+    positions, table rows, lengths; padded rows use kv.pad_row()'s scratch pages. Batch 1 runs 04's fused_decode.
+    Each graph ends by writing its argmax into the token buffer and `hist` and advancing positions and lengths,
+    so `steps` replays it k times with nothing from the host between (greedy multi-step), and the next k can be
+    queued before the host reads these (decode_ahead). On a CPU (tests) the same buffers and steps run eagerly."""
 
     # hist columns: a ring indexed by position, room for two chunks of multi-step tokens in flight
     HK = 64
@@ -1029,13 +1024,10 @@ class CudaGraphDecoder:
         return min([self.multi_step, max(tokens_left)] + context)
 
     def decode_ahead(self, batch, k: int, ahead) -> list | None:
-        """k decode steps of batch (going_on; ahead: each one's tokens in flight) for one
-        kv.prepare and one host sync, k as the scheduler sized it, queued before the host reads the
-        chunk in flight: they continue it on the device, so the GPU never waits for the host. A
-        sequence that ends inside a chunk (EOS, max_new_tokens) wastes the steps after that, whose
-        tokens are dropped (vLLM's multi-step does the same): a chunk waits for nobody's end, so
-        chunks stay long; steps past its max_new_tokens write scratch (`scratch_tail`). Returns the
-        chunk landed now (see `collect`), or None: take one step."""
+        """k decode steps of batch (going_on; ahead: its tokens in flight) for one kv.prepare and one
+        host sync, queued before the host reads the chunk in flight, so the GPU never waits. A sequence
+        that ends inside a chunk wastes the steps after (vLLM's multi-step too; past its max_new_tokens they
+        write scratch: scratch_tail). Returns the chunk landed now (`collect`), or None: take one step."""
         prev, self.inflight = self.inflight, None
         if batch and (k >= 2 or prev and k >= 1):
             need = [min(k, s.tokens_left - a) for s, a in zip(batch, ahead)]
@@ -1141,14 +1133,12 @@ BEHIND_PREFILL = 2  # decode steps queued behind a prefill that overlaps (FastEn
 
 class FastEngine(Engine):
     """The core's Engine with what makes it fast on a GPU, plugged in at its seam (Engine's docstring): 04's
-    attention kernels (with CUDA graphs the model's pointwise steps too); decode steps replayed from CUDA graphs
-    (CudaGraphDecoder; batch 1 through 04's fused kernels unless fused=False); greedy batches decoded multi_step
-    steps per host sync, the next chunk queued on the GPU before the host reads the last; and a greedy prefill
-    queued beside a chunk in flight (mini-sglang's overlap). cuda_graphs: None, on where CUDA is (on a CPU the
-    tests ask for them: their steps run eagerly, 04's kernels interpreted).
-
-    deterministic: a sequence's tokens and logprobs are the same bits whatever runs beside it, cached or chunked
-    (set_ops's kernels; a sample without a seed draws from a stream seeded `seed`)."""
+    kernels (with CUDA graphs the pointwise steps too); decode steps replayed from CUDA graphs (CudaGraphDecoder;
+    batch 1 through 04's fused kernels unless fused=False); greedy batches multi_step steps per host sync, the
+    next chunk queued before the host reads the last; a greedy prefill beside a chunk in flight (mini-sglang's
+    overlap). cuda_graphs: None, on where CUDA is (CPU tests ask for them: eager, 04's kernels interpreted).
+    deterministic: a sequence's bits whatever runs beside it, cached or chunked (set_ops's kernels; a sample
+    without a seed draws from a stream seeded `seed`)."""
 
     def __init__(self, model, tok, *args, cuda_graphs=None, fused=True, multi_step=16, deterministic=False, **kw):
         dev = model.tok_embeddings.weight.device
@@ -1199,11 +1189,9 @@ class FastEngine(Engine):
         self.counts[f"{kind}_s"] += time.perf_counter() - t0
 
     def overlaps(self) -> bool:
-        """Whether this step may admit and prefill with a multi-step chunk in flight (mini-sglang's
-        overlap): the host admits, matches prefixes and builds the prefill while the GPU runs the
-        chunk, and a running sequence's state on the host is one chunk behind, which admission
-        reads only to be cautious. Prefill-first, one rank, no prompt part-way in. A constrained
-        request never overlaps: 06's FSM steps on the host, so its next mask waits for its token."""
+        """Whether this step may admit and prefill with a chunk in flight (mini-sglang's overlap): the
+        host builds the prefill while the GPU runs the chunk. Prefill-first, one rank, no prompt part-way in;
+        never for a constrained request (06's FSM steps on the host: its next mask waits for its token)."""
         s = self.sched
         return self.graphs.inflight is not None and not (s.mixed or s.chunked) and self.model.tp.world == 1
 
