@@ -1236,10 +1236,12 @@ class FastEngine(Engine):
         return seconds
 
     def forward(self, batch, positions):
-        """A decode step replayed from a CUDA graph (one host sync, not a chunk), else the core's."""
-        if self.graphs is not None and all(s.n_new == 1 and s.samples for s in batch):
+        """A decode step replayed from a CUDA graph (one host sync, not a chunk), else the core's: also
+        a prefill of one token each beside a chunk in flight (the graph's buffers hold the chunk's)."""
+        g = self.graphs
+        if g is not None and g.inflight is None and all(s.n_new == 1 and s.samples for s in batch):
             self.counts["one_step_decodes"] += 1
-            return self.graphs.forward(batch, positions)
+            return g.forward(batch, positions)
         return super().forward(batch, positions)
 
     def ahead(self) -> dict:

@@ -279,7 +279,8 @@ def test_multi_step_random_workloads_match_one_step(kw):
 @pytest.mark.triton
 @pytest.mark.parametrize("kw", BACKENDS, ids=[b["backend"] for b in BACKENDS])
 def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
-    """Prompts admitted while a multi-step chunk is in flight prefill behind it and join the next: one-step tokens."""
+    """Prompts admitted while a multi-step chunk is in flight prefill behind it and join the next: one-step tokens.
+    A prompt seen before prefills one token (the rest is cached): eagerly, not through the chunk's buffers."""
     model, seen = tiny_model(), {"beside": 0, "joined": 0}
     ahead, steps = L.CudaGraphDecoder.argmax_ahead, L.CudaGraphDecoder.steps
 
@@ -294,7 +295,8 @@ def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
                                                          max_seq_len=64, kv_tokens=512, fused=False,
                                                          max_prefill_tokens=12, **kw, **opts)[0]
     for schedule in ["prefill-first"] * 3 + ["mixed"]:  # mixed steps decode every running one: they land first
-        prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(5, 9))]
+        prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(4, 7))]
+        prompts += prompts[:2]  # admitted later, their prompts cached
         max_new_tokens = rand(1, 30, len(prompts))
         tok.stop_ids = []
         longest = max(run(prompts, max_new_tokens, cuda_graphs=False), key=len)
