@@ -30,6 +30,9 @@ tokens than the tokenizer would for the same text; the report prints both counts
     regex --parse--> AST --Thompson--> byte NFA --subsets--> byte DFA --token bytes--> TokenIndex
     "[a-c]{2}"   ("rep", ("set", ((97, 99),)), 2, 2)    (n_states, 256) int32, -1 = dead   masks
 
+The masks are walked as decoding asks, a state's the first time it is reached, then kept: a new
+schema waits for its DFA and one state's walk before its first token, not for the whole index.
+
 Read in order: the token index and the compressed FSM, then jump-forward decoding; then the
 machinery they stand on, each part under its heading with its why (regex -> byte DFA, JSON schema
 -> regex); the demo last.
@@ -98,35 +101,45 @@ def token_trie(tok) -> TokenTrie:
 
 class TokenIndex:
     """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), a packed bitmask
-    (n_states, vocab / 8); EOS only in accepting states, no other special token ever. Built once
-    per (regex, tokenizer), a chunk of states at a time (see needs). The DFA first keeps only bytes
-    that are one-byte tokens (a vocabulary may lack some), then only states that can still accept:
-    a live byte path is then a token path, so decoding never reaches a state with no allowed token
-    unless it may stop. Also holds the compressed FSM: jump(state) -> forced string."""
+    (vocab / 8,); EOS only in accepting states, no other special token ever. Built as decoding
+    asks: a state's row the first time a mask asks for it, the token trie walked from that state
+    only (needs), then kept (the engine keeps the index per regex, for the next request with it).
+    The DFA first keeps only bytes that are one-byte tokens (a vocabulary may lack some), then only
+    states that can still accept: a live byte path is then a token path, so decoding never reaches
+    a state with no allowed token unless it may stop. Also holds the compressed FSM: jump(state)
+    -> forced string."""
 
-    def __init__(self, pattern: str, tok, chunk: int = 256):
+    def __init__(self, pattern: str, tok):
         t0 = time.perf_counter()
         full = compile_regex(pattern)  # a bad regex: refused before the vocabulary's walk
         self.trie = trie = token_trie(tok)
         self.eos, self.vocab = tok.eos_id, len(trie.token_bytes)
-        self.dfa = dfa = DFA(*_trim(np.where(trie.alphabet[None, :], full.table, -1), full.accept))
+        table = np.where(trie.alphabet[None, :], full.table, -1)
+        # trimmed again only if a state lost an edge to another (SmolLM2 lacks 0xF1, not 0xF3)
+        lost, byte = np.nonzero(table != full.table)
+        kept = (table[lost] == full.table[lost, byte][:, None]).any(1).all()
+        self.dfa = dfa = DFA(table, full.accept) if kept else DFA(*_trim(table, full.accept))
         if not dfa.accept.any():
             raise ValueError(f"regex {pattern!r} matches nothing this tokenizer can produce")
         self.dist = _to_accept(dfa).astype(np.int16)  # one-byte tokens to the nearest accept
-        # per state, worst: the most an allowed token needs; least: the least one but EOS needs
-        # (0: none)
-        masks, (self.worst, self.least) = [], np.zeros((2, len(dfa.table)), np.int16)
-        for c0 in range(0, len(dfa.table), chunk):
-            need = self.needs(np.arange(c0, min(len(dfa.table), c0 + chunk)))
-            assert need.any(1).all(), "a live state without an allowed token"
-            masks.append(np.packbits(need > 0, axis=1))
-            self.worst[c0:c0 + chunk] = need.max(1)
-            need[:, self.eos] = 0
-            self.least[c0:c0 + chunk] = np.ma.masked_equal(need, 0).min(1).filled(0)
-        self.mask = np.concatenate(masks)  # (n_states, ceil(vocab / 8)) uint8
         # forced: one byte out, and EOS not allowed
         self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept
-        self.jumps, self.build_s = {}, time.perf_counter() - t0
+        self.rows, self.jumps = {}, {}
+        self.row(0)  # what the first mask needs, no more
+        self.build_s = time.perf_counter() - t0
+
+    def row(self, state: int) -> tuple:
+        """(mask, worst, least) of `state`, walked the first time it is asked for: the packed
+        allowed tokens; worst: the most an allowed token needs; least: the least one but EOS needs
+        (0: none)."""
+        if state not in self.rows:
+            need = self.needs([state])[0]
+            assert need.any(), "a live state without an allowed token"
+            mask, worst = np.packbits(need > 0), int(need.max())
+            need[self.eos] = 0
+            least = need[need > 0]
+            self.rows[state] = mask, worst, int(least.min()) if least.size else 0
+        return self.rows[state]
 
     def needs(self, states) -> np.ndarray:
         """(len(states), vocab) int16: per state, 1 + the bytes from where each token leads to the
@@ -150,8 +163,9 @@ class TokenIndex:
         """(vocab,) bool: the tokens allowed in `state`. With `tokens_left` tokens left (this one
         included) and room for a shortest completion in one-byte tokens, only those after which it
         still fits: the answer ends within max_new_tokens (without such room yet, all)."""
-        if not self.dist[state] <= tokens_left < self.worst[state]:
-            return torch.from_numpy(np.unpackbits(self.mask[state], count=self.vocab).view(bool))
+        mask, worst, _ = self.row(state)
+        if not self.dist[state] <= tokens_left < worst:
+            return torch.from_numpy(np.unpackbits(mask, count=self.vocab).view(bool))
         need = self.needs([state])[0]
         return torch.from_numpy((need > 0) & (need <= tokens_left))
 
@@ -164,7 +178,7 @@ class TokenIndex:
         # a jump-forward may use up the tokens exactly: allowed(state, 0) is empty, EOS included
         if tokens_left < 1:
             return "stop" if self.dfa.accept[state] else "length"
-        return ("stop" if self.dfa.accept[state] and not 0 < self.least[state] <= tokens_left
+        return ("stop" if self.dfa.accept[state] and not 0 < self.row(state)[2] <= tokens_left
                 else None)
 
     def step(self, state: int, token: int) -> int:
@@ -697,7 +711,7 @@ def compile_regex(pattern: str) -> DFA:
             why = f"{e} (a regex in Python's syntax)"
         if why:
             raise ValueError(f"invalid regex {pattern!r}: {why}")
-    return _compile(pattern)
+    return _compile(str(pattern))  # a SchemaRegex's DFA, cached under its text by schema_to_regex
 
 
 @functools.lru_cache(maxsize=64)
@@ -1311,7 +1325,7 @@ def _validates(pydantic, text) -> bool:
 def report(prompt, runs) -> None:
     print(f"prompt: {prompt!r}")
     for r in runs:
-        print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, token index built in {r['index_build_s']:.2f} s; "
+        print(f"\n=== {r['name']}: {r['dfa_states']} DFA states, first mask ready in {r['index_build_s']:.2f} s; "
               f"compressed FSM: {r['compressed_edges']} jump edges, {r['compressed_bytes']} forced bytes")
         for mode in MODES:
             print(f"--- {mode}:\n{r['completion'][mode]}")

@@ -574,7 +574,7 @@ class Engine:
             raise UserError(f"a request of {len(prompt)} prompt + {params.max_new_tokens} new tokens does not fit "
                             f"(empty, or longer than the {self.max_len} tokens a sequence may hold here)")
         if params.regex is not None:
-            # built once per regex and reused (it walks the whole vocabulary)
+            # built once per regex and reused (its states' rows too, walked as decoding reaches them)
             if params.regex not in self.indexes:
                 self.indexes[params.regex] = index or L06.TokenIndex(params.regex, self.tok)
             index = self.indexes[params.regex]

@@ -1065,11 +1065,13 @@ def test_jump_forward_equals_a_byte_by_byte_reference(smollm):
 
 
 def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smollm):
-    """TokenIndex.needs equals per-token DFA walks; with little room every answer still closes within max_new_tokens."""
+    """TokenIndex.needs equals per-token DFA walks; with little room every answer still closes within max_new_tokens.
+    A state's row is walked when first asked (compile: the start's only), then kept."""
     _, tok = smollm
     rng, vocab = random.Random(), m.token_trie(tok).token_bytes
     for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA))):
         index = m.TokenIndex(pattern, tok)
+        assert list(index.rows) == [0]
         dist = distances(index.dfa)
         assert (index.dist == dist).all()
         for s in rng.sample(range(len(index.dfa.table)), 3):
@@ -1085,6 +1087,8 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
                 r = m.constrained_decode(index, tok, prompt, random_logits_fn(tok.vocab_size, seed), n,
                                          jump_forward=jump, temperature=1.0, seed=seed)
                 assert r["finished"] and index.dfa.fullmatch(r["text"]) and len(r["ids"]) <= n, (n, r)
+        index.needs = None  # kept: a row asked for again is not walked again
+        assert len(index.rows) > 3 and all(index.allowed(s)[tok.eos_id] == index.dfa.accept[s] for s in index.rows)
 
 
 def test_jump_forward_keeps_the_room_a_shortest_completion_had():
@@ -1133,7 +1137,9 @@ def test_jump_is_the_forced_string_against_partial_matching(pattern):
     for _ in range(15):
         text, state = "", 0
         while True:
-            assert index.jump(state).decode() == brute_jump(pattern, text), (pattern, text)
+            got, want = index.jump(state).decode(), brute_jump(pattern, text)
+            assert got == want, (f"jump after {text!r} on the regex {pattern} returned {got!r}; want {want!r} (the "
+                                 "forced bytes, up to a choice or a state where the text may end)")
             allowed = index.allowed(state)
             want = [1 + ord(c) for c in map(chr, range(128)) if regex.fullmatch(pattern, text + c, partial=True)]
             assert allowed[1:129].nonzero()[:, 0].add(1).tolist() == want and not allowed[129:].any()
@@ -1209,7 +1215,7 @@ def test_random_regexes_every_budget_end_cleanly_in_the_lesson_and_the_engine_is
     for pattern in {random_regex(rng) for _ in range(12)}:
         index = m.TokenIndex(pattern, tok)
         for s in rng.sample(range(len(index.dfa.table)), min(8, len(index.dfa.table))):
-            for tokens_left in (0, 1, 2, int(index.dist[s]), int(index.worst[s]), 99):
+            for tokens_left in (0, 1, 2, int(index.dist[s]), int(index.row(s)[1]), 99):
                 ok, end = index.allowed(s, tokens_left), index.finish(s, tokens_left)
                 only_eos = tokens_left < 1 and index.dfa.accept[s] or ok[0] and ok.sum() == 1
                 assert (end is not None or ok.any()) and (end == "stop") == bool(only_eos), (
