@@ -12,7 +12,8 @@ import time
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]  # the repository root; tests/ (helpers: bench_decode_share's model)
 m = importlib.import_module("03_token_allocator")
 
 
@@ -96,13 +97,11 @@ def throughput(device="cpu", size=65536, batches=(1, 64, 4096), budget_s=0.2, se
 
 def bench_decode_share(batch=32, context=512, steps=20, device="cuda"):
     """GPU: one decode step's alloc + free vs the step itself (random-weight Llama-3.2-1B shape, bf16)."""
-    import llama3_generate as L
-    args = L.ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, hidden_dim=8192,
-                       rope_theta=500000.0, max_seq_len=4096, rope_scaling={"factor": 32.0, "low_freq_factor": 1.0,
-                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = L.Transformer(args).to(torch.bfloat16)
+    from dataclasses import replace
+
+    from helpers import LLAMA_SHAPES, random_model
+    args = replace(LLAMA_SHAPES["llama-3.2-1b"], max_seq_len=4096)
+    model = random_model(args, device)  # seed 0, bf16
     size, seqs, sync = batch * (context + steps), list(range(batch)), torch.cuda.synchronize
     kv = m.TokenKVCache.for_model(model, size, max_requests=batch, max_seq_len=context + steps)
     tokens = torch.randint(0, args.vocab_size, (batch * context,), device=device)

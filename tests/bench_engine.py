@@ -161,18 +161,16 @@ def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, busy=
     add = lambda: [e.add(p, L.SamplingParams(max_new_tokens=n, ignore_eos=True))[0] for p, (_, n) in zip(prompts, lens)]
     sids = add()
     elapsed = seconds(run_stopping, e, dict(zip(sids, stops))) if stops else seconds(e.run)
-    st, out_tokens = e.stats, sum(map(len, e.finished.values()))
+    st, out_tokens, cap = e.stats, sum(map(len, e.finished.values())), e.kv.capacity()
     a, w = model.args, model.tok_embeddings.weight
-    # a token's K and V, all layers
-    kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * w.element_size()
+    kv_bytes = 2 * a.n_layers * a.n_kv_heads * a.head_dim * w.element_size()  # a token's K and V, all layers
     read = st["decode_steps"] * weight_bytes(model) + st["decode_kv_read"] * kv_bytes  # what decode read
     counts = {k: st[k] for k in ("decode_s", "decode_tokens", "decode_steps", "decode_chunks", "one_step_decodes")}
     return dict(**counts, decode_GB=read / 1e9, seqs=len(prompts), max_prefill_tokens=e.sched.max_prefill_tokens,
-                output_tokens=out_tokens,
-                seconds=elapsed, tok_s=out_tokens / elapsed, prefill_tok_s=st["prefill_tokens"] / st["prefill_s"],
-                decode_tok_s=st["decode_tokens"] / st["decode_s"], peak_running=st["peak_running"],
-                kv_tokens=e.kv.capacity(), peak_kv_used=st["peak_kv_used"] / e.kv.capacity(),
-                peak_live_tokens=st["peak_live_tokens"] / e.kv.capacity(),
+                output_tokens=out_tokens, seconds=elapsed, tok_s=out_tokens / elapsed,
+                prefill_tok_s=st["prefill_tokens"] / st["prefill_s"], decode_tok_s=st["decode_tokens"] / st["decode_s"],
+                peak_running=st["peak_running"], kv_tokens=cap, peak_kv_used=st["peak_kv_used"] / cap,
+                peak_live_tokens=st["peak_live_tokens"] / cap,
                 radix_hit_rate=st["cached_tokens"] / max(1, st["prompt_tokens"]), preemptions=st["preemptions"],
                 recomputed_tokens=st["recomputed_tokens"]) | (busy_pass(e, add) if busy else {})
 
@@ -339,37 +337,27 @@ def serve_arrivals(engine, prompts, lens, arrivals) -> dict:
         for sid in got:
             seen.setdefault(sid, []).append(now)
         got.clear()
-    pct = lambda xs, q: torch.tensor(xs, dtype=torch.float64).quantile(q / 100).item() * 1e3  # ms
-    ttft = [seen[sid][0] - start[sid] for sid in start]
-    gaps = [(b - a, a, b) for d in seen.values() for a, b in zip(d, d[1:])]
-    longest, a, b = max(gaps)
+    longest, a, b = max((b - a, a, b) for d in seen.values() for a, b in zip(d, d[1:]))
     inside = [[", ".join(f"{k} {n:,}" for k, n in fed.items() if n) or "tokens in flight landed", s * 1e3]
               for end, fed, s in steps if a < end <= b]  # what the longest gap was made of
-    gaps = [g for g, _, _ in gaps]
-    tpot = [(d[-1] - d[0]) / (lens[sid][1] - 1) for sid, d in seen.items() if lens[sid][1] > 1]
-    out_tokens = sum(n for _, n in lens)
     kinds = [(end - sec, end, max(("decode", "prefill", "mixed"), key=lambda k: (k != "decode") * fed[k]))
              for end, fed, sec in steps]  # (start, end, the kind of step) each
     sids = sorted(start)
-    waits = ttft_waits([seen[k][0] for k in sids], [start[k] for k in sids], [begun[k] for k in sids],
-                       [lens[k] for k in sids], kinds)
-    return dict(requests=len(prompts), output_tok_s=out_tokens / max(d[-1] for d in seen.values()),
-                ttft_p50_ms=pct(ttft, 50), ttft_p99_ms=pct(ttft, 99), ttft_max_ms=max(ttft) * 1e3,
-                itl_p50_ms=pct(gaps, 50),
-                itl_p99_ms=pct(gaps, 99), itl_max_ms=longest * 1e3, tpot_p50_ms=pct(tpot, 50),
-                tpot_p99_ms=pct(tpot, 99), outputs=engine.run(),
-                itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]],
-                ttft_waits=waits)
+    times, arrived, sized = [seen[k] for k in sids], [start[k] for k in sids], [lens[k] for k in sids]
+    return dict(requests=len(prompts)) | latency(times, arrived, sized) | dict(
+        outputs=engine.run(), itl_max_steps=inside + [["outside steps", longest * 1e3 - sum(ms for _, ms in inside)]],
+        ttft_waits=ttft_waits([d[0] for d in times], arrived, [begun[k] for k in sids], sized, kinds))
 
 
 def serve_workload(rng, device, n_seqs, lengths, long, long_prompts, args, shape):
-    """`serve`'s draws from rng: (lens, longest, args, model, prompts), long_prompts of them `long`."""
+    """`serve`'s draws from rng: (lens, longest, args, model, prompts), long_prompts of them `long`; no device: no
+    model (it draws nothing from rng)."""
     lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
     for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
         lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
     longest, args = max(p + n for p, n in lens), args or LLAMA_SHAPES[shape]
-    model = random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
-                           torch.bfloat16 if device == "cuda" else torch.float32)
+    model = device and random_model(replace(args, max_seq_len=max(args.max_seq_len, longest)), device,
+                                    torch.bfloat16 if device == "cuda" else torch.float32)
     prompts = [torch.randint(0, args.vocab_size, (p,), generator=rng).tolist() for p, _ in lens]
     return lens, longest, args, model, prompts
 
@@ -419,17 +407,13 @@ def step_seconds(batch, decoding: set) -> float:
 
 
 def simulate_serve(rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(8192, 16384), long_prompts=8,
-                   schedules=SERVE_SCHEDULES, vocab=128256, multi_step=4, log=lambda msg: None) -> dict:
-    """`serve --simulate`: serve's draws through 05's Scheduler on step_seconds' clock (a cost model)."""
+                   schedules=SERVE_SCHEDULES, vocab=128256, multi_step=4, plot=None, log=lambda msg: None) -> dict:
+    """`serve --simulate`: serve's draws through 05's Scheduler on step_seconds' clock (a cost model); plot: serve's."""
     R, T = L.lesson("05_radix_scheduler"), L.lesson("03_token_allocator")
-    rng = torch.Generator().manual_seed(0)  # serve_workload's draws, in its order (the model draws none)
-    lens = torch.randint(lengths[0], lengths[1] + 1, (n_seqs, 2), generator=rng).tolist()
-    for i in torch.randperm(n_seqs, generator=rng)[:long_prompts].tolist():
-        lens[i][0] = int(torch.randint(long[0], long[1] + 1, (), generator=rng))
-    prompts = [torch.randint(0, vocab, (p,), generator=rng).tolist() for p, _ in lens]
-    longest, r = max(p + n for p, n in lens), {"device": "cpu (simulated)", "shape": "llama-3.2-1b",
-                                              "requests": n_seqs, "schedules": schedules, "rates": {},
-                                              "long_prompts": sorted(p for p, _ in lens if p > lengths[1])}
+    rng, args = torch.Generator().manual_seed(0), replace(LLAMA_SHAPES["llama-3.2-1b"], vocab_size=vocab)
+    lens, longest, _, _, prompts = serve_workload(rng, None, n_seqs, lengths, long, long_prompts, args, None)
+    r = {"device": "cpu (simulated)", "shape": "llama-3.2-1b", "requests": n_seqs, "schedules": schedules,
+         "rates": {}, "long_prompts": sorted(p for p, _ in lens if p > lengths[1])}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny tensor ops: a thread pool only adds overhead (05's simulate)
     for rate in rates:
@@ -441,6 +425,8 @@ def simulate_serve(rates=(16, 32, 64), n_seqs=320, lengths=(100, 1024), long=(81
             x = r["rates"].setdefault(rate, {})[name] = simulate_arrivals(s, prompts, lens, arrivals, multi_step)
             log(f"{rate} req/s, {name}: " + ", ".join(f"{k} {v:,.1f}" for k, v in x.items() if k != "ttft_waits"))
     torch.set_num_threads(threads)
+    if plot:
+        serve_plot(r, plot)
     return r
 
 
@@ -815,9 +801,9 @@ def deterministic_report(r: dict) -> str:
     lines = [f"device: {r['device']}"]
     for mode, a in r.get("smollm2_same_answers", {}).items():
         lines.append(f"SmolLM2 {mode}: {a}" if mode == "skipped" else
-                     f"SmolLM2-135M bf16, {a['prompts']} prompts x {a['max_new_tokens']} greedy tokens, {mode}: the same "
-                     f"as "
-                     f"alone in a batch {a['same_in_batch']}/{a['prompts']}, cached {a['same_cached']}/{a['prompts']}")
+                     f"SmolLM2-135M bf16, {a['prompts']} prompts x {a['max_new_tokens']} greedy tokens, {mode}: the "
+                     f"same as alone in a batch {a['same_in_batch']}/{a['prompts']}, cached {a['same_cached']}/"
+                     f"{a['prompts']}")
     d, x = r["serve_1b_default"], r["serve_1b_deterministic"]
     lines += [f"engine workload (1B shape): default {d['tok_s']:,.0f} tok/s, deterministic {x['tok_s']:,.0f} "
               f"({r['serve_ratio']:.2f}x; prefill {x['prefill_tok_s'] / d['prefill_tok_s']:.2f}x, decode "
@@ -855,8 +841,8 @@ def cli_args(argv=None) -> argparse.Namespace:
                       "through ProxyEngine, its model a sleep of MS ms per decode step (the GPU's host/device split)")
     sub.add_parser("prefix", help="GPU: 16 questions over one 4,090-token document: radix-cache hit rate and "
                    "prefill throughput, token vs paged 16 and 256 vs no cache (SmolLM2-135M, random 1B shape)")
-    sub.add_parser("deterministic", help="GPU: FastEngine(deterministic=True) vs default: the engine workload and batch-1 "
-                   "decode (1B shape); SmolLM2's answers alone, in a batch and cached")
+    sub.add_parser("deterministic", help="GPU: FastEngine(deterministic=True) vs default: the engine workload and "
+                   "batch-1 decode (1B shape); SmolLM2's answers alone, in a batch and cached")
     for p in sub.choices.values():
         p.add_argument("--json", action="store_true", help="the figures as one JSON object")
     args = ap.parse_args(argv)
@@ -868,43 +854,31 @@ def cli_args(argv=None) -> argparse.Namespace:
 def main(argv=None):
     args = cli_args(argv)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
-    if args.command == "serve" and args.simulate:
-        r = simulate_serve(log=log)
-        serve_plot(r, args.plot) if args.plot else None
-        print(json.dumps(r) if args.json else serve_report(r))
-        return
-    proxy = getattr(args, "cpu_proxy", None) is not None
-    gpu_only = ("engine", "serve", "serve-http", "prefix", "admission", "deterministic")
-    if args.command in gpu_only and not torch.cuda.is_available() and not proxy:
+    proxy, simulate = getattr(args, "cpu_proxy", None) is not None, getattr(args, "simulate", False)
+    if args.command != "decode" and not torch.cuda.is_available() and not proxy and not simulate:
         sys.exit(f"error: bench_engine.py {args.command} needs a CUDA GPU")
-    if args.command == "engine":
-        r = bench_engine()
-        print(json.dumps(r) if args.json else json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]) +
-              "\n" + roofline_report(r["serve_1b"], r["copy_GBps"]))
-    elif args.command == "admission":
-        r = {"device": torch.cuda.get_device_name(), **bench_admissions(*engine_workload())}
-        print(json.dumps(r) if args.json else r["device"] + "\n" + backends_report(
-            {f"{w}, {b}": rows for w, by in r.items() if w != "device" for b, rows in by.items()}))
-    elif args.command == "deterministic":
-        r = bench_deterministic()
-        print(json.dumps(r) if args.json else deterministic_report(r))
-    elif args.command == "prefix":
-        r = bench_prefix()
-        print(json.dumps(r) if args.json else prefix_report(r))
-    elif args.command == "serve":
-        r = bench_serve(plot=args.plot, log=log)
-        print(json.dumps(r) if args.json else serve_report(r))
-    elif args.command == "serve-http":
-        r = bench_http(**PROXY, proxy=dict(step_s=args.cpu_proxy / 1e3), log=log) if proxy else bench_http(log=log)
-        print(json.dumps(r) if args.json else http_report(r))
-    else:
-        try:
-            model, tok = L.load_model(args.model, L.parse_device(args.device), L.DTYPES[args.dtype])
-            ids = L.encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
-        except (L.UserError, ValueError) as e:
-            sys.exit(f"error: {e}")
-        r = bench(model, tok, ids, args.max_new_tokens, log=log)
-        print(json.dumps(r) if args.json else bench_report(r, args.dtype))
+    runs = {  # command: (its figures, their report)
+        "engine": (bench_engine, lambda r: json.dumps(r, indent=1) + "\n" + backends_report(r["backends"]) + "\n" +
+                   roofline_report(r["serve_1b"], r["copy_GBps"])),
+        "admission": (lambda: {"device": torch.cuda.get_device_name(), **bench_admissions(*engine_workload())},
+                      lambda r: r["device"] + "\n" + backends_report(
+                          {f"{w}, {b}": rows for w, by in r.items() if w != "device" for b, rows in by.items()})),
+        "deterministic": (bench_deterministic, deterministic_report), "prefix": (bench_prefix, prefix_report),
+        "serve": (lambda: simulate_serve(log=log, plot=args.plot) if simulate else bench_serve(plot=args.plot, log=log),
+                  serve_report),
+        "serve-http": (lambda: bench_http(**PROXY, proxy=dict(step_s=args.cpu_proxy / 1e3), log=log) if proxy else
+                       bench_http(log=log), http_report)}
+    if args.command in runs:
+        figures, report = runs[args.command]
+        r = figures()
+        return print(json.dumps(r) if args.json else report(r))
+    try:
+        model, tok = L.load_model(args.model, L.parse_device(args.device), L.DTYPES[args.dtype])
+        ids = L.encode_prompts(tok, args.prompt, not args.no_chat, args.max_new_tokens, model.args.max_seq_len)
+    except (L.UserError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    r = bench(model, tok, ids, args.max_new_tokens, log=log)
+    print(json.dumps(r) if args.json else bench_report(r, args.dtype))
 
 
 if __name__ == "__main__":

@@ -31,10 +31,8 @@ def qwen3_checkpoint(args, out):
                                                                        "rope_theta": args.rope_theta})
     cfg.dtype = torch.bfloat16
     cfg.save_pretrained(out)
-    with open(os.path.join(out, "config.json")) as f:  # nano-vllm reads config.rope_theta too
-        c = json.load(f)
-    with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(c | {"rope_theta": args.rope_theta}, f)
+    c = json.load(open(os.path.join(out, "config.json")))  # nano-vllm reads config.rope_theta too
+    json.dump(c | {"rope_theta": args.rope_theta}, open(os.path.join(out, "config.json"), "w"))
     vocab = {f"t{i}": i for i in range(args.vocab_size)}
     fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0")),
                                    unk_token="t0", eos_token=f"t{args.vocab_size - 1}")
@@ -91,7 +89,7 @@ def main(argv=None):
         sys.exit(f"error: nano-vllm is not installed ({e}): see this file's docstring")
     shape, (prompts, lens) = B.LLAMA_SHAPES["llama-3.2-1b"], B.draw(a.seqs)
     r = {"device": torch.cuda.get_device_name(), "seqs": a.seqs, "output_tokens": sum(n for _, n in lens)}
-    tok, model = type("NoTok", (), {"stop_ids": [], "eos_id": -1})(), B.random_model(shape, "cuda")
+    tok, model = B.NOTOK, B.random_model(shape, "cuda")
     for name in ("token", "paged 16"):  # ours first: nano-vllm sizes its KV pool from the memory left free
         r[name] = B.serve_timed(model, tok, prompts, lens, kv_tokens=a.seqs * 2048, **B.BENCH_BACKENDS[name])
     del model

@@ -50,21 +50,27 @@ class NoSum(L.TPSum):
         return x if out is None else out.copy_(x)
 
 
+def gpu_ms(fn, calls: int) -> float:
+    """GPU ms per call of fn, called `calls` times back to back (CUDA events)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
+
+
 def step_ms(e, replays=10) -> float:
     """GPU ms per batch-1 decode step: e's 16-step graph replayed on a padding row (no host work between)."""
     g, k = e.graphs, e.multi_step
     saved = [x.clone() for x in (g.tokens, g.positions, g.rows, g.lens)]
     g.rows[0], g.lens[0], g.positions[0] = g.pad_row, 1, 0
     g.graphs[(1, k)]()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        g.graphs[(1, k)]()
-    end.record()
-    torch.cuda.synchronize()
+    ms = gpu_ms(g.graphs[(1, k)], replays) / k
     for x, v in zip((g.tokens, g.positions, g.rows, g.lens), saved):
         x.copy_(v)
-    return start.elapsed_time(end) / replays / k
+    return ms
 
 
 OLD_CONFIG = dict(qkv=(2, 512, 2), o=(4, 1024, 4), w13=(1, 1024, 4), w2=(4, 1024, 4), head=(4, 512, 4))  # issue 57's
@@ -120,15 +126,9 @@ def all_reduce_bench(tp, device) -> dict:
                 for _ in range(32):
                     pair()
             g.replay()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(5):
-                g.replay()
-            end.record()
-            torch.cuda.synchronize()
-            del g
-            r[f"{kb} KB"][tp.algo] = dict(us=start.elapsed_time(end) * 1000 / 5 / 64, out=out[0],
+            r[f"{kb} KB"][tp.algo] = dict(us=gpu_ms(g.replay, 5) * 1000 / 64, out=out[0],
                                           rel_err=float((out[0].double() - ref).norm() / ref.norm()))
+            del g
         nccl = r[f"{kb} KB"]["nccl"]["out"]
         for a in r[f"{kb} KB"].values():
             a["nccl_bits"] = bool(torch.equal(a.pop("out"), nccl))
@@ -139,7 +139,7 @@ def all_reduce_bench(tp, device) -> dict:
 def rank_main(args):
     """One rank (or TP 1's single process): the three measurements; rank 0 prints them as JSON."""
     rank, world, device = L.tp_launch(SimpleNamespace(tp=int(os.environ.get("WORLD_SIZE", 1)), device=args.device), [])
-    cuda, tok = device.startswith("cuda"), type("NoTok", (), {"stop_ids": [], "eos_id": -1})()
+    cuda, tok = device.startswith("cuda"), B.NOTOK
     one_b, eight_b = shapes(args.small).values()
     rng = torch.Generator().manual_seed(0)
     r = {"tp": world, "device": torch.cuda.get_device_name() if cuda else "cpu"}
@@ -208,7 +208,7 @@ def report(one: dict, many: dict) -> str:
             lines.append(f"  TP {tp} with {ALGOS[algo]} all-reduces: {s['tok_s']:,.0f} tok/s "
                          f"(decode {s['decode_tok_s']:,.0f}): {s['tok_s'] / s1['tok_s']:.2f}x")
     if "breakdown" in many:
-        lines.append(f"batch-1 decode, 8B, by variant: tok/s | GPU ms per step (graph replays) | x fused TP 1")
+        lines.append("batch-1 decode, 8B, by variant: tok/s | GPU ms per step (graph replays) | x fused TP 1")
         for r in (one, many):
             for name, (tok_s, ms) in r["breakdown"].items():
                 lines.append(f"  TP {r['tp']} {name:42s} {tok_s:7,.0f} | {ms:6.3f} | {tok_s / b1:5.2f}x")

@@ -21,6 +21,8 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if not config.getoption("workspace") and (config.getoption("exercise") or config.getoption("workspace_dir")):
+        raise pytest.UsageError("--exercise and --workspace-dir grade your copy: add --workspace")
     if config.getoption("workspace"):
         import workshop  # tests/workshop.py
         config.pluginmanager.register(workshop.Grader(config), "workshop")

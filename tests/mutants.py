@@ -224,6 +224,8 @@ MUTANTS = [
     Mutant("06", "TokenIndex.jump_forward",
            "jump-forward appends the forced string but leaves the DFA state where it was", "return end, text + jump, "
            "new, len(os.path.commonprefix", "return state, text + jump, new, len(os.path.commonprefix"),
+    Mutant("06", "TokenIndex.jump", "jump runs on through a state where the text may end (it stops at a choice only)",
+           "while self.forced[s]:", "while (self.dfa.table[s] >= 0).sum() == 1:"),
     Mutant("06", "TokenIndex.jump", "jump stops one byte short of the chain's end",
            "            self.jumps[state] = bytes(out)", "            self.jumps[state] = bytes(out[:-1])"),
     Mutant("06", "TokenIndex.jump_forward", "jump-forward keeps a partial UTF-8 character",
@@ -242,19 +244,19 @@ MUTANTS = [
     Mutant("06", "constrained_decode", "decoding stops at max_new_tokens - 1 (one token short)",
            "tokens_left = max_new_tokens - (len(ids) - n0)  # the answer",
            "tokens_left = max_new_tokens - (len(ids) - n0) - 1  # the answer"),
-    # ---- 07, the engine (llama3_generate.py): FastEngine.step ----
-    Mutant("engine", "FastEngine.step", "a landed chunk's seconds count twice (as decode, and again as this step's kind)",
-           "t0 += self.land(on_token)", "self.land(on_token)"),
-    Mutant("engine", "FastEngine.step", "every step's seconds count as decode, prefill's too", "self.counts[f\"{kind}_s\"] "
+    # ---- 07, the engine (llama3_generate.py): Engine.step ----
+    Mutant("engine", "Engine.step", "every step's seconds count as decode, prefill's too", "self.counts[f\"{kind}_s\"] "
            "+= time.perf_counter() - t0", 'self.counts["decode_s"] += time.perf_counter() - t0'),
-    Mutant("engine", "FastEngine.step", "the admitted requests are not scheduled (only those already running step)",
-           "batch, positions = self.schedule(new)", "batch, positions = self.schedule([])"),
-    Mutant("engine", "FastEngine.step", "the step never decodes ahead (one decode step at a time, where k could run)",
-           "landed = self.decode_ahead()", "landed = None"),
-    Mutant("engine", "FastEngine.step", "a step with prompts waiting admits them before it lands the chunk in flight",
-           "if (self.sched.waiting or self.sched.chunked) and not self.overlaps():", "if False:"),
-    Mutant("engine", "FastEngine.step", "a landed chunk of k steps is post-processed as one step",
-           "kind = self.postprocess(batch, ids, steps, on_token)", "kind = self.postprocess(batch, ids, 1, on_token)"),
+    Mutant("engine", "Engine.step", "the clock starts after the model ran (a step's seconds miss the forward pass)",
+           "ids = self.next_tokens(batch, self.forward(batch, positions))", "ids = self.next_tokens(batch, self."
+           "forward(batch, positions))\n        t0 = time.perf_counter()"),
+    Mutant("engine", "Engine.step", "the step admits nobody (only the running sequences are scheduled)",
+           "self.schedule(self.sched.admit())", "self.schedule([])"),
+    Mutant("engine", "Engine.step", "postprocess is not handed on_token (a streaming caller hears nothing)",
+           "self.postprocess(batch, ids, 1, on_token)", "self.postprocess(batch, ids)"),
+    Mutant("engine", "Engine.step", "each row's next token is its logits' argmax (a prompt's chunk short of its end "
+           "takes a token too)", "ids = self.next_tokens(batch, self.forward(batch, positions))",
+           "ids = [[t] for t in self.forward(batch, positions).argmax(-1).tolist()]"),
 ]
 
 

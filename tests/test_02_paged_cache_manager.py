@@ -439,7 +439,7 @@ def test_kernels_read_the_device_tables():
         kv.table[kv.table < 0] = nan_block
         T = sum(n_new)
         k_pool[kv.tok_slots], v_pool[kv.tok_slots] = torch.randn(T, 2, 16), torch.randn(T, 2, 16)
-        q, (rows, starts, _) = torch.randn(T, 4, 16), kv.batch
+        q, (_, starts, _) = torch.randn(T, 4, 16), kv.batch
         if all(n == 1 for n in n_new):
             out = m04.token_decode_attention(q, k_pool, v_pool, kv.table, kv.batch_rows, kv.batch_lens, page=4)
         else:
@@ -513,24 +513,6 @@ def test_admission_takes_exactly_what_fits_above_the_watermark(B):
         assert [r.rid for r in sched.admit()] == want, (blocks, wm, p)
 
 
-def test_copy_on_write_only_for_a_shared_partial_block():
-    """Copy-on-write copies a shared partial last block once per writer but the last; a full one never."""
-    m = P.BlockManager(10, 4, 0.0)
-    m.append("a", 8)  # two full blocks
-    m.fork("a", "b")
-    assert m.append("b", 1) == [] and m.block_tables["b"][:2] == m.block_tables["a"] and m.num_free == 7
-    assert m.ref_count[m.block_tables["a"][0]] == m.ref_count[m.block_tables["a"][1]] == 2
-    m.append("c", 6)  # one full block, one half full
-    m.fork("c", "d")
-    m.fork("c", "e")
-    last = m.block_tables["c"][1]
-    assert m.blocks_needed("d", 1) == 1 and m.blocks_needed("d", 3) == 2  # the copy, then a new block
-    assert m.append("d", 1) == [(last, m.block_tables["d"][1])] and m.ref_count[last] == 2
-    assert m.append("e", 2) == [(last, m.block_tables["e"][1])] and m.ref_count[last] == 1
-    assert m.append("c", 2) == [] and m.block_tables["c"][1] == last and m.check()
-    assert m.num_free == 10 - 7  # a (and b): 2, b: 1 of its own, c: 2, d and e: a copy each
-
-
 @pytest.mark.parametrize("block_size,seed", [(1, 0), (4, 1), (5, 2)])
 def test_paged_cache_batches_against_a_brute_force_model(block_size, seed):
     """01's brute-force drive through the paged backend, in a pool of exactly three 12-token requests."""
@@ -572,10 +554,12 @@ def test_append_takes_whole_blocks_and_copies_a_shared_partial_one():
     state = blocks(m)
     assert m.append("twin", 1) == [], f"append('twin', 1) copied a full shared block ({state}); want no copy"
     assert m.block_tables["twin"][:2] == m.block_tables["full"], f"the full blocks stopped being shared: {blocks(m)}"
+    assert [m.ref_count[b] for b in m.block_tables["full"]] == [2, 2] and m.num_free == 7, blocks(m)
     m.append("half", 6)
     m.fork("half", "h2")
     m.fork("half", "h3")
     last, state = m.block_tables["half"][1], blocks(m)
+    assert m.blocks_needed("h2", 1) == 1 and m.blocks_needed("h2", 3) == 2, state  # the copy, then a new block
     copies = m.append("h2", 1)
     assert copies == [(last, m.block_tables["h2"][1])], (
         f"append('h2', 1) with {state} returned copies {copies}; block {last} is partly filled and shared by 3: "
@@ -586,7 +570,7 @@ def test_append_takes_whole_blocks_and_copies_a_shared_partial_one():
     state = blocks(m)
     assert m.append("half", 2) == [] and m.block_tables["half"][1] == last, (
         f"append('half', 2) with {state}: the last holder of block {last} writes in place; got {blocks(m)}")
-    assert m.check(), blocks(m)
+    assert m.check() and m.num_free == 10 - 7, blocks(m)  # full (and twin): 2, twin: 1, half: 2, h2 and h3: a copy each
 
 
 def test_fork_shares_every_block_and_refuses_clearly():

@@ -144,9 +144,17 @@ def test_gpu_pages(page):
         run_and_check(P, torch.bfloat16, page=page, num_splits=splits)
     E = m.paged_problem(extend_problem([0, 700, 3000], [1000, 1, 300], 32, 8, 128, torch.bfloat16, seed=page,
                                        device="cuda"), page, page)
-    out = torch.full(E[0].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    m.token_extend_attention(*E, out=out, page=page)
-    assert m.rel_err(out, m.reference_extend_attention(*E, page=page)) <= m.TOLERANCE[torch.bfloat16]
+    extend_and_check(E, m.TOLERANCE[torch.bfloat16], page=page)
+
+
+def extend_and_check(P, tol, **kw):
+    """Poison the output, run the prefill kernel, compare with the float64 reference: (out, reference)."""
+    out = torch.full(P[0].shape, float("nan"), dtype=P[0].dtype, device=P[0].device)
+    assert m.token_extend_attention(*P, out=out, **kw).data_ptr() == out.data_ptr()
+    ref = m.reference_extend_attention(*P, page=kw.get("page", 1))
+    assert torch.isfinite(out).all(), "the kernel left outputs unwritten (NaN)"
+    assert m.rel_err(out, ref) <= tol, kw
+    return out, ref
 
 
 def extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=True, seed=0, device="cpu"):
@@ -172,12 +180,8 @@ def test_extend_matches_reference(dtype, H, Hkv, D, prefix, extend):
     """The prefill kernel against float64: each new token sees the cached prefix and the new tokens up to itself."""
     seed = int(torch.randint(0, 10**6, ()))
     P = extend_problem(prefix, extend, H, Hkv, D, dtype, scattered=seed % 4 != 0, seed=seed)
-    out = torch.full(P[0].shape, float("nan"), dtype=dtype)  # poisoned: every element must be written
-    assert m.token_extend_attention(*P, out=out).data_ptr() == out.data_ptr()
-    ref = m.reference_extend_attention(*P)
-    assert torch.isfinite(out).all()
+    out, ref = extend_and_check(P, m.TOLERANCE[dtype])  # poisoned: every element must be written
     torch.testing.assert_close(out.double(), ref, atol=ATOL[dtype], rtol=ATOL[dtype])
-    assert m.rel_err(out, ref) <= m.TOLERANCE[dtype]
 
 
 def test_extend_random_ragged_batches():
@@ -190,9 +194,7 @@ def test_extend_random_ragged_batches():
         P = extend_problem([rand(0, 90) for _ in range(B)], [rand(1, 40) for _ in range(B)], Hkv * group, Hkv, D,
                            torch.float32, seed=rand(0, 10**6))
         cfg = dict(rows=[16, 32, 256][rand(0, 3)], block_n=[16, 64][rand(0, 2)])  # small tiles: many blocks, phases
-        out = torch.full(P[0].shape, float("nan"))
-        m.token_extend_attention(*P, out=out, **cfg)
-        assert m.rel_err(out, m.reference_extend_attention(*P)) <= 1e-5, cfg
+        extend_and_check(P, 1e-5, **cfg)
 
 
 @pytest.mark.parametrize("page", [4, 16, 23, 64])
@@ -203,9 +205,7 @@ def test_pages_decode_and_extend(page):
     run_and_check(P, torch.float32, page=page, num_splits=[None, 1, 3][seed % 3])
     run_and_check(P, torch.float32, page=page, pdl=True)
     E = m.paged_problem(extend_problem([0, 3, 40], [9, 1, 30], 6, 2, 64, torch.float32, seed=seed), page, seed)
-    out = torch.full(E[0].shape, float("nan"))
-    m.token_extend_attention(*E, out=out, page=page, rows=32, block_n=16)  # small tiles: many, across pages
-    assert m.rel_err(out, m.reference_extend_attention(*E, page=page)) <= 1e-5
+    extend_and_check(E, 1e-5, page=page, rows=32, block_n=16)  # small tiles: many, across pages
 
 
 def test_token_backend_prefill_through_the_kernel():
@@ -235,9 +235,7 @@ def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
     prefix, extend = [0, 700, 3, 1500], [300, 1, 257, 64]
     P = extend_problem(prefix, extend, H, Hkv, D, dtype, seed=int(torch.randint(0, 10**6, ())))
     P = tuple(x.cuda() if torch.is_tensor(x) else x for x in P)
-    out = torch.full(P[0].shape, float("nan"), dtype=dtype, device="cuda")
-    m.token_extend_attention(*P, out=out)
-    assert torch.isfinite(out).all() and m.rel_err(out, m.reference_extend_attention(*P)) <= m.TOLERANCE[dtype]
+    out, _ = extend_and_check(P, m.TOLERANCE[dtype])
     if dtype == torch.float32:
         return
     try:

@@ -263,14 +263,11 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new_tok
             next_ids.append(r.target[len(r.output)])
         return next_ids
 
-    def key_of(node):
-        return () if node.parent is None else key_of(node.parent) + tuple(node.key)
-
     def check():
         s.check()
         if s.chunked:  # its chunks are in the tree as they are computed, under its lock (which may lie deeper: a
             r = s.chunked  # preempted request recomputing its output matched some of that output in the tree)
-            locked = key_of(r.node)
+            locked = tuple(path(r.node))
             least = min(r.kv_len, len(r.prompt)) // page * page  # pages: its full pages only
             assert locked == tuple(r.tokens[:len(locked)]) and least <= len(locked) <= r.kv_len
         for r in s.running + ([s.chunked] if s.chunked else []):

@@ -204,22 +204,12 @@ def mutate_gguf(path, key, value):
 def mutate_dir(path, fmt, key, value):
     """params.json / config.json: set (None: delete) a field; "tensor:NAME": drop the tensor, or make it NaN."""
     if key.startswith("tensor:"):
-        name = key[7:]
-        if fmt == "meta":
-            f = os.path.join(path, "consolidated.00.pth")
-            sd = torch.load(f)
-            sd[name] = sd[name] * float("nan") if value == "nan" else sd.pop(name)[:0]
-            sd = {k: v for k, v in sd.items() if v.numel()}
-            torch.save(sd, f)
-        else:
-            from safetensors.torch import load_file, save_file
-            f = os.path.join(path, "model.safetensors")
-            sd = load_file(f)
-            if value == "nan":
-                sd[name] = sd[name] * float("nan")
-            else:
-                del sd[name]
-            save_file(sd, f, metadata={"format": "pt"})
+        from safetensors.torch import load_file, save_file
+        name, f = key[7:], os.path.join(path, "consolidated.00.pth" if fmt == "meta" else "model.safetensors")
+        sd = torch.load(f) if fmt == "meta" else load_file(f)
+        sd[name] = sd[name] * float("nan") if value == "nan" else sd.pop(name)[:0]
+        sd = {k: v for k, v in sd.items() if v.numel()}  # (a dropped tensor: empty)
+        torch.save(sd, f) if fmt == "meta" else save_file(sd, f, metadata={"format": "pt"})
         return
     f = os.path.join(path, "params.json" if fmt == "meta" else "config.json")
     cfg = json.load(open(f))

@@ -373,22 +373,23 @@ def test_nulls_bounds_seeds_and_content_parts(srv):
     assert ask(seed) == ask(seed) and ask(seed) != ask(seed + 1)
 
 
-def reference(srv, ids, n, temperature=0.0, frequency=0.0, presence=0.0, bias=None):
-    """A float64 greedy loop with OpenAI's penalties and logit_bias: tokens, each step's log-probabilities."""
-    model, out, lps = srv.engine.model, [], []
-    for _ in range(n):
-        seq = ids + out
-        z = model(torch.tensor(seq), torch.arange(len(seq)), L.NoCache(), logits_at=torch.tensor([len(seq) - 1]))
-        z = z[0].double()
-        count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(z))[:len(z)].double()
-        z = z - frequency * count - presence * (count > 0).double()
-        for t, b in (bias or {}).items():
-            z[int(t)] += b
-        lps.append(torch.log_softmax(z / (temperature or 1.0), -1))
-        out.append(int(z.argmax()))
-        if out[-1] in srv.engine.tok.stop_ids:
-            break
-    return out, lps
+def reference_step(srv, seq, out, frequency=0.0, presence=0.0, bias=None):
+    """float64 logits after seq with OpenAI's penalties (counting the tokens of out) and logit_bias."""
+    z = srv.engine.model(torch.tensor(seq), torch.arange(len(seq)), L.NoCache(),
+                         logits_at=torch.tensor([len(seq) - 1]))[0].double()
+    count = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(z))[:len(z)].double()
+    z = z - frequency * count - presence * (count > 0).double()
+    for t, b in (bias or {}).items():
+        z[int(t)] += b
+    return z
+
+
+def reference(srv, ids, n, **penalties):
+    """A float64 greedy loop with OpenAI's penalties and logit_bias (reference_step's): its tokens."""
+    out = []
+    while len(out) < n and (not out or out[-1] not in srv.engine.tok.stop_ids):
+        out.append(int(reference_step(srv, ids + out, out, **penalties).argmax()))
+    return out
 
 
 def text_of(srv, ids):
@@ -399,10 +400,10 @@ def test_penalties_and_logit_bias_follow_openai_formulas(srv):
     rng = random.Random()
     prompt, n = words(rng, 4), 16
     ids = srv.engine.tok.encode(prompt, bos=True)
-    plain_out, _ = reference(srv, ids, n)
+    plain_out = reference(srv, ids, n)
     frequency, presence = rng.uniform(0.5, 2), rng.uniform(0.5, 2)
     bias = {str(plain_out[0]): -100.0, str(rng.randrange(100, 700)): rng.uniform(1, 4)}
-    want, _ = reference(srv, ids, n, frequency=frequency, presence=presence, bias=bias)
+    want = reference(srv, ids, n, frequency=frequency, presence=presence, bias=bias)
     assert want != plain_out  # the formulas change this output: the test can tell
     got = srv.client.completions.create(model=srv.model, prompt=prompt, max_tokens=n, temperature=0,
                                         frequency_penalty=frequency, presence_penalty=presence, logit_bias=bias)
@@ -427,7 +428,8 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
     by_bytes = {tok.token_bytes(i): i for i in range(tok.vocab_size)}  # a top k may hold EOS too
     assert len(by_bytes) == tok.vocab_size
     got = [by_bytes[bytes(e.bytes)] for e in entries]
-    lps = [reference_step(srv, tok.chat(msgs) + got[:j], got[:j], temperature) for j in range(len(got))]
+    lps = [torch.log_softmax(reference_step(srv, tok.chat(msgs) + got[:j], got[:j], 0.5) / (temperature or 1.0), -1)
+           for j in range(len(got))]  # the distribution sampled from (frequency_penalty 0.5)
     for e, t, lp in zip(entries, got, lps):
         assert abs(e.logprob - float(lp[t])) < 1e-3
         top = lp.topk(k)
@@ -441,14 +443,6 @@ def test_logprobs_are_those_of_the_distribution_sampled_from(srv, temperature):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) > 0
     assert all(len(d) <= 2 and max(d.values()) >= v - 1e-6 for d, v in zip(lp.top_logprobs, lp.token_logprobs))
     assert idle(srv)
-
-
-def reference_step(srv, seq, out, temperature, frequency=0.5):
-    """log_softmax((logits - frequency x counts) / temperature) after seq: one step of the distribution sampled from."""
-    z = srv.engine.model(torch.tensor(seq), torch.arange(len(seq)), L.NoCache(),
-                         logits_at=torch.tensor([len(seq) - 1]))[0].double()
-    z = z - frequency * torch.bincount(torch.tensor(out, dtype=torch.long), minlength=len(z))[:len(z)].double()
-    return torch.log_softmax(z / (temperature or 1.0), -1)
 
 
 WEATHER = {"type": "object", "properties": {"city": {"enum": ["paris", "oslo", "rome"]},

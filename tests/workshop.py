@@ -12,21 +12,26 @@ grades them; then read the lesson (03_token_allocator.py) as the reference and r
 How a grade is made (the same for pytest and progress): each exercise written is graded alone, on the lesson with
 only that body replaced by the attendee's (the lesson's code stands in for its siblings, written or not), by the
 tests listed for it, in a child process with a time and a memory limit. A failure names the exercise on its first
-line and says what was expected and what happened. Stage 07 is the engine: llama3_generate.py's FastEngine.step.
+line and says what was expected and what happened. Stage 07 is the engine: llama3_generate.py's Engine.step.
 04's kernels run through Triton's interpreter (TRITON_INTERPRET=1, set for you), Linux only. tiny-llm (skyzh) and
 CMU 11-868's grade.py do the same: a stub, a hint, a grade per exercise."""
 from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
+import difflib
 import functools
 import glob
 import importlib.abc
 import importlib.util
 import json
 import os
+import pathlib
 import re
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,6 +45,7 @@ WORKSPACE = os.path.join(ROOT, "workspace")  # git-ignored
 ALTERNATIVES = os.path.join(ROOT, "tests", "data", "alternatives")  # other right answers, written from the copy
 STUB = "your turn: "
 MEMORY = 3 << 30  # bytes a graded run may take beyond what the grader holds (the model, torch)
+KEEP = {"__main__", "workshop", "conftest", "mutants", "code_mutants"}  # the grader's own modules, kept in a grade
 
 
 @dataclass(frozen=True)
@@ -52,10 +58,6 @@ class Exercise:
     tests: tuple    # the tests of tests/test_<lesson>.py that grade it (names; "name[param]" for one case)
     seconds: int = 60  # a graded run longer than this fails (a loop that never ends)
     example: str = ""  # hint 2: a small example worked by hand (`workshop.py hint --level 2`)
-
-    @property
-    def lesson(self) -> str:
-        return LESSONS[self.stage]
 
     @property
     def id(self) -> str:
@@ -253,10 +255,10 @@ EXERCISES = [
              "eviction frees the least recently used unlocked leaves first, never a locked one",
              ("test_evict_takes_the_least_recently_used_unlocked_leaves",
               "test_match_insert_evict_lock_vs_brute_force[0-1]", "test_match_insert_evict_lock_vs_brute_force[1-2]"),
-             example="Tree [1 2 3] -> {[4 5] used at time 1, [7 8] at time 2}, and [6 6] at time 3, held by a "
-                     "running request.\nEvicting 3 tokens: [4 5] first (the oldest leaf): 2 so far; [7 8] next: 4, "
-                     "enough, stop.\nEvicting 1 more: [1 2 3] has no children left, so it is a leaf: 3 tokens. [6 6] "
-                     "stays while it is held."),
+             example="Tree root -> {[1 2 3] -> {[4 5] used at time 1, [7 8] at time 2}, [6 6] used at time "
+                     "3, held by a running request}.\nEvicting 3 tokens: [4 5] first (the oldest leaf): 2 so far; "
+                     "[7 8] next: 4, enough, stop.\nEvicting 1 more: [1 2 3] has no children left, so it is a leaf: "
+                     "3 tokens. [6 6] stays while it is held."),
     Exercise("05", 'POLICIES["lpm"]',
              "the waiting requests, longest cached prefix first. Watch: ties keep their arrival order",
              "Requests that share a long cached prefix reuse the most KV when they go first. What order of the waiting "
@@ -307,26 +309,23 @@ EXERCISES = [
                      "model draws a. After a only b may come: with jump-forward, b is appended without the "
                      "model.\nAfter ab: a, c, e or the end; the model draws e. Nothing may follow e: stop before "
                      "asking the model again. Output 'abe': 3 tokens, 2 model calls."),
-    Exercise("07", "FastEngine.step",
-             "one step of the engine: admit, schedule, forward, next tokens, postprocess, and count the seconds each "
-             "kind of step took. Watch: the engine may run several greedy decode steps at once (decode_ahead; on "
-             "a CPU too): deliver their tokens (land) before admitting a prompt, unless the step may overlap them "
-             "(overlaps: prefill_beside lands them), and count them as decode",
-             "One turn of the engine: which requests join now, which tokens go through the model in this turn, and "
-             "how does each request get its next token? If several generating turns were run at once earlier, what "
-             "must happen to their tokens before anyone new joins, and how is the time of each turn counted?",
-             "the engine serves the same greedy tokens with and without the radix cache, on every sharing backend, "
-             "its events account for every token of a run that preempts, k greedy steps at a time write the tokens "
-             "of one at a time, and each step's seconds count as its kind (a landed chunk's as decode)",
+    Exercise("07", "Engine.step",
+             "one step of the engine: admit and schedule, run the model, pick each sequence's next token, "
+             "post-process (append, finish, on_token), and count the step's seconds as its kind. Watch: the clock "
+             "covers the whole step; the kind is what postprocess returns (prefill, decode or mixed)",
+             "One turn of the engine, in order: who joins the batch, the model over the batch's tokens, a new token "
+             "for each sequence that needs one, then the bookkeeping (append, finish, tell whoever streams). What kind "
+             "of turn was it (prompts, generating, or both), and from when to when do you time it?",
+             "the engine serves the same greedy tokens with and without the radix cache, its events account for "
+             "every token of a run that preempts, a streaming caller hears every token, and each step's seconds "
+             "count as its kind",
              ("test_radix_cache_same_tokens_on_every_sharing_backend[token]",
               "test_events_account_for_a_run_under_memory_pressure[token-recompute-False]",
-              "test_multi_step_chunks_count_as_decode_whichever_step_lands_them",
-              "test_multi_step_decoding_matches_one_step[token]",
-              "test_prefills_beside_a_chunk_in_flight_match_one_step[token]"),
-             example="Running: A and B; waiting: C, a 12-token prompt; 4 generating turns of A and B were run ahead, "
-                     "not yet delivered.\nThis step: deliver those 4 tokens to each of A and B (that time counts as "
-                     "decode), then take C in; the batch is C's 12 prompt tokens (prefill-first), and this step's time "
-                     "counts as prefill.\nNext step nobody waits: A, B and C generate, maybe 4 turns at once again."),
+              "test_each_step_counts_its_seconds_as_its_kind[eager]"),
+             example="Running: A and B, generating; waiting: C, a 12-token prompt.\nThis step admits C: the batch is "
+                     "C's 12 prompt tokens (prefill-first), the model runs once, C gets its first token, and the "
+                     "step's 0.8 s count as prefill.\nNext step nobody waits: A, B and C feed 1 token each and get 1 "
+                     "new one (3 in all); the step's 0.05 s count as decode."),
 ]
 
 
@@ -362,8 +361,7 @@ def span(source: str, name: str, whole=False):
     fn = _find(tree, name)
     if whole:
         return at(fn.lineno, 0), at(fn.end_lineno + 1, 0), None
-    doc = isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0], "value", None), ast.Constant) and \
-        isinstance(fn.body[0].value.value, str)
+    doc = isinstance(fn.body[0], ast.Expr) and isinstance(getattr(fn.body[0].value, "value", None), str)
     first = fn.body[1] if doc and len(fn.body) > 1 else fn.body[0]
     return at(first.lineno, 0), at(fn.end_lineno + 1, 0), first.col_offset
 
@@ -397,8 +395,7 @@ def body(source: str, name: str) -> str:
 
 
 def reference(stage: str) -> str:
-    with open(os.path.join(ROOT, LESSONS[stage] + ".py"), encoding="utf-8") as f:
-        return f.read()
+    return pathlib.Path(ROOT, LESSONS[stage] + ".py").read_text(encoding="utf-8")
 
 
 # -------- which lessons a run takes from the workspace ----------------------------------------------------
@@ -488,17 +485,13 @@ class _Collect:
 
 def _run_tests(stage, source, tests, folder) -> dict:
     """In this process: tests of the stage's file on source as its lesson, lessons and tests imported afresh."""
-    import contextlib
     os.chdir(ROOT)
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # only pytest and the conftest
     path = os.path.join(folder, LESSONS[stage] + ".py")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(source)
-    engine = sys.modules.get("llama3_generate")
-    for name in [n for n in sys.modules if re.match(r"(test_)?0\d_|test_engine$|llama3_generate$", n)]:
-        del sys.modules[name]
-    if stage != "07" and engine is not None:
-        sys.modules["llama3_generate"] = engine
+    pathlib.Path(path).write_text(source, encoding="utf-8")
+    for name, m in list(sys.modules.items()):  # the project's modules (lessons, helpers, tests), imported afresh:
+        if name not in KEEP and (getattr(m, "__file__", None) or "").startswith(ROOT) and "-packages" not in m.__file__:
+            del sys.modules[name]  # as in pytest's own run, whatever the grading process imported before
     finder = _Finder(folder, [LESSONS[stage]])
     sys.meta_path.insert(0, finder)
     quiet = [a for p in ("cacheprovider", "unraisableexception", "threadexception", "faulthandler", "workshop")
@@ -506,8 +499,8 @@ def _run_tests(stage, source, tests, folder) -> dict:
     args = [f"{TESTS[stage]}::{t}" for t in tests] + ["-x", "-q", "--assert=plain", "-p", "no:randomly", *quiet]
     collect = _Collect()
     try:
-        with open(os.path.join(folder, "log.txt"), "w") as log, contextlib.redirect_stdout(log), \
-                contextlib.redirect_stderr(log):
+        with (open(os.path.join(folder, "log.txt"), "w") as log, contextlib.redirect_stdout(log),
+              contextlib.redirect_stderr(log)):
             rc = int(pytest.main(args, plugins=[collect]))
     finally:
         sys.meta_path.remove(finder)
@@ -521,9 +514,10 @@ def _isolated(fn, seconds, memory=MEMORY) -> dict:
         return fn()
     r, w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: whatever happens, it ends here
+    if pid == 0:  # the child: whatever happens, it ends here (Ctrl-C: the parent stops it)
         code = 1
         try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             os.close(r)
             try:
                 import resource
@@ -543,19 +537,17 @@ def _isolated(fn, seconds, memory=MEMORY) -> dict:
             os._exit(code)
     os.close(w)
     import select
-    data, t0 = b"", time.monotonic()
-    with os.fdopen(r, "rb") as f:
-        while True:
-            left = seconds - (time.monotonic() - t0)
-            if left <= 0 or not select.select([f], [], [], left)[0]:
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                return dict(error=f"it ran for more than {seconds} s (a loop that never ends?) and was stopped")
-            chunk = os.read(f.fileno(), 1 << 20)
-            if not chunk:
-                break
-            data += chunk
-    _, status = os.waitpid(pid, 0)
+    data, t0, done = b"", time.monotonic(), False
+    try:
+        with os.fdopen(r, "rb") as f:
+            while not done and select.select([f], [], [], max(0, seconds - time.monotonic() + t0))[0]:
+                chunk = os.read(f.fileno(), 1 << 20)
+                data, done = data + chunk, not chunk
+    finally:  # past the time limit, or Ctrl-C here: the child is stopped
+        done or os.kill(pid, 9)
+        _, status = os.waitpid(pid, 0)
+    if not done:
+        return dict(error=f"it ran for more than {seconds} s (a loop that never ends?) and was stopped")
     if not data:
         sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
         return dict(error=f"the grading process died (signal {sig}: out of memory?)" if sig else
@@ -620,7 +612,8 @@ def explain(ex, failure, source, lesson_path, shift=0, copy=None) -> tuple:
 
 def grade_body(ex, text, shift=0, memory=MEMORY, copy=None) -> Grade:
     """Grade one exercise, text put into the lesson, in a child. shift: extra lines above it in the copy."""
-    preload(ex.stage)
+    sys.path.insert(0, ROOT) if ROOT not in sys.path else None
+    import llama3_generate  # noqa: F401 -- torch and what the lessons import, once for every child
     source, folder = splice(reference(ex.stage), {ex.name: text}), tempfile.mkdtemp(prefix="workshop-")
     t0 = time.monotonic()
     try:
@@ -632,8 +625,7 @@ def grade_body(ex, text, shift=0, memory=MEMORY, copy=None) -> Grade:
             why, detail = explain(ex, got["failure"], source, got["lesson"], shift, copy)
             return Grade("fails", why, detail, seconds, got["tests"])
         if got["rc"] != 0 or not any(o == "passed" for _, o in got["tests"]):
-            with open(os.path.join(folder, "log.txt")) as f:
-                log = f.read().strip().splitlines()
+            log = pathlib.Path(folder, "log.txt").read_text().strip().splitlines()
             return Grade("fails", f"{ex.id} fails: its tests did not run (pytest exit {got['rc']}): "
                                   f"{log[-1] if log else ''}", "\n".join(log[-20:]), seconds, got["tests"])
         return Grade("passes", "", "", seconds, got["tests"])
@@ -650,21 +642,23 @@ def grade_copy(ex, source, copy=None) -> Grade:
     return grade_body(ex, source[a:b], shift, copy=copy and os.path.relpath(copy))
 
 
-@functools.lru_cache(None)
-def preload(stage):
-    """Import the engine once, before the children fork, and load the model if the stage's graded tests use it."""
-    sys.path.insert(0, ROOT)
-    import llama3_generate  # noqa: F401 -- torch and the lessons, imported once for every child
-    if stage == "07":
-        return
-    with open(os.path.join(ROOT, TESTS[stage]), encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    graded = {t.split("[")[0] for e in exercises(stage) for t in e.tests}
-    if any(isinstance(n, ast.FunctionDef) and n.name in graded and "smollm" in [a.arg for a in n.args.args]
-           for n in tree.body):
-        import llama3_generate as L
-        L.load_model = functools.lru_cache(None)(L.load_model)
-        L.load_model()
+class Mistake(Exception):
+    """A mistake in an attendee's copy or command line, in one line: the commands exit 2, pytest a usage error."""
+
+
+def copy_of(stage, folder) -> str:
+    """The attendee's copy of the stage's lesson, which must parse and hold each exercise, else Mistake."""
+    path = os.path.join(folder, LESSONS[stage] + ".py")
+    src, rel = pathlib.Path(path).read_text(encoding="utf-8"), os.path.relpath(path)
+    for e in [None, *exercises(stage)]:
+        try:
+            span(src, e.name) if e else compile(src, path, "exec")
+        except SyntaxError as x:
+            raise Mistake(f"{rel}, line {x.lineno}: {type(x).__name__}: {x.msg}; fix it, then grade again") from None
+        except (StopIteration, AttributeError):
+            raise Mistake(f"{rel} has no {e.name} any more (renamed or deleted?); `python tests/workshop.py start "
+                          f"{stage} --force` starts it again (yours kept as .bak)") from None
+    return src
 
 
 def grade(stages, folder=WORKSPACE, say=None) -> dict:
@@ -675,8 +669,7 @@ def grade(stages, folder=WORKSPACE, say=None) -> dict:
         if not os.path.exists(path):
             out.update({e: Grade("not started") for e in exercises(s)})
             continue
-        with open(path, encoding="utf-8") as f:
-            src = f.read()
+        src = copy_of(s, folder)
         for e in exercises(s):
             out[e] = grade_copy(e, src, path)
             say and say(e, out[e])
@@ -695,9 +688,7 @@ class ExerciseItem(pytest.Item):
         self.exercise, self.grader = exercise, grader
 
     def runtest(self):
-        g = self.grader.grade(self.exercise)
-        if g.status == "to do":
-            pytest.skip(f"{self.exercise.id}: to do")
+        g = self.grader.grade(self.exercise)  # (one to do was skipped when collected)
         if g.status != "passes":
             raise ExerciseFailed(f"{g.why}\n{g.detail}\n  the idea: {self.exercise.idea}\n  stuck: python "
                                  f"tests/workshop.py hint {self.exercise.stage} {self.exercise.short}")
@@ -728,15 +719,15 @@ class Grader:
                 raise pytest.UsageError(f"--exercise {o}: no such exercise in stage{'s' * (len(named) > 1)} "
                                        f"{', '.join(named)}; " + "; ".join(
                     f"{s}'s are {', '.join(e.short for e in exercises(s))}" for s in named if exercises(s)))
+        try:
+            self.copies = {s: copy_of(s, self.folder) for s in self.stages}
+        except Mistake as e:
+            raise pytest.UsageError(str(e)) from None
         self.grades, self.items, self.folded = {}, [], 0
-
-    def source(self, stage) -> str:
-        with open(os.path.join(self.folder, LESSONS[stage] + ".py"), encoding="utf-8") as f:
-            return f.read()
 
     def grade(self, ex) -> Grade:
         if ex not in self.grades:
-            self.grades[ex] = grade_copy(ex, self.source(ex.stage),
+            self.grades[ex] = grade_copy(ex, self.copies[ex.stage],
                                          os.path.join(self.folder, LESSONS[ex.stage] + ".py"))
         return self.grades[ex]
 
@@ -760,7 +751,7 @@ class Grader:
                                                          exercise=e, grader=self)
                                 for e in exercises(stage) if not self.only or any(find(stage, o) is e
                                                                                   for o in self.only)]
-                src = self.source(stage)
+                src = self.copies[stage]
                 for it in added[stage]:
                     if is_stub(src, it.exercise):
                         it.add_marker(pytest.mark.skip(reason=f"{it.exercise.id}: to do"))
@@ -778,10 +769,8 @@ class Grader:
         if not self.items:
             return
         terminalreporter.section("workshop")
-        for it in self.items:
-            ex = it.exercise
-            status = self.grades[ex].status if ex in self.grades else "to do" if is_stub(
-                self.source(ex.stage), ex) else "not run"
+        for ex, g in ((it.exercise, self.grades.get(it.exercise)) for it in self.items):
+            status = g.status if g else "to do" if is_stub(self.copies[ex.stage], ex) else "not run"
             terminalreporter.line(f"  {status:8} {ex.id}")
 
 
@@ -798,8 +787,7 @@ def start(stage, force=False, folder=WORKSPACE, say_next=True):
     if os.path.exists(path):
         shutil.copyfile(path, path + ".bak")
     src = stub(reference(stage), exercises(stage))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(src)
+    pathlib.Path(path).write_text(src, encoding="utf-8")
     print(f"wrote {rel}: {len(exercises(stage))} exercises, each raising NotImplementedError until you write it")
     for line, e in sorted((src[:span(src, e.name)[0]].count("\n") + 1, e) for e in exercises(stage)):
         print(f"  line {line:4}  {e.name}: {e.idea}")
@@ -820,10 +808,11 @@ def progress(folder=WORKSPACE, as_json=False):
         f"\n      {g.why.removeprefix(e.id + ' fails: ')}" if g.why and g.status == "fails" else ""), flush=True)
     grades = grade(list(LESSONS), folder, say)
     passed = sum(g.status == "passes" for g in grades.values())
+    failed = int(any(g.status == "fails" for g in grades.values()))  # as pytest --workspace exits
     if as_json:
         print(json.dumps(dict(passed=passed, total=len(grades), exercises={
             e.id: dict(status=g.status, why=g.why) for e, g in grades.items()}), indent=1))
-        return 0
+        return failed
     print()
     for s in LESSONS:
         mine = [g.status for e, g in grades.items() if e.stage == s]
@@ -832,7 +821,7 @@ def progress(folder=WORKSPACE, as_json=False):
             f", {mine.count('to do')} to do" if "to do" in mine else "")
         print(f"stage {s} {LESSONS[s]:24} {state}")
     print(f"{passed} / {len(grades)} exercises")
-    return 0
+    return failed
 
 
 def hint(stage, name, level=1):
@@ -846,17 +835,8 @@ def hint(stage, name, level=1):
 
 def alternatives(stage) -> str | None:
     """tests/data/alternatives/<lesson>.py: each exercise written again, another right answer that must pass."""
-    path = os.path.join(ALTERNATIVES, LESSONS[stage] + ".py")
-    if not os.path.exists(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
-def reindent(text, indent_from, indent_to):
-    if indent_from is None:
-        return text
-    return "".join(" " * indent_to + line[indent_from:] if line.strip() else line for line in text.splitlines(True))
+    path = pathlib.Path(ALTERNATIVES, LESSONS[stage] + ".py")
+    return path.read_text(encoding="utf-8") if path.exists() else None
 
 
 def verifiable() -> list:
@@ -865,39 +845,58 @@ def verifiable() -> list:
 
 
 def verify(stages=None, say=print) -> list:
-    """CI's proof that the grader grades (lessons, mutants, alternatives); returns the problems (none: all well)."""
+    """CI's proof that the grader grades, on the attendee's path: `start`, the lesson's bodies written into the
+    copy, then `pytest --workspace` and `progress --json` (each a process, as an attendee runs it) pass every
+    exercise; each mutant (each alternative) written into the copy fails in words, blamed on its exercise (passes),
+    graded as both grade (grade_copy). Returns the problems (none: all well)."""
     import mutants
-    stages, problems = stages or verifiable(), []
+    stages, problems, folder = stages or verifiable(), [], tempfile.mkdtemp(prefix="workshop-verify-")
+    path = lambda s: pathlib.Path(folder, LESSONS[s] + ".py")  # the attendee's copy
     for s in stages:
-        ref, alt = reference(s), alternatives(s)
-        cases = [(e, "the lesson's", ref[slice(*span(ref, e.name)[:2])], "passes") for e in exercises(s)]
-        cases += [(e, "alternative", t, "passes") for e in exercises(s)
-                  if alt and (t := _written(alt, e, span(ref, e.name)[2])) is not None]
-        ems = mutants.of_exercises(s)
+        with contextlib.redirect_stdout(None):
+            start(s, folder=folder)
+        ref, copy = reference(s), copy_of(s, folder)  # each exercise answered with the lesson's body:
+        path(s).write_text(splice(copy, {e.name: ref[slice(*span(ref, e.name)[:2])] for e in exercises(s)}),
+                           encoding="utf-8")
+    run = lambda *a: subprocess.run([sys.executable, *a], cwd=ROOT, capture_output=True, text=True, env=dict(
+        os.environ, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1"))  # no third-party plugins: a second saved
+    tested = run("-m", "pytest", *(TESTS[s] for s in stages), "--workspace", "--workspace-dir", folder, "-rA")
+    listed = json.loads(run("tests/workshop.py", "progress", "--json", "--dir", folder).stdout or "{}")
+    for e in [e for s in stages for e in exercises(s)]:
+        item = f"PASSED {TESTS[e.stage]}::{e.name}\n".replace('"', "")  # pytest's own outcome of its item
+        got = ("passes" if item in tested.stdout else "fails", listed.get("exercises", {}).get(e.id, {}).get("status"))
+        say(f"  {'ok ' if got == ('passes',) * 2 else 'BAD'} {e.id:34} the lesson's, pasted: pytest --workspace "
+            f"{got[0]}, progress --json {got[1]}")
+        problems += [f"{e.id}, the lesson's: {got}\n{tested.stdout[-3000:]}{tested.stderr}"] * (got != ("passes",) * 2)
+    for s in stages:
+        ref, alt, ems = reference(s), alternatives(s), mutants.of_exercises(s)
+        cases = [(e, "alternative", t, "passes") for e in exercises(s)
+                 if alt and (t := _written(alt, e, span(ref, e.name)[2])) is not None]
         cases += [(find(s, mu.exercise.name), f"mutant: {mu.what}", mu.body, "fails")
                   for mu in ems]  # find: mutants imports workshop, maybe a second copy
-        mine = [mu for mu in mutants.MUTANTS if mutants.FILES[mu.stage] == LESSONS[s] + ".py"]
-        graded = {mu.what for mu in ems}
         problems += [f"{s}: mutant {mu.what!r} is stale: its snippet is not in {mu.where} exactly once"
                      if mutants.apply(ref, mu) is None else f"{s}: mutant {mu.what!r} lies in no exercise's body (no "
-                     "attendee writes that code: it belongs in tests/code_mutants.py)"
-                     for mu in mine if mu.what not in graded]
+                     "attendee writes that code: it belongs in tests/code_mutants.py)" for mu in mutants.MUTANTS
+                     if mutants.FILES[mu.stage] == LESSONS[s] + ".py" and mu.what not in {m.what for m in ems}]
         for e, what, text, want in cases:
-            g = grade_body(e, text)
-            bad = (g.status != want or want == "fails" and not g.why.startswith(e.id + " fails: ")
-                   or want == "fails" and (bare(g.why) or undescribed(g.why, g.detail)))
+            path(s).write_text(splice(ref, {e.name: text}), encoding="utf-8")  # the lesson, this body pasted
+            g = grade_copy(e, copy_of(s, folder), str(path(s)))
+            bad = bool(g.status != want or want == "fails" and (not g.why.startswith(e.id + " fails: ") or bare(g.why)
+                                                           or undescribed(g.why, g.detail)))
             say(f"  {'ok ' if not bad else 'BAD'} {g.seconds:4.1f} s  {e.id:34} {what[:70]}: {g.status}" +
                 (f"\n        {g.why}" if bad or want == "fails" else ""))
-            if bad:
-                problems.append(f"{e.id} ({what}): {g.status}, want {want}\n{g.why}\n{g.detail}")
+            problems += [f"{e.id} ({what}): {g.status}, want {want}\n{g.why}\n{g.detail}"] * bad
+    shutil.rmtree(folder, ignore_errors=True)
     return problems
 
 
 def bare(why: str) -> bool:
-    """A failure that says numbers, not words: a bare assert, `assert 0 > 0`, torch's "not close"."""
-    text = why.split(" fails: ", 1)[-1]
-    return (text.startswith("a check failed: ") or re.fullmatch(r"[\s\d.,:()\[\]<>=!+\-*/a-z_]*", text) is not None
-            and len(text.split()) < 4 or "are not close" in text or "are not equal" in text)
+    """A failure not in words: a bare assert, values alone (`('ab', 'c')`, `0 > 0`), torch's "not close"."""
+    text = words = why.split(" fails: ", 1)[-1]
+    while (shorter := re.sub(r"\([^()]*\)|\[[^\[\]]*\]|\{[^{}]*\}", " ", words)) != words:
+        words = shorter  # what lies outside brackets
+    return (text.startswith("a check failed: ") or len(re.findall(r"[A-Za-z]{3,}", words)) < 3
+            or "are not close" in text or "are not equal" in text)
 
 
 def undescribed(why: str, detail: str) -> list:
@@ -912,43 +911,14 @@ def _written(source, e, indent):
         a, b, own = span(source, e.name)
     except StopIteration:
         return None
-    return reindent(source[a:b], own, indent)
+    return source[a:b] if own is None else "".join(" " * indent + line[own:] if line.strip() else line
+                                                   for line in source[a:b].splitlines(True))
 
 
 # -------- the notebooks' questions ------------------------------------------------------------------------
+# (each question's truth, why and tempting answers: tests/questions.py, out of the notebook the attendee reads)
 
-def ask(answer, truth, why, shows="", given=None, close=0.0, wrong=None) -> bool:
-    """A notebook question's check: the attendee's answer against the truth computed in this run. None: reveals
-    nothing; right: says so and why; wrong: "not yet", what it is and why (wrong: a tempting answer -> what it misses).
-    shows: the truth in words; given(answer): a Try's value; close: a number's tolerance. Returns whether right."""
-    if answer is None:
-        print("your answer first: write it in the cell above (answer = ...), run that cell, then this one")
-        return False
-    it = shows or repr(truth)
-    try:
-        got = given(answer) if given else answer
-    except Exception as e:  # noqa: BLE001 -- the attendee's line: say what it raised
-        print(f"not yet: your answer raised {type(e).__name__}: {e}. Why: {why}")
-        return False
-    if _same(got, truth, close):
-        print(f"right: {it}. Why: {why}")
-        return True
-    miss = next((f" ({m})" for w, m in dict(wrong or {}).items() if _same(got, w, close)), "")
-    print(f"not yet: {f'you said {answer!r}' if given is None else f'your answer gives {got!r}'}, but {it}{miss}. "
-          f"Why: {why}")
-    return False
-
-
-def _same(a, b, close) -> bool:
-    a, b = (x.tolist() if hasattr(x, "tolist") else x for x in (a, b))
-    if isinstance(a, str) and isinstance(b, str):
-        return a.strip().lower() == b.strip().lower()
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
-        return abs(a - b) <= close * abs(b)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y, close) for x, y in zip(a, b))
-    return a == b
-
+WITHHELD = "(withheld: this output answers a question above; run the cell once you have answered)\n"
 
 def your_turn(stage) -> str:
     """The "Your turn" cell that ends the stage's notebook (`python tests/workshop.py notebooks` writes them)."""
@@ -973,10 +943,12 @@ Write them in `workspace/{name}.py`, then grade them (each alone: the lesson's c
     python tests/workshop.py hint {stage} {first}    # stuck: a question; --level 2 an example; `solution` last
 
 When they pass, read `{name}.py` as the reference and run it. `WORKSHOP=1 jupyter lab` runs this notebook on
-your copy (its first cell then imports `workspace/{name}.py`).{triton}"""
+your copy (its first cell then imports `workspace/{name}.py`); its questions are still answered from the lesson,
+and a check says where your copy gives another value.{triton}"""
 
 
 def write_notebooks():
+    """Each notebook's "Your turn" cell, and the outputs that answer a question withheld (cells tagged answers)."""
     import nbformat
     for stage, name in LESSONS.items():
         path = os.path.join(ROOT, "notebooks", NOTEBOOKS[stage])
@@ -984,11 +956,19 @@ def write_notebooks():
         ours = nb.cells[-1].source.startswith("## Your turn")
         cell = nbformat.v4.new_markdown_cell(your_turn(stage), **({"id": nb.cells[-1].id} if ours else {}))
         nb.cells[-1:] = [cell] if ours else [nb.cells[-1], cell]
+        for c in nb.cells:
+            if "answers" in c.metadata.get("tags", []):  # its output answers a question: shown once run
+                c.outputs = [nbformat.v4.new_output("stream", text=WITHHELD)]
         nbformat.write(nb, path)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage: `-h` shows it
+        raise Mistake(message)
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     st = sub.add_parser("start", help="write workspace/<lesson>.py with the stage's exercises to do")
     st.add_argument("stage", help="01 .. 07, or all")
@@ -1025,7 +1005,9 @@ def main(argv=None):
     if a.cmd in ("hint", "solution"):
         e = find(a.stage.zfill(2), a.name) if a.stage.zfill(2) in LESSONS else None
         if e is None:
-            ap.error(f"no exercise {a.name!r} in stage {a.stage}: `python tests/workshop.py list` lists them")
+            near = difflib.get_close_matches(a.name, [x.short for x in exercises(a.stage.zfill(2))], 1)
+            ap.error(f"no exercise {a.name!r} in stage {a.stage}{f'; did you mean {near[0]}?' * bool(near)} "
+                     "(`python tests/workshop.py list` lists them)")
         if a.cmd == "hint":
             return hint(e.stage, e.name, a.level)
         return print(body(reference(e.stage), e.name).rstrip("\n"))
@@ -1035,14 +1017,18 @@ def main(argv=None):
         t0, problems = time.monotonic(), verify(a.stages)
         print("\n\n".join(problems) or f"every exercise is graded ({time.monotonic() - t0:.0f} s)")
         return int(bool(problems))
-    for e in EXERCISES:
-        print(f"{e.id}: {e.idea}\n    checks: {e.checks}\n    graded by: {', '.join(e.tests)}")
+    for e in EXERCISES:  # as the command line takes them: hint 05 lpm
+        print(f"{e.stage} {e.short}{f' ({e.name})' * ('.' in e.name)}: {e.idea}\n    checks: {e.checks}\n    "
+              f"graded by: {', '.join(e.tests)}")
 
 
 if __name__ == "__main__":
     try:
         rc = main()
         sys.stdout.flush()  # here, so that a closed pipe raises where it is caught
+    except (Mistake, KeyboardInterrupt) as e:  # one line: the mistake (exit 2), or Ctrl-C (130, as a shell's)
+        rc = 2 if str(e) else 130
+        print(f"workshop: {str(e) or 'stopped (Ctrl-C)'}", file=sys.stderr)
     except BrokenPipeError:  # `... | head` stopped reading: stop quietly, as cat does
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         rc = 141
