@@ -100,14 +100,11 @@ def token_trie(tok) -> TokenTrie:
 
 
 class TokenIndex:
-    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), a packed bitmask
-    (vocab / 8,); EOS only in accepting states, no other special token ever. Built as decoding
-    asks: a state's row the first time a mask asks for it, the token trie walked from that state
-    only (needs), then kept (the engine keeps the index per regex, for the next request with it).
-    The DFA first keeps only bytes that are one-byte tokens (a vocabulary may lack some), then only
+    """Per DFA state, the tokens whose bytes keep the DFA alive (Outlines' index), a packed bitmask;
+    EOS only in accepting states, no other special token ever. A state's row is walked when a mask
+    first asks for it (row), then kept. The DFA keeps only bytes that are one-byte tokens, then only
     states that can still accept: a live byte path is then a token path, so decoding never reaches
-    a state with no allowed token unless it may stop. Also holds the compressed FSM: jump(state)
-    -> forced string."""
+    a state with no allowed token unless it may stop. Also the compressed FSM: jump(state)."""
 
     def __init__(self, pattern: str, tok):
         t0 = time.perf_counter()
@@ -129,9 +126,7 @@ class TokenIndex:
         self.build_s = time.perf_counter() - t0
 
     def row(self, state: int) -> tuple:
-        """(mask, worst, least) of `state`, walked the first time it is asked for: the packed
-        allowed tokens; worst: the most an allowed token needs; least: the least one but EOS needs
-        (0: none)."""
+        """(packed allowed tokens, the most one needs, the least one but EOS needs (0: none)), kept."""
         if state not in self.rows:
             need = self.needs([state])[0]
             assert need.any(), "a live state without an allowed token"

@@ -1236,8 +1236,7 @@ class FastEngine(Engine):
         return seconds
 
     def forward(self, batch, positions):
-        """A decode step replayed from a CUDA graph (one host sync, not a chunk), else the core's: also
-        a prefill of one token each beside a chunk in flight (the graph's buffers hold the chunk's)."""
+        """A decode step from a CUDA graph, else the core's (a chunk in flight owns the graph's buffers)."""
         g = self.graphs
         if g is not None and g.inflight is None and all(s.n_new == 1 and s.samples for s in batch):
             self.counts["one_step_decodes"] += 1
