@@ -915,6 +915,8 @@ class CudaGraphDecoder:
         kv, model = self.kv, self.model
         bufs = (self.tokens, self.positions, self.slots, self.rows, self.lens, self.hist)
         state = [x.clone() for x in bufs]
+        # the step under way's metadata (kv.prepare's): the capture's bind_decode takes its place
+        step = {a: getattr(kv, a, None) for a in ("batch", "tok_slots", "batch_rows", "batch_lens")}
         self.rows[:b], self.lens[:b], self.positions[:b] = self.pad_row, 1, 0
         fused, tp = b == 1 and self.fused, model.tp
         split = not fused and tp.split  # TP: this rank's rows of the head alone
@@ -961,6 +963,7 @@ class CudaGraphDecoder:
         for x, saved in zip(bufs, state):
             # a capture in the middle of decoding: the buffers hold where the chunk in flight ends
             x.copy_(saved)
+        vars(kv).update(step)
 
     def graph(self, n):
         """The replay function of the smallest bucket that holds n rows (captured on first use), and that bucket."""
