@@ -939,11 +939,11 @@ class CudaGraphDecoder:
         # also batch 1's k steps in one graph: no gap between
         if b == 1 and k == 1 and self.multi_step > 1:
             self._capture(1, self.multi_step)          # graph launches, PDL links the steps
+        for _ in range(2):  # warm up (Triton compiles) outside the capture; on a CPU too, undone below alike
+            run()
         if not self.cuda:  # the same k steps, run eagerly
             self.graphs[key] = lambda: [run() for _ in range(k)][-1]
         else:
-            for _ in range(2):  # warm up (Triton compiles) outside the capture
-                run()
             torch.cuda.synchronize()
             g = torch.cuda.CUDAGraph()
             # a dead engine's graphs collected mid-capture would end it: their destructor calls CUDA
