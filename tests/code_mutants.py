@@ -20,7 +20,6 @@ CODE_MUTANTS = [
     Mutant("01", "attend_decode", "decode mask reads one key past each length",
            "mask = torch.arange(k.shape[1], device=q.device) < seq_lens[:, None]",
            "mask = torch.arange(k.shape[1], device=q.device) <= seq_lens[:, None]"),
-
     # ---- 02: BlockManager (append, copy-on-write, fork, free) and the Scheduler's preemption ----
     Mutant("02", "BlockManager.blocks_needed",
            "copy-on-write also when the shared last block is full (a needless copy)",
@@ -60,7 +59,6 @@ CODE_MUTANTS = [
            "first = n - 1 if n and table[n - 1] != last else n", "first = n"),
     Mutant("02", "Scheduler.admit", "admission counts blocks taken this step one short",
            "taken += cdiv(n, m.block_size)", "taken += n // m.block_size"),
-
     # ---- 03: TokenAllocator alloc (cumsum / searchsorted), alloc_contiguous, free; TokenKVCache ----
     Mutant("03", "TokenAllocator.inc_ref", "inc_ref accepts a free slot",
            "if lo < 0 or hi >= self.size or low_ref <= 0:", "if lo < 0 or hi >= self.size or low_ref < 0:"),
@@ -74,7 +72,6 @@ CODE_MUTANTS = [
            "share_prefix points at the shared slots without taking a reference on them",
            "        self.allocator.inc_ref(slots)\n        self.req_to_token[row, start:",
            "        self.req_to_token[row, start:"),
-
     # ---- 04: the decode kernel's tile loop (online softmax), the split combine, the extend kernel's mask ----
     Mutant("04", "_chunk", "a split's chunk rounded down: the last tokens belong to no split",
            "return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N",
@@ -96,7 +93,6 @@ CODE_MUTANTS = [
            "for r in range(0, n * group, rows)]", "for r in range(0, n, rows)]"),
     Mutant("04", "_slot", "a page's slot forgets the page size (table entry + offset)",
            "    return entry * page + n % page", "    return entry + n % page"),
-
     # ---- 05: RadixCache match_prefix / insert (split) / evict (LRU, locks), lpm order, chunked prefill ----
     Mutant("05", "RadixCache._split", "the edge split keeps one token too many on the new node",
            "new = Node(child.key[:n], child.value[:n], child.parent, self.serial)",
@@ -129,7 +125,6 @@ CODE_MUTANTS = [
     Mutant("05", "RadixCache._walk", "a node split at a page boundary one page early",
            "n = _common(child.key, key, i) // self.page * self.page",
            "n = max(self.page, (_common(child.key, key, i) - 1) // self.page * self.page)"),
-
     # ---- 06: TokenIndex (allowed, jump / compressed edges) and jump-forward decoding ----
     Mutant("06", "TokenIndex.__init__", "forced: a state with one byte out is forced even when it may stop "
            "(accepting)", "self.forced = ((dfa.table >= 0).sum(1) == 1) & ~dfa.accept",
@@ -153,7 +148,6 @@ CODE_MUTANTS = [
     Mutant("06", "sample", "temperature multiplies instead of divides",
            "probs = torch.softmax(logits / temperature, dim=-1)",
            "probs = torch.softmax(logits * temperature, dim=-1)"),
-
     # ---- the engine (llama3_generate.py): Seq.append's finish, Engine.add's n samples, Engine.forward, generate ----
     Mutant("engine", "Seq.append",
            "a sequence ends one token late (its tokens_left counted past zero)",

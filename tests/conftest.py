@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-
 HAVE_TRITON = importlib.util.find_spec("triton") is not None
 if not torch.cuda.is_available():  # Triton kernels run interpreted on a CPU; set before anything imports triton
     os.environ.setdefault("TRITON_INTERPRET", "1")  # (torch may, and its @jit helpers are fixed at that import)

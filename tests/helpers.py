@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -25,13 +26,14 @@ def ctrl_c_reaches():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def refuses(exc, fn, *args, what: str):
-    """fn(*args) must raise exc; returns the exception. what: the call in words, for the message."""
+def refuses(exc, fn, *args, what: str = "", match: str = ""):
+    """fn(*args) must raise exc, its message matching the regex match; returns it. what: the call in words."""
     try:
         fn(*args)
     except exc as e:
+        assert re.search(match, str(e)), f"{what or fn} raised {exc.__name__}({e}), which does not match {match!r}"
         return e
-    raise AssertionError(f"{what} did not raise {exc.__name__}")
+    raise AssertionError(f"{what or fn} did not raise {exc.__name__}")
 
 
 def tiny_model(seed=0, dtype=torch.float32, device="cpu", **kw):
@@ -141,7 +143,6 @@ def backend_against_brute_force(kv, seed, max_seqs=3, max_len=12, steps=40, H=4,
 # ---- deterministic mode's needle: one prompt, alone and in random company ----
 
 NOTOK = type("NoTok", (), {"stop_ids": [], "eos_id": -1})()  # no stop token: max_new_tokens each
-
 
 NEW = 12  # tokens each needle generates
 
@@ -261,17 +262,14 @@ def to_transformers(model):
 
 MAX_NEW = 24
 
-
 PROMPTS = ["Hi", "Name a color.", "What is the capital of France?", "def f(x):\n    return x * 2",
            "Write three words about the sea, then stop.", "torch.cat([a, b], dim=0) joins tensors along a dimension.",
            "Explain the KV cache in one sentence: why does a decode step not recompute the keys of earlier tokens?"]
-
 
 SHAPES = {  # hidden_dim = Meta's formula for dim with multiple_of 256, so params.json needs nothing more
     "smol": dict(dim=576, n_heads=9, n_kv_heads=3, hidden_dim=1536, tie=True, rope_theta=100000.0),
     "gqa4": dict(dim=1024, n_heads=8, n_kv_heads=2, hidden_dim=2816, tie=False, rope_theta=500000.0),
 }
-
 
 FORMATS = ("gguf", "hf", "meta")
 

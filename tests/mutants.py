@@ -70,7 +70,6 @@ MUTANTS = [
     Mutant("01", "KVCache.attend", "a batch is decode when ANY request feeds one token (a mixed batch takes the "
            "decode path)", "d = next((i for i, n in enumerate(n_new) if n != 1), len(n_new))",
            "d = len(n_new) if 1 in n_new else 0"),
-
     # ---- 02: BlockManager (append, copy-on-write, fork, free) and the Scheduler's preemption ----
     Mutant("02", "BlockManager.fork", "fork forgets the children's references (refcounts stay 1)",
            "        for b in self.block_tables[child]:\n            self.ref_count[b] += 1\n", ""),
@@ -111,7 +110,6 @@ MUTANTS = [
     Mutant("02", "Scheduler.preempt", "a preempted request is requeued at the tail (it loses its place)",
            "            self.release(req)\n            self.waiting.appendleft(req)",
            "            self.release(req)\n            self.waiting.append(req)"),
-
     # ---- 03: TokenAllocator alloc (cumsum / searchsorted), alloc_contiguous, free; TokenKVCache ----
     Mutant("03", "TokenAllocator.alloc", "alloc looks for the 0th..n-1th free slot (off by one)",
            "want = torch.arange(1, n + 1, device=self.device)", "want = torch.arange(0, n, device=self.device)"),
@@ -155,7 +153,6 @@ MUTANTS = [
     Mutant("03", "TokenAllocator.free", "free drops one reference per distinct slot, not per repeat",
            "left = self.mem_state[uniq.clamp(0, self.size - 1)] - count",
            "left = self.mem_state[uniq.clamp(0, self.size - 1)] - 1"),
-
     # ---- 04: the decode kernel's tile loop (online softmax), the split combine, the extend kernel's mask ----
     Mutant("04", "_attend", "online softmax: the output accumulator is not rescaled by the new max",
            "acc = acc * alpha[:, None] + tl.dot(", "acc = acc + tl.dot("),
@@ -170,7 +167,6 @@ MUTANTS = [
            "w = tl.exp2(lse - tl.max(lse, 0))", "w = tl.exp(lse - tl.max(lse, 0))"),
     Mutant("04", "_stage2", "the combine forgets to normalise by the weights' sum",
            "out = tl.sum(o * w[:, None], 0) / tl.sum(w, 0)", "out = tl.sum(o * w[:, None], 0)"),
-
     # ---- 05: RadixCache match_prefix / insert (split) / evict (LRU, locks), lpm order, chunked prefill ----
     Mutant("05", "RadixCache.evict", "evict takes the most recently used leaf first",
            "heap = [(x.last_access, x.serial, x) for x", "heap = [(-x.last_access, x.serial, x) for x"),
@@ -219,7 +215,6 @@ MUTANTS = [
     Mutant("05", "POLICIES[\"lpm\"]", "lpm ties broken newest first (not stable FCFS)",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: -len(r.prefix))",
            "\"lpm\": lambda tree, rng, w: sorted(w, key=lambda r: (-len(r.prefix), -r.rid))"),
-
     # ---- 06: TokenIndex (allowed, jump / compressed edges) and jump-forward decoding ----
     Mutant("06", "TokenIndex.jump_forward",
            "jump-forward appends the forced string but leaves the DFA state where it was", "return end, text + jump, "

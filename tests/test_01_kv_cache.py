@@ -53,20 +53,16 @@ def test_overlong_prompt_is_refused_and_cache_stays_usable(three_ways):
     kv.k_cache.normal_(), kv.v_cache.normal_()
     k0, v0 = kv.k_cache.clone(), kv.v_cache.clone()
     for prompts in ([prompt + prompt], [prompt, prompt + [1] * 5]):  # alone, and behind a request that fits
-        with pytest.raises(ValueError, match="exceed max_seq_len"):
-            L.generate(model, kv, prompts, 2)
+        refuses(ValueError, L.generate, model, kv, prompts, 2, match="exceed max_seq_len")
         assert kv.rows == {} and kv.free_rows == [0, 1] and kv.lens == [0, 0]  # no row leaked
         assert torch.equal(kv.k_cache, k0) and torch.equal(kv.v_cache, v0)  # not one slot written
     assert L.generate(model, kv, [prompt], 3) == [runs["a"][0][:3]]  # the same cache still works
     kv.prepare(["x"], [len(prompt)])  # a request that grows past max_seq_len is refused without moving
-    with pytest.raises(ValueError, match="exceed max_seq_len"):
-        kv.prepare(["x", "y"], [5, 1])
+    refuses(ValueError, kv.prepare, ["x", "y"], [5, 1], match="exceed max_seq_len")
     assert kv.lens[kv.rows["x"]] == len(prompt) and "y" not in kv.rows
-    with pytest.raises(ValueError, match="duplicate"):
-        kv.prepare(["x", "x"], [1, 1])
+    refuses(ValueError, kv.prepare, ["x", "x"], [1, 1], match="duplicate")
     static = m.StaticKVCache(model, 8)
-    with pytest.raises(ValueError, match="exceed max_seq_len"):
-        static.prepare([0], [9])
+    refuses(ValueError, static.prepare, [0], [9], match="exceed max_seq_len")
     assert static.len == 0
 
 
@@ -79,8 +75,7 @@ def test_reservation_schemes():
     assert (m.reservation("oracle", prompt, output, 4096) == need).all()
     assert (m.reservation("max_len", prompt, output, 600) == 600).all()
     assert (m.reservation("pow2", prompt, output, 600) <= 600).all()
-    with pytest.raises(ValueError, match="unknown scheme"):
-        m.reservation("buddy", prompt, output, 600)
+    refuses(ValueError, m.reservation, "buddy", prompt, output, 600, match="unknown scheme")
 
 
 def brute_force_paint(running, prompt, output, reserve, pool):
@@ -127,8 +122,7 @@ def test_accounting_by_hand():
     assert res["steps"] == 2 and res["batch"] == 2
     assert [res[c] for c in m.CATEGORIES] == pytest.approx([(5 + 7) / 20, (4 + 2) / 20, 0, 2 / 20])
     assert res["snapshot"] == [[0, 4, 0, 0], [4, 5, 1, 0]]
-    with pytest.raises(ValueError, match="pool has only"):
-        m.account(prompt, output, "max_len", 10, 16)
+    refuses(ValueError, m.account, prompt, output, "max_len", 10, 16, match="pool has only")
 
 
 def test_memory_report_and_cli_errors(tmp_path):
@@ -142,9 +136,7 @@ def test_memory_report_and_cli_errors(tmp_path):
             assert abs(sum(r[c] for c in m.CATEGORIES) - 1) < 1e-3
     assert (tmp_path / "pool.png").stat().st_size > 10_000
     for argv in (["--pool-tokens", "100"], ["--requests", "0"], ["--max-seq-len", "x"]):
-        with pytest.raises(SystemExit) as e:
-            m.main(argv)
-        assert e.value.code != 0
+        assert refuses(SystemExit, m.main, argv).code != 0
 
 
 def test_lessons_never_import_the_model_in_their_core():

@@ -113,9 +113,8 @@ def test_fork_copy_on_write_matches_unshared_runs(smollm):
         for n, row in logits[s]:
             torch.testing.assert_close(row, ref[n - 1], atol=2e-3, rtol=1e-3)
         for layer in range(model.args.n_layers):
-            k, v = kv.gather(s, layer)
-            torch.testing.assert_close(k, ref_kv.k_cache[layer, 0, :len(seq)], atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(v, ref_kv.v_cache[layer, 0, :len(seq)], atol=1e-4, rtol=1e-4)
+            for got, cache in zip(kv.gather(s, layer), (ref_kv.k_cache, ref_kv.v_cache)):
+                torch.testing.assert_close(got, cache[layer, 0, :len(seq)], atol=1e-4, rtol=1e-4)
 
 
 def snapshot(m):
@@ -182,47 +181,33 @@ def test_random_alloc_append_fork_free_keeps_invariants_and_contents(seed):
 
 def test_clear_errors():
     m = P.BlockManager(4, 4, watermark=0.0)
-    with pytest.raises(KeyError, match="unknown sequence"):
-        m.free("nope")
+    refuses(KeyError, m.free, "nope", match="unknown sequence")
     m.append(0, 16)
     before = snapshot(m)
-    with pytest.raises(P.OutOfBlocks, match="need 1 blocks but only 0"):
-        m.append(0, 1)  # over-committing the pool: refused, nothing changed
-    with pytest.raises(P.OutOfBlocks):
-        m.append(1, 3)
+    refuses(P.OutOfBlocks, m.append, 0, 1, match="need 1 blocks but only 0")  # over-committing: refused, no change
+    refuses(P.OutOfBlocks, m.append, 1, 3)
     assert snapshot(m) == before and m.check()
-    with pytest.raises(KeyError, match="unknown sequence"):
-        m.fork(5, 6)
+    refuses(KeyError, m.fork, 5, 6, match="unknown sequence")
     m.fork(0, 1)
-    with pytest.raises(ValueError, match="already exists"):
-        m.fork(0, 1)
+    refuses(ValueError, m.fork, 0, 1, match="already exists")
     m.free(0)
     m.free(1)
-    with pytest.raises(RuntimeError, match="released more often"):
-        m._release(0)  # a block given back twice
+    refuses(RuntimeError, m._release, 0, match="released more often")  # a block given back twice
     m.ref_count[2] = 1  # corrupt: a block referenced by no table
-    with pytest.raises(AssertionError, match="refcount != owners"):
-        m.check()
+    refuses(AssertionError, m.check, match="refcount != owners")
     kv = P.PagedKVCache(1, 8, 4, 1, 1)
-    with pytest.raises(ValueError, match="twice"):
-        kv.prepare([1, 1], [1, 1])
-    with pytest.raises(KeyError):
-        kv.free(3)
-    with pytest.raises(P.OutOfBlocks, match="cannot fit"):  # the scheduler refuses a request bigger than the pool
-        P.simulate([50], [10], num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="swap needs a PagedKVCache"):
-        P.Scheduler(P.BlockManager(4, 4), preempt="swap")
+    refuses(ValueError, kv.prepare, [1, 1], [1, 1], match="twice")
+    refuses(KeyError, kv.free, 3)
+    refuses(P.OutOfBlocks, P.simulate, [50], [10], 4, 4, match="cannot fit")  # a request bigger than the pool
+    refuses(ValueError, P.Scheduler, P.BlockManager(4, 4), 64, "swap", match="swap needs a PagedKVCache")
     sched, big = P.Scheduler(P.PagedKVCache(1, 2, 4, 1, 1)), P.Request(0, [0] * 9, 1)  # 3 blocks: more than the pool
-    with pytest.raises(P.OutOfBlocks, match="whole pool"):
-        sched.prepare([big])
+    refuses(P.OutOfBlocks, sched.prepare, [big], match="whole pool")
     assert sched.kv.manager.num_free == 2 and not big.in_kv and sched.kv.manager.check()
-    with pytest.raises(ValueError, match="flash path needs"):
-        P.paged_attention(torch.zeros(1, 2, 8), torch.zeros(2, 16, 1, 8), torch.zeros(2, 16, 1, 8),
-                          torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), [1], path="flash")
+    empty = torch.zeros(2, 16, 1, 8)
+    refuses(ValueError, P.paged_attention, torch.zeros(1, 2, 8), empty, empty, torch.zeros(1, 1, dtype=torch.int32),
+            torch.ones(1, dtype=torch.int32), [1], "flash", match="flash path needs")
     for argv in (["--requests", "0"], ["--trace", "nope"]):
-        with pytest.raises(SystemExit) as e:
-            P.main(argv)
-        assert e.value.code == 2
+        assert refuses(SystemExit, P.main, argv).code == 2
 
 
 @pytest.mark.parametrize("preempt", ["recompute", "swap"])

@@ -197,17 +197,14 @@ def test_exhaustion_is_a_clean_refusal():
     kv = m.TokenKVCache(1, 12, 1, 2, max_requests=2, max_seq_len=12)
     kv.prepare([0], [8])
     state, rows = kv.allocator.mem_state.clone(), list(kv.req_pool.free_rows)
-    with pytest.raises(m.PoolExhausted, match="KV slots"):
-        kv.prepare([0, 1], [1, 4])  # 5 slots wanted, 4 free: nothing may be taken, no row opened
-    with pytest.raises(m.PoolExhausted, match="request rows"):
-        kv.prepare([1, 2, 3], [1, 1, 1])
+    refuses(m.PoolExhausted, kv.prepare, [0, 1], [1, 4], match="KV slots")
+    refuses(m.PoolExhausted, kv.prepare, [1, 2, 3], [1, 1, 1], match="request rows")
     assert torch.equal(kv.allocator.mem_state, state) and kv.req_pool.free_rows == rows and 1 not in kv.rows
     assert kv.lens == {0: 8}
     kv.free(0)
     kv.prepare([1], [12])
     assert kv.allocator.available() == 0
-    with pytest.raises(ValueError, match="max_seq_len"):
-        kv.prepare([1], [1])
+    refuses(ValueError, kv.prepare, [1], [1], match="max_seq_len")
 
 
 def test_double_free_and_foreign_slots_are_detected():
@@ -216,23 +213,19 @@ def test_double_free_and_foreign_slots_are_detected():
     a.free(x[:2])
     for bad in (x[:1], x[2:] .repeat(2), torch.tensor([9]), torch.tensor([16]), torch.tensor([-1])):
         before = a.mem_state.clone()
-        with pytest.raises(ValueError):
-            a.free(bad)
+        refuses(ValueError, a.free, bad)
         assert torch.equal(a.mem_state, before) and a.available() == 14
-    with pytest.raises(ValueError):
-        a.inc_ref(torch.tensor([0]))  # slot 0 was freed: sharing it would resurrect garbage
+    refuses(ValueError, a.inc_ref, torch.tensor([0]))  # slot 0 was freed: sharing it would resurrect garbage
     a.inc_ref(x[2:])
     a.free(x[2:].repeat(2))  # two references, two frees in one call: fine
     assert a.available() == 16
     a.check()
     a.mem_state[3] = -1  # corrupt it: check() must notice
-    with pytest.raises(AssertionError):
-        a.check()
+    refuses(AssertionError, a.check)
     pool = m.ReqToTokenPool(2, 4)
     r = pool.alloc()
     pool.free(r)
-    with pytest.raises(ValueError):
-        pool.free(r)
+    refuses(ValueError, pool.free, r)
 
 
 def test_decode_attn_matches_float64_reference():
@@ -294,9 +287,7 @@ def test_cli_json_and_errors(capsys, monkeypatch):
     b = json.loads(capsys.readouterr().out)
     assert b["live_fraction_by_scheme"] == r["live_fraction_by_scheme"]
     assert set(b["alloc_free_speedup_vs_python_set"]) == {"1", "64", "4096"}
-    with pytest.raises(SystemExit) as e:
-        m.main(["--requests", "0"])
-    assert e.value.code != 0
+    assert refuses(SystemExit, m.main, ["--requests", "0"]).code != 0
 
 
 @pytest.mark.gpu
@@ -317,8 +308,7 @@ def test_cuda_allocator_matches_cpu():
             cpu.free(x)
             gpu.free(x.cuda())
         assert torch.equal(cpu.mem_state, gpu.mem_state.cpu()) and cpu.available() == gpu.available()
-    with pytest.raises(ValueError):
-        gpu.free(torch.tensor([10_000], device="cuda"))  # out of range: an error, not a device assert
+    refuses(ValueError, gpu.free, torch.tensor([10_000], device="cuda"))  # out of range: an error, not a device assert
     gpu.check()
 
 

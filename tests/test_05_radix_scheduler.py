@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import kv_less, tiny_model
+from helpers import kv_less, refuses, tiny_model
 
 R = importlib.import_module("05_radix_scheduler")
 T = importlib.import_module("03_token_allocator")
@@ -239,13 +239,11 @@ def run_checking_every_slot(reqs, pool, policy, max_running, page=1, max_new_tok
         budget = s.chunk_tokens and max(1, s.chunk_tokens - (decode if s.mixed else 0))  # prefill tokens a step
         assert not budget or sum(r.n_new for r in asked) - decode <= budget, "over the step's budget"
         assert part is None or part in asked and part.n_new >= min(part.missing, -(-budget // 2)) or (
-            (not s.mixed or s.held) and batch is s.running), "starved"  # (a decode step between its chunks:
-        # prefill-first; mixed while requests wait for KV)
+            (not s.mixed or s.held) and batch is s.running), "starved"  # (prefill-first, or held: a decode step)
         s.beside += part is not None and part.chunk is not None and any(r is not part and r not in s.running
                                                                         for r in asked)  # beside its next chunk
         out, positions = prepare(batch)
-        assert s.mixed or s.chunk_tokens or batch is s.running or out == asked, "admitted, then held back"  # chunks:
-        # decode steps between them grow the running ones
+        assert s.mixed or s.chunk_tokens or batch is s.running or out == asked, "admitted, then held back"
         return out, positions
     s.prepare = prepare_checked
 
@@ -304,17 +302,22 @@ def random_workload(rng, n_max=8, vocab=3, prompt_max=6):
     return reqs
 
 
+def random_runs(trials, **workload):
+    """trials random workloads (random_workload's kw) from a fresh seed: rng, reqs, their longest's tokens, a policy."""
+    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    for _ in range(trials):
+        reqs = random_workload(rng, **workload)
+        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+        yield rng, reqs, max(len(p) + len(o) - 1 for p, o, _ in reqs), policy
+
+
 @pytest.mark.parametrize("reserve,mixed,chunked", [(True, True, False), (False, False, False), (False, True, False),
                                                    (True, True, True), (False, False, True), (False, True, True)],
                          ids=["paper", "engine", "preempt-mixed", "paper-chunked", "engine-chunked", "mixed-chunked"])
 def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
     """The paper's scheduler and the engine's keep every slot right on random workloads, chunked or not."""
-    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     totals = dict(preemptions=0, cached_tokens=0, cut=0, cut_preempted=0)
-    for _ in range(200 if chunked else 40):
-        reqs = random_workload(rng, prompt_max=12 if chunked else 6)
-        longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
-        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+    for rng, reqs, longest, policy in random_runs(200 if chunked else 40, prompt_max=12 if chunked else 6):
         chunk = dict(chunk_tokens=int(rng.integers(1, 7))) if chunked else {}
         s = run_checking_every_slot(reqs, longest + int(rng.integers(0, 4)), policy, int(rng.integers(1, 5)),
                                     reserve=reserve, mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)), **chunk)
@@ -340,12 +343,9 @@ def test_scheduler_options_keep_every_slot_right(reserve, mixed, chunked):
 @pytest.mark.parametrize("mixed", [False, True], ids=["prefill-first", "mixed"])
 def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
     """Random arrivals into chunked steps: every slot right, and prompts behind a chunked one go in beside it."""
-    rng, beside = np.random.default_rng(int(np.random.default_rng().integers(1 << 30))), 0
-    for _ in range(80):
-        reqs = random_workload(rng, prompt_max=24)
-        longest = max(len(p) + len(o) - 1 for p, o, _ in reqs)
+    beside = 0
+    for rng, reqs, longest, policy in random_runs(80, prompt_max=24):
         arrive = sorted(rng.integers(0, 12, len(reqs)).tolist())
-        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
         s = run_checking_every_slot(reqs, 2 * longest + int(rng.integers(0, 8)), policy, int(rng.integers(2, 6)),
                                     arrive=arrive, reserve=[False, "expected"][int(rng.integers(2))], mixed=mixed,
                                     chunk_tokens=int(rng.integers(2, 13)))
@@ -358,12 +358,9 @@ def test_prompts_arriving_behind_a_chunked_one_go_in_beside_it(mixed):
                          ids=["paper", "engine", "mixed-chunked"])
 def test_paged_tree_keeps_every_slot_right(page, reserve, mixed, chunked):
     """The same brute-force check over 02's blocks, the tree keyed by pages: every slot right; hits are whole pages."""
-    rng = np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
     cached = pages = 0
-    for _ in range(60):
-        reqs = random_workload(rng, vocab=2, prompt_max=12)
-        blocks = -(-max(len(p) + len(o) - 1 for p, o, _ in reqs) // page) + int(rng.integers(0, 4))
-        policy = list(R.POLICIES)[int(rng.integers(len(R.POLICIES)))]
+    for rng, reqs, longest, policy in random_runs(60, vocab=2, prompt_max=12):
+        blocks = -(-longest // page) + int(rng.integers(0, 4))
         chunk = dict(chunk_tokens=int(rng.integers(1, 7))) if chunked else {}
         s = run_checking_every_slot(reqs, blocks, policy, int(rng.integers(1, 5)), page=page, reserve=reserve,
                                     mixed=mixed, max_prefill_tokens=int(rng.integers(4, 16)), **chunk)
@@ -400,8 +397,7 @@ def test_look_ahead_admission_keeps_every_slot_right_and_rarely_preempts(page, h
             preempted[early, reserve] = s.stats["preemptions"]
             assert not any(e.kind == "hold_back" for e in s.events)
             assert s.seen[0] / s.seen[1] == 1 if not early else s.seen[0] / s.seen[1] < 1  # fits_ahead's ratio
-    assert preempted[False, "expected"] <= min(2, preempted[False, False]), (seed, preempted)  # (fits now: 2 at least
-    # on most draws; a few draws preempt less)
+    assert preempted[False, "expected"] <= min(2, preempted[False, False]), (seed, preempted)  # (fits now: mostly 2+)
 
 
 @pytest.mark.parametrize("page", [1, 3, 16])
@@ -448,15 +444,11 @@ def test_optimal_prefill_counts_decoded_tokens_as_cached():
 
 def test_bad_input():
     kv = T.TokenKVCache(1, 32, 1, 1, 4, 32)
-    with pytest.raises(ValueError, match="unknown policy"):
-        R.Scheduler(kv, "lifo")
+    refuses(ValueError, R.Scheduler, kv, "lifo", match="unknown policy")
     s = R.Scheduler(kv, "lpm")
-    with pytest.raises(ValueError, match="cannot fit"):
-        s.add(list(range(30)), 8)
-    with pytest.raises(ValueError, match="cannot fit"):
-        s.add([], 4)
-    with pytest.raises(SystemExit):
-        R.main(["--workload", "nope"])
+    refuses(ValueError, s.add, list(range(30)), 8, match="cannot fit")
+    refuses(ValueError, s.add, [], 4, match="cannot fit")
+    refuses(SystemExit, R.main, ["--workload", "nope"])
 
 
 def test_cli_json(capsys):
@@ -742,8 +734,7 @@ def test_match_prefix_finds_the_longest_cached_prefix_in_whole_pages(page):
 def test_insert_adds_what_is_new_and_says_what_was_cached(page):
     """insert, one prompt after another: the tree then matches what Brute matches, insert returns the tokens
     cached already (whole pages), the new leaf's slots take the tree's reference, and the sizes add up."""
-    kv = kv_less(page, 64)
-    tree, brute = R.RadixCache(kv.allocator, page), Brute(page)
+    kv, tree, brute = small_tree(page, [])
     held = []
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6, 7], [1, 2, 7, 7], [1, 2, 3, 4, 5], [5], [8, 8, 8]):
         n, slots = insert_new(tree, kv, seq)

@@ -18,6 +18,8 @@ import pytest
 import regex
 import torch
 
+from helpers import refuses  # noqa: E402
+
 jsonschema = pytest.importorskip("jsonschema")  # the independent validator (a GPU machine may lack it)
 
 m = importlib.import_module("06_jump_forward_fsm")
@@ -142,11 +144,9 @@ def test_schema_regex_produces_valid_json():
     ("ab\\", "bad escape (end of pattern)"), ("\\1", "invalid group reference"), ("(?=a)", "unsupported group"), ("^a", "anchor"),
     ("\\x4", "incomplete escape"), ("a{2000}", "repeat count"), ("[\\d-z]", "bad character range")])
 def test_invalid_regex_names_the_problem(pattern, problem):
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        m.compile_regex(pattern)
+    refuses(ValueError, m.compile_regex, pattern, match=re.escape(problem))
     if problem not in ("unsupported group", "anchor", "repeat count"):
-        with pytest.raises(re.error):  # a real syntax error, not just something we do not support
-            re.compile(pattern)
+        refuses(re.error, re.compile, pattern)  # a real syntax error, not just something we do not support
 
 
 @pytest.mark.parametrize("schema, problem", [
@@ -157,8 +157,7 @@ def test_invalid_regex_names_the_problem(pattern, problem):
     ({"type": "string", "minLength": 3, "maxLength": 2}, "no document satisfies this schema ($: minLength 3 is above"),
     ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "int"}}}}}, "$.a.b")])
 def test_invalid_schema_names_the_problem(schema, problem):
-    with pytest.raises(ValueError, match=re.escape(problem)):
-        exact(schema)
+    refuses(ValueError, exact, schema, match=re.escape(problem))
 
 
 @pytest.mark.parametrize("keyword, value", [
@@ -177,8 +176,7 @@ def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, va
                       patternProperties={"^b": {"type": "boolean"}, **schema.get("patternProperties", {})})
     if keyword in ("multipleOf", "minProperties", "contains", "propertyNames", "unevaluatedProperties") and (
             value not in (1, 0.5)):
-        with pytest.raises(ValueError, match=re.escape(repr(keyword))):
-            exact(schema)
+        refuses(ValueError, exact, schema, match=re.escape(repr(keyword)))
     else:  # some write fewer documents than they accept (uniqueItems: one item at most): sound, not complete
         lossy = keyword in ("uniqueItems", "maxProperties", "dependencies", "dependentRequired")
         counts = Counter()
@@ -192,8 +190,7 @@ def test_every_keyword_that_changes_validity_is_implemented_or_named(keyword, va
                             ({"type": "string", "pattern": "^a(?&b)$"}, "unsupported group"),
                             ({"not": {"type": "number"}}, "cannot be complemented exactly: a number"),
                             ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer")):
-        with pytest.raises(ValueError, match=re.escape(problem)):
-            exact(schema)
+        refuses(ValueError, exact, schema, match=re.escape(problem))
     text = exact({"type": "object", "title": "t", "description": "annotations change nothing", "self": 1,
                               "id": "x", "_format": "y", "readonly": True, "x-kind": {}, "format": "no-such-format",
                               "uniqueItems": False, "additionalProperties": False, "properties": {"a": {"type": "null"}}})
@@ -261,8 +258,7 @@ def test_hostile_regex_is_refused_within_seconds():
     """Issue 22.5: (?:.é|😀+){100} took 31 s and built 122,600 states; the state budget refuses it quickly."""
     for pattern in ("(?:.é|😀+){100}", "(?:[^a]|.é|😀+){200}", "(?:.é|😀+){1000}"):
         t0 = time.perf_counter()
-        with pytest.raises(ValueError, match="too complex"):
-            m.compile_regex(pattern)
+        refuses(ValueError, m.compile_regex, pattern, match="too complex")
         assert time.perf_counter() - t0 < 30  # generous: a loaded 2-core machine; ~1 s when quiet
 
 
@@ -352,8 +348,7 @@ def test_every_reachable_state_has_a_way_on(smollm):
                     if nxt not in seen:
                         seen.add(nxt)
                         todo.append(nxt)
-    with pytest.raises(ValueError, match="nothing this tokenizer can produce"):
-        m.TokenIndex(r"\x04", tok)
+    refuses(ValueError, m.TokenIndex, r"\x04", tok, match="nothing this tokenizer can produce")
 
 
 def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
@@ -402,12 +397,10 @@ def test_real_model_masking_and_jump_forward(smollm, monkeypatch, capsys):
 
 def test_cli_rejects_bad_input(tmp_path):
     for argv, problem in ((["--regex", "(ab"], "missing )"), (["--json-schema", str(tmp_path / "nope.json")], "nope.json")):
-        with pytest.raises(SystemExit, match=re.escape(problem)):
-            m.main(argv)
+        refuses(SystemExit, m.main, argv, match=re.escape(problem))
     bad = tmp_path / "bad.json"
     bad.write_text('{"type": "object", "properties": {"x": {"type": "strin"}}}')
-    with pytest.raises(SystemExit, match="is not a type"):
-        m.main(["--json-schema", str(bad)])
+    refuses(SystemExit, m.main, ["--json-schema", str(bad)], match="is not a type")
 
 
 # -------- JSON schemas: sound (every document the regex accepts is valid) and complete in 06's layout ----------
@@ -606,8 +599,8 @@ def test_keywords_hold_together_issue_33():
     assert dfa.fullmatch("1") and not dfa.fullmatch('"a"')
     dfa = m.compile_regex(exact({"type": "string", "minLength": 2, "enum": ["a", "abc"]}))
     assert dfa.fullmatch('"abc"') and not dfa.fullmatch('"a"')
-    with pytest.raises(ValueError, match=re.escape("no document satisfies this schema ($: no value of its const [5]")):
-        exact({"type": "string", "const": 5})
+    refuses(ValueError, exact, {"type": "string", "const": 5},
+            match=re.escape("no document satisfies this schema ($: no value of its const [5]"))
     schema = {"minimum": 0, "anyOf": [{"type": "integer"}, {"type": "number", "maximum": 0.5}], "type": "number"}
     dfa = m.compile_regex(exact(schema))
     for doc in ("7", "0", "0.25", "0.5", "-1", "0.75", "-0.25", '"a"'):
@@ -744,8 +737,8 @@ def test_pydantic_schemas_refused_by_name():
         assert not dfa.fullmatch('{"at": "2023-02-29T12:00:00Z"}') and not dfa.fullmatch('{"code": "ABCDE"}')
     home = m.compile_regex(exact(Home.model_json_schema()))  # oneOf (discriminator: an annotation)
     assert home.fullmatch('{"pet": {"kind": "dog"}}') and not home.fullmatch('{"pet": {"kind": "cow"}}')
-    with pytest.raises(ValueError, match=re.escape("recursive $ref '#/$defs/Chain' is unrolled 3 deep")):
-        exact(Chain.model_json_schema())
+    refuses(ValueError, exact, Chain.model_json_schema(),
+            match=re.escape("recursive $ref '#/$defs/Chain' is unrolled 3 deep"))
 
 
 def replay_forward_passes(index, tok, prompt_ids, text) -> int:
@@ -850,8 +843,7 @@ def test_pattern_branches_anchored_apart_equal_python_re_search():
         for _ in range(500):
             v = "".join(rng.choice("0129abcdefvx.-|$^") for _ in range(rng.randrange(8)))
             assert dfa.fullmatch(v) == bool(re.search(pattern, v)), (pattern, v)
-    with pytest.raises(ValueError, match="anchor"):
-        m._pattern("(a|^b)")
+    refuses(ValueError, m._pattern, "(a|^b)", match="anchor")
 
 
 def test_not_and_one_of_against_jsonschema():
@@ -882,8 +874,7 @@ def test_every_compile_or_refusal_within_the_budget(monkeypatch):
     monkeypatch.setattr(m, "COMPILE_BUDGET_S", 1.0)
     wide = {"type": "object", "properties": {f"p{i}": {} for i in range(600)}}  # ~10 s of work on a fast CPU
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match="too complex"):
-        exact(wide)
+    refuses(ValueError, exact, wide, match="too complex")
     assert time.perf_counter() - t0 < 3 * m.COMPILE_BUDGET_S  # a loaded 2-core machine
     assert __import__("gc").isenabled()  # the compile turned the collector off, and back on
 
@@ -995,11 +986,9 @@ def test_strict_is_sound_and_within_exact_on_random_schemas(monkeypatch):
 @pytest.mark.parametrize("pattern", ["(?~a)", "(?,a)", "(?&a|b)", "", "a(", "(?P<x>a)(?P=x)", "a{2,1}", "[b-a]"])
 def test_user_regex_is_pythons_one_line_refusal(pattern):
     """What re.compile refuses is refused in one line; 06's own groups only in a schema's regex (SchemaRegex)."""
-    with pytest.raises(ValueError) as e:
-        m.compile_regex(pattern)
-    assert "\n" not in str(e.value) and str(e.value).startswith(f"invalid regex {pattern!r}: ")
-    with pytest.raises(ValueError):
-        m.TokenIndex(pattern, None)  # refused before the tokenizer is touched
+    why = str(refuses(ValueError, m.compile_regex, pattern))
+    assert "\n" not in why and why.startswith(f"invalid regex {pattern!r}: ")
+    refuses(ValueError, m.TokenIndex, pattern, None)  # refused before the tokenizer is touched
     rng = random.Random()
     for _ in range(300):  # random texts: refused whenever Python's re refuses them
         text = "".join(rng.choice("a(?~,&|)[]{}1-\\*") for _ in range(rng.randrange(1, 7)))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import llama3_generate as L
-from helpers import LLAMA_SHAPES, NOTOK, kv_left, meta_state_dict, random_model, serve, tiny_model, to_transformers
+from helpers import (LLAMA_SHAPES, NOTOK, kv_left, meta_state_dict, random_model, refuses, serve, tiny_model,
+                     to_transformers)
 
 PROMPTS = ["Hi", "Name three primary colors and say why they are primary.", "What is the capital of France?"]
 
@@ -116,8 +117,7 @@ def test_tiny_pool_preempts_and_still_finishes_correctly(smollm, backend, preemp
 def test_request_too_large_is_refused(smollm):
     model, tok = smollm
     engine = L.Engine(model, tok, kv_tokens=64)
-    with pytest.raises(L.UserError):
-        engine.add(list(range(60)), L.SamplingParams(max_new_tokens=10))
+    refuses(L.UserError, engine.add, list(range(60)), L.SamplingParams(max_new_tokens=10))
 
 
 @pytest.mark.triton
@@ -197,9 +197,9 @@ def test_radix_cache_same_tokens_on_every_sharing_backend(kw):
 def test_contiguous_backend_refuses_a_radix_cache():
     """01's rows cannot share a prefix: asked for one, the engine says so in one line; by default it has none."""
     model = tiny_model()
-    with pytest.raises(L.UserError, match="cannot share a cached prefix") as err:
-        L.Engine(model, NOTOK, "contiguous", kv_tokens=256, max_seq_len=64, radix=True)
-    assert "\n" not in str(err.value)
+    err = refuses(L.UserError, lambda: L.Engine(model, NOTOK, "contiguous", kv_tokens=256, max_seq_len=64, radix=True),
+                  match="cannot share a cached prefix")
+    assert "\n" not in str(err)
     assert L.Engine(model, NOTOK, "contiguous", kv_tokens=256, max_seq_len=64).sched.tree is None
 
 
@@ -229,8 +229,7 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
     multi, e = run(prompts, (7, 20, 12), cuda_graphs=True, fused=False, multi_step=4)
     assert multi == plain, f"greedy steps 4 at a time wrote {multi}; one step at a time {plain}"
     assert len(plain[1]) <= 6, "the second sequence did not stop at its EOS"
-    assert None in resumed and any(k and k != list(range(len(k))) for k in resumed)  # from the host; and continued
-    # on the device after the EOS, the rows behind it gathered to the front
+    assert None in resumed and any(k and k != list(range(len(k))) for k in resumed)  # rows regathered
     n = sum(map(len, plain)) - len(plain)  # each sequence's first token came from its prefill
     assert e.stats["decode_tokens"] == n, f"decode_tokens counts {e.stats['decode_tokens']}; the outputs decoded {n}"
     tok.stop_ids = []
@@ -261,19 +260,21 @@ def test_multi_step_chunks_run_past_an_end_but_not_past_a_context(kw, monkeypatc
 def test_multi_step_random_workloads_match_one_step(kw):
     """Random batches stopping mid-chunk (chunks land after their batch changed) write one-step-at-a-time tokens."""
     model, rand = tiny_model(), randoms()
-    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
-
-    run = lambda prompts, max_new_tokens, **opts: serve(model, tok, prompts, max_new_tokens, max_batch=4,
-                                                         max_seq_len=64, kv_tokens=512, fused=False, **kw, **opts)[0]
     for _ in range(25):
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(1, 5))]
-        max_new_tokens = rand(1, 30, len(prompts))
-        tok.stop_ids = []
-        longest = max(run(prompts, max_new_tokens, cuda_graphs=False), key=len)
-        tok.stop_ids = [longest[rand(0, len(longest))]]  # an EOS somewhere in the longest output
-        one = run(prompts, max_new_tokens, cuda_graphs=False)
-        got = run(prompts, max_new_tokens, cuda_graphs=True, multi_step=rand(2, 6))
-        assert got == one, (prompts, max_new_tokens, tok.stop_ids)
+        multi_step_matches_one_step(model, rand, prompts, rand(1, 30, len(prompts)), max_batch=4, **kw)
+
+
+def multi_step_matches_one_step(model, rand, prompts, max_new_tokens, schedule="prefill-first", **kw):
+    """With an EOS somewhere in the longest output, chunks of 2 to 5 steps write one-step-at-a-time tokens."""
+    tok = type("Tok", (), {"stop_ids": [], "eos_id": -1})()
+    run = lambda **opts: serve(model, tok, prompts, max_new_tokens, max_seq_len=64, kv_tokens=512, fused=False,
+                               **kw, **opts)[0]
+    longest = max(run(cuda_graphs=False), key=len)
+    tok.stop_ids = [longest[rand(0, len(longest))]]  # an EOS somewhere in the longest output
+    one = run(cuda_graphs=False)
+    got = run(cuda_graphs=True, multi_step=rand(2, 6), schedule=schedule)
+    assert got == one, (schedule, prompts, max_new_tokens, tok.stop_ids)
 
 
 @pytest.mark.triton
@@ -290,20 +291,12 @@ def test_prefills_beside_a_chunk_in_flight_match_one_step(kw, monkeypatch):
     monkeypatch.setattr(L.CudaGraphDecoder, "steps", joined)
     monkeypatch.setattr(L.CudaGraphDecoder, "argmax_ahead", lambda self, x: (
         seen.__setitem__("beside", seen["beside"] + 1), ahead(self, x))[1])
-    rand, tok = randoms(), type("Tok", (), {"stop_ids": [], "eos_id": -1})()
-    run = lambda prompts, max_new_tokens, **opts: serve(model, tok, prompts, max_new_tokens, max_batch=3,
-                                                         max_seq_len=64, kv_tokens=512, fused=False,
-                                                         max_prefill_tokens=12, **kw, **opts)[0]
+    rand = randoms()
     for schedule in ["prefill-first"] * 3 + ["mixed"]:  # mixed steps decode every running one: they land first
         prompts = [rand(0, 256, rand(1, 12)) for _ in range(rand(4, 7))]
         prompts += prompts[:2]  # admitted later, their prompts cached
-        max_new_tokens = rand(1, 30, len(prompts))
-        tok.stop_ids = []
-        longest = max(run(prompts, max_new_tokens, cuda_graphs=False), key=len)
-        tok.stop_ids = [longest[rand(0, len(longest))]]
-        one = run(prompts, max_new_tokens, cuda_graphs=False)
-        got = run(prompts, max_new_tokens, cuda_graphs=True, multi_step=rand(2, 6), schedule=schedule)
-        assert got == one, (schedule, prompts, max_new_tokens, tok.stop_ids)
+        multi_step_matches_one_step(model, rand, prompts, rand(1, 30, len(prompts)), schedule, max_batch=3,
+                                    max_prefill_tokens=12, **kw)
     assert all(seen.values()), f"no prompt prefilled beside a chunk in flight, or none joined the next: {seen}"
 
 
@@ -520,10 +513,8 @@ def test_cli_bad_constraints_are_clear_errors(tmp_path, capsys):
     bad.write_text('{"type": "object", "properties": {"x": {"type": "strange"}}}')
     for argv, msg in [(["--json-schema", str(bad)], "strange"), (["--json-schema", str(tmp_path / "none.json")], "none.json"),
                       (["--regex", "(unclosed"], "error:"), (["--backend", "magic"], "invalid choice")]:
-        with pytest.raises(SystemExit) as e:
-            L.main(argv + ["hi"])
-        err = capsys.readouterr().err
-        assert e.value.code != 0 and msg in err + str(e.value.code) and "Traceback" not in err, (argv, err)
+        code, err = refuses(SystemExit, L.main, argv + ["hi"]).code, capsys.readouterr().err
+        assert code != 0 and msg in err + str(code) and "Traceback" not in err, (argv, err)
 
 
 def test_cli_json_lines_and_cut_constrained_output(smollm, tmp_path, capsys):
@@ -588,8 +579,7 @@ def test_policy_orders_admission_and_changes_no_output():
     assert order["lpm"] == [0, 3, 6, 1, 4, 7, 2, 5, 8]
     assert sorted(order["random"]) == list(range(9)) and order["random"] != order["fcfs"]
     assert all(o == outs["fcfs"] for o in outs.values())
-    with pytest.raises(L.UserError, match="unknown policy"):
-        L.Engine(model, tok, "token", kv_tokens=64, policy="shortest")
+    refuses(L.UserError, lambda: L.Engine(model, tok, "token", kv_tokens=64, policy="shortest"), match="unknown policy")
     assert [L.cli_args(["--policy", p]).policy for p in R.POLICIES] == list(R.POLICIES)  # the CLI offers each
     assert L.cli_args([]).policy == "lpm"
 
@@ -715,8 +705,7 @@ def test_cli_progress_on_a_terminal_only(smollm, capsys, monkeypatch):
 
 
 def test_help_says_each_default_once(capsys):
-    with pytest.raises(SystemExit):
-        L.cli_args(["--help"])
+    refuses(SystemExit, L.cli_args, ["--help"])
     text = capsys.readouterr().out
     blocks = re.split(r"\n  (?=[-a-z])", text.split("options:")[1])  # one block per flag
     twice = [b for b in blocks if b.count("default") > 1]
@@ -734,9 +723,7 @@ def test_cli_chunked_and_mixed_steps_answer_alike_with_timings(smollm, capsys):
         got.append([o["token_ids"] for o in outs])
         assert all(o["ttft_s"] > 0 and o["tok_s"] > 0 for o in outs), outs
     assert got[1] == got[0]
-    with pytest.raises(SystemExit) as e:
-        L.main(["--chunk-tokens", "0", "hi"])
-    assert "--chunk-tokens must be >= 1" in str(e.value.code)
+    assert "--chunk-tokens must be >= 1" in str(refuses(SystemExit, L.main, ["--chunk-tokens", "0", "hi"]).code)
 
 
 def test_bench_serve_machinery_on_a_cpu(tmp_path):
@@ -785,15 +772,12 @@ def test_cli_regex_is_pythons_alone_and_schemas_strict_unless_exact(tmp_path, ca
     schema.write_text('{"type": "boolean"}')
     for argv, msg in [(["--regex", "(?~a)"], "unknown extension ?~"), (["--regex", ""], "empty"),
                       (["--regex", "a", "--json-schema", str(schema)], "--regex and --json-schema")]:
-        with pytest.raises(SystemExit) as e:
-            L.main(argv + ["hi"])
-        code = e.value.code
+        code = refuses(SystemExit, L.main, argv + ["hi"]).code
         assert isinstance(code, str) and code.startswith("error: ") and "\n" not in code and msg in code, code
     m06, seen = L.lesson("06_jump_forward_fsm"), []
     monkeypatch.setattr(m06, "schema_to_regex", lambda s, strict=True: seen.append(strict) or 1 / 0)
     for exact in ([], ["--json-schema-exact"]):
-        with pytest.raises(ZeroDivisionError):
-            L.main(["--json-schema", str(schema), *exact, "hi"])
+        refuses(ZeroDivisionError, L.main, ["--json-schema", str(schema), *exact, "hi"])
     assert seen == [True, False]
 
 

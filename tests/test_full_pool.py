@@ -40,6 +40,15 @@ def scheduler(page, pool, n, **opts):
     return L.L05.Scheduler(kv_less(page, pool, n, 128), "lpm", n, seed=0, **opts)
 
 
+def run_watched(s, prompts, max_new_tokens, watch):
+    """Run the scheduler s on the workload (random targets), calling watch(batch) before each prepare(batch)."""
+    prepare = s.prepare
+    s.prepare = lambda batch: (watch(batch), prepare(batch))[1]
+    for p, n in zip(prompts, max_new_tokens):
+        s.add(p, n, target=torch.randint(0, 256, (n,)).tolist())
+    s.run()
+
+
 @pytest.mark.parametrize("page", [1, 4])
 def test_admission_keeps_room_to_run_ahead(page):
     """Look-ahead admission keeps room for a k-step chunk before every decode step; without it (#66) it does not."""
@@ -47,17 +56,12 @@ def test_admission_keeps_room_to_run_ahead(page):
     k, short = 8, {}
     for lookahead in (0, k):
         s, short[lookahead] = scheduler(page, 24 * len(prompts), len(prompts), lookahead=lookahead), []
-        prepare = s.prepare
 
         def checked(batch):
             if batch is s.running:  # a decode step
                 need = s.slots_needed(batch, [min(k, r.tokens_left) for r in batch])
                 short[lookahead].append(need - s.free_slots() - s.tree.evictable_size())
-            return prepare(batch)
-        s.prepare = checked
-        for p, n in zip(prompts, max_new_tokens):
-            s.add(p, n, target=torch.randint(0, 256, (n,)).tolist())
-        s.run()
+        run_watched(s, prompts, max_new_tokens, checked)
         assert s.stats["preemptions"] == 0 and s.stats["peak_running"] > 12, s.stats
     assert max(short[k]) <= 0 < max(short[0]), (max(short[k]), max(short[0]))
 
@@ -106,16 +110,11 @@ def test_mixed_steps_make_way_for_decode_while_requests_wait_for_kv():
     prompts, max_new_tokens = workload(int(torch.randint(0, 10**6, ())), n=32)
     for pool, tight in ((16 * len(prompts), True), (128 * len(prompts), False)):
         s, trace = scheduler(1, pool, len(prompts), mixed=True, chunk_tokens=96), []
-        prepare = s.prepare
 
         def traced(batch):
             kind = "decode" if batch is s.running else "mixed" if any(r in s.running for r in batch) else "prefill"
             trace.append((kind, s.held))
-            return prepare(batch)
-        s.prepare = traced
-        for p, n in zip(prompts, max_new_tokens):
-            s.add(p, n, target=torch.randint(0, 256, (n,)).tolist())
-        s.run()
+        run_watched(s, prompts, max_new_tokens, traced)
         pairs = list(zip(trace, trace[1:]))
         assert not any(a == ("mixed", True) and b[0] == "mixed" for a, b in pairs)
         if tight:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import llama3_generate as L
-from helpers import ROOT, to_meta_order
+from helpers import ROOT, refuses, to_meta_order
 
 CHAT = "What is the capital of France?"
 TEXTS = ["Hello world", "naïve café — 東京 🤗🎉 emoji", "def f(x):\r\n    return x ** 2  # ok\r\n", "  two  spaces\t\ttabs\n\n\n",
@@ -157,9 +157,7 @@ def test_meta_checkpoint_loads(tmp_path, shards):
 
 
 def run_main(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        L.main(list(argv))
-    return e.value.code, capsys.readouterr().err
+    return refuses(SystemExit, L.main, list(argv)).code, capsys.readouterr().err
 
 
 def test_bad_inputs_are_clear_errors(tmp_path, capsys):

@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 import llama3_generate as L
-from helpers import (NOTOK, PROMPTS, SHAPES, meta_state_dict, needle_model, needle_trials, random_model, tokens,
-                     train_tokenizer)
+from helpers import (NOTOK, PROMPTS, SHAPES, meta_state_dict, needle_model, needle_trials, random_model, refuses,
+                     tokens, train_tokenizer)
 
 PROMPTS, MAX_NEW = PROMPTS[:5], 16  # several prompts, in pools of about one and a half sequences
 
@@ -258,17 +258,14 @@ def test_deterministic_needle_under_tp_4(tmp_path):
 
 def test_tp_flag_starts_ranks_and_one_speaks(capfd):
     """--tp 2 starts 2 ranks as torchrun would; both refuse a bad --device, rank 0 alone says so, status non-zero."""
-    with pytest.raises(SystemExit) as e:
-        L.main(["--tp", "2", "--device", "tpu", "Hi"])
-    err = capfd.readouterr().err
-    assert e.value.code == 1 and err.strip() == "error: unknown device 'tpu' (try cpu or cuda)", err
+    code, err = refuses(SystemExit, L.main, ["--tp", "2", "--device", "tpu", "Hi"]).code, capfd.readouterr().err
+    assert code == 1 and err.strip() == "error: unknown device 'tpu' (try cpu or cuda)", err
 
 
 def test_heads_that_do_not_split_are_refused():
     """SmolLM2's attention (9 query / 3 KV heads) over 2 ranks: one line naming the head counts, nothing changed."""
     model = random_model(L.ModelArgs(n_layers=1, vocab_size=64, max_seq_len=64), device="cpu", dtype=torch.float32)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(L.UserError, match=r"9 query and 3 KV heads do not split into 2"):
-        L.shard_model(model, 0, 2)
+    refuses(L.UserError, L.shard_model, model, 0, 2, match=r"9 query and 3 KV heads do not split into 2")
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
