@@ -197,6 +197,7 @@ def test_exhaustion_is_a_clean_refusal():
     kv = m.TokenKVCache(1, 12, 1, 2, max_requests=2, max_seq_len=12)
     kv.prepare([0], [8])
     state, rows = kv.allocator.mem_state.clone(), list(kv.req_pool.free_rows)
+    # 5 slots wanted, 4 free: nothing may be taken, no row opened
     refuses(m.PoolExhausted, kv.prepare, [0, 1], [1, 4], match="KV slots")
     refuses(m.PoolExhausted, kv.prepare, [1, 2, 3], [1, 1, 1], match="request rows")
     assert torch.equal(kv.allocator.mem_state, state) and kv.req_pool.free_rows == rows and 1 not in kv.rows

@@ -96,6 +96,7 @@ def test_choose_num_splits():
 
 def test_bad_shapes_raise():
     q, k, v, r2t, rows, lens = m.make_problem([4], 4, 2, 64, seed=0)
+    # 3 q heads on 2 kv heads
     refuses(ValueError, m.token_decode_attention, q[:, :3], k, v, r2t, rows, lens, match="bad shapes")
     refuses(ValueError, m.token_decode_attention, q, k, v, r2t, rows, lens.repeat(2), match="need shape")
     refuses(ValueError, m.token_decode_attention, q, k, v, r2t, rows, lens * 0, match=">= 1")

@@ -18,7 +18,7 @@ import pytest
 import regex
 import torch
 
-from helpers import refuses  # noqa: E402
+from helpers import refuses
 
 jsonschema = pytest.importorskip("jsonschema")  # the independent validator (a GPU machine may lack it)
 

@@ -229,7 +229,8 @@ def test_multi_step_decoding_matches_one_step(kw, monkeypatch):
     multi, e = run(prompts, (7, 20, 12), cuda_graphs=True, fused=False, multi_step=4)
     assert multi == plain, f"greedy steps 4 at a time wrote {multi}; one step at a time {plain}"
     assert len(plain[1]) <= 6, "the second sequence did not stop at its EOS"
-    assert None in resumed and any(k and k != list(range(len(k))) for k in resumed)  # rows regathered
+    assert None in resumed and any(k and k != list(range(len(k))) for k in resumed)  # from the host; and continued
+    # on the device after the EOS, the rows behind it gathered to the front
     n = sum(map(len, plain)) - len(plain)  # each sequence's first token came from its prefill
     assert e.stats["decode_tokens"] == n, f"decode_tokens counts {e.stats['decode_tokens']}; the outputs decoded {n}"
     tok.stop_ids = []
