@@ -88,6 +88,11 @@ def attend_decode(q, k, v, seq_lens):
     return out[:, :, 0]
 
 
+def store_kv(k_pool, v_pool, slots, k, v):
+    """A step's cache write: k, v (T, Hkv, D) into slots (T,) of one layer's pools (slots, Hkv, D)."""
+    k_pool[slots], v_pool[slots] = k, v
+
+
 def table_slots(table, rows, n: int, page: int = 1) -> torch.Tensor:
     """The pool slots of tokens 0..n-1 of table rows `rows` (B ints), LongTensor (B, n): token i of
     row r sits in slot table[r, i // page] * page + i % page, every backend's picture (KVCache)."""
@@ -129,6 +134,7 @@ class KVCache:
     table: torch.Tensor               # (rows, pages per row) int32
     # 04's kernels (use_kernels); None: the PyTorch path through the table
     decode_attn = extend_attn = None
+    store_kv = staticmethod(store_kv)  # 04's: K and V in one kernel
     # 05's radix tree may share its slots between requests (03's pool, 02's blocks)
     shares_prefixes = False
 
@@ -141,7 +147,7 @@ class KVCache:
 
     def attend(self, layer, q, k, v):
         kp, vp = self.layer_pools(layer)
-        kp[self.tok_slots], vp[self.tok_slots] = k, v  # the whole cache write: one scatter per step
+        self.store_kv(kp, vp, self.tok_slots, k, v)  # the whole cache write: one scatter per pool per step
         rows, starts, n_new = self.batch
         # decode: one query per request, batched; a mixed step's decode rows too (they lead, 05), so
         # they neither pad prefill's tiles of query rows nor read their keys unsplit
@@ -199,9 +205,10 @@ class KVCache:
         plus `pad` scratch rows for CUDA graphs' padding -> (cache, sequences it runs at once)."""
         raise NotImplementedError
 
-    def use_kernels(self, decode, extend=None):
-        """Attend through 04's Triton kernels (or any function of their signature): decode, and prefill (extend)."""
-        self.decode_attn, self.extend_attn = decode, extend
+    def use_kernels(self, decode, extend=None, store=None):
+        """Attend through 04's Triton kernels (or any function of their signature): decode, prefill (extend), and
+        the cache write (store)."""
+        self.decode_attn, self.extend_attn, self.store_kv = decode, extend, store or store_kv
 
     def bind_decode(self, slots, rows, lens):
         """A CUDA graph's decode step: its static buffers (slots to write, table rows, lengths)

@@ -390,9 +390,7 @@ class PagedKVCache(L01.KVCache):
         auto = flash_ok(k_cache) and (decode or self.extend_attn is None)
         if not (self.path == "flash" or (self.path == "auto" and auto)):
             return super().attend(layer, q, k, v)
-        k_pool, v_pool = self.layer_pools(layer)
-        # write this step's k, v into their slots
-        k_pool[self.tok_slots], v_pool[self.tok_slots] = k, v
+        self.store_kv(*self.layer_pools(layer), self.tok_slots, k, v)  # write this step's k, v into their slots
         table = self.table[self.batch_rows.long()]  # the full width: the same in every CUDA graph
         return paged_attention(q, k_cache, v_cache, table, self.batch_lens, n_new, self.path)
 

@@ -1109,9 +1109,14 @@ def argmax(logits, out, advance=None, pdl=False, vocab=None, gather=None):
 # to the input's dtype where they round.
 
 @triton.jit
-def _rms_norm(X, W, OUT, N, s_x, eps, BLOCK: tl.constexpr):
+def _rms_norm(X, RES, W, OUT, SUM, N, s_x, eps, BLOCK: tl.constexpr, ADD: tl.constexpr):
     row, cols = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK)
-    x = tl.load(X + row * s_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+    x = tl.load(X + row * s_x + cols, mask=cols < N, other=0.0)
+    if ADD:  # the residual add first, rounded to x's dtype as the model's add rounds
+        res = tl.load(RES + row * N + cols, mask=cols < N, other=0.0)
+        x = (x.to(tl.float32) + res.to(tl.float32)).to(SUM.dtype.element_ty)
+        tl.store(SUM + row * N + cols, x, mask=cols < N)
+    x = x.to(tl.float32)
     y = (x * tl.rsqrt(tl.sum(x * x, 0) / N + eps)).to(OUT.dtype.element_ty)
     tl.store(OUT + row * N + cols, y * tl.load(W + cols, mask=cols < N), mask=cols < N)
 
@@ -1137,12 +1142,31 @@ def _swiglu(GATE, UP, OUT, N, s_g, s_u, BLOCK: tl.constexpr):
     tl.store(OUT + t * N + cols, silu * tl.load(UP + t * s_u + cols, mask=cols < N), mask=cols < N)
 
 
-def rms_norm(x, weight, eps: float):
-    """x (T, dim), rows contiguous -> (T, dim): the model's rms_norm."""
+@triton.jit
+def _store_kv(K, V, KP, VP, SLOTS, N, s_k, s_v, BLOCK: tl.constexpr):
+    t, cols = tl.program_id(0).to(tl.int64), tl.arange(0, BLOCK)  # one token, all its heads
+    slot, live = tl.load(SLOTS + t).to(tl.int64), cols < N
+    tl.store(KP + slot * N + cols, tl.load(K + t * s_k + cols, mask=live), mask=live)
+    tl.store(VP + slot * N + cols, tl.load(V + t * s_v + cols, mask=live), mask=live)
+
+
+def store_kv(k_pool, v_pool, slots, k, v):
+    """k_pool[slots], v_pool[slots] = k, v in one kernel (PyTorch's: two): k, v (T, n_kv_heads, head_dim) with
+    each token's heads contiguous; the pools (slots, n_kv_heads, head_dim) contiguous: the KV cache's write."""
+    k, v = (x if x.stride()[1:] == (x.shape[2], 1) else x.contiguous() for x in (k, v))
+    n = k[0].numel()
+    _store_kv[(k.shape[0],)](k, v, k_pool, v_pool, slots, n, k.stride(0), v.stride(0), BLOCK=triton.next_power_of_2(n))
+
+
+def rms_norm(x, weight, eps: float, res=None):
+    """x (T, dim), rows contiguous -> (T, dim): the model's rms_norm; res (T, dim) contiguous: -> (the norm of
+    x + res, x + res), one kernel."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (T, dim)
-    _rms_norm[(x.shape[0],)](x, weight, out, x.shape[1], x.stride(0), eps, BLOCK=triton.next_power_of_2(x.shape[1]))
-    return out
+    add = out if res is None else torch.empty_like(out)
+    _rms_norm[(x.shape[0],)](x, x if res is None else res.contiguous(), weight, out, add, x.shape[1], x.stride(0),
+                             eps, BLOCK=triton.next_power_of_2(x.shape[1]), ADD=res is not None)
+    return out if res is None else (out, add)
 
 
 def apply_rope(x, cos, sin):

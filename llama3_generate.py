@@ -127,9 +127,12 @@ class ModelArgs:
         return self.dim // self.n_heads
 
 
-def rms_norm(x, weight, eps: float):
+def rms_norm(x, weight, eps: float, res=None):
+    """res: the residual stream, x added to it first -> (the norm, x + res): the add rides in the norm's kernel."""
+    x = x if res is None else x + res
     xf = x.float()  # in fp32 like the reference, then cast back (bf16 squares lose precision)
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+    return out if res is None else (out, x)
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
@@ -203,8 +206,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
-    def forward(self, x):
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x, res=None):
+        return self.ops.rms_norm(x, self.weight, self.eps, res)
 
 
 attend_dense, attend_decode = L01.attend_dense, L01.attend_decode
@@ -257,9 +260,12 @@ class Block(nn.Module):
         self.attention_norm, self.ffn_norm = RMSNorm(args.dim, args.norm_eps), RMSNorm(args.dim, args.norm_eps)
         self.attention, self.feed_forward = Attention(args, layer_id), FeedForward(args)
 
-    def forward(self, x, cos, sin, kv):
-        x = x + self.attention(self.attention_norm(x), cos, sin, kv)
-        return x + self.feed_forward(self.ffn_norm(x))
+    def forward(self, x, res, cos, sin, kv):
+        """x: the last sublayer's output, res: the residual stream before it -> the same two for the next block:
+        each residual add rides in the next RMSNorm (nano-vllm's), one kernel on a GPU."""
+        h, res = self.attention_norm(x, res)
+        h, res = self.ffn_norm(self.attention(h, cos, sin, kv), res)
+        return self.feed_forward(h), res
 
 
 class OneRank:
@@ -304,13 +310,14 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions, kv, logits_at=None, fp32=True, vocab=slice(None)):
         """tokens, positions (T,) -> fp32 logits (T, vocab), or only at rows `logits_at` (saves the big matmul);
         fp32=False: in the weights' dtype (a greedy argmax needs no upcast copy); vocab: those tokens' alone."""
-        h = self.tok_embeddings(tokens)                                  # (T, dim)
+        res = self.tok_embeddings(tokens)                                # (T, dim): the residual stream
+        h = torch.zeros_like(res)                                        # what layer 0's norm adds to it
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]    # (T, head_dim/2)
         for layer in self.layers:
-            h = layer(h, cos, sin, kv)
+            h, res = layer(h, res, cos, sin, kv)
         if logits_at is not None:
-            h = h[logits_at]
-        logits = self.output.ops.linear(self.norm(h), self.output.weight[vocab])
+            h, res = h[logits_at], res[logits_at]
+        logits = self.output.ops.linear(self.norm(h, res)[0], self.output.weight[vocab])
         return logits.float() if fp32 else logits
 
 
@@ -860,13 +867,13 @@ def set_ops(model, kv, L04, graphs: bool, deterministic: bool):
     decode (04's on a GPU, attend_pieces else), under TP sums in rank order (model.tp.ordered)."""
     model.tp.ordered = deterministic
     if deterministic and L04 is not None:
-        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention)
+        kv.use_kernels(L04.deterministic_decode_attention, L04.deterministic_extend_attention, L04.store_kv)
         return model.use_kernels(L04, L04.invariant_matmul, L04.invariant_swiglu)
     if deterministic:
         kv.use_kernels(decode_pieces, attend_pieces)
         return model.use_ops(model_ops(rms_norm, apply_rope, swiglu, invariant_linear))
     if L04 is not None:
-        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention)
+        kv.use_kernels(L04.token_decode_attention, L04.token_extend_attention, L04.store_kv)
         if graphs:
             model.use_kernels(L04)
 

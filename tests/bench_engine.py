@@ -133,8 +133,8 @@ def run_stopping(e, stops: dict) -> dict:
     return e.finished
 
 
-def gpu_busy(run) -> dict:
-    """The GPU's busy share of run() (the union of its kernels' intervals, profiled in a pass of its own) and gaps."""
+def kernel_spans(run) -> list:
+    """(start, stop) in us of every kernel run() launches, in order, as the profiler traced them."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         run()
@@ -142,8 +142,20 @@ def gpu_busy(run) -> dict:
     with tempfile.TemporaryDirectory() as d:
         p.export_chrome_trace(os.path.join(d, "trace.json"))
         with open(os.path.join(d, "trace.json")) as f:
-            kernels = sorted((x["ts"], x["ts"] + x["dur"]) for x in json.load(f)["traceEvents"]
-                             if x.get("cat") == "kernel")
+            return sorted((x["ts"], x["ts"] + x["dur"]) for x in json.load(f)["traceEvents"]
+                          if x.get("cat") == "kernel")
+
+
+def step_kernels(e, b: int) -> int:
+    """Kernels in one decode step of b rows: a replay of its CUDA graph, every row on the padding (scratch) row."""
+    g, replay = e.graphs, e.graphs.graph(b)[0]
+    g.rows[:b], g.positions[:b], g.lens[:b] = g.pad_row, 0, 1
+    return len(kernel_spans(replay))
+
+
+def gpu_busy(run) -> dict:
+    """The GPU's busy share of run() (the union of its kernels' intervals, profiled in a pass of its own) and gaps."""
+    kernels = kernel_spans(run)
     gaps, end = [], kernels[0][1]
     for start, stop in kernels:
         if start > end:
@@ -179,7 +191,7 @@ def busy_pass(e, add) -> dict:
     """gpu_busy of the same run again, on the same warm engine (its cache and figures reset first)."""
     e.reset()
     add()
-    return gpu_busy(e.run)
+    return gpu_busy(e.run) | dict(step_kernels_per_layer=step_kernels(e, e.graphs.buckets[-1]) / e.model.args.n_layers)
 
 
 def roofline(row: dict, gbps: float):
@@ -248,7 +260,8 @@ def roofline_report(row: dict, gbps: float) -> str:
             f"{row['decode_steps']:,} decode steps" + (f"\nthe GPU busy {row['gpu_busy']:.1%} of the run "
             f"({row['gpu_span_s']:.2f} s, profiled apart): idle gaps over 1 ms {row['gaps_over_1ms']}, the longest "
             f"{row['longest_gap_ms']:.1f} ms; gaps under 5 us (kernel to kernel) "
-            f"{row['idle_in_gaps_under_5us_s'] * 1e3:.0f} ms" if "gpu_busy" in row else ""))
+            f"{row['idle_in_gaps_under_5us_s'] * 1e3:.0f} ms; a full batch's decode step, "
+            f"{row['step_kernels_per_layer']:.1f} kernels a layer" if "gpu_busy" in row else ""))
 
 
 def draw(n_seqs: int, seed: int = 0):
@@ -293,6 +306,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
         x = torch.tensor([prompts[1][:128]], device=device)
         t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
+                                   step_kernels_per_layer=step_kernels(e, 1) / model.args.n_layers,
                                    graph_replay_tok_s=replay_tok_s,
                                    one_step_per_sync_tok_s=decode_tok_s(multi_step=1)[0],
                                    unfused_tok_s=decode_tok_s(fused=False)[0], transformers_tok_s=32 / (t[33] - t[1]))

@@ -63,7 +63,7 @@ MUTANTS = [
            "        for s in new:\n            self.rows[s] = self.free_rows.pop(0)\n        new = []\n"
            "        for s, n in zip(seq_ids, n_new):\n            have ="),
     Mutant("01", "KVCache.attend", "attend stores k in the V pool too",
-           "kp[self.tok_slots], vp[self.tok_slots] = k, v", "kp[self.tok_slots], vp[self.tok_slots] = k, k"),
+           "self.store_kv(kp, vp, self.tok_slots, k, v)", "self.store_kv(kp, vp, self.tok_slots, k, k)"),
     Mutant("01", "KVCache.attend", "prefill attends over the new tokens only, not the request's earlier ones (chunks "
            "forget the past)", "idx = table_slots(self.table, [r], p + n, self.page)[0]  # (p + n,)",
            "idx = table_slots(self.table, [r], p + n, self.page)[0][p:]"),

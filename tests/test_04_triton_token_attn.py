@@ -250,7 +250,8 @@ def test_gpu_extend_matches_reference_and_flash_attn(H, Hkv, D, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])  # interpreter:
 def test_pointwise_kernels_equal_the_models_functions(dtype):                       # bf16 arithmetic is garbage
-    """rms_norm, apply_rope and swiglu kernels equal the model's functions in float64, on the model's views."""
+    """rms_norm (with the residual add and without), apply_rope and swiglu kernels equal the model's functions in
+    float64, on the model's views."""
     import llama3_generate as L
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(int(torch.randint(0, 10**6, ())))
@@ -259,10 +260,19 @@ def test_pointwise_kernels_equal_the_models_functions(dtype):                   
     for T, H, D, dim, hidden in ((5, 9, 64, 576, 1536), (3, 8, 128, 1024, 2816), (1, 3, 64, 96, 40)):
         x, w = rand(T, dim), rand(dim)
         torch.testing.assert_close(m.rms_norm(x, w, 1e-5).double(), L.rms_norm(x.double(), w.double(), 1e-5), **tol)
+        res = rand(T, dim)  # the residual add inside the norm: (the norm of x + res, x + res)
+        for got, want in zip(m.rms_norm(x, w, 1e-5, res), L.rms_norm(x.double(), w.double(), 1e-5, res.double())):
+            torch.testing.assert_close(got.double(), want, **tol)
         qkv = rand(T, (H + 2) * D)  # q and k as views of one projection's output, as the model splits them
         q, pos = qkv[:, :H * D].view(T, H, D), torch.randint(0, 4096, (T,), generator=g)
         cos, sin = (t[pos].to(dev) for t in L.rope_tables(L.ModelArgs(dim=H * D, n_heads=H, max_seq_len=4096)))
-        want = L.apply_rope(q.double(), cos.double(), sin.double())
-        torch.testing.assert_close(m.apply_rope(q, cos, sin).double(), want, **tol)
+        torch.testing.assert_close(m.apply_rope(q, cos, sin).double(), L.apply_rope(*(t.double() for t in (q, cos, sin))),
+                                   **tol)
+        pools = [torch.full((64, 2, D), float("nan"), dtype=dtype, device=dev) for _ in range(4)]  # poisoned
+        slots = torch.randperm(64, generator=g)[:T].to(dev)
+        k, v = qkv.view(T, H + 2, D)[:, H - 2:H], qkv.view(T, H + 2, D)[:, H:]  # views, as the model's
+        m.store_kv(*pools[:2], slots, k, v)
+        pools[2][slots], pools[3][slots] = k, v  # PyTorch's two scatters
+        assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip(pools[:2], pools[2:]))
         gate, up = rand(T, 2 * hidden).chunk(2, -1)
         torch.testing.assert_close(m.swiglu(gate, up).double(), L.swiglu(gate.double(), up.double()), **tol)

@@ -482,10 +482,7 @@ def random_schema_with_defs(rng):
 
 
 def resolve(root, ref):
-    node = root
-    for key in ref[2:].split("/") if ref != "#" else []:
-        node = node[key]
-    return node
+    return functools.reduce(lambda node, key: node[key], ref[2:].split("/") if ref != "#" else [], root)
 
 
 def layout_number(x):
