@@ -56,7 +56,7 @@ import runpy
 import sys
 import textwrap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
@@ -76,6 +76,24 @@ class TokenTrie:
     token_at: np.ndarray  # (n_nodes,) the token whose bytes end at this node, or -1
     token_bytes: list     # token id -> bytes (b"" for special tokens)
     alphabet: np.ndarray  # (256,) bool: the bytes that are one-byte tokens
+    joined: np.ndarray    # (all tokens' bytes + 1,) uint8: token after token, then a 0
+    offset: np.ndarray    # (vocab + 1,) where each token's bytes begin in joined
+    length: np.ndarray    # (vocab,) their lengths
+    longest: int          # the longest's
+    starts: np.ndarray    # (256,) how many tokens begin with each byte
+    splits: dict = field(default_factory=dict)  # see split
+
+    def split(self, loop: np.ndarray) -> tuple:
+        """loop (256,) bool: the tokens whose bytes all lie in it (bool, (vocab,)); the others' ids, and where in
+        joined each one's first byte outside it sits. Kept per loop (a JSON string's characters)."""
+        key = np.packbits(loop).tobytes()
+        if key not in self.splits:
+            where = np.where(loop[self.joined], len(self.joined), np.arange(len(self.joined)))
+            first = np.minimum.reduceat(where, self.offset[:-1])  # (an empty token's: the next's)
+            inside = first >= self.offset[1:]
+            others = np.flatnonzero(~inside & (self.length > 0))
+            self.splits[key] = inside & (self.length > 0), others, first[others]
+        return self.splits[key]
 
 
 @functools.lru_cache(maxsize=4)
@@ -96,7 +114,10 @@ def token_trie(tok) -> TokenTrie:
     alphabet[[b[0] for b in vocab if len(b) == 1]] = True
     assert alphabet[list(set(b"".join(vocab)))].all(), "a byte inside a token is not itself a token"
     first = (np.searchsorted(parent, np.arange(len(prefixes) + 1)) + 1).astype(np.int32)
-    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet)
+    joined, offset = np.frombuffer(b"".join(vocab) + b"\0", np.uint8), np.cumsum([0] + [len(b) for b in vocab])
+    return TokenTrie(first, np.array([0] + [p[-1] for p in prefixes[1:]], np.uint8), token_at, vocab, alphabet,
+                     joined, offset, np.diff(offset), max(map(len, vocab)),
+                     np.bincount([b[0] for b in vocab if b], minlength=256))
 
 
 class TokenIndex:
@@ -139,10 +160,28 @@ class TokenIndex:
     def needs(self, states) -> np.ndarray:
         """(len(states), vocab) int16: per state, 1 + the bytes from where each token leads to the
         nearest accept (EOS: 1 where accepting); 0: not allowed. The token trie is walked alongside
-        the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples alive."""
+        the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples alive. But
+        inside a JSON string most of the vocabulary is allowed, and a trie walk visits it all: there
+        (one state, most tokens starting with the bytes that lead to its likeliest next state, and
+        those bytes leading on alike, chain) the tokens made of those bytes alone are looked up at
+        once, by length, and only the others are walked, each from its first other byte."""
         trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
         state = np.asarray(states, np.int32)
         owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
+        row = table[state[0]] if len(state) == 1 else np.full(256, -1)
+        loop = row == (np.bincount(row[row >= 0]).argmax() if (row >= 0).any() else -2)  # the bytes to the likeliest
+        # most tokens start with one of them, and stay alive (else a trie walk is short)
+        chain = self.chain(int(state[0]), loop) if trie.starts[loop].sum() > 0.9 * self.vocab else None
+        if chain is not None and chain[min(8, trie.longest)] >= 0:
+            stays, others, at = trie.split(loop)
+            ends, stop = chain[at - trie.offset[others]], trie.offset[others + 1]
+            live = np.flatnonzero(ends >= 0)  # where each other token's first bytes, all in `loop`, led
+            while live.size:  # then each one's bytes from `at` on, all tokens a byte at a time
+                ends[live] = table[ends[live], trie.joined[at[live]]]
+                at = at + 1  # a copy: the split is kept
+                live = live[(ends[live] >= 0) & (at[live] < stop[live])]
+            need[0] = np.where(stays, np.where(chain >= 0, dist[chain], 0)[trie.length], 0)
+            need[0, others], node = np.where(ends >= 0, dist[ends], 0), node[:0]
         while len(node):  # one trie level per step: every alive triple to each child of its node
             n_kids = trie.first[node + 1] - trie.first[node]
             child = np.repeat(trie.first[node] - np.cumsum(n_kids) + n_kids, n_kids) + np.arange(n_kids.sum())
@@ -153,6 +192,17 @@ class TokenIndex:
             need[owner[end], trie.token_at[node[end]]] = dist[state[end]]
         need[:, self.eos] = self.dfa.accept[states]
         return need
+
+    def chain(self, state: int, loop) -> np.ndarray | None:
+        """Where k bytes of `loop` lead from `state`, k = 0 .. the longest token's length (-1: dead),
+        or None if they part ways somewhere: a string's characters, its own state again or the next."""
+        chain = [state]
+        while len(chain) <= self.trie.longest:
+            then = np.unique(self.dfa.table[chain[-1], loop]) if chain[-1] >= 0 else [-1]
+            if len(then) > 1 or then[0] == chain[-1]:  # parted; or a loop, or dead: so on to the end
+                return None if len(then) > 1 else np.array(chain + chain[-1:] * (self.trie.longest + 1 - len(chain)))
+            chain.append(int(then[0]))
+        return np.array(chain)
 
     def allowed(self, state: int, tokens_left=math.inf) -> torch.Tensor:
         """(vocab,) bool: the tokens allowed in `state`. With `tokens_left` tokens left (this one

@@ -133,8 +133,15 @@ def run_stopping(e, stops: dict) -> dict:
     return e.finished
 
 
-def kernel_spans(run) -> list:
-    """(start, stop) in us of every kernel run() launches, in order, as the profiler traced them."""
+def step_kernels(e, b: int) -> int:
+    """Kernels in one decode step of b rows: a replay of its CUDA graph, every row on the padding (scratch) row."""
+    g, replay = e.graphs, e.graphs.graph(b)[0]
+    g.rows[:b], g.positions[:b], g.lens[:b] = g.pad_row, 0, 1
+    return gpu_busy(replay)["kernels"]
+
+
+def gpu_busy(run) -> dict:
+    """The GPU's busy share of run() (the union of its kernels' intervals, profiled in a pass of its own) and gaps."""
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CUDA]) as p:
         run()
@@ -142,20 +149,8 @@ def kernel_spans(run) -> list:
     with tempfile.TemporaryDirectory() as d:
         p.export_chrome_trace(os.path.join(d, "trace.json"))
         with open(os.path.join(d, "trace.json")) as f:
-            return sorted((x["ts"], x["ts"] + x["dur"]) for x in json.load(f)["traceEvents"]
-                          if x.get("cat") == "kernel")
-
-
-def step_kernels(e, b: int) -> int:
-    """Kernels in one decode step of b rows: a replay of its CUDA graph, every row on the padding (scratch) row."""
-    g, replay = e.graphs, e.graphs.graph(b)[0]
-    g.rows[:b], g.positions[:b], g.lens[:b] = g.pad_row, 0, 1
-    return len(kernel_spans(replay))
-
-
-def gpu_busy(run) -> dict:
-    """The GPU's busy share of run() (the union of its kernels' intervals, profiled in a pass of its own) and gaps."""
-    kernels = kernel_spans(run)
+            kernels = sorted((x["ts"], x["ts"] + x["dur"]) for x in json.load(f)["traceEvents"]
+                             if x.get("cat") == "kernel")
     gaps, end = [], kernels[0][1]
     for start, stop in kernels:
         if start > end:
@@ -163,7 +158,8 @@ def gpu_busy(run) -> dict:
         end = max(end, stop)
     span = end - kernels[0][0]
     return dict(gpu_busy=1 - sum(gaps) / span, gpu_span_s=span / 1e6, gaps_over_1ms=sum(g > 1000 for g in gaps),
-                idle_in_gaps_under_5us_s=sum(g for g in gaps if g < 5) / 1e6, longest_gap_ms=max(gaps, default=0) / 1e3)
+                idle_in_gaps_under_5us_s=sum(g for g in gaps if g < 5) / 1e6, longest_gap_ms=max(gaps, default=0) / 1e3,
+                kernels=len(kernels))
 
 
 def serve_timed(model, tok, prompts, lens, backend, kv_tokens, stops=None, busy=False, **kw) -> dict:

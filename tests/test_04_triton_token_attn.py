@@ -266,11 +266,10 @@ def test_pointwise_kernels_equal_the_models_functions(dtype):                   
         qkv = rand(T, (H + 2) * D)  # q and k as views of one projection's output, as the model splits them
         q, pos = qkv[:, :H * D].view(T, H, D), torch.randint(0, 4096, (T,), generator=g)
         cos, sin = (t[pos].to(dev) for t in L.rope_tables(L.ModelArgs(dim=H * D, n_heads=H, max_seq_len=4096)))
-        torch.testing.assert_close(m.apply_rope(q, cos, sin).double(), L.apply_rope(*(t.double() for t in (q, cos, sin))),
-                                   **tol)
+        want = L.apply_rope(q.double(), cos.double(), sin.double())
+        torch.testing.assert_close(m.apply_rope(q, cos, sin).double(), want, **tol)
         pools = [torch.full((64, 2, D), float("nan"), dtype=dtype, device=dev) for _ in range(4)]  # poisoned
-        slots = torch.randperm(64, generator=g)[:T].to(dev)
-        k, v = qkv.view(T, H + 2, D)[:, H - 2:H], qkv.view(T, H + 2, D)[:, H:]  # views, as the model's
+        slots, (k, v) = torch.randperm(64, generator=g)[:T].to(dev), qkv.view(T, H + 2, D)[:, H - 2:].split(2, 1)
         m.store_kv(*pools[:2], slots, k, v)
         pools[2][slots], pools[3][slots] = k, v  # PyTorch's two scatters
         assert all(torch.equal(a.nan_to_num(7), b.nan_to_num(7)) for a, b in zip(pools[:2], pools[2:]))

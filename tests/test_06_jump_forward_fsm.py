@@ -1055,12 +1055,17 @@ def test_budget_mask_equals_per_token_walks_and_every_answer_closes_in_time(smol
     A state's row is walked when first asked (compile: the start's only), then kept."""
     _, tok = smollm
     rng, vocab = random.Random(), m.token_trie(tok).token_bytes
-    for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA))):
+    strings = r'\{"a": "[^"\\]*", "b": "[^"\\]{0,30}"\}'  # a string, and one at most 30 characters long
+    for pattern in (r"[a-z]{0,200}(?:, [0-9]{2})+\.", exact(closed(SMALL_SCHEMA)), strings):
         index = m.TokenIndex(pattern, tok)
         assert list(index.rows) == [0]
         dist = distances(index.dfa)
         assert (index.dist == dist).all()
-        for s in rng.sample(range(len(index.dfa.table)), 3):
+        # needs' split: inside a string, most bytes lead to one state (itself, or a bounded string's next)
+        loops = [s for s, row in enumerate(index.dfa.table) if np.bincount(row[row >= 0], minlength=1).max() >= 64]
+        assert (len(loops) > 30 or pattern != strings) and all(  # split or not (two states: not)
+            (index.needs([s])[0] == index.needs([s, s])[0]).all() for s in loops)
+        for s in rng.sample(range(len(index.dfa.table)), 3) + loops[:2] + loops[-20::6]:
             want = [dist[e] + 1 if e >= 0 else 0 for e in [index.dfa.walk(s, b) if b else -1 for b in vocab]]
             want[tok.eos_id] = int(index.dfa.accept[s])
             assert index.needs([s])[0].tolist() == want
