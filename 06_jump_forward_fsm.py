@@ -161,10 +161,11 @@ class TokenIndex:
         """(len(states), vocab) int16: per state, 1 + the bytes from where each token leads to the
         nearest accept (EOS: 1 where accepting); 0: not allowed. The token trie is walked alongside
         the DFA, breadth-first, keeping only the (start, DFA state, trie node) triples alive. But
-        inside a JSON string most of the vocabulary is allowed, and a trie walk visits it all: there
-        (one state, most tokens starting with the bytes that lead to its likeliest next state, and
-        those bytes leading on alike, chain) the tokens made of those bytes alone are looked up at
-        once, by length, and only the others are walked, each from its first other byte."""
+        inside a JSON string almost every token is allowed, and a trie walk visits them all. So for
+        one state where most tokens begin with the bytes that lead to one next state (the string's
+        own state, or a bounded string's next) and those bytes lead on alike (chain), a token made
+        of them alone ends at chain[its length], looked up at once; only the others are walked,
+        each from its first other byte."""
         trie, table, dist = self.trie, self.dfa.table, self.dist + 1  # 1: the token itself
         state = np.asarray(states, np.int32)
         owner, node, need = np.arange(len(state)), np.zeros_like(state), np.zeros((len(state), self.vocab), np.int16)
