@@ -90,9 +90,9 @@ class TokenTrie:
         if key not in self.splits:
             where = np.where(loop[self.joined], len(self.joined), np.arange(len(self.joined)))
             first = np.minimum.reduceat(where, self.offset[:-1])  # (an empty token's: the next's)
-            inside = first >= self.offset[1:]
-            others = np.flatnonzero(~inside & (self.length > 0))
-            self.splits[key] = inside & (self.length > 0), others, first[others]
+            inside, some = first >= self.offset[1:], self.length > 0  # some: not an empty (special) token
+            others = np.flatnonzero(~inside & some)
+            self.splits[key] = inside & some, others, first[others]
         return self.splits[key]
 
 
