@@ -386,8 +386,8 @@ class PagedKVCache(L01.KVCache):
         # (num_blocks, block_size, Hkv, D)
         k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
         n_new = self.batch[2]
-        decode = all(n == 1 for n in n_new)
-        auto = flash_ok(k_cache) and (decode or self.extend_attn is None)
+        # decode, or prefill without 04's extend kernel
+        auto = flash_ok(k_cache) and (all(n == 1 for n in n_new) or self.extend_attn is None)
         if not (self.path == "flash" or (self.path == "auto" and auto)):
             return super().attend(layer, q, k, v)
         self.store_kv(*self.layer_pools(layer), self.tok_slots, k, v)  # write this step's k, v into their slots

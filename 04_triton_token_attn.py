@@ -646,8 +646,7 @@ def make_problem(seq_lens, n_q_heads=4, n_kv_heads=2, head_dim=64, dtype=torch.f
     slots = perm[:total] if scattered else torch.arange(7, 7 + total, device=device)
     nan_slot = int(perm[total]) if scattered else 0
     # (num_slots, n_kv_heads, head_dim)
-    k_pool = torch.full((num_slots, Hkv, D), float("nan"), **kw)
-    v_pool = torch.full((num_slots, Hkv, D), float("nan"), **kw)
+    k_pool, v_pool = (torch.full((num_slots, Hkv, D), float("nan"), **kw) for _ in range(2))
     k_pool[slots] = torch.randn(total, Hkv, D, generator=g, **kw)
     v_pool[slots] = torch.randn(total, Hkv, D, generator=g, **kw)
     req_to_token = torch.full((B + 3, max(seq_lens) + 5), nan_slot, dtype=torch.int32, device=device)

@@ -230,13 +230,12 @@ class Attention(nn.Module):
         return self.wqkv.weight.detach().split([self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2)
 
     def forward(self, x, cos, sin, kv):
-        T, kv_width = x.shape[0], self.n_kv_heads * self.head_dim
+        T, qk_width = x.shape[0], (self.n_heads + self.n_kv_heads) * self.head_dim
         qkv = self.wqkv(x)
-        q_width = self.n_heads * self.head_dim
         # q and k side by side, (T, n_heads + n_kv_heads, head_dim): one RoPE for both
-        qk = self.ops.apply_rope(qkv[:, :q_width + kv_width].view(T, -1, self.head_dim), cos, sin)
+        qk = self.ops.apply_rope(qkv[:, :qk_width].view(T, -1, self.head_dim), cos, sin)
         q, k = qk.split([self.n_heads, self.n_kv_heads], 1)  # (T, n_heads | n_kv_heads, head_dim)
-        v = qkv[:, q_width + kv_width:].view(T, self.n_kv_heads, self.head_dim)
+        v = qkv[:, qk_width:].view(T, self.n_kv_heads, self.head_dim)
         out = kv.attend(self.layer_id, q, k, v)                 # the seam: (T, n_heads, head_dim)
         return self.wo(out.reshape(T, -1))
 
@@ -804,8 +803,7 @@ PIECE = 16   # keys per attention piece, and query rows per tile
 
 def tiles(x, n: int):
     """x (M, ...) padded with zero rows to a multiple of n, viewed (M / n, n, ...)."""
-    pad = -x.shape[0] % n
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])]).view(-1, n, *x.shape[1:])
+    return torch.cat([x, x.new_zeros(-x.shape[0] % n, *x.shape[1:])]).view(-1, n, *x.shape[1:])
 
 
 def invariant_linear(x, w):
@@ -1166,9 +1164,8 @@ class FastEngine(Engine):
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
         """Engine.add; deterministic: a sample without a seed draws from a stream seeded `seed`."""
-        params = params or SamplingParams()
-        if self.deterministic and params.seed is None:
-            params = replace(params, seed=self.seed)
+        if self.deterministic and (params is None or params.seed is None):
+            params = replace(params or SamplingParams(), seed=self.seed)
         return super().add(prompt, params, index)
 
     @property
@@ -1239,8 +1236,7 @@ class FastEngine(Engine):
         """Post-process the chunk in flight, if any (queue: decode_ahead that many steps at most
         first). Returns its seconds, mostly a wait for the GPU, counted as decode by any step."""
         t0 = time.perf_counter()
-        landed = self.decode_ahead(queue) if queue else self.graphs.collect()
-        for batch, ids, steps in landed:
+        for batch, ids, steps in (self.decode_ahead(queue) if queue else self.graphs.collect()):
             self.postprocess(batch, ids, steps, on_token)
         self.counts["decode_s"] += (seconds := time.perf_counter() - t0)
         return seconds

@@ -86,10 +86,9 @@ def run_ranks(world, fn, *args, tmp_path, device="cpu", timeout=240):
         p.start()
     for p in procs:
         p.join(timeout)
-    hung = [p.pid for p in procs if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
     assert not hung and all(p.exitcode == 0 for p in procs), ("ranks failed or hung", [p.exitcode for p in procs])
     return [json.load(open(f"{result}.{r}")) for r in range(world)]
 
