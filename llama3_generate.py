@@ -1164,8 +1164,9 @@ class FastEngine(Engine):
 
     def add(self, prompt, params: SamplingParams | None = None, index=None) -> list:
         """Engine.add; deterministic: a sample without a seed draws from a stream seeded `seed`."""
-        if self.deterministic and (params is None or params.seed is None):
-            params = replace(params or SamplingParams(), seed=self.seed)
+        params = params or SamplingParams()
+        if self.deterministic and params.seed is None:
+            params = replace(params, seed=self.seed)
         return super().add(prompt, params, index)
 
     @property

@@ -133,11 +133,11 @@ def run_stopping(e, stops: dict) -> dict:
     return e.finished
 
 
-def step_kernels(e, b: int) -> int:
-    """Kernels in one decode step of b rows: a replay of its CUDA graph, every row on the padding (scratch) row."""
+def step_kernels_per_layer(e, b: int) -> float:
+    """Kernels a layer in one decode step of b rows: a replay of its CUDA graph, every row on the padding row."""
     g, replay = e.graphs, e.graphs.graph(b)[0]
     g.rows[:b], g.positions[:b], g.lens[:b] = g.pad_row, 0, 1
-    return gpu_busy(replay)["kernels"]
+    return gpu_busy(replay)["kernels"] / e.model.args.n_layers
 
 
 def gpu_busy(run) -> dict:
@@ -187,7 +187,7 @@ def busy_pass(e, add) -> dict:
     """gpu_busy of the same run again, on the same warm engine (its cache and figures reset first)."""
     e.reset()
     add()
-    return gpu_busy(e.run) | dict(step_kernels_per_layer=step_kernels(e, e.graphs.buckets[-1]) / e.model.args.n_layers)
+    return gpu_busy(e.run) | dict(step_kernels_per_layer=step_kernels_per_layer(e, e.graphs.buckets[-1]))
 
 
 def roofline(row: dict, gbps: float):
@@ -302,7 +302,7 @@ def bench_engine(device="cuda", n_seqs=256, hf_batch=64) -> dict:
         x = torch.tensor([prompts[1][:128]], device=device)
         t = {k: seconds(hf_generate, hf, x, k) for k in (1, 33, 1, 33)}  # the second pair counts (warm)
         r[f"batch1_{name}"] = dict(decode_tok_s=ours, weight_read_limit_tok_s=limit, fraction_of_limit=ours / limit,
-                                   step_kernels_per_layer=step_kernels(e, 1) / model.args.n_layers,
+                                   step_kernels_per_layer=step_kernels_per_layer(e, 1),
                                    graph_replay_tok_s=replay_tok_s,
                                    one_step_per_sync_tok_s=decode_tok_s(multi_step=1)[0],
                                    unfused_tok_s=decode_tok_s(fused=False)[0], transformers_tok_s=32 / (t[33] - t[1]))
